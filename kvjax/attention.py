@@ -1,0 +1,130 @@
+"""Grouped-query attention: one code path for MHA, GQA and MQA, with a preallocated KV cache.
+
+Einsum alphabet, used across kvjax:
+  B batch, T query length, S key length, D model dim, N query heads = K * G,
+  K kv heads, G query heads per kv head (q_per_kv), H head dim, F MLP hidden, V vocab.
+
+Query head n reads kv head n // G (contiguous groups); `kv_head_of` is that rule, and
+everything that groups heads (attention, conversion, sharding) goes through it.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.config import ModelConfig
+
+NEG_INF = -1e30
+
+
+def kv_head_of(query_head: int | np.ndarray, num_heads: int, num_kv_heads: int):
+  """The kv head that query head(s) `query_head` read: contiguous groups of num_heads // num_kv_heads."""
+  return query_head // (num_heads // num_kv_heads)
+
+
+def group_queries(q: jax.Array, num_kv_heads: int) -> jax.Array:
+  """[B, T, N, H] -> [B, T, K, G, H]; the reshape realises `kv_head_of`."""
+  b, t, n, h = q.shape
+  return q.reshape(b, t, num_kv_heads, n // num_kv_heads, h)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+  """Rotary embedding (rotate-half convention). x [B, T, heads, H], positions int[B, T]."""
+  half = x.shape[-1] // 2
+  freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)  # [H/2]
+  angle = positions[..., None].astype(jnp.float32) * freq  # [B, T, H/2]
+  sin = jnp.sin(angle)[:, :, None, :]
+  cos = jnp.cos(angle)[:, :, None, :]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+  """Scaled dot-product attention with grouped queries; K/V are never repeated.
+
+  Args:
+    q: [B, T, N, H] queries (already rotated).
+    k, v: [B, S, K, H] keys and values.
+    mask: bool [B, T, S], True where query t may read key s.
+  Returns:
+    [B, T, N, H] in q's dtype.
+  """
+  b, t, n, h = q.shape
+  num_kv_heads = k.shape[2]
+  q = group_queries(q, num_kv_heads) * (h ** -0.5)  # [B, T, K, G, H]
+  scores = jnp.einsum("btkgh,bskh->btkgs", q, k.astype(q.dtype), preferred_element_type=jnp.float32)
+  scores = jnp.where(mask[:, :, None, None, :], scores, NEG_INF)
+  probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+  out = jnp.einsum("btkgs,bskh->btkgh", probs, v.astype(q.dtype))  # [B, T, K, G, H]
+  return out.reshape(b, t, n, h)
+
+
+def write_rows(cache: jax.Array, update: jax.Array, starts: jax.Array) -> jax.Array:
+  """Writes update[b] into cache[b] at sequence position starts[b].
+
+  cache [B, S, K, H], update [B, T, K, H], starts int32[B]. Callers check that
+  starts + T <= S beforehand: dynamic_update_slice would clamp an overflowing write.
+  """
+  def one(row, new, start):
+    return jax.lax.dynamic_update_slice(row, new.astype(row.dtype), (start, 0, 0))
+  return jax.vmap(one)(cache, update, starts)
+
+
+class Attention(nn.Module):
+  """Multi-head attention with num_kv_heads K/V heads.
+
+  Three entry points share the projections and `attend`:
+    __call__: full causal attention, no cache (training, reference forward).
+    prefill:  attention over a right-padded prompt; creates the cache and writes it.
+    decode:   one token per sequence at position lengths[b]; reads and extends the cache.
+  """
+
+  config: ModelConfig
+
+  def setup(self):
+    cfg = self.config
+    dense = lambda heads, bias, name: nn.DenseGeneral(
+        (heads, cfg.head_dim), use_bias=bias, dtype=cfg.compute_dtype, name=name,
+        kernel_init=nn.initializers.normal(cfg.d_model ** -0.5))
+    self.q = dense(cfg.num_heads, cfg.qkv_bias, "q")  # kernel [D, N, H]
+    self.k = dense(cfg.num_kv_heads, cfg.qkv_bias, "k")  # kernel [D, K, H]
+    self.v = dense(cfg.num_kv_heads, cfg.qkv_bias, "v")
+    self.out = nn.DenseGeneral(
+        cfg.d_model, axis=(-2, -1), use_bias=cfg.use_bias, dtype=cfg.compute_dtype, name="out",
+        kernel_init=nn.initializers.normal((cfg.num_heads * cfg.head_dim) ** -0.5 / (2 * cfg.num_layers) ** 0.5))
+
+  def project(self, x: jax.Array, positions: jax.Array):
+    """x [B, T, D], positions int[B, T] -> q [B, T, N, H], k and v [B, T, K, H]."""
+    q, k, v = self.q(x), self.k(x), self.v(x)
+    if self.config.positions == "rope":
+      q = rope(q, positions, self.config.rope_theta)
+      k = rope(k, positions, self.config.rope_theta)
+    return q, k, v
+
+  def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
+    q, k, v = self.project(x, positions)
+    return self.out(attend(q, k, v, mask))
+
+  def prefill(self, x, positions, mask, max_len: int) -> jax.Array:
+    """Like __call__, and stores the prompt's K/V at positions [0, T) of a new [B, max_len, K, H] cache."""
+    cfg = self.config
+    q, k, v = self.project(x, positions)
+    shape = (x.shape[0], max_len, cfg.num_kv_heads, cfg.head_dim)
+    for name, new in (("k", k), ("v", v)):
+      buf = jnp.zeros(shape, cfg.kv_dtype)
+      self.put_variable("cache", name, jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype), (0, 0, 0, 0)))
+    return self.out(attend(q, k, v, mask))
+
+  def decode(self, x: jax.Array, lengths: jax.Array) -> jax.Array:
+    """x [B, 1, D] is the token at position lengths[b]; its K/V are written there, then it attends to [0, lengths[b]]."""
+    q, k, v = self.project(x, lengths[:, None])
+    k_cache = write_rows(self.get_variable("cache", "k"), k, lengths)
+    v_cache = write_rows(self.get_variable("cache", "v"), v, lengths)
+    self.put_variable("cache", "k", k_cache)
+    self.put_variable("cache", "v", v_cache)
+    mask = (jnp.arange(k_cache.shape[1])[None, :] <= lengths[:, None])[:, None, :]  # [B, 1, S]
+    return self.out(attend(q, k_cache, v_cache, mask))

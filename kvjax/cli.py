@@ -1,0 +1,34 @@
+"""The `kvjax` command line: one subcommand per job, each defined beside the code it runs.
+
+Every module in SUBCOMMANDS provides `add_parser(subparsers)`, which registers its
+subcommand and sets `func` on it; `main` dispatches to that function.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+SUBCOMMANDS = ("kvjax.bench",)
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(prog="kvjax", description=__doc__.splitlines()[0])
+  subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+  for module in SUBCOMMANDS:
+    importlib.import_module(module).add_parser(subparsers)
+  return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = build_parser().parse_args(argv)
+  try:
+    return args.func(args) or 0
+  except ValueError as err:
+    print(f"kvjax {args.command}: error: {err}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+  sys.exit(main())
