@@ -1,0 +1,215 @@
+"""Hugging Face import: parity with `transformers` on small random models, and clear errors.
+
+The parity tests build random Llama / Qwen2 / GPT-2 models with transformers, save them
+with safetensors (one of them sharded), import them with kvjax.hf.from_hf and compare the
+full forward logits, cached prefill + decode logits, and greedy generations.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from kvjax import Transformer, decode_step, generate, prefill
+from kvjax.hf import from_hf, load_tokenizer
+
+VOCAB = 128
+PROMPT_LENGTHS = (7, 4)
+NEW_TOKENS = 6
+
+
+def _transformers():
+  return pytest.importorskip("transformers", reason="parity needs transformers + torch (pip install kvjax[bench])")
+
+
+def _case(name: str):
+  """(model class name, config) for each parity case; all with vocab 128 and 2 layers."""
+  tf = _transformers()
+  common = dict(vocab_size=VOCAB, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                initializer_range=0.3)
+  if name == "llama_gqa_14_2":
+    return "LlamaForCausalLM", tf.LlamaConfig(
+        hidden_size=56, intermediate_size=72, num_hidden_layers=2, num_attention_heads=14,
+        num_key_value_heads=2, head_dim=4, max_position_embeddings=64, rms_norm_eps=1e-5,
+        rope_theta=500.0, **common)
+  if name == "llama_bias_tied":
+    return "LlamaForCausalLM", tf.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=32, attention_bias=True,
+        tie_word_embeddings=True, **common)
+  if name == "qwen2_gqa_6_2":
+    return "Qwen2ForCausalLM", tf.Qwen2Config(
+        hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True, **common)
+  return "GPT2LMHeadModel", tf.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=64, **common)
+
+
+def _save_random(name: str, path, shard: bool = False):
+  import torch
+  tf = _transformers()
+  cls, config = _case(name)
+  torch.manual_seed(0)
+  model = getattr(tf, cls)(config).eval()
+  with torch.no_grad():
+    # Norm scales start at one and biases at zero; move them so a dropped one shows.
+    for p in model.parameters():
+      if p.dim() == 1:
+        p.add_(0.2 * torch.randn_like(p))
+  model.generation_config.eos_token_id = None
+  model.save_pretrained(path, safe_serialization=True, max_shard_size="20KB" if shard else "1GB")
+  return model
+
+
+@pytest.mark.parametrize("name", ["llama_gqa_14_2", "llama_bias_tied", "qwen2_gqa_6_2", "gpt2"])
+def test_parity_with_transformers(name, tmp_path):
+  import torch
+  shard = name == "llama_gqa_14_2"
+  hf_model = _save_random(name, tmp_path, shard=shard)
+  if shard:
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+  params, cfg = from_hf(tmp_path)
+  hf_cfg = hf_model.config
+  assert cfg.num_heads == hf_cfg.num_attention_heads
+  assert cfg.num_kv_heads == getattr(hf_cfg, "num_key_value_heads", hf_cfg.num_attention_heads)
+  assert cfg.tie_embeddings == hf_cfg.tie_word_embeddings
+  model = Transformer(cfg)
+
+  rng = np.random.default_rng(1)
+  prompts = np.zeros((len(PROMPT_LENGTHS), max(PROMPT_LENGTHS)), np.int32)
+  for row, n in enumerate(PROMPT_LENGTHS):
+    prompts[row, :n] = rng.integers(0, VOCAB, n)
+  # transformers' reference, one unpadded row at a time: greedy tokens and full-sequence logits.
+  hf_tokens, hf_logits = [], []
+  with torch.no_grad():
+    for row, n in enumerate(PROMPT_LENGTHS):
+      ids = torch.tensor(prompts[row:row + 1, :n], dtype=torch.long)
+      out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                              do_sample=False, pad_token_id=0)
+      hf_tokens.append(out[0, n:].numpy())
+      hf_logits.append(hf_model(out).logits[0].numpy())  # [n + NEW_TOKENS, V]
+  hf_tokens = np.stack(hf_tokens)
+  assert len(set(hf_tokens.ravel().tolist())) > 2, "reference generation is degenerate"
+
+  # Full forward, no cache.
+  n0 = PROMPT_LENGTHS[0]
+  full = np.concatenate([prompts[:1, :n0], hf_tokens[:1]], axis=1)
+  ours = np.asarray(model.apply({"params": params}, full))[0]
+  np.testing.assert_allclose(ours, hf_logits[0], atol=1e-4, rtol=0)
+
+  # Cached: right-padded prefill, then decode fed with the reference tokens.
+  lengths = np.array(PROMPT_LENGTHS, np.int32)
+  logits, cache = prefill(model, params, prompts, lengths, max_len=32)
+  logits = np.asarray(logits)
+  for row, n in enumerate(PROMPT_LENGTHS):
+    np.testing.assert_allclose(logits[row, :n], hf_logits[row][:n], atol=1e-4, rtol=0)
+  for step in range(NEW_TOKENS - 1):
+    step_logits, cache = decode_step(model, params, cache, hf_tokens[:, step])
+    for row, n in enumerate(PROMPT_LENGTHS):
+      np.testing.assert_allclose(np.asarray(step_logits)[row], hf_logits[row][n + step], atol=1e-4, rtol=0)
+
+  ours_tokens = np.asarray(generate(model, params, prompts, lengths, NEW_TOKENS))
+  np.testing.assert_array_equal(ours_tokens, hf_tokens)
+
+
+def test_bfloat16_checkpoint_is_read_exactly(tmp_path):
+  import torch
+  hf_model = _save_random("qwen2_gqa_6_2", tmp_path)
+  hf_model.to(torch.bfloat16).save_pretrained(tmp_path, safe_serialization=True)
+  params, cfg = from_hf(tmp_path)
+  assert cfg.dtype == "bfloat16"
+  q_proj = hf_model.model.layers[1].self_attn.q_proj
+  want = q_proj.weight.detach().float().numpy().T.reshape(48, 6, 8)
+  np.testing.assert_array_equal(params["layers_1"]["attn"]["q"]["kernel"], want)
+  np.testing.assert_array_equal(params["layers_1"]["attn"]["q"]["bias"],
+                                q_proj.bias.detach().float().numpy().reshape(6, 8))
+  assert from_hf(tmp_path, dtype="float32")[1].dtype == "float32"
+
+
+def _tiny_llama(path, **overrides):
+  """A hand-written 1-layer Llama directory (no transformers needed)."""
+  config = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=16,
+                hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, max_position_embeddings=32, rms_norm_eps=1e-6,
+                rope_theta=10000.0, tie_word_embeddings=False, hidden_act="silu")
+  config.update(overrides)
+  path.mkdir(exist_ok=True)
+  (path / "config.json").write_text(json.dumps(config))
+  rng = np.random.default_rng(0)
+  shapes = {"model.embed_tokens.weight": (16, 8), "model.norm.weight": (8,), "lm_head.weight": (16, 8),
+            "model.layers.0.input_layernorm.weight": (8,),
+            "model.layers.0.post_attention_layernorm.weight": (8,),
+            "model.layers.0.self_attn.q_proj.weight": (8, 8),
+            "model.layers.0.self_attn.k_proj.weight": (4, 8),
+            "model.layers.0.self_attn.v_proj.weight": (4, 8),
+            "model.layers.0.self_attn.o_proj.weight": (8, 8),
+            "model.layers.0.mlp.gate_proj.weight": (16, 8),
+            "model.layers.0.mlp.up_proj.weight": (16, 8),
+            "model.layers.0.mlp.down_proj.weight": (8, 16)}
+  tensors = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+  save_file(tensors, str(path / "model.safetensors"))
+  return tensors
+
+
+def test_hand_written_llama_maps_layouts(tmp_path):
+  tensors = _tiny_llama(tmp_path)
+  params, cfg = from_hf(tmp_path)
+  assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim) == (2, 1, 4, 16)
+  q = tensors["model.layers.0.self_attn.q_proj.weight"]  # [N*H, D]
+  # Query head n, dim h reads HF row n * H + h.
+  np.testing.assert_array_equal(params["layers_0"]["attn"]["q"]["kernel"][:, 1, 2], q[1 * 4 + 2])
+  o = tensors["model.layers.0.self_attn.o_proj.weight"]  # [D, N*H]
+  np.testing.assert_array_equal(params["layers_0"]["attn"]["out"]["kernel"][1, 2], o[:, 1 * 4 + 2])
+  np.testing.assert_array_equal(params["lm_head"]["kernel"], tensors["lm_head.weight"].T)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(model_type="mistral", architectures=["MistralForCausalLM"]), "'mistral'"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "'llama3'"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}), "'yarn'"),
+    (dict(hidden_act="gelu"), "hidden_act='gelu'"),
+    (dict(num_hidden_layers=2), "layers.1.input_layernorm.weight"),
+    (dict(attention_bias=True), "self_attn.q_proj.bias"),
+    (dict(num_key_value_heads=2), "self_attn.k_proj.weight"),
+])
+def test_unsupported_or_inconsistent_checkpoint_is_named(tmp_path, overrides, message):
+  _tiny_llama(tmp_path, **overrides)
+  with pytest.raises(ValueError, match=message.replace(".", r"\.").replace("[", r"\[")):
+    from_hf(tmp_path)
+
+
+def test_missing_and_unexpected_tensors_are_named(tmp_path):
+  tensors = _tiny_llama(tmp_path)
+  kept = {k: v for k, v in tensors.items() if k != "model.layers.0.mlp.up_proj.weight"}
+  save_file(kept, str(tmp_path / "model.safetensors"))
+  with pytest.raises(ValueError, match=r"lacks 1 tensor.*layers\.0\.mlp\.up_proj\.weight"):
+    from_hf(tmp_path)
+  save_file({**tensors, "model.layers.0.self_attn.o_proj.bias": np.zeros(8, np.float32)},
+            str(tmp_path / "model.safetensors"))
+  with pytest.raises(ValueError, match=r"does not account for.*o_proj\.bias"):
+    from_hf(tmp_path)
+
+
+def test_missing_files_are_named(tmp_path):
+  with pytest.raises(ValueError, match="config.json does not exist"):
+    from_hf(tmp_path)
+  _tiny_llama(tmp_path)
+  (tmp_path / "model.safetensors").unlink()
+  with pytest.raises(ValueError, match=r"no \*\.safetensors"):
+    from_hf(tmp_path)
+  index = {"weight_map": {"model.norm.weight": "model-00001-of-00002.safetensors"}}
+  (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+  with pytest.raises(ValueError, match="model-00001-of-00002.safetensors"):
+    from_hf(tmp_path)
+
+
+def test_tokenizer_json_is_loaded(tmp_path):
+  tokenizers = pytest.importorskip("tokenizers", reason="needs the tokenizers package")
+  assert load_tokenizer(tmp_path) is None
+  vocab = {"[UNK]": 0, "hello": 1, "world": 2}
+  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+  tok.save(str(tmp_path / "tokenizer.json"))
+  assert load_tokenizer(tmp_path).encode("hello world again").ids == [1, 2, 0]
