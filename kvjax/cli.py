@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-SUBCOMMANDS = ("kvjax.bench",)
+SUBCOMMANDS = ("kvjax.bench", "kvjax.hf", "kvjax.kv_size")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -13,12 +13,17 @@ Layout conversions (HF -> kvjax; D model dim, N query heads, K kv heads, H head 
 HF's repeat_kv gives query head n the kv head n // G, the same rule as `kv_head_of`, so
 heads map one to one. Tensors are read with safetensors' numpy backend (never pickle) and
 returned as float32 numpy arrays in the tree `Transformer(config).init` would build.
+
+`kvjax import-hf HF_DIR --workdir OUT` writes them as a params checkpoint (kvjax.checkpoint)
+that eval, generate and uptrain load, and copies tokenizer.json beside it when there is one.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import pathlib
+import shutil
 from typing import Callable
 
 import jax
@@ -332,3 +337,34 @@ def load_tokenizer(path: str | pathlib.Path):
   except ImportError:
     raise ValueError(f"{path} needs the 'tokenizers' package: pip install tokenizers") from None
   return Tokenizer.from_file(str(path))
+
+
+def import_hf(hf_dir: str | pathlib.Path, workdir: str | pathlib.Path, *, dtype: str | None = None) -> dict:
+  """from_hf, then save_params into workdir (which must hold no checkpoint); returns a summary."""
+  from kvjax import checkpoint  # orbax is needed only when writing
+
+  if checkpoint.latest_step(workdir) is not None:
+    raise ValueError(f"{checkpoint.checkpoint_dir(workdir)} already holds checkpoints; "
+                     "import into a new --workdir")
+  params, cfg = from_hf(hf_dir, dtype=dtype)
+  path = checkpoint.save_params(workdir, params, cfg)
+  tokenizer = pathlib.Path(hf_dir) / TOKENIZER_FILE
+  if tokenizer.is_file():
+    tokenizer = pathlib.Path(shutil.copyfile(tokenizer, pathlib.Path(workdir) / TOKENIZER_FILE))
+  return {"source": str(pathlib.Path(hf_dir).resolve()), "checkpoint": str(path),
+          "params": int(sum(x.size for x in jax.tree.leaves(params))), "model": cfg.to_dict(),
+          "tokenizer": str(tokenizer) if tokenizer.is_file() else None}
+
+
+def command(args: argparse.Namespace) -> int:
+  print(json.dumps(import_hf(args.hf_dir, args.workdir, dtype=args.dtype)))
+  return 0
+
+
+def add_parser(subparsers) -> None:
+  parser = subparsers.add_parser(
+      "import-hf", help="convert a Hugging Face Llama / Qwen2 / GPT-2 safetensors model to a kvjax checkpoint")
+  parser.add_argument("hf_dir", help="folder with config.json and *.safetensors")
+  parser.add_argument("--workdir", required=True, help="new kvjax workdir to write the checkpoint into")
+  parser.add_argument("--dtype", choices=tuple(DTYPES), help="compute dtype (default: the checkpoint's)")
+  parser.set_defaults(func=command)

@@ -11,7 +11,7 @@ import json
 
 import numpy as np
 import pytest
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import save_file
 
 from kvjax import Transformer, decode_step, generate, prefill
 from kvjax.hf import from_hf, load_tokenizer
@@ -213,3 +213,29 @@ def test_tokenizer_json_is_loaded(tmp_path):
   tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
   tok.save(str(tmp_path / "tokenizer.json"))
   assert load_tokenizer(tmp_path).encode("hello world again").ids == [1, 2, 0]
+
+
+def test_import_hf_writes_a_loadable_checkpoint(tmp_path, capsys):
+  import argparse
+
+  from kvjax import hf
+  from kvjax.checkpoint import load_model
+  hf_dir, workdir = tmp_path / "hf", tmp_path / "run"
+  _tiny_llama(hf_dir)
+  (hf_dir / "tokenizer.json").write_text('{"version": "1.0"}')
+  parser = argparse.ArgumentParser()
+  hf.add_parser(parser.add_subparsers())
+  args = parser.parse_args(["import-hf", str(hf_dir), "--workdir", str(workdir)])
+  assert args.func(args) == 0
+  summary = json.loads(capsys.readouterr().out)
+  assert summary["tokenizer"] == str(workdir / "tokenizer.json") and (workdir / "tokenizer.json").is_file()
+  model, params, _ = load_model(workdir)
+  want, cfg = from_hf(hf_dir)
+  assert model.config == cfg and summary["model"] == cfg.to_dict()
+  flat_want = dict(hf._flatten(want))
+  flat_got = dict(hf._flatten(params))
+  assert flat_got.keys() == flat_want.keys()
+  for key, value in flat_want.items():
+    np.testing.assert_array_equal(np.asarray(flat_got[key]), value)
+  with pytest.raises(ValueError, match="already holds checkpoints"):
+    hf.import_hf(hf_dir, workdir)

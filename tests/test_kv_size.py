@@ -1,0 +1,134 @@
+"""KV-size planner: published numbers, agreement with the caches kvjax allocates, and fitting."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from kvjax import Transformer, kv_size
+from kvjax.config import ModelConfig
+from kvjax.kv_size import PRESETS, Architecture, count_params, parse_bytes, plan, resolve
+
+KIB = 1024
+
+
+def run_cli(*argv: str, capsys) -> str:
+  parser = argparse.ArgumentParser()
+  kv_size.add_parser(parser.add_subparsers())
+  args = parser.parse_args(["kv-size", *argv])
+  assert args.func(args) == 0
+  return capsys.readouterr().out
+
+
+def test_checked_numbers_bf16(capsys):
+  assert plan(resolve("Qwen2-7B"), context=1, batch=1)["bytes_per_token"] == 56 * KIB
+  out = json.loads(run_cli("llama-3-70b", "--dtype", "bf16", "--json", capsys=capsys))
+  assert out["bytes_per_token"] == 320 * KIB
+  by_heads = {row["kv_heads"]: row["bytes_per_token"] for row in out["variants"]}
+  assert by_heads[64] == 8 * 320 * KIB and by_heads[1] == 320 * KIB // 8  # MHA, MQA
+  assert [row["as_built"] for row in out["variants"]].count(True) == 1
+
+
+def _kvjax_equivalent(arch: Architecture) -> ModelConfig:
+  """The kvjax ModelConfig of a dense preset, with its family's biases and tying."""
+  gpt2 = arch.name == "GPT-2"
+  qwen = arch.name.startswith("Qwen2")
+  return ModelConfig(
+      vocab_size=arch.vocab_size, d_model=arch.d_model, num_layers=arch.num_layers,
+      num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
+      mlp_dim=arch.mlp_dim, activation="gelu" if gpt2 else "swiglu",
+      norm="layernorm" if gpt2 else "rmsnorm", positions="learned" if gpt2 else "rope",
+      qkv_bias=gpt2 or qwen, use_bias=gpt2, max_len=1024,
+      tie_embeddings=gpt2 or arch.name in ("Qwen2-0.5B", "Qwen2-1.5B"))
+
+
+@pytest.mark.parametrize("name", ["Qwen2-0.5B", "Qwen2-1.5B", "Qwen2-7B", "Qwen2-72B",
+                                  "Llama-2-70B", "Llama-3-70B", "GPT-2"])
+def test_dense_presets_match_their_published_parameter_counts(name):
+  arch = PRESETS[name]
+  config = _kvjax_equivalent(arch)
+  assert count_params(config) == arch.params
+  assert arch.bytes_per_token(2) == config.replace(cache_dtype="bfloat16").kv_bytes_per_token
+
+
+def test_bytes_per_token_matches_an_allocated_cache():
+  config = ModelConfig(vocab_size=64, d_model=48, num_layers=3, num_heads=6, num_kv_heads=2,
+                       max_len=32, cache_dtype="bfloat16")
+  model = Transformer(config)
+  params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))["params"]
+  batch, max_len = 3, 20
+  tokens = jax.ShapeDtypeStruct((batch, 5), jnp.int32)
+  _, variables = jax.eval_shape(
+      lambda p, t: model.apply({"params": p}, t, jnp.full((batch,), 5), max_len,
+                               method=Transformer.prefill, mutable=["cache"]), params, tokens)
+  kv_leaves = [x for x in jax.tree.leaves(variables["cache"]) if x.ndim == 4]
+  allocated = sum(x.size * x.dtype.itemsize for x in kv_leaves)
+  result = plan(kv_size.from_model_config("tiny", config), context=max_len, batch=batch, dtype="bf16")
+  assert result["cache_bytes"] == allocated
+  assert result["architecture"]["params"] == sum(x.size for x in jax.tree.leaves(params))
+
+
+def test_fitting_is_the_largest_that_fits():
+  arch = PRESETS["Qwen2-7B"]
+  memory = parse_bytes("80GB")
+  result = plan(arch, context=8192, batch=4, device_memory=memory)
+  free = memory - arch.params * 2
+  assert result["free_bytes_per_device"] == free
+  per_token = 56 * KIB
+  assert result["max_batch"] * 8192 * per_token <= free < (result["max_batch"] + 1) * 8192 * per_token
+  assert result["max_context"] * 4 * per_token <= free < (result["max_context"] + 1) * 4 * per_token
+  # Smaller kv-head counts never fit less.
+  batches = [row["max_batch"] for row in result["variants"]]
+  assert batches == sorted(batches) and batches[0] < batches[-1]
+
+
+def test_tensor_parallel_replicates_kv_heads_beyond_their_count():
+  result = plan(PRESETS["Llama-3-70B"], context=8192, batch=1, device_memory=parse_bytes("80GB"),
+                devices=8)
+  by_heads = {row["kv_heads"]: row["max_batch"] for row in result["variants"]}
+  # With 8 devices each holds one of the 8 kv heads; fewer kv heads are replicated, so MQA
+  # saves nothing per device. On one device the weights alone do not fit.
+  assert by_heads[8] == by_heads[4] == by_heads[1] > by_heads[16] > 0
+  assert plan(PRESETS["Llama-3-70B"], context=1, batch=1, device_memory=parse_bytes("80GB"))["max_batch"] == 0
+
+
+def test_models_from_config_file_workdir_and_hf_dir(tmp_path):
+  config = ModelConfig(vocab_size=96, d_model=64, num_layers=2, num_heads=8, num_kv_heads=2)
+  (tmp_path / "cfg.py").write_text(
+      "import types\nfrom kvjax.config import ModelConfig\n"
+      f"def get_config():\n  return types.SimpleNamespace(job='train', model=ModelConfig(**{config.to_dict()!r}))\n")
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  (workdir / "config.json").write_text(json.dumps({"job": "train", "model": config.to_dict()}))
+  hf_dir = tmp_path / "hf"
+  hf_dir.mkdir()
+  (hf_dir / "config.json").write_text(json.dumps(dict(
+      model_type="qwen2", vocab_size=96, hidden_size=64, intermediate_size=config.mlp_dim,
+      num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+      max_position_embeddings=1024, tie_word_embeddings=False)))
+  for spec in (tmp_path / "cfg.py", workdir, hf_dir):
+    arch = resolve(str(spec))
+    assert arch.bytes_per_token(4) == config.kv_bytes_per_token == 2 * 2 * 2 * 8 * 4
+  assert resolve(str(workdir)).params == count_params(config)
+  assert resolve(str(hf_dir)).params == count_params(config.replace(qkv_bias=True))
+
+
+def test_text_output_and_errors(capsys, tmp_path):
+  out = run_cli("qwen2-7b", "--context", "1024", "--batch", "2", "--device-memory", "24GiB", capsys=capsys)
+  assert "* GQA" in out and "56.0 KiB" in out and "max batch" in out
+  with pytest.raises(ValueError, match="Qwen2-7B"):
+    resolve("no-such-model")
+  with pytest.raises(ValueError, match="'80 gigs'"):
+    parse_bytes("80 gigs")
+  assert parse_bytes("24GiB") == 24 * 2**30 and parse_bytes("1.5e9") == 1_500_000_000
+  with pytest.raises(ValueError, match="context must be a positive integer"):
+    plan(PRESETS["GPT-2"], context=0, batch=1)
+  with pytest.raises(ValueError, match="dtype 'fp4'"):
+    plan(PRESETS["GPT-2"], context=1, batch=1, dtype="fp4")
+  (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
+  with pytest.raises(ValueError, match="'bert'"):
+    resolve(str(tmp_path))
