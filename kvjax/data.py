@@ -1,0 +1,156 @@
+"""Byte-level tokenizer, corpora and seeded random training windows.
+
+Tokens are UTF-8 bytes (vocabulary 256), so one token is one byte and bits per byte is the loss
+in nats divided by ln 2. A corpus is a text file, a directory of text files, or "stdlib": this
+Python's standard-library .py sources, which need no download. Files are read in sorted order and
+concatenated up to DataConfig.max_bytes; the corpus sha256 and size are recorded with the run.
+
+Batches are int32 [B, T] inputs and the same windows shifted by one as targets, T = seq_len.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+
+from kvjax.run_config import DataConfig
+
+VOCAB_SIZE = 256
+# Directories of the standard library that are not the library itself.
+STDLIB_SKIP = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"})
+
+
+def encode(text: str) -> np.ndarray:
+  """str -> int32 [len(utf-8 bytes)]."""
+  return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
+
+
+def decode(tokens) -> str:
+  """Byte ids -> str; bytes that are not valid UTF-8 (a cut multi-byte character) become U+FFFD."""
+  ids = np.asarray(tokens, np.int64).reshape(-1)
+  if ((ids < 0) | (ids >= VOCAB_SIZE)).any():
+    bad = int(ids[(ids < 0) | (ids >= VOCAB_SIZE)][0])
+    raise ValueError(f"token id {bad} is not a byte (0..255)")
+  return ids.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+
+@dataclasses.dataclass(frozen=True)
+class CorpusInfo:
+  source: str  # "stdlib" or the resolved path
+  root: str  # directory the files were read from
+  num_files: int
+  num_bytes: int
+  sha256: str
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+def corpus_files(source: str) -> tuple[Path, list[Path]]:
+  """(root, files in read order) for a DataConfig.source."""
+  if source == "stdlib":
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for folder, dirs, names in os.walk(root):
+      dirs[:] = [d for d in dirs if d not in STDLIB_SKIP]
+      files += [Path(folder, n) for n in names if n.endswith(".py")]
+  else:
+    root = Path(source).expanduser().resolve()
+    if root.is_file():
+      return root.parent, [root]
+    if not root.is_dir():
+      raise ValueError(f"DataConfig.source: no such file or directory: {root}")
+    files = [p for p in root.rglob("*") if p.is_file()
+             and not any(part.startswith(".") for part in p.relative_to(root).parts)]
+  files.sort(key=lambda p: p.relative_to(root).as_posix())
+  if not files:
+    raise ValueError(f"DataConfig.source: no files found under {root}")
+  return root, files
+
+
+def load_corpus(config: DataConfig) -> tuple[np.ndarray, CorpusInfo]:
+  """Reads the corpus -> (uint8 [N] bytes, info). N <= config.max_bytes."""
+  root, files = corpus_files(config.source)
+  chunks, size, used = [], 0, 0
+  for path in files:
+    if size >= config.max_bytes:
+      break
+    try:
+      chunk = path.read_bytes()[:config.max_bytes - size]
+    except OSError as err:
+      raise ValueError(f"cannot read corpus file {path}: {err}") from err
+    chunks.append(chunk)
+    size += len(chunk)
+    used += 1
+  data = b"".join(chunks)
+  info = CorpusInfo(source=config.source if config.source == "stdlib" else str(Path(config.source).resolve()),
+                    root=str(root), num_files=used, num_bytes=len(data),
+                    sha256=hashlib.sha256(data).hexdigest())
+  return np.frombuffer(data, np.uint8), info
+
+
+@dataclasses.dataclass(frozen=True)
+class Dataset:
+  """A corpus split into train and held-out bytes (uint8 [N]); the tail of the corpus is held out."""
+
+  train: np.ndarray
+  val: np.ndarray
+  seq_len: int
+  info: CorpusInfo
+
+
+def load_dataset(config: DataConfig) -> Dataset:
+  corpus, info = load_corpus(config)
+  num_val = int(len(corpus) * config.val_fraction)
+  need = config.seq_len + 1
+  if num_val < need or len(corpus) - num_val < need:
+    raise ValueError(
+        f"corpus {info.source} has {len(corpus)} bytes: too small for windows of seq_len + 1 = "
+        f"{need} bytes in both the train split and the held-out split (val_fraction="
+        f"{config.val_fraction}); use a larger corpus, max_bytes or val_fraction, or a smaller seq_len")
+  return Dataset(train=corpus[:-num_val], val=corpus[-num_val:], seq_len=config.seq_len, info=info)
+
+
+def windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+  """Windows of seq_len + 1 bytes at `starts` [B] -> (inputs, targets) int32 [B, seq_len]."""
+  rows = tokens[starts[:, None] + np.arange(seq_len + 1)].astype(np.int32)  # [B, T + 1]
+  return rows[:, :-1], rows[:, 1:]
+
+
+class WindowSampler:
+  """Random training windows from a seeded numpy generator.
+
+  `state()` (batches drawn so far and the generator state) goes into every checkpoint;
+  `restore(state)` continues the exact sequence a run would have drawn without interruption.
+  """
+
+  def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int):
+    self.tokens, self.seq_len, self.batch_size = tokens, seq_len, batch_size
+    self.rng = np.random.Generator(np.random.PCG64(seed))
+    self.position = 0
+
+  def next(self) -> tuple[np.ndarray, np.ndarray]:
+    starts = self.rng.integers(0, len(self.tokens) - self.seq_len, size=self.batch_size)
+    self.position += 1
+    return windows(self.tokens, starts, self.seq_len)
+
+  def state(self) -> dict:
+    return {"position": self.position, "rng": self.rng.bit_generator.state}
+
+  def restore(self, state: dict) -> None:
+    self.position = int(state["position"])
+    self.rng.bit_generator.state = state["rng"]
+
+
+def eval_batches(tokens: np.ndarray, seq_len: int, batch_size: int, num_batches: int):
+  """Yields num_batches fixed (inputs, targets) batches: windows spread evenly over `tokens`,
+  the same every call, so evaluations at different steps are comparable."""
+  count = batch_size * num_batches
+  starts = np.linspace(0, len(tokens) - seq_len - 1, count).astype(np.int64)
+  for i in range(num_batches):
+    yield windows(tokens, starts[i * batch_size:(i + 1) * batch_size], seq_len)
