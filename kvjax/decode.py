@@ -1,7 +1,7 @@
 """Jitted prefill, decode_step and generate over the preallocated KV cache.
 
 The cache is the Flax 'cache' collection: {'layers_{i}': {'attn': {'k', 'v'}}, 'lengths'},
-with k, v [B, max_len, K, H] in config.cache_dtype and lengths int32[B] (tokens written per row).
+with k, v [B, K, max_len, H] in config.cache_dtype (kv-head-major; see kvjax.attention) and lengths int32[B] (tokens written per row).
 Every function returns a new cache; the one passed in is donated and must not be reused.
 
 Inputs are checked on the host before any compute: lax.dynamic_update_slice clamps an
@@ -70,7 +70,7 @@ def _decode_step(model, params, cache, tokens):
 
 def cache_capacity(cache: Cache) -> int:
   """max_len of a cache: the sequence axis of its k buffers."""
-  return cache["layers_0"]["attn"]["k"].shape[1]
+  return cache["layers_0"]["attn"]["k"].shape[2]
 
 
 def cache_bytes(cache: Cache) -> int:
