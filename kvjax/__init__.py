@@ -2,6 +2,7 @@
 
 from kvjax.attention import Attention, attend, kv_head_of
 from kvjax.config import ModelConfig
+from kvjax.convert import convert_kv_heads
 from kvjax.decode import cache_bytes, decode_step, generate, prefill
 from kvjax.model import Transformer
 from kvjax.sampling import Sampling, sample
