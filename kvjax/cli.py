@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-SUBCOMMANDS = ("kvjax.bench", "kvjax.hf", "kvjax.kv_size")
+SUBCOMMANDS = ("kvjax.bench", "kvjax.jobs", "kvjax.evaluate", "kvjax.generate_cli", "kvjax.hf", "kvjax.kv_size", "kvjax.uptrain")
 
 
 def build_parser() -> argparse.ArgumentParser:

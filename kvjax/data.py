@@ -6,6 +6,7 @@ Python's standard-library .py sources, which need no download. Files are read in
 concatenated up to DataConfig.max_bytes; the corpus sha256 and size are recorded with the run.
 
 Batches are int32 [B, T] inputs and the same windows shifted by one as targets, T = seq_len.
+`retokenize` re-expresses a byte dataset in another tokenizer's ids for imported models.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import hashlib
 import os
 import sysconfig
 from pathlib import Path
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -96,12 +98,14 @@ def load_corpus(config: DataConfig) -> tuple[np.ndarray, CorpusInfo]:
 
 @dataclasses.dataclass(frozen=True)
 class Dataset:
-  """A corpus split into train and held-out bytes (uint8 [N]); the tail of the corpus is held out."""
+  """A corpus split into train and held-out tokens [N]; the tail of the corpus is held out.
+  With the byte tokenizer the splits are the corpus bytes (uint8) and bytes_per_token is 1."""
 
   train: np.ndarray
   val: np.ndarray
   seq_len: int
   info: CorpusInfo
+  bytes_per_token: float = 1.0
 
 
 def load_dataset(config: DataConfig) -> Dataset:
@@ -114,6 +118,22 @@ def load_dataset(config: DataConfig) -> Dataset:
         f"{need} bytes in both the train split and the held-out split (val_fraction="
         f"{config.val_fraction}); use a larger corpus, max_bytes or val_fraction, or a smaller seq_len")
   return Dataset(train=corpus[:-num_val], val=corpus[-num_val:], seq_len=config.seq_len, info=info)
+
+
+def retokenize(dataset: Dataset, encode: Callable[[str], Sequence[int]]) -> Dataset:
+  """The byte dataset's splits as ids of another tokenizer (e.g. an imported model's).
+
+  bytes_per_token becomes the held-out split's bytes per token, the usual normalisation for
+  reporting such a model's loss in bits per byte.
+  """
+  def ids(split: np.ndarray) -> np.ndarray:
+    return np.asarray(encode(split.tobytes().decode("utf-8", errors="replace")), np.int32)
+
+  train, val = ids(dataset.train), ids(dataset.val)
+  if min(len(train), len(val)) < dataset.seq_len + 1:
+    raise ValueError(f"corpus {dataset.info.source} gives {len(train)} train and {len(val)} held-out tokens: "
+                     f"too few for windows of seq_len + 1 = {dataset.seq_len + 1} tokens")
+  return dataclasses.replace(dataset, train=train, val=val, bytes_per_token=len(dataset.val) / len(val))
 
 
 def windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:

@@ -128,3 +128,68 @@ def test_from_dict_errors():
     from_dict(TrainRun, {"train": {"steps": "3"}})
   # Missing keys take their defaults.
   assert from_dict(TrainRun, {"job": "train"}) == TrainRun()
+
+
+CONFIG_FILE = """
+import dataclasses
+from kvjax.config import ModelConfig
+
+@dataclasses.dataclass(frozen=True)
+class HelloRun:
+  job: str = "{job}"
+  greeting: str = "hello"
+  model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+
+def get_config():
+  return HelloRun()
+"""
+
+DRIVER = """
+import json
+
+def main(config, workdir):
+  (workdir / "out.json").write_text(json.dumps({"greeting": config.greeting}))
+  return {"said": config.greeting, "kv_heads": config.model.num_kv_heads}
+"""
+
+
+def test_run_dispatches_to_an_experiment_driver(tmp_path, capsys):
+  from kvjax import cli
+  (tmp_path / "configs" / "nested").mkdir(parents=True)
+  (tmp_path / "experiments").mkdir()
+  config_file = tmp_path / "configs" / "nested" / "hello.py"
+  config_file.write_text(CONFIG_FILE.format(job="hello"))
+  (tmp_path / "experiments" / "hello.py").write_text(DRIVER)
+  workdir = tmp_path / "runs" / "hello"
+  argv = ["run", str(config_file), "--workdir", str(workdir), "--set", "greeting=hi", "model.num_kv_heads=2"]
+  assert cli.main(argv) == 0
+  out = capsys.readouterr().out
+  assert json.loads(out.strip().splitlines()[-1]) == {"said": "hi", "kv_heads": 2}
+  saved = json.loads((workdir / "config.json").read_text())
+  assert saved["greeting"] == "hi" and saved["model"]["num_kv_heads"] == 2 and saved["job"] == "hello"
+  assert json.loads((workdir / "out.json").read_text()) == {"greeting": "hi"}
+  assert '"greeting": "hi"' in out  # the resolved config is printed
+
+
+@pytest.mark.parametrize("content, message", [
+    (CONFIG_FILE.format(job="nosuchjob"), "unknown job 'nosuchjob'"),
+    ("x = 1\n", "does not define get_config()"),
+    ("def get_config():\n  return {'job': 'train'}\n", "must return a config dataclass with a `job` field"),
+    (CONFIG_FILE.format(job="hello"), "unknown config key 'greting'"),
+])
+def test_run_errors(tmp_path, capsys, content, message):
+  from kvjax import cli
+  config_file = tmp_path / "bad.py"
+  config_file.write_text(content)
+  argv = ["run", str(config_file), "--workdir", str(tmp_path / "w")]
+  if "greting" in message:
+    argv += ["--set", "greting=hi"]
+  assert cli.main(argv) == 2
+  assert message in capsys.readouterr().err
+  assert not (tmp_path / "w").exists()  # nothing written before the config resolves
+
+
+def test_run_missing_config_file(tmp_path, capsys):
+  from kvjax import cli
+  assert cli.main(["run", str(tmp_path / "absent.py")]) == 2
+  assert "config file not found" in capsys.readouterr().err
