@@ -1,0 +1,24 @@
+"""The GQA table at toy size: every stage runs (two pre-trainings, two uptrainings, timing,
+quality, files) in about two minutes on two CPU cores. The numbers only show the pipeline works.
+
+  kvjax run configs/gqa_table/tiny.py --workdir runs/gqa_tiny
+"""
+
+from kvjax.config import ModelConfig
+from kvjax.gqa_study import GqaStudy, TimingConfig
+from kvjax.run_config import DataConfig, TrainConfig
+
+
+def get_config() -> GqaStudy:
+  return GqaStudy(
+      job="gqa_table",
+      small=ModelConfig(vocab_size=256, d_model=32, num_layers=2, num_heads=4, num_kv_heads=4,
+                        mlp_dim=96, max_len=128),
+      big=ModelConfig(vocab_size=256, d_model=64, num_layers=2, num_heads=16, num_kv_heads=16,
+                      mlp_dim=192, max_len=128),
+      data=DataConfig(source="stdlib", max_bytes=300_000, seq_len=64),
+      train=TrainConfig(steps=60, batch_size=8, lr=3e-3, warmup_steps=10, log_every=20,
+                        eval_every=60, eval_batches=2, checkpoint_every=60, keep_checkpoints=1),
+      timing=TimingConfig(batch=8, prompt=8, new_tokens=24, repeats=5),
+      fraction=0.1,
+  )

@@ -1,0 +1,53 @@
+"""The GQA paper's Table 1 and Figure 3: time per sample vs quality for MHA-small, MHA-big and
+MHA-big uptrained (mean-pooled, alpha = study.fraction) into GQA and MQA.
+
+Writes gqa_table.{md,csv,json,png} into the workdir. Run: kvjax run configs/gqa_table/tiny.py
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvjax import gqa_study as gs
+
+COLUMNS = [("model", "model", ""), ("num_kv_heads", "kv heads", "d"), ("params", "params", ","),
+           ("kv_bytes_per_token", "KV bytes/token", ","), ("time_per_sample_s", "time/sample (s)", ".5f"),
+           ("speedup_vs_mha_big", "speedup vs MHA-big", ".2f"), ("bits_per_byte", "val bits/byte", ".4f"),
+           ("accuracy", "val accuracy", ".4f"), ("converted_bits_per_byte", "bits/byte at alpha=0", ".4f")]
+
+
+def main(study: gs.GqaStudy, workdir: Path) -> list[dict]:
+  stages = gs.Stages(workdir)
+  gs.pretrain(study, stages, workdir, "small")
+  gs.pretrain(study, stages, workdir, "big")
+  models = [("MHA-small", study.small.num_kv_heads, workdir / "mha_small", None),
+            ("MHA-big", study.big.num_kv_heads, workdir / "mha_big", None)]
+  for kv in (study.gqa_kv_heads, 1):
+    dest = gs.uptrained(study, stages, workdir, kv)
+    models.append((study.row_name(kv), kv, dest, stages.done[dest.name]["converted"]))
+
+  rows = []
+  for name, kv, path, converted in models:
+    row = {"model": name, "num_kv_heads": kv, **gs.measure(study, stages, name, path)}
+    row["converted_bits_per_byte"] = converted["bits_per_byte"] if converted else None
+    rows.append(row)
+  base = next(r for r in rows if r["model"] == "MHA-big")
+  for row in rows:
+    row["speedup_vs_mha_big"] = base["time_per_sample_s"] / row["time_per_sample_s"]
+
+  stem = workdir / "gqa_table"
+  gs.write_rows(rows, stem, [key for key, _, _ in COLUMNS])
+  paper = gs.markdown_table([dict(zip(("model", "time", "score"), r)) for r in gs.PAPER_TABLE],
+                            [("model", "paper model", ""), ("time", "time/sample (s)", ".2f"),
+                             ("score", "avg score", ".1f")])
+  t = study.timing
+  text = (f"# GQA table (alpha = {study.fraction})\n\n{gs.markdown_table(rows, COLUMNS)}\n\n"
+          f"Time per sample: median of {t.repeats} jitted `generate` calls, batch {t.batch}, prompt "
+          f"{t.prompt}, {t.new_tokens} new tokens, divided by the batch. Quality: held-out bits per byte "
+          f"(lower is better).\n\nFor reference, the paper's Table 1:\n\n{paper}\n")
+  Path(f"{stem}.md").write_text(text)
+  print(text)
+  gs.plot(Path(f"{stem}.png"), [(r["model"], [r["time_per_sample_s"]], [r["bits_per_byte"]]) for r in rows],
+          "time per sample (s)", "held-out bits per byte (lower is better)", "kvjax: time vs quality",
+          annotate=[[r["model"]] for r in rows], paper=True)
+  return rows
