@@ -123,3 +123,16 @@ def test_eval_batches_are_fixed():
     np.testing.assert_array_equal(y1, y2)
   starts = np.concatenate([x[:, 0] for x, _ in a])
   assert starts[0] == 0 and starts[-1] == (1000 - 9) % 256
+
+
+def test_retokenize_keeps_splits_and_measures_bytes_per_token(tmp_path):
+  path = tmp_path / "c.txt"
+  path.write_text("abcdefgh" * 100)
+  ds = data.load_dataset(DataConfig(source=str(path), seq_len=8, val_fraction=0.25))
+  pairs = lambda text: [ord(text[i]) * 2 + (i // 2) % 2 for i in range(0, len(text), 2)]  # 2 bytes/token
+  re = data.retokenize(ds, pairs)
+  assert len(re.val) == len(ds.val) // 2 and len(re.train) == len(ds.train) // 2
+  assert re.bytes_per_token == 2.0 and re.val.dtype == np.int32
+  assert re.info == ds.info and re.seq_len == 8
+  with pytest.raises(ValueError, match="too few for windows"):
+    data.retokenize(ds, lambda text: [1] * 5)
