@@ -167,8 +167,10 @@ def markdown_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str
 
 
 def plot(path: Path, series: list[tuple[str, list[float], list[float]]], xlabel: str, ylabel: str,
-         title: str, annotate: list[list[str]] | None = None, paper: bool = False) -> None:
-  """Line/scatter plot of (label, xs, ys) series; with paper=True, a second panel shows Table 1."""
+         title: str, annotate: list[list[str]] | None = None, paper: bool = False,
+         lower_is_better: bool = True) -> None:
+  """Line/scatter plot of (label, xs, ys) series, better quality upwards; with paper=True, a
+  second panel shows the paper's Table 1."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -180,6 +182,8 @@ def plot(path: Path, series: list[tuple[str, list[float], list[float]]], xlabel:
     for x, y, text in zip(xs, ys, (annotate or [[]] * len(series))[i]):
       ax.annotate(text, (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
   ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+  if lower_is_better:
+    ax.invert_yaxis()
   ax.grid(alpha=0.3)
   if len(series) > 1:
     ax.legend(fontsize=8)

@@ -59,6 +59,8 @@ def uptrain(source_workdir: str | Path, workdir: str | Path, num_kv_heads: int, 
   if fraction > 0 and step == 0 and not any(o.startswith("train.steps=") for o in overrides):
     raise ValueError(f"the checkpoint in {source} records no pre-training steps (step 0); "
                      "give the uptraining length with --set train.steps=N")
+  new_params, new_model_config = convert_kv_heads(params, model.config, num_kv_heads, method,
+                                                  rng=jax.random.key(seed))
   config = uptrain_config(source_config, step, num_kv_heads, fraction, overrides)
 
   record_path = dest / "uptrain.json"
@@ -69,8 +71,6 @@ def uptrain(source_workdir: str | Path, workdir: str | Path, num_kv_heads: int, 
   data = load_dataset(config.data)
   quality = lambda m, p: evaluate(m, p, data, batch_size=config.train.batch_size,
                                   num_batches=config.train.eval_batches)
-  new_params, new_model_config = convert_kv_heads(params, model.config, num_kv_heads, method,
-                                                  rng=jax.random.key(seed))
   if record is None:
     record = {"source": str(source), "source_step": step, "num_kv_heads": num_kv_heads,
               "method": method, "fraction": fraction, "steps": config.train.steps if fraction else 0,

@@ -1,0 +1,74 @@
+"""The tiny GQA table end to end, and `kvjax uptrain` on its MHA-big checkpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvjax import checkpoint
+from kvjax.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tree_state(path: Path) -> dict:
+  return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns) for p in path.rglob("*") if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def table(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("gqa_tiny")
+  assert main(["run", str(ROOT / "configs/gqa_table/tiny.py"), "--workdir", str(workdir)]) == 0
+  return workdir
+
+
+def test_tiny_table_writes_every_file_with_the_paper_rows(table):
+  for suffix in ("md", "csv", "json", "png"):
+    assert (table / f"gqa_table.{suffix}").stat().st_size > 0
+  rows = json.loads((table / "gqa_table.json").read_text())
+  assert [(r["model"], r["num_kv_heads"]) for r in rows] == [
+      ("MHA-small", 4), ("MHA-big", 16), ("GQA-2-big", 2), ("MQA-big", 1)]
+  big = rows[1]
+  for row in rows[2:]:
+    assert row["kv_bytes_per_token"] * 16 == big["kv_bytes_per_token"] * row["num_kv_heads"]
+    assert row["converted_bits_per_byte"] > 0 and row["params"] < big["params"]
+  for row in rows:
+    assert row["time_per_sample_s"] > 0 and 0 < row["bits_per_byte"] < 8 and len(row["times_s"]) == 5
+  text = (table / "gqa_table.md").read_text()
+  assert "GQA-8-XXL" in text and "| GQA-2-big | 2 |" in text
+
+
+def test_rerun_skips_finished_stages(table, capsys):
+  before = tree_state(table / "mha_big")
+  assert main(["run", str(ROOT / "configs/gqa_table/tiny.py"), "--workdir", str(table)]) == 0
+  assert "== stage" not in capsys.readouterr().out
+  assert tree_state(table / "mha_big") == before
+
+
+def test_uptrain_cli_records_quality_and_leaves_the_source_alone(table, tmp_path, capsys):
+  source = table / "mha_big"
+  before = tree_state(source)
+  dest = tmp_path / "gqa4"
+  assert main(["uptrain", "--from", str(source), "--workdir", str(dest), "--kv-heads", "4",
+               "--fraction", "0.1"]) == 0
+  record = json.loads((dest / "uptrain.json").read_text())
+  assert record["source_step"] == 60 and record["steps"] == 6 and record["num_kv_heads"] == 4
+  assert set(record) >= {"before", "converted", "after"}
+  assert "uptrained (alpha=0.1)" in capsys.readouterr().out
+  model, params, _ = checkpoint.load_model(dest)
+  assert model.config.num_kv_heads == 4 and checkpoint.latest_step(dest) == 6
+  assert params["layers_0"]["attn"]["k"]["kernel"].shape[1] == 4
+  assert tree_state(source) == before
+
+
+def test_uptrain_errors_name_the_problem(table, tmp_path, capsys):
+  source = table / "mha_big"
+  assert main(["uptrain", "--from", str(source), "--workdir", str(tmp_path / "x"), "--kv-heads", "3"]) == 2
+  assert "cannot convert 16 kv heads to 3" in capsys.readouterr().err
+  assert main(["uptrain", "--from", str(source), "--workdir", str(source / "inside"), "--kv-heads", "4"]) == 2
+  assert "never modified" in capsys.readouterr().err
+  assert main(["uptrain", "--from", str(tmp_path / "empty"), "--workdir", str(tmp_path / "y"), "--kv-heads", "4"]) == 2
+  assert "no checkpoint" in capsys.readouterr().err
