@@ -81,10 +81,18 @@ def read_meta(workdir: str | Path, step: int | None = None) -> dict:
 
 
 def _require_step(workdir, step: int | None) -> int:
-  latest = latest_step(workdir)
-  if latest is None:
+  """`step` (default: the latest), checked to exist."""
+  if not checkpoint_dir(workdir).is_dir():
     raise ValueError(f"no checkpoint found in {checkpoint_dir(workdir)}")
-  return latest if step is None else step
+  with open_manager(workdir) as manager:
+    steps = list(manager.all_steps())
+  if not steps:
+    raise ValueError(f"no checkpoint found in {checkpoint_dir(workdir)}")
+  if step is None:
+    return max(steps)
+  if step not in steps:
+    raise ValueError(f"no checkpoint at step {step} in {checkpoint_dir(workdir)}; it holds steps {sorted(steps)}")
+  return step
 
 
 def save_train_state(manager: ocp.CheckpointManager, step: int, params, opt_state, meta: dict) -> None:
@@ -136,6 +144,13 @@ def load_model(workdir: str | Path, step: int | None = None) -> tuple[Transforme
   return model, params, config
 
 
+def param_shapes(params) -> dict[str, tuple[tuple[int, ...], str]]:
+  """{"layers_0/attn/q/kernel": (shape, dtype name), ...} of a params tree."""
+  leaves = jax.tree_util.tree_leaves_with_path(params)
+  return {"/".join(str(getattr(k, "key", k)) for k in path): (tuple(x.shape), jnp.dtype(x.dtype).name)
+          for path, x in leaves}
+
+
 def save_params(workdir: str | Path, params, model_config: ModelConfig, *, step: int = 0,
                 run_config: dict | None = None) -> Path:
   """Writes `params` as a checkpoint that load_model (and so `kvjax eval` / `generate`) reads.
@@ -146,10 +161,12 @@ def save_params(workdir: str | Path, params, model_config: ModelConfig, *, step:
   if latest_step(workdir) is not None:
     raise ValueError(f"{checkpoint_dir(workdir)} already holds checkpoints; "
                      "save into a new workdir rather than overwrite them")
-  expected = jax.tree.map(lambda x: (x.shape, x.dtype), abstract_params(Transformer(model_config)))
-  given = jax.tree.map(lambda x: (tuple(x.shape), jnp.dtype(x.dtype)), params)
-  if jax.tree.structure(expected) != jax.tree.structure(given) or expected != given:
-    raise ValueError(f"params do not match the model config (expected {expected}, got {given})")
+  expected, given = param_shapes(abstract_params(Transformer(model_config))), param_shapes(params)
+  if expected != given:
+    diffs = [f"{k}: expected {expected.get(k)}, got {given.get(k)}"
+             for k in sorted(set(expected) | set(given)) if expected.get(k) != given.get(k)]
+    raise ValueError(f"params do not match the model config: {'; '.join(diffs[:5])}"
+                     + (f" (and {len(diffs) - 5} more)" if len(diffs) > 5 else ""))
   config = dict(run_config) if run_config is not None else {"job": "import"}
   config["model"] = model_config.to_dict()
   meta = {"kind": "params", "step": step, "config": config}

@@ -75,10 +75,12 @@ def init_state(model: Transformer, optimizer: optax.GradientTransformation, key:
   if params is None:
     params = param_initializer(model)(key)
   else:
-    shapes = lambda tree: jax.tree.map(lambda x: (tuple(x.shape), jnp.dtype(x.dtype).name), tree)
-    expected = shapes(jax.eval_shape(param_initializer(model), key))
-    if shapes(params) != expected:
-      raise ValueError(f"init_params do not match the model config: expected {expected}, got {shapes(params)}")
+    expected = checkpoint.param_shapes(jax.eval_shape(param_initializer(model), key))
+    given = checkpoint.param_shapes(params)
+    if given != expected:
+      diffs = [f"{k}: expected {expected.get(k)}, got {given.get(k)}"
+               for k in sorted(set(expected) | set(given)) if expected.get(k) != given.get(k)]
+      raise ValueError(f"init_params do not match the model config: {'; '.join(diffs[:5])}")
   state = TrainState(step=np.int32(0), params=params, opt_state=optimizer.init(params))
   return jax.device_put(state, jax.devices()[0])
 

@@ -1,5 +1,5 @@
-"""A 2-layer byte-level model on 1 MB of the standard library: trains in well under a minute on
-two CPU cores, enough to watch the loss fall.
+"""A 2-layer byte-level MHA model on 1 MB of the standard library: trains in well under a minute
+on two CPU cores, enough to watch the loss fall (and a source for `kvjax uptrain`).
 
   kvjax run configs/train/tiny.py
 """
@@ -10,7 +10,7 @@ from kvjax.run_config import DataConfig, TrainConfig, TrainRun
 
 def get_config() -> TrainRun:
   return TrainRun(
-      model=ModelConfig(vocab_size=256, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
+      model=ModelConfig(vocab_size=256, d_model=64, num_layers=2, num_heads=4, num_kv_heads=4,
                         mlp_dim=192, max_len=128),
       data=DataConfig(source="stdlib", max_bytes=1_000_000, seq_len=64),
       train=TrainConfig(steps=300, batch_size=16, lr=3e-3, warmup_steps=30, log_every=20,
