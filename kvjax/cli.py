@@ -10,6 +10,8 @@ import argparse
 import importlib
 import sys
 
+from kvjax import sharding
+
 SUBCOMMANDS = ("kvjax.bench", "kvjax.jobs", "kvjax.evaluate", "kvjax.generate_cli", "kvjax.hf", "kvjax.kv_size", "kvjax.uptrain")
 
 
@@ -24,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
   try:
+    sharding.initialize_distributed()
     return args.func(args) or 0
   except ValueError as err:
     print(f"kvjax {args.command}: error: {err}", file=sys.stderr)

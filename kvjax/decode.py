@@ -3,6 +3,8 @@
 The cache is the Flax 'cache' collection: {'layers_{i}': {'attn': {'k', 'v'}}, 'lengths'},
 with k, v [B, K, max_len, H] in config.cache_dtype (kv-head-major; see kvjax.attention) and lengths int32[B] (tokens written per row).
 Every function returns a new cache; the one passed in is donated and must not be reused.
+Given a `mesh`, each places params, batch rows and cache by kvjax.sharding's rules, and XLA
+partitions the same computation over it.
 
 Inputs are checked on the host before any compute: lax.dynamic_update_slice clamps an
 out-of-range write silently, so an overflowing cache must never reach the device.
@@ -17,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import sharding
 from kvjax.model import Transformer
 from kvjax.sampling import Sampling, sample
 
@@ -77,7 +80,7 @@ def cache_bytes(cache: Cache) -> int:
   return sum(x.nbytes for x in jax.tree.leaves(cache))
 
 
-def prefill(model: Transformer, params, tokens, lengths, max_len: int):
+def prefill(model: Transformer, params, tokens, lengths, max_len: int, *, mesh=None):
   """Runs right-padded prompts through the model and fills a new cache.
 
   Args:
@@ -88,10 +91,11 @@ def prefill(model: Transformer, params, tokens, lengths, max_len: int):
     (logits float32[B, T, V], cache). The next-token logits of row b are logits[b, lengths[b] - 1].
   """
   tokens, lengths = check_prompts(model, tokens, lengths, max_len)
+  params, (tokens, lengths) = sharding.place(mesh, params, tokens, lengths)
   return _prefill(model, params, tokens, lengths, max_len)
 
 
-def decode_step(model: Transformer, params, cache: Cache, tokens):
+def decode_step(model: Transformer, params, cache: Cache, tokens, *, mesh=None):
   """Feeds one token per row at position cache['lengths'][b] -> (logits float32[B, V], new cache)."""
   tokens = np.asarray(tokens)
   lengths = np.asarray(cache["lengths"])
@@ -108,7 +112,10 @@ def decode_step(model: Transformer, params, cache: Cache, tokens):
     row = int(np.argmax(bad))
     raise ValueError(f"token id {int(tokens[row])} at row {row} is outside "
                      f"[0, vocab_size={model.config.vocab_size})")
-  return _decode_step(model, params, cache, jnp.asarray(tokens, jnp.int32))
+  params, (tokens,) = sharding.place(mesh, params, tokens.astype(np.int32))
+  if mesh is not None:
+    cache = jax.device_put(cache, sharding.cache_sharding(cache, mesh))
+  return _decode_step(model, params, cache, jnp.asarray(tokens))
 
 
 @flax.struct.dataclass
@@ -154,7 +161,7 @@ def prompt_bucket(longest: int, limit: int) -> int:
 
 def generate(model: Transformer, params, prompts, lengths, max_new_tokens: int, *,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-             eos_id: int | None = None, rng: jax.Array | None = None) -> jax.Array:
+             eos_id: int | None = None, rng: jax.Array | None = None, mesh=None) -> jax.Array:
   """Prefill, then the whole decode loop in one jitted lax.while_loop.
 
   Args:
@@ -183,5 +190,6 @@ def generate(model: Transformer, params, prompts, lengths, max_new_tokens: int, 
   padded[:, :longest] = prompts[:, :longest]
   max_len = bucket + max_new_tokens - 1
   rng = jax.random.key(0) if rng is None else rng
+  params, (padded, lengths) = sharding.place(mesh, params, padded, lengths)
   return _generate(model, params, padded, lengths, rng, sampling,
                    jnp.int32(-1 if eos_id is None else eos_id), max_new_tokens, max_len)

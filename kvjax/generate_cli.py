@@ -12,7 +12,7 @@ import argparse
 import jax
 import numpy as np
 
-from kvjax import data
+from kvjax import data, sharding
 from kvjax.checkpoint import load_model
 from kvjax.hf import load_tokenizer
 from kvjax.decode import generate
@@ -20,8 +20,9 @@ from kvjax.decode import generate
 
 def continue_text(workdir, prompt: str, *, max_new_tokens: int, temperature: float = 0.0,
                   top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-                  step: int | None = None) -> str:
-  """The continuation of `prompt` from the workdir's checkpoint (latest unless `step`)."""
+                  step: int | None = None, mesh=None) -> str:
+  """The continuation of `prompt` from the workdir's checkpoint (latest unless `step`), sharded
+  over `mesh` (a jax.sharding.Mesh, see kvjax.sharding) when one is given."""
   model, params, _ = load_model(workdir, step)
   tokenizer = load_tokenizer(workdir)
   if tokenizer is None:
@@ -29,7 +30,7 @@ def continue_text(workdir, prompt: str, *, max_new_tokens: int, temperature: flo
   else:
     tokens = np.asarray(tokenizer.encode(prompt).ids, np.int32)
   out = generate(model, params, tokens[None, :], [len(tokens)], max_new_tokens, temperature=temperature,
-                 top_k=top_k, top_p=top_p, rng=jax.random.key(seed))
+                 top_k=top_k, top_p=top_p, rng=jax.random.key(seed), mesh=mesh)
   ids = np.asarray(out[0])
   return data.decode(ids) if tokenizer is None else tokenizer.decode(ids.tolist())
 
@@ -37,7 +38,7 @@ def continue_text(workdir, prompt: str, *, max_new_tokens: int, temperature: flo
 def command(args: argparse.Namespace) -> int:
   print(continue_text(args.workdir, args.prompt, max_new_tokens=args.max_new_tokens,
                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                      seed=args.seed, step=args.step))
+                      seed=args.seed, step=args.step, mesh=sharding.mesh_from_arg(args.mesh)))
   return 0
 
 
@@ -51,4 +52,5 @@ def add_parser(subparsers) -> None:
   parser.add_argument("--top-p", type=float, help="sample within the top-p probability mass")
   parser.add_argument("--seed", type=int, default=0, help="sampling seed")
   parser.add_argument("--step", type=int, help="checkpoint step (default: latest)")
+  sharding.add_mesh_argument(parser)
   parser.set_defaults(func=command)

@@ -203,11 +203,15 @@ def human(n: int) -> str:
   return f"{n} B"
 
 
+def _count(n: int) -> str:
+  return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n:,}"
+
+
 def render(result: dict) -> str:
   a = result["architecture"]
   lines = [f"{result['model']}: {a['num_layers']} layers, {a['num_heads']} query heads, "
            f"{a['num_kv_heads']} kv heads, head dim {a['head_dim']}, d_model {a['d_model']}, "
-           f"{a['params'] / 1e9:.2f}B params"]
+           f"{_count(a['params'])} params"]
   if a["note"]:
     lines.append(f"  ({a['note']})")
   lines.append(f"weights ({result['weight_dtype']}): {human(result['weights_bytes'])}")

@@ -1,0 +1,139 @@
+"""Sharded == single-device, on 8 host CPU devices. Run by tests/test_sharding.py in a child
+process with XLA_FLAGS=--xla_force_host_platform_device_count=8, which must be set before
+JAX starts and so cannot share a process with the other tests.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from kvjax import ModelConfig, Transformer, decode, sharding
+from kvjax.train import TrainState, make_train_step
+
+# 8 kv heads: one per device on model=8. The second has 2 kv heads, fewer than model=4
+# devices, so its k/v and cache are replicated; it also has every bias and tied embeddings.
+KV8 = ModelConfig(vocab_size=64, d_model=64, num_layers=1, num_heads=16, num_kv_heads=8,
+                  head_dim=8, mlp_dim=128, max_len=48)
+KV2 = ModelConfig(vocab_size=64, d_model=32, num_layers=1, num_heads=8, num_kv_heads=2,
+                  activation="gelu", norm="layernorm", positions="learned", qkv_bias=True,
+                  use_bias=True, tie_embeddings=True, max_len=48)
+
+
+NEW_TOKENS = 8
+
+
+def setup_module():
+  assert jax.device_count() == 8, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
+
+
+def init(config: ModelConfig, seed: int = 0):
+  """Random params drawn on the host in the shapes of Transformer.init: no init compile."""
+  model = Transformer(config)
+  shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
+  rng = np.random.default_rng(seed)
+
+  def draw(path, x):
+    name = str(path[-1].key)
+    if name == "scale":
+      return (1 + 0.1 * rng.standard_normal(x.shape)).astype(np.float32)
+    if name == "bias":
+      return (0.1 * rng.standard_normal(x.shape)).astype(np.float32)
+    fan_in = 1 if name != "kernel" else x.shape[0] * (x.shape[1] if str(path[-2].key) == "out" else 1)
+    return (rng.standard_normal(x.shape) / np.sqrt(fan_in)).astype(np.float32)
+
+  return model, jax.tree_util.tree_map_with_path(draw, shapes)
+
+
+def prompts(batch: int, seq: int, vocab: int):
+  rng = np.random.default_rng(0)
+  lengths = rng.integers(2, seq + 1, batch).astype(np.int32)
+  tokens = rng.integers(0, vocab, (batch, seq)).astype(np.int32)
+  return tokens, lengths
+
+
+def spec(x) -> tuple:
+  return tuple(x.sharding.spec) + (None,) * (x.ndim - len(x.sharding.spec))
+
+
+@pytest.mark.parametrize("config, data, model_axis, kv_spec", [
+    (KV8, 1, 8, (None, "model", None, None)),
+    (KV2, 2, 4, ("data", None, None, None)),
+])
+def test_prefill_decode_generate_match_one_device(config, data, model_axis, kv_spec):
+  mesh = sharding.make_mesh(data=data, model=model_axis)
+  model, params = init(config)
+  tokens, lengths = prompts(4, 9, config.vocab_size)
+  ref_logits, ref_cache = decode.prefill(model, params, tokens, lengths, 24)
+  logits, cache = decode.prefill(model, params, tokens, lengths, 24, mesh=mesh)
+  np.testing.assert_allclose(np.asarray(logits), np.asarray(ref_logits), atol=1e-5, rtol=0)
+  placed = sharding.shard_params(params, mesh)["layers_0"]["attn"]
+  assert spec(placed["k"]["kernel"]) == (None, kv_spec[1], None)
+  assert spec(placed["q"]["kernel"]) == (None, "model", None)
+  k = cache["layers_0"]["attn"]["k"]  # [B, K, S, H]
+  assert spec(k)[1:] == kv_spec[1:] and spec(k)[0] == ("data" if data > 1 else spec(k)[0])
+  assert k.addressable_shards[0].data.shape == (4 // data, config.num_kv_heads // (
+      model_axis if kv_spec[1] else 1), 24, config.head_dim)
+  # Greedy decoding step by step on one device is the reference for the sharded generate.
+  step_tokens = np.argmax(np.asarray(ref_logits)[np.arange(4), lengths - 1], -1).astype(np.int32)
+  greedy = [step_tokens]
+  for _ in range(NEW_TOKENS - 1):
+    ref_step, ref_cache = decode.decode_step(model, params, ref_cache, step_tokens)
+    step, cache = decode.decode_step(model, params, cache, step_tokens, mesh=mesh)
+    np.testing.assert_allclose(np.asarray(step), np.asarray(ref_step), atol=1e-5, rtol=0)
+    step_tokens = np.argmax(np.asarray(ref_step), -1).astype(np.int32)
+    greedy.append(step_tokens)
+  ours = decode.generate(model, params, tokens, lengths, NEW_TOKENS, mesh=mesh)
+  assert spec(ours)[0] == ("data" if data > 1 else None)
+  np.testing.assert_array_equal(np.asarray(ours), np.stack(greedy, axis=1))
+
+
+def test_decode_step_with_8_kv_heads_on_model_8_gathers_no_kv():
+  mesh = sharding.make_mesh(data=1, model=8)
+  model, params = init(KV8)
+  tokens, lengths = prompts(2, 6, KV8.vocab_size)
+  _, cache = decode.prefill(model, params, tokens, lengths, 16, mesh=mesh)
+  params, (step_tokens,) = sharding.place(mesh, params, np.zeros(2, np.int32))
+  hlo = decode._decode_step.lower(model, params, cache, step_tokens).compile().as_text()
+  # Each device's cache is its own kv head: the compiled module's cache parameters are
+  # [B, 1, S, H] shards of the [B, 8, S, H] cache.
+  entry_inputs = re.search(r"ENTRY [^(]*\((.*?)\) ->", hlo).group(1)
+  assert entry_inputs.count("f32[2,1,16,8]") == 2 * KV8.num_layers, entry_inputs
+  assert "f32[2,8,16,8]" not in hlo
+  # Attention tensors (K/V, queries, scores) are rank >= 4; none is all-gathered. The
+  # collectives left are the row-parallel reductions (attention output, MLP down, embedding).
+  gathers = re.findall(r"= \w+\[([0-9,]*)\][^ ]* all-gather(?:-start)?\(", hlo)
+  assert not [g for g in gathers if g.count(",") >= 3], gathers
+  assert "all-reduce" in hlo
+
+
+def test_train_step_matches_one_device():
+  mesh = sharding.make_mesh(data=2, model=4)
+  model, _ = init(KV8)
+  # Sharded sums add in another order; Adam's g / sqrt(v) turns those last-bit differences of
+  # near-zero gradients into whole-step ones unless eps dominates them.
+  optimizer = optax.adamw(1e-3, eps=1e-4)
+  def fresh():
+    params = jax.device_put(init(KV8)[1])
+    return TrainState(step=jnp.int32(0), params=params, opt_state=optimizer.init(params))
+  rng = np.random.default_rng(1)
+  batches = [rng.integers(0, KV8.vocab_size, (4, 17)).astype(np.int32) for _ in range(2)]
+  step_fn = make_train_step(model, optimizer)
+  ref, sharded = fresh(), sharding.shard_params(fresh(), mesh)
+  before = jax.tree.map(spec, sharded.params)
+  for batch in batches:
+    ref, ref_metrics = step_fn(ref, batch[:, :-1], batch[:, 1:])
+    inputs, targets = sharding.shard_batch(mesh, batch[:, :-1], batch[:, 1:])
+    sharded, metrics = step_fn(sharded, inputs, targets)
+    np.testing.assert_allclose(float(metrics["loss"]), float(ref_metrics["loss"]), rtol=1e-6)
+    np.testing.assert_allclose(float(metrics["grad_norm"]), float(ref_metrics["grad_norm"]), rtol=1e-5)
+  q = sharded.params["layers_0"]["attn"]["q"]["kernel"]
+  assert spec(q) == (None, "model", None)
+  assert jax.tree.map(spec, sharded.params) == before  # the step keeps the layout it was given
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=0),
+               sharded.params, ref.params)
