@@ -117,9 +117,8 @@ def uptrained(study: GqaStudy, stages: Stages, workdir: Path, num_kv_heads: int,
   return dest
 
 
-def time_per_sample(model_workdir: Path, timing: TimingConfig) -> dict:
+def time_per_sample(model, params, timing: TimingConfig) -> dict:
   """Median wall seconds per sample of jitted generate (greedy), after one warm-up call."""
-  model, params, _ = checkpoint.load_model(model_workdir)
   rng = np.random.default_rng(0)
   prompts = rng.integers(0, model.config.vocab_size, (timing.batch, timing.prompt), dtype=np.int32)
   lengths = np.full((timing.batch,), timing.prompt, np.int32)
@@ -130,22 +129,19 @@ def time_per_sample(model_workdir: Path, timing: TimingConfig) -> dict:
     start = time.perf_counter()
     run()
     times.append(time.perf_counter() - start)
-  cfg = model.config
   return {"time_per_sample_s": statistics.median(times) / timing.batch, "times_s": times,
-          "kv_bytes_per_token": cfg.kv_bytes_per_token,
+          "kv_bytes_per_token": model.config.kv_bytes_per_token,
           "params": int(sum(x.size for x in jax.tree.leaves(params)))}
-
-
-def quality(study: GqaStudy, model_workdir: Path) -> dict:
-  model, params, _ = checkpoint.load_model(model_workdir)
-  return evaluate(model, params, load_dataset(study.data), batch_size=study.train.batch_size,
-                  num_batches=study.train.eval_batches)
 
 
 def measure(study: GqaStudy, stages: Stages, name: str, model_workdir: Path) -> dict:
   """Time per sample and held-out quality of the latest checkpoint in model_workdir."""
-  return stages.run(f"measure_{name}", lambda: {**time_per_sample(model_workdir, study.timing),
-                                                **quality(study, model_workdir)})
+  def run():
+    model, params, _ = checkpoint.load_model(model_workdir)
+    quality = evaluate(model, params, load_dataset(study.data), batch_size=study.train.batch_size,
+                       num_batches=study.train.eval_batches)
+    return {**time_per_sample(model, params, study.timing), **quality}
+  return stages.run(f"measure_{name}", run)
 
 
 def write_rows(rows: list[dict], path_stem: Path, columns: list[str]) -> None:

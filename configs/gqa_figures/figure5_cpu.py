@@ -1,0 +1,15 @@
+"""Figure 5 of the GQA paper at the cpu size: the study of configs/gqa_table/cpu.py.
+Run it in the table's workdir to reuse the pre-trained MHA-big:
+
+  kvjax run configs/gqa_figures/figure5_cpu.py --workdir runs/gqa_cpu
+"""
+
+import dataclasses
+from pathlib import Path
+
+from kvjax.jobs import load_config
+
+
+def get_config():
+  table = load_config(Path(__file__).parents[1] / "gqa_table" / "cpu.py")
+  return dataclasses.replace(table, job="gqa_figure5")

@@ -1,0 +1,31 @@
+"""The GQA paper's Figure 4: quality after uptraining (alpha = study.fraction) for each way of
+building the new K/V heads: mean-pooling, the first head of each group, or random initialisation.
+Writes gqa_figure4.{csv,json,png}. Run: kvjax run configs/gqa_figures/figure4_tiny.py
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvjax import gqa_study as gs
+
+
+def main(study: gs.GqaStudy, workdir: Path) -> list[dict]:
+  stages = gs.Stages(workdir)
+  gs.pretrain(study, stages, workdir, "big")
+  rows = []
+  for kv in (1, study.gqa_kv_heads):
+    for method in study.methods:
+      record = stages.done[gs.uptrained(study, stages, workdir, kv, method).name]
+      rows.append({"model": study.row_name(kv), "num_kv_heads": kv, "method": method,
+                   "converted_bits_per_byte": record["converted"]["bits_per_byte"],
+                   "bits_per_byte": record["after"]["bits_per_byte"], "accuracy": record["after"]["accuracy"]})
+  stem = workdir / "gqa_figure4"
+  gs.write_rows(rows, stem, list(rows[0]))
+  print(gs.markdown_table(rows, [(k, k, ".4f" if isinstance(v, float) else "") for k, v in rows[0].items()]))
+  series = [(name, list(range(len(study.methods))), [r["bits_per_byte"] for r in rows if r["model"] == name])
+            for name in dict.fromkeys(r["model"] for r in rows)]
+  gs.plot(Path(f"{stem}.png"), series, "conversion method: " + ", ".join(study.methods),
+          "held-out bits per byte (better: up)", f"Figure 4: conversion methods (alpha = {study.fraction})",
+          annotate=[list(study.methods)] * len(series))
+  return rows

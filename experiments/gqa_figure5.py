@@ -1,0 +1,31 @@
+"""The GQA paper's Figure 5: quality against the uptraining proportion alpha for MQA and GQA
+(mean-pooled), with MHA-big as the reference line. Writes gqa_figure5.{csv,json,png}.
+Run: kvjax run configs/gqa_figures/figure5_tiny.py
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvjax import gqa_study as gs
+
+
+def main(study: gs.GqaStudy, workdir: Path) -> list[dict]:
+  stages = gs.Stages(workdir)
+  mha = gs.pretrain(study, stages, workdir, "big")
+  rows = [{"model": "MHA-big", "num_kv_heads": study.big.num_heads, "alpha": alpha,
+           "bits_per_byte": mha["bits_per_byte"], "accuracy": mha["accuracy"]} for alpha in study.fractions]
+  for kv in (1, study.gqa_kv_heads):
+    for alpha in study.fractions:
+      after = stages.done[gs.uptrained(study, stages, workdir, kv, "mean", alpha).name]["after"]
+      rows.append({"model": study.row_name(kv), "num_kv_heads": kv, "alpha": alpha,
+                   "bits_per_byte": after["bits_per_byte"], "accuracy": after["accuracy"]})
+  stem = workdir / "gqa_figure5"
+  gs.write_rows(rows, stem, list(rows[0]))
+  print(gs.markdown_table(rows, [(k, k, ".4f" if k in ("bits_per_byte", "accuracy") else "") for k in rows[0]]))
+  series = [(name, [r["alpha"] for r in rows if r["model"] == name],
+             [r["bits_per_byte"] for r in rows if r["model"] == name])
+            for name in dict.fromkeys(r["model"] for r in rows)]
+  gs.plot(Path(f"{stem}.png"), series, "uptraining proportion alpha", "held-out bits per byte (better: up)",
+          "Figure 5: uptraining proportion")
+  return rows

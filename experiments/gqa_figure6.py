@@ -1,0 +1,37 @@
+"""The GQA paper's Figure 6: time per sample against the number of kv heads (every divisor of
+MHA-big's head count, from MQA to MHA). Timing does not depend on the weights' values, so the
+mean-pooled conversions are timed without uptraining. Writes gqa_figure6.{csv,json,png}.
+Run: kvjax run configs/gqa_figures/figure6_tiny.py
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvjax import checkpoint, convert_kv_heads
+from kvjax import gqa_study as gs
+from kvjax.model import Transformer
+
+
+def main(study: gs.GqaStudy, workdir: Path) -> list[dict]:
+  stages = gs.Stages(workdir)
+  gs.pretrain(study, stages, workdir, "big")
+  model, params, _ = checkpoint.load_model(workdir / "mha_big")
+  heads = study.big.num_heads
+  rows = []
+  for kv in [k for k in range(1, heads + 1) if heads % k == 0]:
+    def run(kv=kv):
+      converted, config = convert_kv_heads(params, model.config, kv)
+      return gs.time_per_sample(Transformer(config), converted, study.timing)
+    timing = stages.run(f"time_kv{kv}", run)
+    rows.append({"num_kv_heads": kv, "time_per_sample_s": timing["time_per_sample_s"],
+                 "kv_bytes_per_token": timing["kv_bytes_per_token"]})
+  stem = workdir / "gqa_figure6"
+  gs.write_rows(rows, stem, list(rows[0]))
+  print(gs.markdown_table(rows, [("num_kv_heads", "kv heads", "d"), ("time_per_sample_s", "time/sample (s)", ".6f"),
+                                 ("kv_bytes_per_token", "KV bytes/token", ",")]))
+  gs.plot(Path(f"{stem}.png"), [("time per sample", [r["num_kv_heads"] for r in rows],
+                                 [r["time_per_sample_s"] * 1e3 for r in rows])],
+          "kv heads (1 = MQA, %d = MHA)" % heads, "time per sample (ms)", "Figure 6: kv heads vs time",
+          lower_is_better=False)
+  return rows
