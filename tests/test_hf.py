@@ -239,3 +239,26 @@ def test_import_hf_writes_a_loadable_checkpoint(tmp_path, capsys):
     np.testing.assert_array_equal(np.asarray(flat_got[key]), value)
   with pytest.raises(ValueError, match="already holds checkpoints"):
     hf.import_hf(hf_dir, workdir)
+
+
+def test_imported_gpt2_converts_to_gqa_and_uptrains(tmp_path):
+  import torch
+
+  from kvjax.checkpoint import load_model
+  from kvjax.hf import import_hf
+  from kvjax.uptrain import uptrain
+  tf = _transformers()
+  torch.manual_seed(0)
+  config = tf.GPT2Config(vocab_size=256, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                         bos_token_id=None, eos_token_id=None)
+  tf.GPT2LMHeadModel(config).save_pretrained(tmp_path / "hf", safe_serialization=True)
+  import_hf(tmp_path / "hf", tmp_path / "imported")
+  corpus = tmp_path / "corpus.txt"
+  corpus.write_text("the quick brown fox jumps over the lazy dog. " * 400)
+  record = uptrain(tmp_path / "imported", tmp_path / "gqa", 2, method="mean", overrides=[
+      f"data.source={corpus}", "data.seq_len=32", "train.steps=6", "train.batch_size=4",
+      "train.lr=3e-3", "train.warmup_steps=1", "train.eval_batches=2"])
+  model, _, _ = load_model(tmp_path / "gqa")
+  assert (model.config.num_heads, model.config.num_kv_heads) == (4, 2)
+  assert (model.config.positions, model.config.norm, model.config.use_bias) == ("learned", "layernorm", True)
+  assert record["after"]["loss"] < record["converted"]["loss"]
