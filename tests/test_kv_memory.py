@@ -1,0 +1,80 @@
+"""The KV-memory study end to end on its tiny config, plus its workload and config checks."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from kvjax.config import ModelConfig
+from kvjax.memory_study import CSV_FIELDS, KVMemoryStudy, WorkloadConfig, make_workload
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load(path: Path):
+  spec = importlib.util.spec_from_file_location(path.stem, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_tiny_study_writes_its_results(tmp_path):
+  study = load(ROOT / "configs/kv_memory/tiny.py").get_config()
+  assert study.job == "kv_memory"
+  load(ROOT / "experiments/kv_memory.py").main(study, str(tmp_path))
+
+  with open(tmp_path / "kv_memory.csv") as f:
+    rows = {row["policy"]: row for row in csv.DictReader(f)}
+  assert list(rows) == ["max_len", "doubling", "paged8", "paged16", "paged32"]
+  assert set(next(iter(rows.values()))) == set(CSV_FIELDS)
+  workload = make_workload(study.workload, study.model.max_len, study.model.vocab_size)
+  max_len = study.model.max_len
+  for name, row in rows.items():
+    assert int(row["budget_tokens"]) == study.budget_tokens
+    assert int(row["generated_tokens"]) == sum(n for _, n in workload)  # every request completed
+    assert int(row["identical_outputs"]) == len(workload)
+    assert 0 < float(row["utilisation"]) <= 1
+    assert int(row["peak_concurrent"]) <= study.num_slots
+  # Preallocating max_len positions caps concurrency at budget / max_len; pages lift the cap.
+  assert int(rows["max_len"]["peak_concurrent"]) == study.budget_tokens // max_len
+  assert int(rows["paged8"]["peak_concurrent"]) > int(rows["max_len"]["peak_concurrent"])
+  for name in ("doubling", "paged8", "paged16"):
+    assert float(rows[name]["utilisation"]) > float(rows["max_len"]["utilisation"])
+
+  report = (tmp_path / "kv_memory.md").read_text()
+  assert all(f"| {name} |" in report for name in rows) and "96.3%" in report
+  assert (tmp_path / "kv_memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cpu_config_is_valid():
+  study = load(ROOT / "configs/kv_memory/cpu.py").get_config()
+  assert study.page_sizes == (8, 16, 32) and study.budget_tokens % study.model.max_len == 0
+
+
+def test_workload_is_seeded_long_tailed_and_fits():
+  config = WorkloadConfig(num_requests=400, prompt_median=40, output_median=60, seed=3)
+  first = make_workload(config, 256, 100)
+  again = make_workload(config, 256, 100)
+  assert all((a == b).all() and m == n for (a, m), (b, n) in zip(first, again))
+  lengths = [p.size + n - 1 for p, n in first]
+  assert max(lengths) <= 256 and min(p.size for p, _ in first) >= 1
+  outputs = sorted(n for _, n in first)
+  assert outputs[-len(outputs) // 20] > 3 * outputs[len(outputs) // 2]  # top 5% beyond 3x the median
+  assert all(((p >= 0) & (p < 100)).all() for p, _ in first)
+
+
+def test_bad_study_configs_name_the_field():
+  with pytest.raises(ValueError, match="not a multiple of page size 32"):
+    KVMemoryStudy(model=ModelConfig(max_len=64), budget_tokens=1000, page_sizes=(8, 32), baseline_page_size=8)
+  with pytest.raises(ValueError, match="cannot hold one request"):
+    KVMemoryStudy(model=ModelConfig(max_len=1024), budget_tokens=512)
+  with pytest.raises(ValueError, match="KVMemoryStudy.job must be 'kv_memory'"):
+    KVMemoryStudy(job="train")
+  with pytest.raises(ValueError, match="WorkloadConfig.prompt_sigma"):
+    WorkloadConfig(prompt_sigma=-1.0)
+  with pytest.raises(ValueError, match="page_sizes must be a non-empty tuple"):
+    dataclasses.replace(KVMemoryStudy(model=ModelConfig(max_len=64)), page_sizes=())
