@@ -18,14 +18,12 @@ def main(study: gs.GqaStudy, workdir: Path) -> list[dict]:
   gs.pretrain(study, stages, workdir, "big")
   model, params, _ = checkpoint.load_model(workdir / "mha_big")
   heads = study.big.num_heads
-  rows = []
-  for kv in [k for k in range(1, heads + 1) if heads % k == 0]:
-    def run(kv=kv):
-      converted, config = convert_kv_heads(params, model.config, kv)
-      return gs.time_per_sample(Transformer(config), converted, study.timing)
-    timing = stages.run(f"time_kv{kv}", run)
-    rows.append({"num_kv_heads": kv, "time_per_sample_s": timing["time_per_sample_s"],
-                 "kv_bytes_per_token": timing["kv_bytes_per_token"]})
+  models = {f"kv{kv}": convert_kv_heads(params, model.config, kv)
+            for kv in range(1, heads + 1) if heads % kv == 0}
+  timing = stages.run("timing_kv_sweep", lambda: gs.time_per_sample(
+      {name: (Transformer(config), converted) for name, (converted, config) in models.items()}, study.timing))
+  rows = [{"num_kv_heads": config.num_kv_heads, "time_per_sample_s": timing[name]["time_per_sample_s"],
+           "kv_bytes_per_token": config.kv_bytes_per_token} for name, (_, config) in models.items()]
   stem = workdir / "gqa_figure6"
   gs.write_rows(rows, stem, list(rows[0]))
   print(gs.markdown_table(rows, [("num_kv_heads", "kv heads", "d"), ("time_per_sample_s", "time/sample (s)", ".6f"),

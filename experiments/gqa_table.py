@@ -26,11 +26,10 @@ def main(study: gs.GqaStudy, workdir: Path) -> list[dict]:
     dest = gs.uptrained(study, stages, workdir, kv)
     models.append((study.row_name(kv), kv, dest, stages.done[dest.name]["converted"]))
 
-  rows = []
-  for name, kv, path, converted in models:
-    row = {"model": name, "num_kv_heads": kv, **gs.measure(study, stages, name, path)}
-    row["converted_bits_per_byte"] = converted["bits_per_byte"] if converted else None
-    rows.append(row)
+  measured = gs.measure(study, stages, {name: path for name, _, path, _ in models})
+  rows = [{"model": name, "num_kv_heads": kv, **measured[name],
+           "converted_bits_per_byte": converted["bits_per_byte"] if converted else None}
+          for name, kv, _, converted in models]
   base = next(r for r in rows if r["model"] == "MHA-big")
   for row in rows:
     row["speedup_vs_mha_big"] = base["time_per_sample_s"] / row["time_per_sample_s"]

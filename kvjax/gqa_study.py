@@ -117,31 +117,43 @@ def uptrained(study: GqaStudy, stages: Stages, workdir: Path, num_kv_heads: int,
   return dest
 
 
-def time_per_sample(model, params, timing: TimingConfig) -> dict:
-  """Median wall seconds per sample of jitted generate (greedy), after one warm-up call."""
+def time_per_sample(models: dict, timing: TimingConfig) -> dict:
+  """Seconds per sample of jitted greedy `generate` for each of {name: (model, params)}.
+
+  After one warm-up call each, the models are timed round-robin, `timing.repeats` rounds, so
+  that load from other processes falls on all of them alike; each gets the median of its calls
+  divided by the batch.
+  """
   rng = np.random.default_rng(0)
-  prompts = rng.integers(0, model.config.vocab_size, (timing.batch, timing.prompt), dtype=np.int32)
+  vocab = min(model.config.vocab_size for model, _ in models.values())
+  prompts = rng.integers(0, vocab, (timing.batch, timing.prompt), dtype=np.int32)
   lengths = np.full((timing.batch,), timing.prompt, np.int32)
-  run = lambda: jax.block_until_ready(decode.generate(model, params, prompts, lengths, timing.new_tokens))
-  run()
-  times = []
+  calls = {name: (lambda m=model, p=params: jax.block_until_ready(
+      decode.generate(m, p, prompts, lengths, timing.new_tokens))) for name, (model, params) in models.items()}
+  for call in calls.values():
+    call()
+  times = {name: [] for name in models}
   for _ in range(timing.repeats):
-    start = time.perf_counter()
-    run()
-    times.append(time.perf_counter() - start)
-  return {"time_per_sample_s": statistics.median(times) / timing.batch, "times_s": times,
-          "kv_bytes_per_token": model.config.kv_bytes_per_token,
-          "params": int(sum(x.size for x in jax.tree.leaves(params)))}
+    for name, call in calls.items():
+      start = time.perf_counter()
+      call()
+      times[name].append(time.perf_counter() - start)
+  return {name: {"time_per_sample_s": statistics.median(times[name]) / timing.batch, "times_s": times[name],
+                 "kv_bytes_per_token": model.config.kv_bytes_per_token,
+                 "params": int(sum(x.size for x in jax.tree.leaves(params)))}
+          for name, (model, params) in models.items()}
 
 
-def measure(study: GqaStudy, stages: Stages, name: str, model_workdir: Path) -> dict:
-  """Time per sample and held-out quality of the latest checkpoint in model_workdir."""
-  def run():
-    model, params, _ = checkpoint.load_model(model_workdir)
-    quality = evaluate(model, params, load_dataset(study.data), batch_size=study.train.batch_size,
-                       num_batches=study.train.eval_batches)
-    return {**time_per_sample(model, params, study.timing), **quality}
-  return stages.run(f"measure_{name}", run)
+def measure(study: GqaStudy, stages: Stages, workdirs: dict[str, Path]) -> dict[str, dict]:
+  """Held-out quality (a stage per model) and time per sample (one stage, timed together) of the
+  latest checkpoint in each of {name: workdir}."""
+  loaded = {name: checkpoint.load_model(path)[:2] for name, path in workdirs.items()}
+  data = load_dataset(study.data)
+  quality = {name: stages.run(f"quality_{name}", lambda m=model, p=params: evaluate(
+      m, p, data, batch_size=study.train.batch_size, num_batches=study.train.eval_batches))
+      for name, (model, params) in loaded.items()}
+  timing = stages.run("timing_" + "_".join(workdirs), lambda: time_per_sample(loaded, study.timing))
+  return {name: {**timing[name], **quality[name]} for name in workdirs}
 
 
 def write_rows(rows: list[dict], path_stem: Path, columns: list[str]) -> None:
