@@ -16,7 +16,7 @@ SUBCOMMANDS = ("kvjax.bench", "kvjax.jobs", "kvjax.evaluate", "kvjax.generate_cl
 
 
 def build_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(prog="kvjax", description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(prog="kvjax", description="kvjax: KV-cache-efficient decoding for decoder-only transformers in JAX/Flax.")
   subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
   for module in SUBCOMMANDS:
     importlib.import_module(module).add_parser(subparsers)
