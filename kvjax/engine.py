@@ -48,6 +48,7 @@ class EngineConfig:
   page_size: int = 16
   max_len: int | None = None
   allocation: str = "paged"
+  attention: str = "gather"  # kvjax.paged.ATTENTION_IMPLS: "pallas" is JAX's GPU kernel
   eos_id: int | None = None
   seed: int = 0
 
@@ -58,6 +59,7 @@ class EngineConfig:
     if self.num_pages < 2:
       raise ValueError(f"EngineConfig.num_pages={self.num_pages} leaves no page besides the null page")
     check_choice(self, "allocation", ALLOCATIONS)
+    check_choice(self, "attention", paged.ATTENTION_IMPLS)
     if isinstance(self.seed, bool) or not isinstance(self.seed, int):
       raise ValueError(f"EngineConfig.seed must be an integer, got {self.seed!r}")
 
@@ -132,6 +134,9 @@ class Engine:
     self.max_len = config.max_len or cfg.max_len
     if self.max_len > cfg.max_len:
       raise ValueError(f"EngineConfig.max_len={self.max_len} exceeds ModelConfig.max_len={cfg.max_len}")
+    if config.attention == "pallas" and not paged.pallas_available():
+      raise ValueError(f"EngineConfig.attention='pallas' needs a GPU backend and JAX's Pallas "
+                       f"paged-attention kernel; the backend is {jax.default_backend()!r}")
     self.allocator = PageAllocator(config.num_pages, config.page_size)
     self.max_pages = self.allocator.pages_for(self.max_len)
     self.cache = paged.init_cache(cfg, config.num_pages, config.page_size, config.num_slots, self.max_pages)
@@ -324,6 +329,6 @@ class Engine:
     index = np.array([0 if r is None else len(r.generated) for r in slots], np.int32)
     sampling = _stack([GREEDY if r is None else r.sampling for r in slots])
     cache = self.cache.replace(page_table=jnp.asarray(table), lengths=jnp.asarray(lengths))
-    logits, self.cache = _decode(self.model, self.params, cache, jnp.asarray(tokens))
+    logits, self.cache = _decode(self.model, self.params, cache, jnp.asarray(tokens), self.config.attention)
     return np.asarray(_pick(logits, sampling, self.config.seed,
                             jnp.asarray([0 if i is None else i for i in ids], jnp.int32), jnp.asarray(index)))

@@ -159,10 +159,28 @@ def run_study(study: KVMemoryStudy, workdir: str | Path) -> list[dict]:
     reference = outputs if reference is None else reference
     row["identical_outputs"] = sum(np.array_equal(reference[i], outputs[i]) for i in reference)
     rows.append(row)
+    print(f"kv_memory: {row['policy']}: utilisation {row['utilisation']:.3f}, peak concurrent "
+          f"{row['peak_concurrent']}, {row['tokens_per_s']:.0f} tokens/s", flush=True)
   write_csv(rows, workdir / "kv_memory.csv")
   (workdir / "kv_memory.md").write_text(report(study, workload, rows))
   plot(rows, workdir / "kv_memory.png")
   return rows
+
+
+def summary(rows: list[dict]) -> dict:
+  """The rows without their traces, and the headline numbers: paged utilisation at page size 16
+  (or the first paged run) and its concurrency over contiguous max_len preallocation."""
+  contiguous = next(r for r in rows if r["policy"] == "max_len")
+  paged = next((r for r in rows if r["policy"] == "paged16"),
+               next(r for r in rows if r["policy"].startswith("paged")))
+  return {
+      "rows": [{k: r[k] for k in CSV_FIELDS} for r in rows],
+      "paged_policy": paged["policy"],
+      "paged_utilisation": paged["utilisation"],
+      "peak_concurrent_over_max_len": paged["peak_concurrent"] / contiguous["peak_concurrent"],
+      "mean_concurrent_over_max_len": paged["mean_concurrent"] / contiguous["mean_concurrent"],
+      "tokens_per_s_over_max_len": paged["tokens_per_s"] / contiguous["tokens_per_s"],
+  }
 
 
 def write_csv(rows: list[dict], path: Path) -> None:
@@ -218,6 +236,7 @@ def plot(rows: list[dict], path: Path) -> None:
   twin = bars.twinx()
   twin.plot(names, [r["peak_concurrent"] for r in rows], "o-", color="tab:red")
   twin.set_ylabel("peak concurrent requests", color="tab:red")
+  twin.set_ylim(0, 1.1 * max(r["peak_concurrent"] for r in rows))
   bars.set_title("Utilisation and concurrency within one KV budget")
   for r in rows:
     lines.plot(r["trace"]["running"], label=r["policy"])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import importlib.util
 
 import jax
 import numpy as np
@@ -95,10 +94,10 @@ def test_fork_copy_on_write_matches_contiguous():
   assert alloc.num_free == alloc.num_usable
 
 
-@pytest.mark.skipif(importlib.util.find_spec("jax.experimental.pallas.ops.gpu.paged_attention") is None,
-                    reason="this JAX has no Pallas GPU paged-attention kernel")
 def test_pallas_kernel_matches_gather():
   """The Pallas fast path (interpreted on CPU) gives the gather path's logits."""
+  pytest.importorskip("jax.experimental.pallas.ops.gpu.paged_attention",
+                      reason="this JAX has no Pallas GPU paged-attention kernel")
   model, params = model_params()
   prompts = random_tokens((3, 10), seed=5)
   table = scattered_table(seed=1)
