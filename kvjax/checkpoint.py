@@ -17,15 +17,17 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from jax.sharding import Mesh
 
+from kvjax import sharding
 from kvjax.config import ModelConfig, from_dict
 from kvjax.model import Transformer
 
 ITEMS = ("params", "opt_state", "meta")
-# Run-config keys that may change when a run is resumed: they extend or re-pace the run without
-# changing what any step computes.
+# Run-config keys that may change when a run is resumed: they extend or re-pace the run, or place
+# it on other devices (train.mesh), without changing what any step computes beyond float rounding.
 RESUMABLE_KEYS = frozenset({"train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
-                            "train.checkpoint_every", "train.keep_checkpoints"})
+                            "train.checkpoint_every", "train.keep_checkpoints", "train.mesh"})
 
 
 def checkpoint_dir(workdir: str | Path) -> Path:
@@ -52,15 +54,20 @@ def latest_step(workdir: str | Path) -> int | None:
     return manager.latest_step()
 
 
-def abstract(tree: Any) -> Any:
-  """Arrays (or ShapeDtypeStructs) -> ShapeDtypeStructs on the default device: a restore target."""
-  sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+def abstract(tree: Any, mesh: Mesh | None = None) -> Any:
+  """Arrays (or ShapeDtypeStructs) -> ShapeDtypeStructs on the default device, or placed on `mesh`
+  by kvjax.sharding's rules: a restore target (orbax reads each device's shard straight there)."""
+  if mesh is None:
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    shardings = jax.tree.map(lambda _: one, tree)
+  else:
+    shardings = sharding.param_sharding(tree, mesh)
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
-def abstract_params(model: Transformer) -> Any:
+def abstract_params(model: Transformer, mesh: Mesh | None = None) -> Any:
   shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
-  return abstract(shapes)
+  return abstract(shapes, mesh)
 
 
 def _restore(manager: ocp.CheckpointManager, workdir, step: int, **items) -> Any:
@@ -102,10 +109,12 @@ def save_train_state(manager: ocp.CheckpointManager, step: int, params, opt_stat
   manager.wait_until_finished()
 
 
-def restore_train_state(manager: ocp.CheckpointManager, workdir, step: int, params_like, opt_state_like):
-  """-> (params, opt_state) of checkpoint `step`, shaped like the given trees."""
-  restored = _restore(manager, workdir, step, params=ocp.args.StandardRestore(abstract(params_like)),
-                      opt_state=ocp.args.StandardRestore(abstract(opt_state_like)))
+def restore_train_state(manager: ocp.CheckpointManager, workdir, step: int, params_like, opt_state_like,
+                        mesh: Mesh | None = None):
+  """-> (params, opt_state) of checkpoint `step`, shaped like the given trees, on the default device
+  or sharded over `mesh` (whatever mesh, if any, the checkpoint was written from)."""
+  restored = _restore(manager, workdir, step, params=ocp.args.StandardRestore(abstract(params_like, mesh)),
+                      opt_state=ocp.args.StandardRestore(abstract(opt_state_like, mesh)))
   return restored.params, restored.opt_state
 
 
@@ -130,8 +139,10 @@ def check_compatible(saved: dict, new: dict, where: str | Path) -> None:
                      "resume with the same config, or train in another --workdir")
 
 
-def load_model(workdir: str | Path, step: int | None = None) -> tuple[Transformer, Any, dict]:
-  """Latest (or given) checkpoint of a workdir -> (model, params, run config dict). Params only."""
+def load_model(workdir: str | Path, step: int | None = None, *,
+               mesh: Mesh | None = None) -> tuple[Transformer, Any, dict]:
+  """Latest (or given) checkpoint of a workdir -> (model, params, run config dict). Params only,
+  on the default device or sharded over `mesh`."""
   step = _require_step(workdir, step)
   config = read_meta(workdir, step)["config"]
   try:
@@ -140,7 +151,7 @@ def load_model(workdir: str | Path, step: int | None = None) -> tuple[Transforme
     raise ValueError(f"checkpoint {step_dir(workdir, step)} has an invalid model config: {err}") from err
   model = Transformer(model_config)
   with open_manager(workdir) as manager:
-    params = _restore(manager, workdir, step, params=ocp.args.StandardRestore(abstract_params(model))).params
+    params = _restore(manager, workdir, step, params=ocp.args.StandardRestore(abstract_params(model, mesh))).params
   return model, params, config
 
 

@@ -16,7 +16,9 @@ import sys
 import jax
 import numpy as np
 import optax
+from jax.sharding import Mesh
 
+from kvjax import sharding
 from kvjax.checkpoint import latest_step, load_model, read_meta
 from kvjax.config import from_dict
 from kvjax.data import Dataset, eval_batches, load_dataset, retokenize
@@ -34,13 +36,18 @@ def _eval_sums(model: Transformer, params, inputs, targets):
 
 
 def evaluate(model: Transformer, params, data: Dataset, *, batch_size: int, num_batches: int,
-             split: str = "val") -> dict:
-  """Mean next-token loss (nats), bits per byte and accuracy over fixed windows of a split.
+             split: str = "val", mesh: Mesh | None = None) -> dict:
+  """Mean next-token loss (nats), bits per byte and accuracy over fixed windows of a split,
+  sharded over `mesh` (kvjax.sharding's rules; batch_size must split over `data`) when given.
   Bits per byte is loss / ln 2 / data.bytes_per_token (exact for bytes, a corpus average otherwise)."""
   if split not in ("val", "train"):
     raise ValueError(f"split must be 'val' or 'train', got {split!r}")
   tokens = data.val if split == "val" else data.train
-  sums = [_eval_sums(model, params, x, y) for x, y in eval_batches(tokens, data.seq_len, batch_size, num_batches)]
+  batches = eval_batches(tokens, data.seq_len, batch_size, num_batches)
+  if mesh is not None:
+    params = sharding.shard_params(params, mesh)
+    batches = (sharding.shard_batch(mesh, x, y) for x, y in batches)
+  sums = [_eval_sums(model, params, x, y) for x, y in batches]
   count = batch_size * num_batches * data.seq_len
   loss = float(np.sum([np.float64(s[0]) for s in sums])) / count
   correct = int(np.sum([int(s[1]) for s in sums]))
@@ -49,7 +56,8 @@ def evaluate(model: Transformer, params, data: Dataset, *, batch_size: int, num_
 
 def command(args: argparse.Namespace) -> int:
   step = latest_step(args.workdir) if args.step is None else args.step
-  model, params, config = load_model(args.workdir, step)
+  mesh = sharding.mesh_from_arg(args.mesh)
+  model, params, config = load_model(args.workdir, step, mesh=mesh)
   meta = read_meta(args.workdir, step)
   data_config = from_dict(DataConfig, config["data"]) if "data" in config else DataConfig(
       seq_len=min(128, model.config.max_len))
@@ -64,7 +72,8 @@ def command(args: argparse.Namespace) -> int:
           f"on (sha256 {data.info.sha256[:12]} vs {saved_hash[:12]})", file=sys.stderr)
   if tokenizer is not None:
     data = retokenize(data, lambda text: tokenizer.encode(text, add_special_tokens=False).ids)
-  metrics = evaluate(model, params, data, batch_size=batch_size, num_batches=num_batches, split=args.split)
+  metrics = evaluate(model, params, data, batch_size=batch_size, num_batches=num_batches, split=args.split,
+                     mesh=mesh)
   result = {"step": step, "split": args.split, **metrics,
             "tokens": batch_size * num_batches * data_config.seq_len, "corpus_sha256": data.info.sha256}
   if args.json:
@@ -90,4 +99,5 @@ def add_parser(subparsers) -> None:
   parser.add_argument("--batches", type=positive_int, help="number of batches (default: the run's train.eval_batches)")
   parser.add_argument("--batch-size", type=positive_int, help="windows per batch (default: the run's train.batch_size)")
   parser.add_argument("--json", action="store_true", help="print one JSON object")
+  sharding.add_mesh_argument(parser)
   parser.set_defaults(func=command)

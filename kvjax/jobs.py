@@ -18,7 +18,7 @@ from types import ModuleType
 from typing import Any, Callable
 
 from kvjax import checkpoint
-from kvjax.config import apply_overrides, to_dict
+from kvjax.config import apply_overrides, config_keys, to_dict
 
 JOBS = {
     "train": "kvjax.train:run",
@@ -78,7 +78,14 @@ def prepare_workdir(workdir: Path, config: Any) -> None:
 
 
 def command(args: argparse.Namespace) -> int:
-  config = apply_overrides(load_config(args.config), args.overrides)
+  config = load_config(args.config)
+  overrides = list(args.overrides)
+  if args.mesh is not None:
+    if "train.mesh" not in config_keys(config):
+      raise ValueError(f"--mesh shards training runs, but the {config.job!r} config of {args.config} "
+                       "has no train.mesh")
+    overrides.append(f"train.mesh={args.mesh}")
+  config = apply_overrides(config, overrides)
   job = resolve_job(config.job, args.config)
   workdir = Path(args.workdir or Path("runs") / Path(args.config).stem)
   print(json.dumps(to_dict(config), indent=2), flush=True)
@@ -95,4 +102,7 @@ def add_parser(subparsers) -> None:
   parser.add_argument("--workdir", help="output folder (default: runs/<config file stem>)")
   parser.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
                       help="override config fields, e.g. --set train.steps=10 model.num_kv_heads=2")
+  parser.add_argument("--mesh", metavar="data=D,model=M",
+                      help="shard training over a device mesh (shorthand for --set train.mesh=...): "
+                           "batch on data, heads / kv heads / MLP on model")
   parser.set_defaults(func=command)

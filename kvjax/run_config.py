@@ -11,6 +11,7 @@ import math
 
 from kvjax.config import (ModelConfig, apply_overrides, check_nonnegative, check_positive,
                           check_real, config_keys, from_dict, to_dict)
+from kvjax.sharding import parse_mesh
 
 __all__ = ["DataConfig", "TrainConfig", "TrainRun", "apply_overrides", "config_keys", "from_dict",
            "to_dict"]
@@ -43,6 +44,10 @@ class TrainConfig:
   """AdamW with linear warmup to `lr` over warmup_steps, then cosine decay to lr * min_lr_ratio
   at `steps` (a run shorter than its warmup only warms up); global-norm gradient clipping;
   weight decay on matrices only. Every *_every counts optimizer steps.
+
+  `mesh` ("data=2,model=4", see kvjax.sharding) shards the run over a device mesh: batch rows on
+  `data`, heads and the MLP on `model`; None trains on one device. The batch must split over
+  `data`. A run may resume on another mesh.
   """
 
   steps: int = 1000
@@ -61,6 +66,7 @@ class TrainConfig:
   checkpoint_every: int = 500
   keep_checkpoints: int = 3
   seed: int = 0
+  mesh: str | None = None
 
   def __post_init__(self):
     check_positive(self, "steps", "batch_size", "log_every", "eval_every", "eval_batches",
@@ -74,6 +80,19 @@ class TrainConfig:
     check_real(self, "b2", 0.0, 1.0, open_high=True)
     if not isinstance(self.bf16, bool):
       raise ValueError(f"TrainConfig.bf16 must be True or False, got {self.bf16!r}")
+    if self.mesh is not None:
+      self._check_mesh()
+
+  def _check_mesh(self) -> None:
+    if not isinstance(self.mesh, str) or not self.mesh.strip():
+      raise ValueError(f"TrainConfig.mesh must be None or 'data=D,model=M', got {self.mesh!r}")
+    try:
+      data = parse_mesh(self.mesh)["data"]
+    except ValueError as err:
+      raise ValueError(f"TrainConfig.mesh={self.mesh!r}: {err}") from None
+    if self.batch_size % data:
+      raise ValueError(f"TrainConfig.batch_size={self.batch_size} does not split over the data axis "
+                       f"of TrainConfig.mesh={self.mesh!r} ({data}); use a multiple of {data}")
 
 
 @dataclasses.dataclass(frozen=True)

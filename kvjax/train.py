@@ -6,6 +6,10 @@ Batches are int32 [B, T] inputs and targets (the inputs shifted by one byte). Th
 the data sampler's position and generator state, the run config and the corpus hash, so a run
 killed at any point and started again ends with bitwise the parameters of an uninterrupted run
 (on the same machine and backend).
+
+With TrainConfig.mesh the state is sharded by kvjax.sharding's rules (initialised, or restored
+from a checkpoint, straight onto the mesh) and every batch is split over `data`; jit then
+partitions the one train step. A run may resume on another mesh, or none.
 """
 
 from __future__ import annotations
@@ -22,9 +26,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import Mesh
 from tqdm import tqdm
 
-from kvjax import checkpoint
+from kvjax import checkpoint, sharding
 from kvjax.data import Dataset, WindowSampler, load_dataset
 from kvjax.evaluate import evaluate
 from kvjax.flops import peak_flops, train_flops_per_token
@@ -63,17 +68,27 @@ def learning_rate_schedule(config: TrainConfig) -> optax.Schedule:
 
 
 @functools.cache
-def param_initializer(model: Transformer):
-  """-> jitted init(key) -> float32 params; cached per model, so runs in one process compile it once."""
-  return jax.jit(lambda key: model.init(key, jnp.zeros((1, 1), jnp.int32))["params"])
+def param_initializer(model: Transformer, mesh: Mesh | None = None):
+  """-> jitted init(key) -> float32 params, sharded over `mesh` when given; cached per (model, mesh),
+  so runs in one process compile it once."""
+  init = lambda key: model.init(key, jnp.zeros((1, 1), jnp.int32))["params"]
+  if mesh is None:
+    return jax.jit(init)
+  shapes = jax.eval_shape(init, jax.random.key(0))
+  return jax.jit(init, out_shardings=sharding.param_sharding(shapes, mesh))
+
+
+def place_state(state: TrainState, mesh: Mesh | None) -> TrainState:
+  """The state committed to the default device, or sharded over `mesh`, as the train step's outputs
+  are (an input placed otherwise would make the step compile a second time)."""
+  return jax.device_put(state, jax.devices()[0]) if mesh is None else sharding.shard_params(state, mesh)
 
 
 def init_state(model: Transformer, optimizer: optax.GradientTransformation, key: jax.Array,
-               params=None) -> TrainState:
-  """The step-0 state (from `params`, else freshly initialised), committed to the default device
-  like the train step's outputs (an uncommitted input would make the step compile a second time)."""
+               params=None, mesh: Mesh | None = None) -> TrainState:
+  """The step-0 state (from `params`, else freshly initialised), placed by `place_state`."""
   if params is None:
-    params = param_initializer(model)(key)
+    params = param_initializer(model, mesh)(key)
   else:
     expected = checkpoint.param_shapes(jax.eval_shape(param_initializer(model), key))
     given = checkpoint.param_shapes(params)
@@ -81,12 +96,16 @@ def init_state(model: Transformer, optimizer: optax.GradientTransformation, key:
       diffs = [f"{k}: expected {expected.get(k)}, got {given.get(k)}"
                for k in sorted(set(expected) | set(given)) if expected.get(k) != given.get(k)]
       raise ValueError(f"init_params do not match the model config: {'; '.join(diffs[:5])}")
+  if mesh is not None:
+    params = sharding.shard_params(params, mesh)  # so the optimizer moments start out sharded too
   state = TrainState(step=np.int32(0), params=params, opt_state=optimizer.init(params))
-  return jax.device_put(state, jax.devices()[0])
+  return place_state(state, mesh)
 
 
-def make_train_step(model: Transformer, optimizer: optax.GradientTransformation):
-  """-> jitted step(state, inputs, targets) -> (state, {"loss", "grad_norm"}); donates `state`."""
+def make_train_step(model: Transformer, optimizer: optax.GradientTransformation, state_sharding=None):
+  """-> jitted step(state, inputs, targets) -> (state, {"loss", "grad_norm"}); donates `state`.
+  `state_sharding` (kvjax.sharding.param_sharding of the state) pins the new state to the layout
+  the step was given, so that feeding it back hits the one compiled step."""
   def step(state: TrainState, inputs: jax.Array, targets: jax.Array):
     def loss_fn(params):
       logits = model.apply({"params": params}, inputs)  # [B, T, V] float32
@@ -98,7 +117,7 @@ def make_train_step(model: Transformer, optimizer: optax.GradientTransformation)
                      opt_state=opt_state)
     return new, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
-  return jax.jit(step, donate_argnums=0)
+  return jax.jit(step, donate_argnums=0, out_shardings=(state_sharding, None))
 
 
 class Logger:
@@ -122,9 +141,10 @@ class Logger:
       f.write(json.dumps(record) + "\n")
 
 
-def _resume(manager, workdir: Path, config: dict, data: Dataset, like: TrainState, sampler: WindowSampler):
+def _resume(manager, workdir: Path, config: dict, data: Dataset, like: TrainState, sampler: WindowSampler,
+            mesh: Mesh | None):
   """Restores the latest checkpoint into (state, sampler) -> (state, step); (None, 0) when none.
-  `like` gives the state's structure, shapes and dtypes."""
+  `like` gives the state's structure, shapes and dtypes; the state is restored onto `mesh`."""
   step = manager.latest_step()
   if step is None:
     return None, 0
@@ -139,22 +159,23 @@ def _resume(manager, workdir: Path, config: dict, data: Dataset, like: TrainStat
     raise ValueError(f"checkpoint {where} was trained on a corpus with sha256 {saved_hash}, but "
                      f"{data.info.source} now has sha256 {data.info.sha256}; resuming would not be "
                      "exact - train in another --workdir")
-  params, opt_state = checkpoint.restore_train_state(manager, workdir, step, like.params, like.opt_state)
+  params, opt_state = checkpoint.restore_train_state(manager, workdir, step, like.params, like.opt_state,
+                                                     mesh)
   try:
     sampler.restore(meta["data"])
   except (KeyError, TypeError, ValueError) as err:
     raise ValueError(f"checkpoint {where} holds no valid data position: {err!r}") from err
-  state = TrainState(step=np.int32(step), params=params, opt_state=opt_state)
-  return jax.device_put(state, jax.devices()[0]), step
+  return place_state(TrainState(step=np.int32(step), params=params, opt_state=opt_state), mesh), step
 
 
 def run(config: TrainRun, workdir: str | Path, init_params=None) -> dict:
   """Trains (or resumes) the run in `workdir`; returns a summary of the final step.
   A fresh run starts from `init_params` (with fresh optimizer state) when given, as uptraining
   does; a resumed run always continues from its checkpoint."""
+  tc, config_dict = config.train, to_dict(config)
+  mesh = sharding.mesh_from_arg(tc.mesh)  # first: a mesh this machine cannot hold stops the run here
   workdir = Path(workdir).resolve()
   workdir.mkdir(parents=True, exist_ok=True)
-  tc, config_dict = config.train, to_dict(config)
   data = load_dataset(config.data)
   model = Transformer(config.model)
   compute_model = Transformer(config.model.replace(dtype="bfloat16")) if tc.bf16 else model
@@ -166,14 +187,16 @@ def run(config: TrainRun, workdir: str | Path, init_params=None) -> dict:
 
   manager = checkpoint.open_manager(workdir, keep=tc.keep_checkpoints, writing=True)
   try:
-    state, start = _resume(manager, workdir, config_dict, data, like, sampler)
+    state, start = _resume(manager, workdir, config_dict, data, like, sampler, mesh)
     if state is None:
-      state = init_state(model, optimizer, key, init_params)
+      state = init_state(model, optimizer, key, init_params, mesh)
     (workdir / "corpus.json").write_text(json.dumps(data.info.to_dict(), indent=2) + "\n")
     print(f"kvjax train: {num_params:,} parameters, corpus {data.info.source} ({data.info.num_bytes:,} bytes, "
-          f"{data.info.num_files} files), " + (f"resuming at step {start}" if start else "starting at step 0"),
-          flush=True)
-    trainer = _Trainer(config, workdir, manager, compute_model, optimizer, data, sampler, start)
+          f"{data.info.num_files} files), " + (f"resuming at step {start}" if start else "starting at step 0")
+          + (f", on a mesh of {dict(mesh.shape)}" if mesh is not None else ""), flush=True)
+    state_sharding = sharding.param_sharding(like, mesh) if mesh is not None else None
+    trainer = _Trainer(config, workdir, manager, compute_model, optimizer, data, sampler, start, mesh,
+                       state_sharding)
     return trainer.loop(state, start) | {"params": num_params}
   finally:
     manager.close()
@@ -182,15 +205,18 @@ def run(config: TrainRun, workdir: str | Path, init_params=None) -> dict:
 class _Trainer:
   """The training loop's bookkeeping: logging windows, throughput, eval and checkpoint cadence."""
 
-  def __init__(self, config: TrainRun, workdir: Path, manager, model, optimizer, data, sampler, start):
+  def __init__(self, config: TrainRun, workdir: Path, manager, model, optimizer, data, sampler, start, mesh,
+               state_sharding):
     self.config, self.tc, self.workdir, self.manager = config, config.train, workdir, manager
-    self.model, self.data, self.sampler = model, data, sampler
-    self.train_step = make_train_step(model, optimizer)
+    self.model, self.data, self.sampler, self.mesh = model, data, sampler, mesh
+    self.train_step = make_train_step(model, optimizer, state_sharding)
     self.schedule = jax.jit(learning_rate_schedule(self.tc))
     self.logger = Logger(workdir, start)
     self.tokens_per_step = self.tc.batch_size * data.seq_len
     self.flops_per_step = train_flops_per_token(config.model, data.seq_len) * self.tokens_per_step
     self.peak, self.peak_source = peak_flops()
+    if self.peak is not None and mesh is not None:
+      self.peak *= mesh.size  # peak_flops is one device's
     self.pending: list[tuple[int, dict]] = []  # device metrics not yet checked
     self.window = self._new_window()
     self.timed_steps, self.timed_seconds = 0, 0.0
@@ -204,6 +230,8 @@ class _Trainer:
     try:
       for step in range(start + 1, tc.steps + 1):
         inputs, targets = self.sampler.next()
+        if self.mesh is not None:
+          inputs, targets = sharding.shard_batch(self.mesh, inputs, targets)
         state, metrics = self.train_step(state, inputs, targets)
         self.pending.append((step, metrics))
         bar.update(1)
@@ -274,7 +302,7 @@ class _Trainer:
 
   def _eval(self, step: int, state: TrainState) -> None:
     self.val = evaluate(self.model, state.params, self.data, batch_size=self.tc.batch_size,
-                        num_batches=self.tc.eval_batches)
+                        num_batches=self.tc.eval_batches, mesh=self.mesh)
     self.logger.write({"step": step, "kind": "eval", **{f"val_{k}": v for k, v in self.val.items()}})
     tqdm.write(f"step {step}: val loss {self.val['loss']:.4f}, {self.val['bits_per_byte']:.3f} bits/byte, "
                f"accuracy {self.val['accuracy']:.3f}")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import jax
 
-from kvjax import checkpoint, train
+from kvjax import checkpoint, sharding, train
 from kvjax.config import ModelConfig, apply_overrides, from_dict, to_dict
 from kvjax.convert import METHODS, convert_kv_heads
 from kvjax.data import load_dataset
@@ -28,7 +28,8 @@ from kvjax.run_config import DataConfig, TrainConfig, TrainRun
 def uptrain_config(source: dict, source_steps: int, num_kv_heads: int, fraction: float,
                    overrides=()) -> TrainRun:
   """The destination run: the source's model with fewer kv heads, its data and optimizer settings,
-  and fraction x source_steps steps (warmup and cadences scaled alike, fresh optimizer state)."""
+  and fraction x source_steps steps (warmup and cadences scaled alike, fresh optimizer state).
+  The source's device mesh is not inherited: give one with the override train.mesh=..."""
   model = from_dict(ModelConfig, source["model"]).replace(num_kv_heads=num_kv_heads)
   data = from_dict(DataConfig, source["data"]) if "data" in source else DataConfig(seq_len=min(128, model.max_len))
   tc = from_dict(TrainConfig, source["train"]) if "train" in source else TrainConfig()
@@ -36,7 +37,7 @@ def uptrain_config(source: dict, source_steps: int, num_kv_heads: int, fraction:
   scale = lambda n: max(1, min(steps, math.ceil(n * fraction)))
   tc = dataclasses.replace(tc, steps=steps, warmup_steps=min(tc.warmup_steps, scale(tc.warmup_steps)),
                            eval_every=scale(tc.eval_every), checkpoint_every=scale(tc.checkpoint_every),
-                           log_every=scale(tc.log_every))
+                           log_every=scale(tc.log_every), mesh=None)
   return apply_overrides(TrainRun(job="uptrain", model=model, data=data, train=tc), list(overrides))
 
 
@@ -69,8 +70,9 @@ def uptrain(source_workdir: str | Path, workdir: str | Path, num_kv_heads: int, 
     raise ValueError(f"{dest} holds an uptraining with kv heads {record['num_kv_heads']}, method "
                      f"{record['method']!r}, fraction {record['fraction']}; use another --workdir")
   data = load_dataset(config.data)
+  mesh = sharding.mesh_from_arg(config.train.mesh)
   quality = lambda m, p: evaluate(m, p, data, batch_size=config.train.batch_size,
-                                  num_batches=config.train.eval_batches)
+                                  num_batches=config.train.eval_batches, mesh=mesh)
   if record is None:
     record = {"source": str(source), "source_step": step, "num_kv_heads": num_kv_heads,
               "method": method, "fraction": fraction, "steps": config.train.steps if fraction else 0,
@@ -93,8 +95,9 @@ def uptrain(source_workdir: str | Path, workdir: str | Path, num_kv_heads: int, 
 
 
 def command(args: argparse.Namespace) -> int:
+  overrides = args.set + ([f"train.mesh={args.mesh}"] if args.mesh is not None else [])
   record = uptrain(args.source, args.workdir, args.kv_heads, method=args.method, fraction=args.fraction,
-                   overrides=args.set, seed=args.seed)
+                   overrides=overrides, seed=args.seed)
   rows = [("before conversion", record["before"]), ("converted (alpha=0)", record["converted"]),
           (f"uptrained (alpha={record['fraction']})", record["after"])]
   for name, q in rows:
@@ -114,4 +117,6 @@ def add_parser(subparsers) -> None:
   parser.add_argument("--seed", type=int, default=0, help="rng seed for --method random")
   parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                       help="override the uptraining run config, e.g. train.lr=3e-4")
+  parser.add_argument("--mesh", metavar="data=D,model=M",
+                      help="shard the uptraining over a device mesh (the run's train.mesh)")
   parser.set_defaults(func=command)

@@ -5,15 +5,18 @@ JAX starts and so cannot share a process with the other tests.
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import NamedSharding
 
-from kvjax import ModelConfig, Transformer, decode, sharding
+from kvjax import ModelConfig, Transformer, checkpoint, cli, decode, sharding, train
 from kvjax.train import TrainState, make_train_step
 
 # 8 kv heads: one per device on model=8. The second has 2 kv heads, fewer than model=4
@@ -59,6 +62,11 @@ def prompts(batch: int, seq: int, vocab: int):
 
 def spec(x) -> tuple:
   return tuple(x.sharding.spec) + (None,) * (x.ndim - len(x.sharding.spec))
+
+
+def layout(x) -> tuple | None:
+  """spec(x) of an array placed on a mesh; None for one on a single device or in host memory."""
+  return spec(x) if isinstance(getattr(x, "sharding", None), NamedSharding) else None
 
 
 @pytest.mark.parametrize("config, data, model_axis, kv_spec", [
@@ -137,3 +145,66 @@ def test_train_step_matches_one_device():
   assert jax.tree.map(spec, sharded.params) == before  # the step keeps the layout it was given
   jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=0),
                sharded.params, ref.params)
+
+
+TINY = str(Path(__file__).resolve().parent.parent / "configs" / "train" / "tiny.py")
+# tiny.py cut to one layer and 4 steps (all inside its warmup, so a 2-step run's schedule, and
+# compiled step, are the 4-step run's); 4 heads over model=4 put one kv head on each device.
+SMALL = ["train.steps=4", "model.num_layers=1", "data.max_bytes=200000", "data.seq_len=32",
+         "train.batch_size=8", "train.eval_batches=1"]
+
+
+def test_kvjax_run_on_a_mesh_matches_one_device(tmp_path, monkeypatch, capsys):
+  steps, layouts = [], []  # each run's jitted train step; (q kernel, inputs) mesh specs at each call
+  make = train.make_train_step
+
+  def recording(*args):
+    compiled = make(*args)
+    steps.append(compiled)
+    def step(state, inputs, targets):
+      layouts.append((layout(state.params["layers_0"]["attn"]["q"]["kernel"]), layout(inputs)))
+      return compiled(state, inputs, targets)
+    return step
+  monkeypatch.setattr(train, "make_train_step", recording)
+  on_mesh = ((None, "model", None), ("data", None))
+
+  def kvjax(*args) -> str:
+    assert cli.main(list(args)) == 0
+    return capsys.readouterr().out
+
+  def run(name: str, *args, overrides=()) -> tuple[dict, str]:
+    out = kvjax("run", TINY, "--workdir", str(tmp_path / name), "--set", *SMALL, *overrides, *args)
+    return checkpoint.load_model(tmp_path / name)[1], out
+
+  def assert_close(params, ref):
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0),
+                 params, ref)
+
+  ref, out = run("one_device")
+  ref_val = json.loads(out.splitlines()[-1])["val_loss"]
+  assert layouts == [(None, None)] * 4
+  layouts.clear()
+  sharded, out = run("mesh", "--mesh", "data=2,model=4")
+  assert "on a mesh of {'data': 2, 'model': 4}" in out
+  assert layouts == [on_mesh] * 4
+  assert steps[-1]._cache_size() == 1  # one compiled step for the whole sharded run
+  assert_close(sharded, ref)
+  np.testing.assert_allclose(json.loads(out.splitlines()[-1])["val_loss"], ref_val, rtol=1e-5)
+
+  # A one-device checkpoint resumes onto the mesh and trains on to the same parameters.
+  run("resumed", overrides=["train.steps=2"])
+  layouts.clear()
+  resumed, out = run("resumed", "--mesh", "data=2,model=4")
+  assert "resuming at step 2, on a mesh of {'data': 2, 'model': 4}" in out
+  assert layouts == [on_mesh] * 2
+  assert_close(resumed, ref)
+
+  # The sharded checkpoint is read straight onto another mesh; `kvjax eval --mesh` scores it as
+  # the run's own evaluation did.
+  other = sharding.make_mesh(data=1, model=8)
+  _, params, _ = checkpoint.load_model(tmp_path / "mesh", mesh=other)
+  assert spec(params["embed"]["embedding"]) == ("model", None)
+  assert spec(params["layers_0"]["attn"]["k"]["kernel"]) == (None, None, None)  # 4 kv heads < 8
+  assert_close(params, sharded)
+  result = json.loads(kvjax("eval", "--workdir", str(tmp_path / "mesh"), "--mesh", "data=2,model=4", "--json"))
+  np.testing.assert_allclose(result["loss"], ref_val, rtol=1e-5)

@@ -3,6 +3,7 @@ a child process (tests/sharded_cases.py), since the device count is fixed when J
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -12,9 +13,11 @@ import jax
 import numpy as np
 import pytest
 
-from kvjax import sharding
-from kvjax.config import ModelConfig
+from kvjax import checkpoint, cli, sharding
+from kvjax.config import ModelConfig, apply_overrides, to_dict
 from kvjax.hf import param_shapes
+from kvjax.run_config import TrainConfig, TrainRun
+from kvjax.uptrain import uptrain_config
 
 
 def test_parse_mesh():
@@ -51,11 +54,53 @@ def test_place_without_mesh_is_identity_and_batch_must_split():
     np.testing.assert_array_equal(placed, tokens)
 
 
-def test_sharded_runs_match_one_device_on_8_cpu_devices():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+def test_train_mesh_is_validated_resumable_and_not_inherited_by_uptraining():
+  assert TrainConfig(mesh="data=2,model=4", batch_size=8).mesh == "data=2,model=4"
+  for mesh, message in (("pipe=2", r"TrainConfig.mesh='pipe=2': mesh item"), ("", "TrainConfig.mesh must be"),
+                        (4, "TrainConfig.mesh must be"), ("data=0", "TrainConfig.mesh='data=0'.*positive")):
+    with pytest.raises(ValueError, match=message):
+      TrainConfig(mesh=mesh)
+  with pytest.raises(ValueError, match=r"TrainConfig.batch_size=6 does not split over the data axis"):
+    TrainConfig(mesh="data=4", batch_size=6)
+  run = apply_overrides(TrainRun(), ["train.mesh=data=2,model=4"])
+  assert run.train.mesh == "data=2,model=4"
+  checkpoint.check_compatible(to_dict(TrainRun()), to_dict(run), "workdir")  # another mesh resumes
+  with pytest.raises(ValueError, match="train.batch_size"):
+    checkpoint.check_compatible(to_dict(TrainRun()), to_dict(apply_overrides(run, ["train.batch_size=8"])), "w")
+  source = to_dict(run)
+  assert uptrain_config(source, 100, 2, 0.1).train.mesh is None
+  assert uptrain_config(source, 100, 2, 0.1, ["train.mesh=model=2"]).train.mesh == "model=2"
+
+
+def test_mesh_options_on_run_eval_uptrain(tmp_path, capsys):
+  parser = cli.build_parser()
+  assert parser.parse_args(["eval", "--workdir", "w", "--mesh", "model=2"]).mesh == "model=2"
+  assert parser.parse_args(["uptrain", "--from", "a", "--workdir", "b", "--kv-heads", "1",
+                            "--mesh", "data=2"]).mesh == "data=2"
+  # A mesh larger than this machine stops `kvjax run` before any work, naming the devices.
+  workdir = tmp_path / "run"
+  tiny = str(Path(__file__).resolve().parent.parent / "configs" / "train" / "tiny.py")
+  assert cli.main(["run", tiny, "--workdir", str(workdir), "--mesh",
+                   f"data={jax.device_count()},model=2"]) == 2
+  assert f"needs {2 * jax.device_count()} devices" in capsys.readouterr().err
+  assert json.loads((workdir / "config.json").read_text())["train"]["mesh"] == f"data={jax.device_count()},model=2"
+  assert not (workdir / "checkpoints").exists()
+  # --mesh is for configs with a train section.
+  config = tmp_path / "no_train.py"
+  config.write_text("import dataclasses\n\n@dataclasses.dataclass(frozen=True)\nclass Job:\n  job: str = 'x'\n\n"
+                    "def get_config():\n  return Job()\n")
+  assert cli.main(["run", str(config), "--workdir", str(tmp_path / "x"), "--mesh", "model=2"]) == 2
+  assert "has no train.mesh" in capsys.readouterr().err
+
+
+def test_sharded_runs_match_one_device_on_8_cpu_devices(tmp_path):
+  # LLVM's cheapest level halves the compile times that dominate these tiny runs; the cache lets
+  # the resumed training runs reuse the steps compiled for the whole ones.
+  env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"),
+             XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
   root = Path(__file__).resolve().parent.parent
   proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
                          str(root / "tests" / "sharded_cases.py")],
                         cwd=root, env=env, capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-  assert "4 passed" in proc.stdout
+  assert "5 passed" in proc.stdout
