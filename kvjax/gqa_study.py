@@ -112,8 +112,9 @@ def uptrained(study: GqaStudy, stages: Stages, workdir: Path, num_kv_heads: int,
   """Uptrains MHA-big to `num_kv_heads` in its own workdir; returns that workdir."""
   fraction = study.fraction if fraction is None else fraction
   dest = workdir / f"kv{num_kv_heads}_{method}_alpha{fraction:g}"
+  mesh = [f"train.mesh={study.train.mesh}"] if study.train.mesh else []
   stages.run(dest.name, lambda: uptrain(workdir / "mha_big", dest, num_kv_heads, method=method,
-                                        fraction=fraction))
+                                        fraction=fraction, overrides=mesh))
   return dest
 
 
