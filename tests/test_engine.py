@@ -126,3 +126,8 @@ def test_bad_requests_are_rejected_and_lose_nothing(model_params):
     EngineConfig(num_slots=0)
   with pytest.raises(ValueError, match="exceeds ModelConfig.max_len=64"):
     Engine(model, params, EngineConfig(max_len=65))
+  with pytest.raises(ValueError, match="EngineConfig.attention must be one of"):
+    EngineConfig(attention="flash")
+  if not kvjax.paged.pallas_available():
+    with pytest.raises(ValueError, match="needs a GPU backend"):
+      Engine(model, params, EngineConfig(attention="pallas"))

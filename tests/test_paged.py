@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import functools
 
 import jax
@@ -147,3 +148,13 @@ def test_bad_input_is_rejected_before_compute():
     paged.copy_pages(cache, [0], [3])
   with pytest.raises(ValueError, match="leaves no page besides the reserved null page"):
     paged.init_cache(model.config, 1, PAGE_SIZE, 3, MAX_PAGES)
+
+
+def test_bench_paged_compares_equal_caches():
+  """The benchmark's two caches hold the same K/V, so their first steps agree (speed is not tested)."""
+  args = argparse.Namespace(set=["model.vocab_size=64", "model.d_model=32", "model.num_layers=1",
+                                 "model.num_heads=4", "model.num_kv_heads=2", "model.mlp_dim=64",
+                                 "model.max_len=64"], batch=2, repeats=2, context=64, page_size=8)
+  result = paged.bench_paged(args)
+  assert result["first_step_max_logit_diff"] < 1e-5
+  assert result["context"] == 64 and result["steps"] == 8 and result["paged_over_contiguous"] > 0
