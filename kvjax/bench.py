@@ -213,5 +213,7 @@ def add_parser(subparsers) -> None:
   parser.add_argument("--concat-max", type=int, default=64,
                       help="nocache: longest run for the concat cache (it compiles once per length)")
   parser.add_argument("--threads", type=int, default=0, help="hf: torch threads (default: torch's)")
+  parser.add_argument("--context", type=int, default=1024, help="paged: tokens cached per row")
+  parser.add_argument("--page-size", type=int, default=16, help="paged: tokens per page")
   parser.add_argument("--json", action="store_true", help="one line of JSON")
   parser.set_defaults(func=command)
