@@ -57,6 +57,20 @@ def check_prompts(model: Transformer, tokens, lengths, max_len: int) -> tuple[np
   return np.where(valid, tokens, 0).astype(np.int32), lengths.astype(np.int32)
 
 
+def check_step_tokens(model: Transformer, tokens, lengths: np.ndarray) -> np.ndarray:
+  """Validates one decode step's tokens (one per row, ids in the vocabulary) -> numpy array."""
+  tokens = np.asarray(tokens)
+  if tokens.shape != lengths.shape or not np.issubdtype(tokens.dtype, np.integer):
+    raise ValueError(f"tokens must be an integer array of shape {lengths.shape} (one per row), "
+                     f"got {tokens.dtype}{list(tokens.shape)}")
+  bad = (tokens < 0) | (tokens >= model.config.vocab_size)
+  if bad.any():
+    row = int(np.argmax(bad))
+    raise ValueError(f"token id {int(tokens[row])} at row {row} is outside "
+                     f"[0, vocab_size={model.config.vocab_size})")
+  return tokens
+
+
 @functools.partial(jax.jit, static_argnames=("model", "max_len"))
 def _prefill(model, params, tokens, lengths, max_len):
   logits, variables = model.apply({"params": params}, tokens, lengths, max_len,
@@ -97,21 +111,13 @@ def prefill(model: Transformer, params, tokens, lengths, max_len: int, *, mesh=N
 
 def decode_step(model: Transformer, params, cache: Cache, tokens, *, mesh=None):
   """Feeds one token per row at position cache['lengths'][b] -> (logits float32[B, V], new cache)."""
-  tokens = np.asarray(tokens)
   lengths = np.asarray(cache["lengths"])
+  tokens = check_step_tokens(model, tokens, lengths)
   capacity = cache_capacity(cache)
-  if tokens.shape != lengths.shape or not np.issubdtype(tokens.dtype, np.integer):
-    raise ValueError(f"tokens must be an integer array of shape {lengths.shape} (one per row), "
-                     f"got {tokens.dtype}{list(tokens.shape)}")
   if (lengths >= capacity).any():
     row = int(np.argmax(lengths))
     raise ValueError(f"cache is full: row {row} holds {int(lengths[row])} tokens and the cache length "
                      f"is {capacity}; prefill with a larger max_len")
-  bad = (tokens < 0) | (tokens >= model.config.vocab_size)
-  if bad.any():
-    row = int(np.argmax(bad))
-    raise ValueError(f"token id {int(tokens[row])} at row {row} is outside "
-                     f"[0, vocab_size={model.config.vocab_size})")
   params, (tokens,) = sharding.place(mesh, params, tokens.astype(np.int32))
   if mesh is not None:
     cache = jax.device_put(cache, sharding.cache_sharding(cache, mesh))

@@ -31,7 +31,7 @@ import numpy as np
 from kvjax.attention import attend
 from kvjax.config import ModelConfig
 from kvjax.decode import _decode_step as _decode_step_contiguous
-from kvjax.decode import check_prompts
+from kvjax.decode import check_prompts, check_step_tokens
 from kvjax.model import Transformer, causal_mask
 
 NULL_PAGE = 0
@@ -254,15 +254,7 @@ def decode_step(model: Transformer, params, cache: PagedCache, tokens, impl: str
   if impl == "pallas_interpret" and _pallas_kernel() is None:
     raise ValueError("impl='pallas_interpret' needs JAX's Pallas paged-attention kernel, which this JAX lacks")
   lengths = np.asarray(cache.lengths)
-  tokens = np.asarray(tokens)
-  if tokens.shape != lengths.shape or not np.issubdtype(tokens.dtype, np.integer):
-    raise ValueError(f"tokens must be an integer array of shape {lengths.shape} (one per row), "
-                     f"got {tokens.dtype}{list(tokens.shape)}")
-  bad = (tokens < 0) | (tokens >= model.config.vocab_size)
-  if bad.any():
-    row = int(np.argmax(bad))
-    raise ValueError(f"token id {int(tokens[row])} at row {row} is outside "
-                     f"[0, vocab_size={model.config.vocab_size})")
+  tokens = check_step_tokens(model, tokens, lengths)
   table = check_page_table(cache, cache.page_table, lengths + 1)
   cache = cache.replace(page_table=jnp.asarray(table), lengths=jnp.asarray(lengths, jnp.int32))
   return _decode(model, params, cache, jnp.asarray(tokens, jnp.int32), impl)
