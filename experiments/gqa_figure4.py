@@ -11,7 +11,7 @@ from kvjax import gqa_study as gs
 
 
 def main(study: gs.GqaStudy, workdir: Path) -> list[dict]:
-  stages = gs.Stages(workdir)
+  stages = gs.Stages(workdir, study)
   gs.pretrain(study, stages, workdir, "big")
   rows = []
   for kv in (1, study.gqa_kv_heads):

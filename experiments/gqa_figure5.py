@@ -11,7 +11,7 @@ from kvjax import gqa_study as gs
 
 
 def main(study: gs.GqaStudy, workdir: Path) -> list[dict]:
-  stages = gs.Stages(workdir)
+  stages = gs.Stages(workdir, study)
   mha = gs.pretrain(study, stages, workdir, "big")
   rows = [{"model": "MHA-big", "num_kv_heads": study.big.num_heads, "alpha": alpha,
            "bits_per_byte": mha["bits_per_byte"], "accuracy": mha["accuracy"]} for alpha in study.fractions]

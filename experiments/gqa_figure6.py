@@ -14,7 +14,7 @@ from kvjax.model import Transformer
 
 
 def main(study: gs.GqaStudy, workdir: Path) -> list[dict]:
-  stages = gs.Stages(workdir)
+  stages = gs.Stages(workdir, study)
   gs.pretrain(study, stages, workdir, "big")
   model, params, _ = checkpoint.load_model(workdir / "mha_big")
   heads = study.big.num_heads

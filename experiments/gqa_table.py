@@ -17,7 +17,7 @@ COLUMNS = [("model", "model", ""), ("num_kv_heads", "kv heads", "d"), ("params",
 
 
 def main(study: gs.GqaStudy, workdir: Path) -> list[dict]:
-  stages = gs.Stages(workdir)
+  stages = gs.Stages(workdir, study)
   gs.pretrain(study, stages, workdir, "small")
   gs.pretrain(study, stages, workdir, "big")
   models = [("MHA-small", study.small.num_kv_heads, workdir / "mha_small", None),

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from kvjax import checkpoint, decode, train
-from kvjax.config import ModelConfig, check_positive, check_real
+from kvjax.config import ModelConfig, check_positive, check_real, to_dict
 from kvjax.data import load_dataset
 from kvjax.evaluate import evaluate
 from kvjax.run_config import DataConfig, TrainConfig, TrainRun
@@ -86,12 +86,27 @@ class GqaStudy:
     return "MQA-big" if num_kv_heads == 1 else f"GQA-{num_kv_heads}-big"
 
 
-class Stages:
-  """Results of finished stages in WORKDIR/stages.json; `run` computes a stage once."""
+# Fields that only select which stages run (the table and each figure share one workdir).
+STAGE_SELECTORS = ("job", "fractions", "methods")
 
-  def __init__(self, workdir: Path):
+
+class Stages:
+  """Results of finished stages in WORKDIR/stages.json; `run` computes a stage once.
+
+  The file records the study it belongs to: a rerun with other models, data, training or timing
+  settings stops with an error instead of reusing results computed under the old ones.
+  """
+
+  def __init__(self, workdir: Path, study: GqaStudy):
     self.path = workdir / "stages.json"
     self.done = json.loads(self.path.read_text()) if self.path.exists() else {}
+    current = {k: v for k, v in to_dict(study).items() if k not in STAGE_SELECTORS}
+    recorded = self.done.setdefault("study", current)
+    if recorded != current:
+      old, new = checkpoint.flat(recorded), checkpoint.flat(current)
+      diffs = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+      raise ValueError(f"{self.path} holds stages of a study with other settings ({'; '.join(diffs)}); "
+                       "run it in another --workdir")
 
   def run(self, name: str, fn):
     if name not in self.done:

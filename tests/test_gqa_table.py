@@ -48,6 +48,14 @@ def test_rerun_skips_finished_stages(table, capsys):
   assert tree_state(table / "mha_big") == before
 
 
+def test_rerun_with_other_settings_is_refused(table, capsys):
+  before = (table / "stages.json").read_text()
+  assert main(["run", str(ROOT / "configs/gqa_table/tiny.py"), "--workdir", str(table),
+               "--set", "timing.batch=4"]) == 2
+  assert "timing.batch: 8 -> 4" in capsys.readouterr().err
+  assert (table / "stages.json").read_text() == before
+
+
 def test_uptrain_cli_records_quality_and_leaves_the_source_alone(table, tmp_path, capsys):
   source = table / "mha_big"
   before = tree_state(source)
