@@ -64,7 +64,7 @@ def _grow(cache, new_capacity: int):
   return {**layers, "lengths": cache["lengths"]}
 
 
-def _decode_loop(model, params, cache, first, max_new_tokens, step_fn):
+def _decode_loop(cache, first, max_new_tokens, step_fn):
   out = [np.asarray(first)]
   token = first
   for _ in range(max_new_tokens - 1):
@@ -94,7 +94,7 @@ def generate_concat(model: Transformer, params, prompts, lengths, max_new_tokens
   prompts, lengths = _start(model, prompts, lengths, max_new_tokens)
   first, cache = _prefill_first(model, params, prompts, lengths, prompts.shape[1])
   step = functools.partial(_concat_step, model, params)
-  return _decode_loop(model, params, cache, first, max_new_tokens, step)
+  return _decode_loop(cache, first, max_new_tokens, step)
 
 
 def generate_doubling(model: Transformer, params, prompts, lengths, max_new_tokens: int,
@@ -113,4 +113,4 @@ def generate_doubling(model: Transformer, params, prompts, lengths, max_new_toke
     written += 1
     return _decode_step(model, params, cache, token)
 
-  return _decode_loop(model, params, cache, first, max_new_tokens, step)
+  return _decode_loop(cache, first, max_new_tokens, step)

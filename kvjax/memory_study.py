@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.config import ModelConfig, check_positive
+from kvjax.config import ModelConfig, check_nonnegative, check_positive, check_real
 from kvjax.engine import Engine, EngineConfig
 from kvjax.model import Transformer
 
@@ -52,12 +52,9 @@ class WorkloadConfig:
 
   def __post_init__(self):
     check_positive(self, "num_requests", "prompt_median", "output_median")
-    for name in ("prompt_sigma", "output_sigma"):
-      value = getattr(self, name)
-      if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 4:
-        raise ValueError(f"WorkloadConfig.{name} must be a number in [0, 4], got {value!r}")
-    if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-      raise ValueError(f"WorkloadConfig.seed must be a non-negative integer, got {self.seed!r}")
+    check_real(self, "prompt_sigma", 0.0, 4.0)
+    check_real(self, "output_sigma", 0.0, 4.0)
+    check_nonnegative(self, "seed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,8 +88,7 @@ class KVMemoryStudy:
     if self.budget_tokens < self.model.max_len:
       raise ValueError(f"KVMemoryStudy.budget_tokens={self.budget_tokens} cannot hold one request of "
                        f"ModelConfig.max_len={self.model.max_len} positions")
-    if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-      raise ValueError(f"KVMemoryStudy.seed must be a non-negative integer, got {self.seed!r}")
+    check_nonnegative(self, "seed")
 
   def policies(self) -> list[tuple[str, int]]:
     """(allocation, page size) pairs, baselines first."""
