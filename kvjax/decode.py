@@ -160,9 +160,10 @@ def _generate(model, params, prompts, lengths, rng, sampling, eos_id, max_new_to
   return jax.lax.while_loop(cond, body, state).tokens
 
 
-def prompt_bucket(longest: int, limit: int) -> int:
-  """Pads prompt batches to a power of two (at least 16) so generate compiles once per bucket."""
-  return min(max(16, 1 << (longest - 1).bit_length()), limit)
+def size_bucket(n: int, limit: int, floor: int = 16) -> int:
+  """n rounded up to a power of two (at least floor, at most limit, never below n): padding sizes
+  to buckets makes jitted functions compile once per bucket rather than once per size."""
+  return max(min(max(floor, 1 << (n - 1).bit_length()), limit), n)
 
 
 def generate(model: Transformer, params, prompts, lengths, max_new_tokens: int, *,
@@ -191,7 +192,7 @@ def generate(model: Transformer, params, prompts, lengths, max_new_tokens: int, 
     raise ValueError(f"eos_id={eos_id} is outside [0, vocab_size={cfg.vocab_size})")
   sampling = Sampling.create(temperature, top_k, top_p)
   prompts, lengths = check_prompts(model, prompts, lengths, cfg.max_len)
-  bucket = max(prompt_bucket(longest, cfg.max_len - max_new_tokens + 1), longest)
+  bucket = size_bucket(longest, cfg.max_len - max_new_tokens + 1)
   padded = np.zeros((prompts.shape[0], bucket), np.int32)
   padded[:, :longest] = prompts[:, :longest]
   max_len = bucket + max_new_tokens - 1

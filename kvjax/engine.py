@@ -30,6 +30,7 @@ import numpy as np
 from kvjax import paged
 from kvjax.allocator import OutOfPages, PageAllocator
 from kvjax.config import check_choice, check_positive
+from kvjax.decode import size_bucket
 from kvjax.model import Transformer
 from kvjax.sampling import Sampling, sample
 
@@ -121,10 +122,6 @@ def _stack(settings: list[tuple[float, int, float]]) -> Sampling:
                   jnp.asarray(top_p, jnp.float32))
 
 
-def _bucket(n: int, limit: int, floor: int = 1) -> int:
-  return max(min(max(floor, 1 << (n - 1).bit_length()), limit), n)
-
-
 class Engine:
   """Continuous-batching generation: `submit` requests, then `step` or `run`."""
 
@@ -205,7 +202,7 @@ class Engine:
     """Compiles every prompt bucket and page-table width on idle rows (writes land in the null page)."""
     n = MIN_PROMPT_BUCKET
     while True:
-      bucket = _bucket(n, self.max_len, MIN_PROMPT_BUCKET)
+      bucket = size_bucket(n, self.max_len, MIN_PROMPT_BUCKET)
       self._run_prefill(np.zeros((1, bucket), np.int32), np.ones(1, np.int32),
                         np.zeros((1, self.max_pages), np.int32), GREEDY, 0, 0)
       if bucket >= self.max_len:
@@ -239,7 +236,7 @@ class Engine:
     """Page-table columns a decode step reads to cover `positions` positions: attention gathers
     and reads only these pages, and bucketing them bounds the number of compilations."""
     floor = self.allocator.pages_for(MIN_PROMPT_BUCKET)
-    return _bucket(self.allocator.pages_for(positions), self.max_pages, floor)
+    return size_bucket(self.allocator.pages_for(positions), self.max_pages, floor)
 
   # Scheduling.
 
@@ -261,7 +258,7 @@ class Engine:
       alloc.reserve(request.id, self._target(context.size, 0))
       request.slot = self.slots.index(None)
       self.slots[request.slot] = request
-      bucket = _bucket(context.size, self.max_len, MIN_PROMPT_BUCKET)
+      bucket = size_bucket(context.size, self.max_len, MIN_PROMPT_BUCKET)
       tokens = np.zeros((1, bucket), np.int32)
       tokens[0, :context.size] = context
       token = self._run_prefill(tokens, np.array([context.size], np.int32),
