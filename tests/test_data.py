@@ -33,8 +33,12 @@ def test_file_corpus_and_split(tmp_path):
   ds = data.load_dataset(DataConfig(source=str(path), val_fraction=0.1, seq_len=16))
   assert ds.info.num_bytes == len(text) and ds.info.num_files == 1
   assert ds.info.sha256 == hashlib.sha256(text).hexdigest()
-  assert len(ds.val) == int(len(text) * 0.1)
-  assert np.concatenate([ds.train, ds.val]).tobytes() == text  # held-out tail, nothing lost
+  held = data.held_out_mask(len(text), 0.1)
+  corpus = np.frombuffer(text, np.uint8)
+  assert ds.val.tobytes() == corpus[held].tobytes() and ds.train.tobytes() == corpus[~held].tobytes()
+  assert abs(len(ds.val) / len(text) - 0.1) < 0.02  # nothing lost, the asked-for fraction held out
+  quarters = np.array_split(held, 4)
+  assert all(q.any() for q in quarters) and not held.all()  # held-out blocks cover the whole corpus
 
 
 def test_max_bytes_caps_the_corpus(tmp_path):
