@@ -1,5 +1,5 @@
 """The GQA table on a CPU: byte-level models on 4 MB of the standard library, MHA-big with 16
-heads of 12 dims, GQA-2 keeping the paper's 8 query heads per kv head. About 20 minutes on
+heads of 12 dims, GQA-2 keeping the paper's 8 query heads per kv head. About 25 minutes on
 two CPU cores (most of it pre-training MHA-big).
 
   kvjax run configs/gqa_table/cpu.py --workdir runs/gqa_cpu
