@@ -21,8 +21,8 @@ __all__ = ["DataConfig", "TrainConfig", "TrainRun", "apply_overrides", "config_k
 class DataConfig:
   """A byte-level corpus: "stdlib" (this Python's standard-library sources), a text file or a
   directory of text files. The first max_bytes bytes are used; val_fraction of them, in blocks
-  spread over the whole corpus, is held out (`kvjax.data.held_out_mask`). Training windows of seq_len + 1 bytes are drawn at random from a generator seeded
-  with `seed`.
+  spread over the whole corpus, is held out (`kvjax.data.held_out_mask`). Training windows of
+  seq_len + 1 bytes are drawn at random from a generator seeded with `seed`.
   """
 
   source: str = "stdlib"
