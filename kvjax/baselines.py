@@ -57,9 +57,11 @@ def generate_nocache(model: Transformer, params, prompts, lengths, max_new_token
 
 def _grow(cache, new_capacity: int):
   """A cache whose k/v buffers are copied into zero buffers of length new_capacity."""
-  def pad(x):
-    return jnp.pad(x, ((0, 0), (0, 0), (0, new_capacity - x.shape[2]), (0, 0)))
-  layers = {name: {"attn": jax.tree.map(pad, layer["attn"])}
+  def pad(x, axis):  # the sequence axis: 3 for k [B, K, H, S], 2 for v [B, K, S, H]
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, new_capacity - x.shape[axis])
+    return jnp.pad(x, widths)
+  layers = {name: {"attn": {"k": pad(layer["attn"]["k"], 3), "v": pad(layer["attn"]["v"], 2)}}
             for name, layer in cache.items() if name != "lengths"}
   return {**layers, "lengths": cache["lengths"]}
 

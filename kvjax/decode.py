@@ -1,7 +1,7 @@
 """Jitted prefill, decode_step and generate over the preallocated KV cache.
 
 The cache is the Flax 'cache' collection: {'layers_{i}': {'attn': {'k', 'v'}}, 'lengths'},
-with k, v [B, K, max_len, H] in config.cache_dtype (kv-head-major; see kvjax.attention) and lengths int32[B] (tokens written per row).
+with k [B, K, H, max_len] and v [B, K, max_len, H] in config.cache_dtype (see kvjax.attention) and lengths int32[B] (tokens written per row).
 Every function returns a new cache; the one passed in is donated and must not be reused.
 Given a `mesh`, each places params, batch rows and cache by kvjax.sharding's rules, and XLA
 partitions the same computation over it.
@@ -86,8 +86,8 @@ def _decode_step(model, params, cache, tokens):
 
 
 def cache_capacity(cache: Cache) -> int:
-  """max_len of a cache: the sequence axis of its k buffers."""
-  return cache["layers_0"]["attn"]["k"].shape[2]
+  """max_len of a cache: the sequence axis of its v buffers."""
+  return cache["layers_0"]["attn"]["v"].shape[2]
 
 
 def cache_bytes(cache: Cache) -> int:

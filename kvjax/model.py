@@ -73,7 +73,7 @@ class Block(nn.Module):
 
 class Transformer(nn.Module):
   """Causal LM. `__call__` is the full forward with no cache; `prefill` / `decode` use the
-  'cache' collection (per layer k, v [B, K, max_len, H] plus lengths int32[B]).
+  'cache' collection (per layer k [B, K, H, max_len], v [B, K, max_len, H], plus lengths int32[B]).
   Prefer the jitted functions in `kvjax.decode` over calling prefill / decode directly.
   """
 

@@ -306,7 +306,7 @@ def bench_paged(args) -> dict:
   layers = [contiguous[f"layers_{i}"]["attn"] for i in range(cfg.num_layers)]
   caches = {"contiguous": contiguous}
   for impl in impls:
-    caches[impl] = cache.replace(k=tuple(scatter(p, l["k"]) for p, l in zip(cache.k, layers)),
+    caches[impl] = cache.replace(k=tuple(scatter(p, l["k"].swapaxes(2, 3)) for p, l in zip(cache.k, layers)),
                                  v=tuple(scatter(p, l["v"]) for p, l in zip(cache.v, layers)),
                                  page_table=jnp.asarray(table, jnp.int32),
                                  lengths=jnp.full((batch,), start, jnp.int32))

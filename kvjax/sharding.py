@@ -6,7 +6,7 @@ Batch rows are split over `data`. Over `model`:
   out kernel [N, H, D]                   row-parallel on N: the one reduction of attention
   mlp gate, up [D, F]; down [F, D]       column- then row-parallel on F
   embed [V, D], lm_head [D, V]           on V (vocabulary)
-  KV cache k, v [B, K, S, H]             on K, rows on `data`; lengths [B] on `data`
+  KV cache k [B, K, H, S], v [B, K, S, H] on K, rows on `data`; lengths [B] on `data`
 Norms, position embeddings and output biases are replicated. Optimizer moments follow their
 parameters. Query head n reads kv head n // G (`kv_head_of`), so when K is a multiple of the
 model axis each device holds whole kv groups, the queries that read them and their cache:
@@ -44,7 +44,7 @@ MODEL_AXIS_RULES = {
     ("embed", "embedding"): ("model", None),
     ("lm_head", "kernel"): (None, "model"),
 }
-CACHE_RULE = ("data", "model", None, None)  # k, v [B, K, S, H]
+CACHE_RULE = ("data", "model", None, None)  # k [B, K, H, S], v [B, K, S, H]
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -132,7 +132,7 @@ def shard_batch(mesh: Mesh, *arrays) -> tuple:
 
 
 def cache_sharding(cache: Any, mesh: Mesh) -> Any:
-  """NamedShardings for a decode cache: k, v [B, K, S, H] on (data, model), lengths on data."""
+  """NamedShardings for a decode cache: k and v on (data, model) (rows, kv heads), lengths on data."""
   def one(path, leaf):
     shape = np.shape(leaf)
     if len(shape) == len(CACHE_RULE):

@@ -83,10 +83,10 @@ def test_prefill_decode_generate_match_one_device(config, data, model_axis, kv_s
   placed = sharding.shard_params(params, mesh)["layers_0"]["attn"]
   assert spec(placed["k"]["kernel"]) == (None, kv_spec[1], None)
   assert spec(placed["q"]["kernel"]) == (None, "model", None)
-  k = cache["layers_0"]["attn"]["k"]  # [B, K, S, H]
+  k = cache["layers_0"]["attn"]["k"]  # [B, K, H, S]
   assert spec(k)[1:] == kv_spec[1:] and spec(k)[0] == ("data" if data > 1 else spec(k)[0])
   assert k.addressable_shards[0].data.shape == (4 // data, config.num_kv_heads // (
-      model_axis if kv_spec[1] else 1), 24, config.head_dim)
+      model_axis if kv_spec[1] else 1), config.head_dim, 24)
   # Greedy decoding step by step on one device is the reference for the sharded generate.
   step_tokens = np.argmax(np.asarray(ref_logits)[np.arange(4), lengths - 1], -1).astype(np.int32)
   greedy = [step_tokens]
@@ -109,10 +109,10 @@ def test_decode_step_with_8_kv_heads_on_model_8_gathers_no_kv():
   params, (step_tokens,) = sharding.place(mesh, params, np.zeros(2, np.int32))
   hlo = decode._decode_step.lower(model, params, cache, step_tokens).compile().as_text()
   # Each device's cache is its own kv head: the compiled module's cache parameters are
-  # [B, 1, S, H] shards of the [B, 8, S, H] cache.
+  # [B, 1, H, S] and [B, 1, S, H] shards of the k [B, 8, H, S] and v [B, 8, S, H] caches.
   entry_inputs = re.search(r"ENTRY [^(]*\((.*?)\) ->", hlo).group(1)
-  assert entry_inputs.count("f32[2,1,16,8]") == 2 * KV8.num_layers, entry_inputs
-  assert "f32[2,8,16,8]" not in hlo
+  assert entry_inputs.count("f32[2,1,8,16]") == entry_inputs.count("f32[2,1,16,8]") == KV8.num_layers, entry_inputs
+  assert "f32[2,8,16,8]" not in hlo and "f32[2,8,8,16]" not in hlo
   # Attention tensors (K/V, queries, scores) are rank >= 4; none is all-gathered. The
   # collectives left are the row-parallel reductions (attention output, MLP down, embedding).
   gathers = re.findall(r"= \w+\[([0-9,]*)\][^ ]* all-gather(?:-start)?\(", hlo)

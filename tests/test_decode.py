@@ -65,7 +65,12 @@ def test_attend_matches_reference(num_heads, num_kv_heads):
   k = jax.random.normal(keys[1], (2, num_kv_heads, 7, 8))
   v = jax.random.normal(keys[2], (2, num_kv_heads, 7, 8))
   mask = np.tril(np.ones((5, 7), bool), k=2)[None].repeat(2, 0)
-  np.testing.assert_allclose(kvjax.attend(q, k, v, mask), reference_attention(q, k, v, mask), atol=1e-5)
+  expected = reference_attention(q, k, v, mask)
+  np.testing.assert_allclose(kvjax.attend(q, k, v, mask), expected, atol=1e-5)
+  # The cache's layout (keys [B, K, H, S]), and one query token as in a decode step.
+  np.testing.assert_allclose(kvjax.attend(q, k.swapaxes(2, 3), v, mask, k_transposed=True), expected, atol=1e-5)
+  np.testing.assert_allclose(kvjax.attend(q[:, -1:], k.swapaxes(2, 3), v, mask[:, -1:], k_transposed=True),
+                             expected[:, -1:], atol=1e-5)
 
 
 def test_grouping_rule_is_contiguous():
