@@ -112,11 +112,16 @@ class Dataset:
 HELD_OUT_BLOCK = 1 << 14
 
 
-def held_out_mask(num_bytes: int, val_fraction: float) -> np.ndarray:
-  """bool [num_bytes], True for held-out bytes: val_fraction of the corpus in blocks of up to
-  16 KiB (at least 64 blocks in all) spread evenly over it. A held-out tail would sample one corner
-  of a sorted corpus; the standard library's ends in codec tables, almost pure copying.
+def held_out_mask(num_bytes: int, val_fraction: float, rule: str = "spread") -> np.ndarray:
+  """bool [num_bytes], True for held-out bytes: val_fraction of the corpus.
+
+  "spread": blocks of up to 16 KiB (at least 64 blocks in all) spread evenly over the corpus. A
+  held-out tail samples one corner of a sorted corpus; the standard library's ends in codec
+  tables, almost pure copying.
+  "tail": the last bytes, for a corpus in time order.
   """
+  if rule == "tail":
+    return np.arange(num_bytes) >= num_bytes - max(1, round(num_bytes * val_fraction))
   block = min(HELD_OUT_BLOCK, max(1, num_bytes // 64))
   num_blocks = -(-num_bytes // block)
   num_held = max(1, round(num_blocks * val_fraction))
@@ -127,7 +132,7 @@ def held_out_mask(num_bytes: int, val_fraction: float) -> np.ndarray:
 
 def load_dataset(config: DataConfig) -> Dataset:
   corpus, info = load_corpus(config)
-  held = held_out_mask(len(corpus), config.val_fraction)
+  held = held_out_mask(len(corpus), config.val_fraction, config.held_out)
   num_val = int(held.sum())
   need = config.seq_len + 1
   if num_val < need or len(corpus) - num_val < need:

@@ -9,25 +9,30 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from kvjax.config import (ModelConfig, apply_overrides, check_nonnegative, check_positive,
-                          check_real, config_keys, from_dict, to_dict)
+from kvjax.config import (ModelConfig, apply_overrides, check_choice, check_nonnegative,
+                          check_positive, check_real, config_keys, from_dict, to_dict)
 from kvjax.sharding import parse_mesh
 
 __all__ = ["DataConfig", "TrainConfig", "TrainRun", "apply_overrides", "config_keys", "from_dict",
            "to_dict"]
 
 
+HELD_OUT_RULES = ("spread", "tail")
+
+
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
   """A byte-level corpus: "stdlib" (this Python's standard-library sources), a text file or a
-  directory of text files. The first max_bytes bytes are used; val_fraction of them, in blocks
-  spread over the whole corpus, is held out (`kvjax.data.held_out_mask`). Training windows of
-  seq_len + 1 bytes are drawn at random from a generator seeded with `seed`.
+  directory of text files. The first max_bytes bytes are used; val_fraction of them is held out
+  (`kvjax.data.held_out_mask`): with held_out="spread", in blocks spread over the whole corpus;
+  with "tail", its last bytes (for a corpus in time order). Training windows of seq_len + 1
+  bytes are drawn at random from a generator seeded with `seed`.
   """
 
   source: str = "stdlib"
   max_bytes: int = 4_000_000
   val_fraction: float = 0.05
+  held_out: str = "spread"
   seq_len: int = 128
   seed: int = 0
 
@@ -37,6 +42,7 @@ class DataConfig:
     check_positive(self, "max_bytes", "seq_len")
     check_nonnegative(self, "seed")
     check_real(self, "val_fraction", 0.0, 0.5, open_low=True)
+    check_choice(self, "held_out", HELD_OUT_RULES)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,6 +39,11 @@ def test_file_corpus_and_split(tmp_path):
   assert abs(len(ds.val) / len(text) - 0.1) < 0.02  # nothing lost, the asked-for fraction held out
   quarters = np.array_split(held, 4)
   assert all(q.any() for q in quarters) and not held.all()  # held-out blocks cover the whole corpus
+  tail = data.load_dataset(DataConfig(source=str(path), val_fraction=0.1, held_out="tail", seq_len=16))
+  cut = len(text) - round(0.1 * len(text))
+  assert tail.val.tobytes() == text[cut:] and tail.train.tobytes() == text[:cut]
+  with pytest.raises(ValueError, match=r"DataConfig.held_out must be one of \('spread', 'tail'\), got 'end'"):
+    DataConfig(held_out="end")
 
 
 def test_max_bytes_caps_the_corpus(tmp_path):

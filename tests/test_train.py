@@ -139,6 +139,9 @@ def test_mismatched_config_is_refused(trained, tmp_path, capsys):
   other = apply_overrides(config, ["model.d_model=64"])
   with pytest.raises(ValueError, match=r"holds checkpoints of a different config \(model.d_model: 32 -> 64"):
     train.run(other, copy)
+  # Another held-out split would train on other bytes; a run without the field predates it.
+  with pytest.raises(ValueError, match=r"data.held_out: 'spread' -> 'tail'"):
+    train.run(apply_overrides(config, ["data.held_out=tail"]), copy)
   config_file = tmp_path / "tiny.py"
   config_file.write_text(
       "from kvjax.config import ModelConfig\nfrom kvjax.run_config import DataConfig, TrainConfig, TrainRun\n"
