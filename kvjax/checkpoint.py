@@ -129,11 +129,17 @@ def flat(config: dict, prefix: str = "") -> dict:
   return out
 
 
+def config_diffs(saved: dict, new: dict, ignore=frozenset()) -> list[str]:
+  """"section.field: old -> new" for every field where two nested config dicts differ."""
+  old, cur = flat(saved), flat(new)
+  show = lambda config, k: repr(config[k]) if k in config else "(not recorded)"
+  return [f"{k}: {show(old, k)} -> {show(cur, k)}" for k in sorted(set(old) | set(cur))
+          if old.get(k) != cur.get(k) and k not in ignore]
+
+
 def check_compatible(saved: dict, new: dict, where: str | Path) -> None:
   """Raises ValueError unless run config `new` may resume checkpoints written under `saved`."""
-  old, cur = flat(saved), flat(new)
-  diffs = [f"{k}: {old.get(k)!r} -> {cur.get(k)!r}" for k in sorted(set(old) | set(cur))
-           if old.get(k) != cur.get(k) and k not in RESUMABLE_KEYS]
+  diffs = config_diffs(saved, new, RESUMABLE_KEYS)
   if diffs:
     raise ValueError(f"{where} holds checkpoints of a different config ({'; '.join(diffs)}); "
                      "resume with the same config, or train in another --workdir")

@@ -103,8 +103,7 @@ class Stages:
     current = {k: v for k, v in to_dict(study).items() if k not in STAGE_SELECTORS}
     recorded = self.done.setdefault("study", current)
     if recorded != current:
-      old, new = checkpoint.flat(recorded), checkpoint.flat(current)
-      diffs = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+      diffs = checkpoint.config_diffs(recorded, current)
       raise ValueError(f"{self.path} holds stages of a study with other settings ({'; '.join(diffs)}); "
                        "run it in another --workdir")
 

@@ -130,6 +130,13 @@ def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(corpus, tmp_path):
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(params))
 
 
+def test_config_diffs_name_fields_a_saved_config_lacks():
+  saved = {"model": {"d_model": 32}, "data": {"seq_len": 16}, "train": {"steps": 5}}
+  new = {"model": {"d_model": 64}, "data": {"seq_len": 16, "held_out": "spread"}, "train": {"steps": 9}}
+  assert checkpoint.config_diffs(saved, new, checkpoint.RESUMABLE_KEYS) == [
+      "data.held_out: (not recorded) -> 'spread'", "model.d_model: 32 -> 64"]
+
+
 def test_mismatched_config_is_refused(trained, tmp_path, capsys):
   workdir, config, _ = trained
   copy = tmp_path / "run"
