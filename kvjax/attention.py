@@ -70,7 +70,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
   k_spec = "bkhs" if k_transposed else "bksh"
   if t == 1 and k_transposed:
     # Decode from the cache. The query axis is added after the scores dot: with it, jnp.einsum
-    # orders the contraction into a dot that XLA's CPU backend runs 1.5-3x slower when G > 1.
+    # orders the contraction into a dot that XLA's CPU backend runs 1.5-4x slower when G > 1.
     scores = jnp.einsum("bkgh,bkhs->bkgs", q[:, 0], k, preferred_element_type=jnp.float32)[:, :, :, None]
   else:
     scores = jnp.einsum(f"btkgh,{k_spec}->bkgts", q, k, preferred_element_type=jnp.float32)
