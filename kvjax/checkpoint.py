@@ -132,8 +132,9 @@ def flat(config: dict, prefix: str = "") -> dict:
 def config_diffs(saved: dict, new: dict, ignore=frozenset()) -> list[str]:
   """"section.field: old -> new" for every field where two nested config dicts differ."""
   old, cur = flat(saved), flat(new)
-  show = lambda config, k: repr(config[k]) if k in config else "(not recorded)"
-  return [f"{k}: {show(old, k)} -> {show(cur, k)}" for k in sorted(set(old) | set(cur))
+  show = lambda config, k, missing: repr(config[k]) if k in config else missing
+  return [f"{k}: {show(old, k, '(not recorded: written before kvjax had this field)')} -> "
+          f"{show(cur, k, '(no longer a field)')}" for k in sorted(set(old) | set(cur))
           if old.get(k) != cur.get(k) and k not in ignore]
 
 

@@ -122,6 +122,8 @@ def held_out_mask(num_bytes: int, val_fraction: float, rule: str = "spread") -> 
   """
   if rule == "tail":
     return np.arange(num_bytes) >= num_bytes - max(1, round(num_bytes * val_fraction))
+  if rule != "spread":
+    raise ValueError(f"held-out rule must be 'spread' or 'tail', got {rule!r}")
   block = min(HELD_OUT_BLOCK, max(1, num_bytes // 64))
   num_blocks = -(-num_bytes // block)
   num_held = max(1, round(num_blocks * val_fraction))

@@ -44,6 +44,8 @@ def test_file_corpus_and_split(tmp_path):
   assert tail.val.tobytes() == text[cut:] and tail.train.tobytes() == text[:cut]
   with pytest.raises(ValueError, match=r"DataConfig.held_out must be one of \('spread', 'tail'\), got 'end'"):
     DataConfig(held_out="end")
+  with pytest.raises(ValueError, match="held-out rule must be 'spread' or 'tail', got 'Tail'"):
+    data.held_out_mask(100, 0.1, "Tail")
 
 
 def test_max_bytes_caps_the_corpus(tmp_path):

@@ -134,7 +134,8 @@ def test_config_diffs_name_fields_a_saved_config_lacks():
   saved = {"model": {"d_model": 32}, "data": {"seq_len": 16}, "train": {"steps": 5}}
   new = {"model": {"d_model": 64}, "data": {"seq_len": 16, "held_out": "spread"}, "train": {"steps": 9}}
   assert checkpoint.config_diffs(saved, new, checkpoint.RESUMABLE_KEYS) == [
-      "data.held_out: (not recorded) -> 'spread'", "model.d_model: 32 -> 64"]
+      "data.held_out: (not recorded: written before kvjax had this field) -> 'spread'",
+      "model.d_model: 32 -> 64"]
 
 
 def test_mismatched_config_is_refused(trained, tmp_path, capsys):
