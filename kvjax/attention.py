@@ -28,6 +28,9 @@ from kvjax.config import ModelConfig
 
 NEG_INF = -1e30
 
+# The sequence axis of each cache buffer: k [B, K, H, S], v [B, K, S, H].
+CACHE_SEQ_AXIS = {"k": 3, "v": 2}
+
 
 def kv_head_of(query_head: int | np.ndarray, num_heads: int, num_kv_heads: int):
   """The kv head that query head(s) `query_head` read: contiguous groups of num_heads // num_kv_heads."""
@@ -67,12 +70,12 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
   b, t, n, h = q.shape
   q = group_queries(q, v.shape[1]) * (h ** -0.5)  # [B, T, K, G, H]
   k, v = k.astype(q.dtype), v.astype(q.dtype)
-  k_spec = "bkhs" if k_transposed else "bksh"
   if t == 1 and k_transposed:
     # Decode from the cache. The query axis is added after the scores dot: with it, jnp.einsum
     # orders the contraction into a dot that XLA's CPU backend runs 1.5-4x slower when G > 1.
     scores = jnp.einsum("bkgh,bkhs->bkgs", q[:, 0], k, preferred_element_type=jnp.float32)[:, :, :, None]
   else:
+    k_spec = "bkhs" if k_transposed else "bksh"
     scores = jnp.einsum(f"btkgh,{k_spec}->bkgts", q, k, preferred_element_type=jnp.float32)
   scores = jnp.where(mask[:, None, None, :, :], scores, NEG_INF)
   probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
@@ -146,9 +149,9 @@ class Attention(nn.Module):
   def decode(self, x: jax.Array, lengths: jax.Array) -> jax.Array:
     """x [B, 1, D] is the token at position lengths[b]; its K/V are written there, then it attends to [0, lengths[b]]."""
     q, k, v = self.project(x, lengths[:, None])
-    k_cache = write_rows(self.get_variable("cache", "k"), k.swapaxes(2, 3), lengths, axis=3)
-    v_cache = write_rows(self.get_variable("cache", "v"), v, lengths, axis=2)
+    k_cache = write_rows(self.get_variable("cache", "k"), k.swapaxes(2, 3), lengths, CACHE_SEQ_AXIS["k"])
+    v_cache = write_rows(self.get_variable("cache", "v"), v, lengths, CACHE_SEQ_AXIS["v"])
     self.put_variable("cache", "k", k_cache)
     self.put_variable("cache", "v", v_cache)
-    mask = (jnp.arange(v_cache.shape[2])[None, :] <= lengths[:, None])[:, None, :]  # [B, 1, S]
+    mask = (jnp.arange(v_cache.shape[CACHE_SEQ_AXIS["v"]])[None, :] <= lengths[:, None])[:, None, :]  # [B, 1, S]
     return self.out(attend(q, k_cache, v_cache, mask, k_transposed=True))

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.attention import CACHE_SEQ_AXIS
 from kvjax.decode import _decode_step, _prefill, cache_capacity, check_prompts
 from kvjax.model import Transformer
 
@@ -57,11 +58,11 @@ def generate_nocache(model: Transformer, params, prompts, lengths, max_new_token
 
 def _grow(cache, new_capacity: int):
   """A cache whose k/v buffers are copied into zero buffers of length new_capacity."""
-  def pad(x, axis):  # the sequence axis: 3 for k [B, K, H, S], 2 for v [B, K, S, H]
+  def pad(x, axis):
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, new_capacity - x.shape[axis])
     return jnp.pad(x, widths)
-  layers = {name: {"attn": {"k": pad(layer["attn"]["k"], 3), "v": pad(layer["attn"]["v"], 2)}}
+  layers = {name: {"attn": {kv: pad(x, CACHE_SEQ_AXIS[kv]) for kv, x in layer["attn"].items()}}
             for name, layer in cache.items() if name != "lengths"}
   return {**layers, "lengths": cache["lengths"]}
 

@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from kvjax.run_config import DataConfig
+from kvjax.run_config import HELD_OUT_RULES, DataConfig
 
 VOCAB_SIZE = 256
 # Directories of the standard library that are not the library itself.
@@ -120,10 +120,10 @@ def held_out_mask(num_bytes: int, val_fraction: float, rule: str = "spread") -> 
   tables, almost pure copying.
   "tail": the last bytes, for a corpus in time order.
   """
+  if rule not in HELD_OUT_RULES:
+    raise ValueError(f"held-out rule must be {' or '.join(map(repr, HELD_OUT_RULES))}, got {rule!r}")
   if rule == "tail":
     return np.arange(num_bytes) >= num_bytes - max(1, round(num_bytes * val_fraction))
-  if rule != "spread":
-    raise ValueError(f"held-out rule must be 'spread' or 'tail', got {rule!r}")
   block = min(HELD_OUT_BLOCK, max(1, num_bytes // 64))
   num_blocks = -(-num_bytes // block)
   num_held = max(1, round(num_blocks * val_fraction))

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import sharding
+from kvjax.attention import CACHE_SEQ_AXIS
 from kvjax.model import Transformer
 from kvjax.sampling import Sampling, sample
 
@@ -86,8 +87,8 @@ def _decode_step(model, params, cache, tokens):
 
 
 def cache_capacity(cache: Cache) -> int:
-  """max_len of a cache: the sequence axis of its v buffers."""
-  return cache["layers_0"]["attn"]["v"].shape[2]
+  """max_len of a cache: the length of its buffers' sequence axis."""
+  return cache["layers_0"]["attn"]["v"].shape[CACHE_SEQ_AXIS["v"]]
 
 
 def cache_bytes(cache: Cache) -> int:
