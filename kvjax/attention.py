@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.config import ModelConfig
+from kvjax.matmul import dot_general
 
 NEG_INF = -1e30
 
@@ -115,12 +116,13 @@ class Attention(nn.Module):
     cfg = self.config
     dense = lambda heads, bias, name: nn.DenseGeneral(
         (heads, cfg.head_dim), use_bias=bias, dtype=cfg.compute_dtype, name=name,
-        kernel_init=nn.initializers.normal(cfg.d_model ** -0.5))
+        dot_general=dot_general, kernel_init=nn.initializers.normal(cfg.d_model ** -0.5))
     self.q = dense(cfg.num_heads, cfg.qkv_bias, "q")  # kernel [D, N, H]
     self.k = dense(cfg.num_kv_heads, cfg.qkv_bias, "k")  # kernel [D, K, H]
     self.v = dense(cfg.num_kv_heads, cfg.qkv_bias, "v")
     self.out = nn.DenseGeneral(
         cfg.d_model, axis=(-2, -1), use_bias=cfg.use_bias, dtype=cfg.compute_dtype, name="out",
+        dot_general=dot_general,
         kernel_init=nn.initializers.normal((cfg.num_heads * cfg.head_dim) ** -0.5 / (2 * cfg.num_layers) ** 0.5))
 
   def project(self, x: jax.Array, positions: jax.Array):

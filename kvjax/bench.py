@@ -6,6 +6,7 @@
   hf       kvjax generate vs Hugging Face transformers' generate (static cache) on the same
            Llama-style weights (needs the `bench` extra: torch, transformers).
   paged    paged vs contiguous decode step at equal batch and context.
+  matmul   kvjax's CPU small-matmul kernel vs XLA's dot on the decode step's weight shapes.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import baselines, decode
+from kvjax import baselines, decode, matmul
 from kvjax.config import ModelConfig, apply_overrides
 from kvjax.flops import matmul_params, peak_flops
 from kvjax.model import Transformer
@@ -104,7 +105,8 @@ def bench_decode(args) -> dict:
   model, params = init_model(cfg)
   bandwidth, flops = memory_bandwidth(), peak_flops()[0]
   result = {"benchmark": "decode", "model": cfg.to_dict(), "batch": args.batch, "prompt": args.prompt,
-            "new_tokens": args.new, "memory_bandwidth_GBps": bandwidth / 1e9, "matmul_GFLOPs": flops / 1e9}
+            "new_tokens": args.new, "small_matmul_kernel": matmul.uses_kernel(args.batch, cfg.compute_dtype),
+            "memory_bandwidth_GBps": bandwidth / 1e9, "matmul_GFLOPs": flops / 1e9}
 
   cache = filled_cache(model, params, args.batch, args.prompt, args.prompt + args.new)
   step = time_decode_step(model, params, cache)
@@ -179,9 +181,55 @@ def bench_hf(args) -> dict:
   tokens = args.batch * args.new
   return {"benchmark": "hf", "model": imported.to_dict(), "batch": args.batch, "prompt": args.prompt,
           "new_tokens": args.new, "torch_threads": torch.get_num_threads(),
+          "small_matmul_kernel": matmul.uses_kernel(args.batch, imported.compute_dtype),
           "transformers_version": transformers.__version__, "torch_version": torch.__version__,
           "kvjax_tokens_per_s": tokens / kvjax_s, "hf_tokens_per_s": tokens / hf_s,
           "kvjax_over_hf": hf_s / kvjax_s, "greedy_tokens_agree": float((ours == theirs).mean())}
+
+
+def bench_matmul(args) -> dict:
+  """Per-call time of x[rows, K] @ w[K, N] for each weight shape of a decode step, by XLA's dot and
+  by the kernel, in alternating rounds. Each timed call chains 16 products over distinct weights
+  (the weights stream from memory, as in a decode step)."""
+  if not matmul.kernel_available():
+    raise ValueError("the CPU small-matmul kernel is unavailable here (see kvjax.matmul)")
+  cfg = apply_overrides(BENCH_MODEL, [s.removeprefix("model.") for s in args.set])
+  d, q, kv = cfg.d_model, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+  shapes = {"q": (d, q), "k, v": (d, kv), "out": (q, d), "gate, up": (d, cfg.mlp_dim),
+            "down": (cfg.mlp_dim, d), "lm_head": (d, cfg.vocab_size)}
+  chain = 16
+  rng = np.random.default_rng(0)
+
+  def timer(product, rows, k, n):
+    weights = [jnp.asarray(rng.standard_normal((k, n), np.float32)) for _ in range(chain)]
+    x = jnp.asarray(rng.standard_normal((rows, k), np.float32))
+    def run(x, weights):
+      for w in weights:  # each product feeds the next, so the calls cannot overlap
+        x = x + 1e-3 * jnp.resize(product(x, w), x.shape)
+      return x
+    run = jax.jit(run)
+    run(x, weights).block_until_ready()
+    def once():
+      start = time.perf_counter()
+      run(x, weights).block_until_ready()
+      return (time.perf_counter() - start) / chain
+    return once
+
+  rows_list = sorted({1, matmul.MIN_ROWS, args.batch, matmul.MAX_ROWS})
+  timers = {(name, rows): (timer(jnp.matmul, rows, *kn), timer(matmul.small_matmul, rows, *kn))
+            for name, kn in shapes.items() for rows in rows_list}
+  times = {key: ([], []) for key in timers}
+  for _ in range(args.repeats):
+    for key, (xla, kernel) in timers.items():
+      times[key][0].append(xla())
+      times[key][1].append(kernel())
+  results = []
+  for (name, rows), (xla, kernel) in times.items():
+    k, n = shapes[name]
+    xla, kernel = statistics.median(xla), statistics.median(kernel)
+    results.append({"weight": name, "rows": rows, "k": k, "n": n, "xla_us": xla * 1e6, "kernel_us": kernel * 1e6,
+                    "xla_over_kernel": xla / kernel, "kernel_weight_GBps": k * n * 4 / kernel / 1e9})
+  return {"benchmark": "matmul", "model": cfg.to_dict(), "max_rows": matmul.MAX_ROWS, "results": results}
 
 
 def bench_paged(args) -> dict:
@@ -189,7 +237,8 @@ def bench_paged(args) -> dict:
   return run(args)
 
 
-BENCHMARKS = {"decode": bench_decode, "nocache": bench_nocache, "hf": bench_hf, "paged": bench_paged}
+BENCHMARKS = {"decode": bench_decode, "nocache": bench_nocache, "hf": bench_hf, "paged": bench_paged,
+              "matmul": bench_matmul}
 
 
 def command(args: argparse.Namespace) -> int:

@@ -1,5 +1,8 @@
 """Decoder-only transformer (Llama / Qwen2 / GPT-2 families) built on `kvjax.attention`.
 
+Every Dense layer multiplies through `kvjax.matmul.dot_general`: XLA's dot, except that a decode
+step's few-row float32 products on a single CPU device go to kvjax's CPU kernel.
+
 Parameter tree (kernels in float32, computation in config.dtype):
   embed/embedding [V, D]; pos_embed/embedding [max_len, D] (learned positions)
   layers_{i}/attn_norm, attn/{q,k,v,out}, mlp_norm, mlp/{gate,up,down}
@@ -14,6 +17,7 @@ import jax.numpy as jnp
 
 from kvjax.attention import Attention
 from kvjax.config import ModelConfig
+from kvjax.matmul import dot_general
 
 
 def make_norm(cfg: ModelConfig, name: str) -> nn.Module:
@@ -36,7 +40,7 @@ class Mlp(nn.Module):
     cfg = self.config
     def dense(features, name, std):
       return nn.Dense(features, use_bias=cfg.use_bias, dtype=cfg.compute_dtype, name=name,
-                      kernel_init=nn.initializers.normal(std))
+                      dot_general=dot_general, kernel_init=nn.initializers.normal(std))
     in_std = cfg.d_model ** -0.5
     if cfg.activation == "swiglu":
       h = nn.silu(dense(cfg.mlp_dim, "gate", in_std)(x)) * dense(cfg.mlp_dim, "up", in_std)(x)
@@ -90,6 +94,7 @@ class Transformer(nn.Module):
     self.final_norm = make_norm(cfg, "final_norm")
     if not cfg.tie_embeddings:
       self.lm_head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=cfg.compute_dtype, name="lm_head",
+                              dot_general=dot_general,
                               kernel_init=nn.initializers.normal(cfg.d_model ** -0.5))
 
   def _embed(self, tokens, positions):
