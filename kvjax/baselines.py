@@ -78,8 +78,8 @@ def _decode_loop(cache, first, max_new_tokens, step_fn):
 
 
 def _prefill_first(model, params, prompts, lengths, capacity):
-  logits, cache = _prefill(model, params, jnp.asarray(prompts), jnp.asarray(lengths), capacity)
-  first = jnp.argmax(logits[jnp.arange(prompts.shape[0]), lengths - 1], axis=-1).astype(jnp.int32)
+  logits, cache = _prefill(model, params, jnp.asarray(prompts), jnp.asarray(lengths), capacity, last_only=True)
+  first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
   return first, cache
 
 

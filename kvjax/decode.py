@@ -72,9 +72,9 @@ def check_step_tokens(model: Transformer, tokens, lengths: np.ndarray) -> np.nda
   return tokens
 
 
-@functools.partial(jax.jit, static_argnames=("model", "max_len"))
-def _prefill(model, params, tokens, lengths, max_len):
-  logits, variables = model.apply({"params": params}, tokens, lengths, max_len,
+@functools.partial(jax.jit, static_argnames=("model", "max_len", "last_only"))
+def _prefill(model, params, tokens, lengths, max_len, last_only=False):
+  logits, variables = model.apply({"params": params}, tokens, lengths, max_len, last_only,
                                   method=Transformer.prefill, mutable=["cache"])
   return logits, variables["cache"]
 
@@ -95,19 +95,23 @@ def cache_bytes(cache: Cache) -> int:
   return sum(x.nbytes for x in jax.tree.leaves(cache))
 
 
-def prefill(model: Transformer, params, tokens, lengths, max_len: int, *, mesh=None):
+def prefill(model: Transformer, params, tokens, lengths, max_len: int, *, last_only: bool = False,
+            mesh=None):
   """Runs right-padded prompts through the model and fills a new cache.
 
   Args:
     tokens: int[B, T], row b holds its prompt in [0, lengths[b]).
     lengths: int[B], each in [1, T].
     max_len: cache length S; decoding can continue while lengths < S.
+    last_only: return only each row's next-token logits (skips the vocabulary projection of
+      every other position).
   Returns:
-    (logits float32[B, T, V], cache). The next-token logits of row b are logits[b, lengths[b] - 1].
+    (logits float32[B, T, V], cache). The next-token logits of row b are logits[b, lengths[b] - 1];
+    with last_only, (logits float32[B, V] holding those, cache).
   """
   tokens, lengths = check_prompts(model, tokens, lengths, max_len)
   params, (tokens, lengths) = sharding.place(mesh, params, tokens, lengths)
-  return _prefill(model, params, tokens, lengths, max_len)
+  return _prefill(model, params, tokens, lengths, max_len, last_only)
 
 
 def decode_step(model: Transformer, params, cache: Cache, tokens, *, mesh=None):
@@ -138,9 +142,9 @@ class DecodeState:
 @functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "max_len"))
 def _generate(model, params, prompts, lengths, rng, sampling, eos_id, max_new_tokens, max_len):
   batch = prompts.shape[0]
-  logits, cache = _prefill(model, params, prompts, lengths, max_len)
+  logits, cache = _prefill(model, params, prompts, lengths, max_len, last_only=True)
   rng, key = jax.random.split(rng)
-  first = sample(logits[jnp.arange(batch), lengths - 1], key, sampling)
+  first = sample(logits, key, sampling)
   state = DecodeState(
       step=jnp.int32(1), last=first, done=first == eos_id,
       tokens=jnp.full((batch, max_new_tokens), eos_id, jnp.int32).at[:, 0].set(first),

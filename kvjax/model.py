@@ -118,8 +118,10 @@ class Transformer(nn.Module):
       x = layer(x, positions, mask)
     return self._logits(x)
 
-  def prefill(self, tokens: jax.Array, lengths: jax.Array, max_len: int) -> jax.Array:
-    """Right-padded prompts tokens int[B, T] with lengths int[B] -> logits [B, T, V]; creates the cache."""
+  def prefill(self, tokens: jax.Array, lengths: jax.Array, max_len: int,
+              last_only: bool = False) -> jax.Array:
+    """Right-padded prompts tokens int[B, T] with lengths int[B] -> logits [B, T, V] (or, when
+    last_only, [B, V] at each prompt's last token: all that generation needs); creates the cache."""
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
     x = self._embed(tokens, positions)
@@ -127,6 +129,8 @@ class Transformer(nn.Module):
     for layer in self.layers:
       x = layer.prefill(x, positions, mask, max_len)
     self.put_variable("cache", "lengths", lengths.astype(jnp.int32))
+    if last_only:
+      return self._logits(x[jnp.arange(b), lengths - 1])
     return self._logits(x)
 
   def decode(self, tokens: jax.Array) -> jax.Array:

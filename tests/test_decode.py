@@ -31,6 +31,9 @@ def test_prefill_and_decode_match_full_forward(variant):
     logits, cache = kvjax.decode_step(model, params, cache, seqs[np.arange(3), positions])
     np.testing.assert_allclose(logits, full[np.arange(3), positions], atol=1e-5)
   np.testing.assert_array_equal(cache["lengths"], lengths + 12)
+  last, last_cache = kvjax.prefill(model, params, prompts, lengths, max_len=32, last_only=True)
+  np.testing.assert_allclose(last, full[np.arange(3), lengths - 1], atol=1e-5)
+  assert last_cache["lengths"].tolist() == lengths.tolist()
 
 
 def test_ragged_batch_rows_match_running_alone(variant):
