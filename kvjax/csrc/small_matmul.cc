@@ -5,7 +5,9 @@
 // far below the machine's bandwidth (see kvjax/matmul.py for figures). This kernel reads w in
 // its row-major [K, N] layout, no packing: each task owns a column tile of up to 192 floats,
 // walks k down the rows with the next rows prefetched, and keeps two rows of x times the tile
-// in vector registers. Tiles are shared out over XLA's intra-op thread pool.
+// in vector registers (four rows times a tile of up to 96 floats from 16 rows of x on); the
+// other rows of x reuse each block of 32 weight rows from L1. Tiles are shared out over XLA's
+// intra-op thread pool.
 
 #include <algorithm>
 #include <atomic>
@@ -22,6 +24,8 @@ namespace {
 
 constexpr int64_t kLanes = 16;      // floats per vector
 constexpr int64_t kMaxVectors = 12; // vectors per column tile: 2 rows x 12 accumulators
+constexpr int64_t kMaxVectors4 = 6;  // or, from kRowsForFour rows of x, 4 rows x 6
+constexpr int64_t kRowsForFour = 16;
 constexpr int64_t kPrefetchRows = 8;
 constexpr int64_t kBlockRows = 32;
 constexpr int64_t kMinBytesPerThread = 64 << 10;  // rows of w reused from L1 by every row pair of x
@@ -61,6 +65,9 @@ void Tile(const float* x, const float* w, float* y, int64_t m, int64_t k_dim, in
   for (int64_t k0 = 0; k0 < k_dim; k0 += kBlockRows) {
     const int64_t k1 = std::min(k_dim, k0 + kBlockRows);
     int64_t r = 0;
+    if constexpr (NV <= kMaxVectors4)
+      if (m >= kRowsForFour)
+        for (; r + 4 <= m; r += 4) Block<4, NV>(x + r * k_dim, w, y + r * n, k_dim, n, k0, k1, r == 0);
     for (; r + 2 <= m; r += 2) Block<2, NV>(x + r * k_dim, w, y + r * n, k_dim, n, k0, k1, r == 0);
     if (r < m) Block<1, NV>(x + r * k_dim, w, y + r * n, k_dim, n, k0, k1, r == 0);
   }
@@ -145,7 +152,8 @@ ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
                                               std::max<int64_t>(1, pool.num_threads()));
   const int64_t vectors = n / kLanes;
   // At least one tile per thread, each at most kMaxVectors wide, in a multiple of the threads.
-  int64_t tiles = std::max<int64_t>(threads, (vectors + kMaxVectors - 1) / kMaxVectors);
+  const int64_t max_vectors = m >= kRowsForFour ? kMaxVectors4 : kMaxVectors;
+  int64_t tiles = std::max<int64_t>(threads, (vectors + max_vectors - 1) / max_vectors);
   tiles = (tiles + threads - 1) / threads * threads;
   const int64_t tile_vectors = std::max<int64_t>(1, (vectors + tiles - 1) / tiles);
   const int64_t num_tiles = std::max<int64_t>(1, (vectors + tile_vectors - 1) / tile_vectors);
