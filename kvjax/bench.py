@@ -200,9 +200,7 @@ def bench_matmul(args) -> dict:
   chain = 16
   rng = np.random.default_rng(0)
 
-  def timer(product, rows, k, n):
-    weights = [jnp.asarray(rng.standard_normal((k, n), np.float32)) for _ in range(chain)]
-    x = jnp.asarray(rng.standard_normal((rows, k), np.float32))
+  def timer(product, x, weights):
     def run(x, weights):
       for w in weights:  # each product feeds the next, so the calls cannot overlap
         x = x + 1e-3 * jnp.resize(product(x, w), x.shape)
@@ -216,8 +214,12 @@ def bench_matmul(args) -> dict:
     return once
 
   rows_list = sorted({1, matmul.MIN_ROWS, args.batch, matmul.MAX_ROWS})
-  timers = {(name, rows): (timer(jnp.matmul, rows, *kn), timer(matmul.small_matmul, rows, *kn))
-            for name, kn in shapes.items() for rows in rows_list}
+  timers = {}
+  for name, (k, n) in shapes.items():
+    weights = [jnp.asarray(rng.standard_normal((k, n), np.float32)) for _ in range(chain)]
+    for rows in rows_list:
+      x = jnp.asarray(rng.standard_normal((rows, k), np.float32))
+      timers[name, rows] = (timer(jnp.matmul, x, weights), timer(matmul.small_matmul, x, weights))
   times = {key: ([], []) for key in timers}
   for _ in range(args.repeats):
     for key, (xla, kernel) in timers.items():

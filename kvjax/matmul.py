@@ -13,7 +13,8 @@ which XLA streams as fast).
 
 `dot_general` is a drop-in for lax.dot_general that kvjax's Dense layers use: it sends a
 float32 product with MIN_ROWS to MAX_ROWS rows to the kernel when running on a single CPU device,
-and everything else (training, prefill, accelerators, sharded meshes, other dtypes) to XLA.
+and everything else to XLA: larger products (prefill and training, except at toy sizes),
+accelerators, sharded meshes, other dtypes. Gradients (forward and reverse mode) are XLA's.
 The kernel is compiled with the system's C++ compiler on first use and cached in
 $KVJAX_CACHE (default ~/.cache/kvjax); without a compiler kvjax warns once and uses XLA.
 KVJAX_SMALL_MATMUL=0 turns it off (e.g. to compare against XLA's dot).
@@ -35,6 +36,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import jaxlib
 from jax import lax
 
 SOURCE = pathlib.Path(__file__).parent / "csrc" / "small_matmul.cc"
@@ -45,28 +47,34 @@ MIN_ROWS, MAX_ROWS = 2, 32
 COMPILE_FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC"]
 
 
-def _cpu_flags() -> str:
+def _cpu_features() -> str:
+  """The CPU's instruction-set line (x86 "flags", Arm "Features"): -march=native depends on it."""
   try:
     for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-      if line.startswith("flags"):
+      if line.startswith(("flags", "Features")):
         return line
   except OSError:
     pass
   return platform.processor()
 
 
-def _library_path() -> pathlib.Path:
-  """Where the compiled kernel for this source, compiler flags, jax and CPU is cached."""
-  key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(COMPILE_FLAGS), jax.__version__,
-                                  platform.machine(), _cpu_flags()]).encode()).hexdigest()[:16]
-  cache = pathlib.Path(os.environ.get("KVJAX_CACHE", pathlib.Path.home() / ".cache" / "kvjax"))
-  return cache / f"small_matmul-{key}.so"
-
-
-def _compile(path: pathlib.Path) -> None:
+def _compiler() -> str:
   compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
   if compiler is None:
     raise RuntimeError("no C++ compiler found (set CXX)")
+  return compiler
+
+
+def _library_path(compiler: str) -> pathlib.Path:
+  """Where the kernel built from this source, by this compiler, for this jaxlib and CPU is cached."""
+  version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+  key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(COMPILE_FLAGS), compiler, version,
+                                  jaxlib.__version__, platform.machine(), _cpu_features()]).encode())
+  cache = pathlib.Path(os.environ.get("KVJAX_CACHE", pathlib.Path.home() / ".cache" / "kvjax"))
+  return cache / f"small_matmul-{key.hexdigest()[:16]}.so"
+
+
+def _compile(compiler: str, path: pathlib.Path) -> None:
   path.parent.mkdir(parents=True, exist_ok=True)
   with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
     out = pathlib.Path(tmp) / path.name
@@ -77,18 +85,29 @@ def _compile(path: pathlib.Path) -> None:
     os.replace(out, path)  # atomic: concurrent first uses never load a half-written library
 
 
+def _load(compiler: str) -> ctypes.CDLL:
+  path = _library_path(compiler)
+  if path.exists():
+    try:
+      return ctypes.cdll.LoadLibrary(str(path))
+    except OSError:
+      pass  # a damaged or foreign build: rebuild it
+  _compile(compiler, path)
+  return ctypes.cdll.LoadLibrary(str(path))
+
+
 @functools.cache
 def kernel_available() -> bool:
-  """Whether the CPU kernel is built and registered with XLA (compiling it on first call)."""
+  """Whether the CPU kernel is built and registered with XLA (compiling it on first call).
+
+  Read once per process, like KVJAX_SMALL_MATMUL: functions already traced keep their choice.
+  """
   if os.environ.get("KVJAX_SMALL_MATMUL", "1") == "0":
     return False
   try:
-    path = _library_path()
-    if not path.exists():
-      _compile(path)
-    library = ctypes.cdll.LoadLibrary(str(path))
+    library = _load(_compiler())
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.KvjaxSmallMatmul), platform="cpu")
-  except (OSError, RuntimeError) as e:
+  except Exception as e:  # noqa: BLE001 - any failure to build or load means XLA's dot, said once
     warnings.warn(f"kvjax: the CPU small-matmul kernel is unavailable, using XLA's dot ({e})")
     return False
   return True
@@ -100,7 +119,7 @@ def uses_kernel(rows: int, *dtypes) -> bool:
           and jax.default_backend() == "cpu" and jax.device_count() == 1 and kernel_available())
 
 
-@jax.custom_vjp
+@jax.custom_jvp
 def small_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
   """x float32[M, K] @ w float32[K, N] -> float32[M, N] by the CPU kernel."""
   if not kernel_available():
@@ -111,16 +130,11 @@ def small_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
   return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x, w)
 
 
-def _small_matmul_fwd(x, w):
-  return small_matmul(x, w), (x, w)
-
-
-def _small_matmul_bwd(residuals, g):
-  x, w = residuals
-  return g @ w.T, x.T @ g
-
-
-small_matmul.defvjp(_small_matmul_fwd, _small_matmul_bwd)
+@small_matmul.defjvp
+def _small_matmul_jvp(primals, tangents):
+  # The tangent is XLA's (linear, so reverse mode transposes it): the kernel only runs forward.
+  (x, w), (dx, dw) = primals, tangents
+  return small_matmul(x, w), dx @ w + x @ dw
 
 
 def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, precision=None,
@@ -133,11 +147,14 @@ def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, precision=Non
            and tuple(lhs_contract) == tuple(range(lhs.ndim - n, lhs.ndim))
            and tuple(rhs_contract) == tuple(range(n))
            and preferred_element_type in (None, jnp.float32))
+  xla = functools.partial(lax.dot_general, dimension_numbers=dimension_numbers, precision=precision,
+                          preferred_element_type=preferred_element_type)
   if plain:
-    rows = math.prod(lhs.shape[:-n])
-    if uses_kernel(rows, lhs.dtype, rhs.dtype):
-      depth = math.prod(lhs.shape[-n:])
-      out = small_matmul(lhs.reshape(rows, depth), rhs.reshape(depth, -1))
-      return out.reshape(*lhs.shape[:-n], *rhs.shape[n:])
-  return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
-                         preferred_element_type=preferred_element_type)
+    rows, depth = math.prod(lhs.shape[:-n]), math.prod(lhs.shape[-n:])
+    if depth > 0 and math.prod(rhs.shape[n:]) > 0 and uses_kernel(rows, lhs.dtype, rhs.dtype):
+      def kernel(lhs, rhs):
+        out = small_matmul(lhs.reshape(rows, depth), rhs.reshape(depth, -1))
+        return out.reshape(*lhs.shape[:-n], *rhs.shape[n:])
+      # Chosen when lowering: a function traced here may still be compiled for an accelerator.
+      return lax.platform_dependent(lhs, rhs, cpu=kernel, default=xla)
+  return xla(lhs, rhs)

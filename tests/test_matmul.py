@@ -42,7 +42,13 @@ def test_matches_reference_any_shape(m, k, n):
   np.testing.assert_allclose(matmul.small_matmul(x, w), reference(x, w), rtol=1e-5, atol=1e-5 * k ** 0.5)
 
 
-def test_gradient_matches_xla():
+def test_empty_contraction_gives_zeros():
+  np.testing.assert_array_equal(matmul.small_matmul(jnp.ones((4, 0)), jnp.ones((0, 40))), np.zeros((4, 40)))
+  dims = (((1,), (0,)), ((), ()))
+  np.testing.assert_array_equal(matmul.dot_general(jnp.ones((4, 0)), jnp.ones((0, 40)), dims), np.zeros((4, 40)))
+
+
+def test_gradients_match_xla():
   rng = np.random.default_rng(1)
   x, w = rng.standard_normal((4, 24), np.float32), rng.standard_normal((24, 40), np.float32)
   loss = lambda f: lambda x, w: jnp.sum(jnp.sin(f(x, w)))
@@ -50,6 +56,10 @@ def test_gradient_matches_xla():
   theirs = jax.grad(loss(jnp.matmul), argnums=(0, 1))(x, w)
   for a, b in zip(ours, theirs):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+  dx, dw = rng.standard_normal(x.shape, np.float32), rng.standard_normal(w.shape, np.float32)
+  ours = jax.jvp(loss(matmul.small_matmul), (x, w), (dx, dw))
+  theirs = jax.jvp(loss(jnp.matmul), (x, w), (dx, dw))
+  np.testing.assert_allclose(ours, theirs, rtol=1e-4)
 
 
 def test_vmap():

@@ -3,9 +3,9 @@
 // An XLA FFI handler for the CPU. At decode batch sizes the weights are read once per step and
 // the product is bound by how fast they stream from memory; XLA's CPU dot runs these shapes
 // far below the machine's bandwidth (see kvjax/matmul.py for figures). This kernel reads w in
-// its row-major [K, N] layout, no packing: each task owns a column tile of up to 192 floats,
-// walks k down the rows with the next rows prefetched, and keeps two rows of x times the tile
-// in vector registers (four rows times a tile of up to 96 floats from 16 rows of x on); the
+// its row-major [K, N] layout, no packing: each task owns a column tile (up to 192 floats with
+// AVX-512), walks k down the rows with the next rows prefetched, and keeps two rows of x times
+// the tile in vector registers (four rows times half as wide a tile from 16 rows of x on); the
 // other rows of x reuse each block of 32 weight rows from L1. Tiles are shared out over XLA's
 // intra-op thread pool.
 
@@ -22,13 +22,21 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kLanes = 16;      // floats per vector
-constexpr int64_t kMaxVectors = 12; // vectors per column tile: 2 rows x 12 accumulators
+// Vectors of 16 floats with AVX-512 (32 registers), else of 8 (16 registers on AVX2): the
+// register tiles below (rows of x times vectors) stay within the registers either way.
+#ifdef __AVX512F__
+constexpr int64_t kLanes = 16;
+constexpr int64_t kMaxVectors = 12;  // vectors per column tile: 2 rows x 12 accumulators
 constexpr int64_t kMaxVectors4 = 6;  // or, from kRowsForFour rows of x, 4 rows x 6
+#else
+constexpr int64_t kLanes = 8;
+constexpr int64_t kMaxVectors = 6;
+constexpr int64_t kMaxVectors4 = 3;
+#endif
 constexpr int64_t kRowsForFour = 16;
 constexpr int64_t kPrefetchRows = 8;
-constexpr int64_t kBlockRows = 32;
-constexpr int64_t kMinBytesPerThread = 64 << 10;  // rows of w reused from L1 by every row pair of x
+constexpr int64_t kBlockRows = 32;  // rows of w reused from L1 by every row group of x
+constexpr int64_t kMinBytesPerThread = 64 << 10;
 
 typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
 
@@ -146,6 +154,10 @@ ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0])
     return ffi::Error::InvalidArgument("kvjax_small_matmul expects x [M, K] and w [K, N]");
   const int64_t m = xd[0], k = xd[1], n = wd[1];
+  if (k == 0) {
+    std::memset(y->typed_data(), 0, m * n * sizeof(float));
+    return ffi::Error::Success();
+  }
   // A pool thread takes 10-20 us to wake: only weights of kMinBytesPerThread or more per thread
   // are worth sharing.
   const int64_t threads = std::clamp<int64_t>(k * n * int64_t{sizeof(float)} / kMinBytesPerThread, 1,
