@@ -10,11 +10,13 @@
 // intra-op thread pool.
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <utility>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -43,7 +45,7 @@ typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
 inline Vec Load(const float* p) { Vec v; std::memcpy(&v, p, sizeof(v)); return v; }
 inline void Store(float* p, Vec v) { std::memcpy(p, &v, sizeof(v)); }
 
-// Adds x[r, k0:k1] @ w[k0:k1, 0:16*NV] to y[r, 0:16*NV] (or writes it, when k0 == 0) for rows
+// Adds x[r, k0:k1] @ w[k0:k1, 0:kLanes*NV] to y[r, 0:kLanes*NV] (or writes it, when k0 == 0) for rows
 // r < MR; x has row stride k_dim, w and y have row stride n. The first row pair of each block
 // prefetches the rows ahead; later pairs find the block's rows in L1.
 template <int MR, int NV>
@@ -67,7 +69,7 @@ void Block(const float* x, const float* w, float* y, int64_t k_dim, int64_t n, i
     for (int j = 0; j < NV; ++j) Store(y + r * n + kLanes * j, acc[r][j]);
 }
 
-// y[0:m, 0:16*NV] = x[0:m, :] @ w[:, 0:16*NV], k in blocks of kBlockRows, two rows of x at a time.
+// y[0:m, 0:kLanes*NV] = x[0:m, :] @ w[:, 0:kLanes*NV], k in blocks of kBlockRows, two (or four) rows of x at a time.
 template <int NV>
 void Tile(const float* x, const float* w, float* y, int64_t m, int64_t k_dim, int64_t n) {
   for (int64_t k0 = 0; k0 < k_dim; k0 += kBlockRows) {
@@ -81,24 +83,14 @@ void Tile(const float* x, const float* w, float* y, int64_t m, int64_t k_dim, in
   }
 }
 
-void TileOfWidth(int nv, const float* x, const float* w, float* y, int64_t m, int64_t k_dim, int64_t n) {
-  switch (nv) {
-    case 1: return Tile<1>(x, w, y, m, k_dim, n);
-    case 2: return Tile<2>(x, w, y, m, k_dim, n);
-    case 3: return Tile<3>(x, w, y, m, k_dim, n);
-    case 4: return Tile<4>(x, w, y, m, k_dim, n);
-    case 5: return Tile<5>(x, w, y, m, k_dim, n);
-    case 6: return Tile<6>(x, w, y, m, k_dim, n);
-    case 7: return Tile<7>(x, w, y, m, k_dim, n);
-    case 8: return Tile<8>(x, w, y, m, k_dim, n);
-    case 9: return Tile<9>(x, w, y, m, k_dim, n);
-    case 10: return Tile<10>(x, w, y, m, k_dim, n);
-    case 11: return Tile<11>(x, w, y, m, k_dim, n);
-    case 12: return Tile<12>(x, w, y, m, k_dim, n);
-  }
+// Tile<1> ... Tile<kMaxVectors>, indexed by tile width - 1.
+template <size_t... I>
+constexpr auto TilesOfWidth(std::index_sequence<I...>) {
+  return std::array{&Tile<static_cast<int>(I) + 1>...};
 }
+constexpr auto kTiles = TilesOfWidth(std::make_index_sequence<kMaxVectors>{});
 
-// Like Block<1, 1> over the last n % 16 columns: y[r, c0:n] = x[r, :] @ w[:, c0:n] for r < m.
+// Like Block<1, 1> over the last n % kLanes columns: y[r, c0:n] = x[r, :] @ w[:, c0:n] for r < m.
 void Tail(const float* x, const float* w, float* y, int64_t m, int64_t k_dim, int64_t n, int64_t c0) {
   const size_t bytes = (n - c0) * sizeof(float);
   for (int64_t r = 0; r < m; ++r) {
@@ -126,7 +118,7 @@ struct Problem {
   void RunTile(int64_t t) const {
     const int64_t col = t * tile_vectors * kLanes;
     const int64_t nv = std::min(tile_vectors, n / kLanes - t * tile_vectors);
-    if (nv > 0) TileOfWidth(nv, x, w + col, y + col, m, k, n);
+    if (nv > 0) kTiles[nv - 1](x, w + col, y + col, m, k, n);
     if (t == num_tiles - 1 && n % kLanes) Tail(x, w, y, m, k, n, n / kLanes * kLanes);
   }
 };
