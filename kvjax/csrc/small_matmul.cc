@@ -45,9 +45,9 @@ typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
 inline Vec Load(const float* p) { Vec v; std::memcpy(&v, p, sizeof(v)); return v; }
 inline void Store(float* p, Vec v) { std::memcpy(p, &v, sizeof(v)); }
 
-// Adds x[r, k0:k1] @ w[k0:k1, 0:kLanes*NV] to y[r, 0:kLanes*NV] (or writes it, when k0 == 0) for rows
-// r < MR; x has row stride k_dim, w and y have row stride n. The first row pair of each block
-// prefetches the rows ahead; later pairs find the block's rows in L1.
+// Adds x[r, k0:k1] @ w[k0:k1, 0:kLanes*NV] to y[r, 0:kLanes*NV] (or writes it, when k0 == 0)
+// for rows r < MR; x has row stride k_dim, w and y have row stride n. The first row group of
+// each block prefetches the rows ahead; later groups find the block's rows in L1.
 template <int MR, int NV>
 void Block(const float* x, const float* w, float* y, int64_t k_dim, int64_t n, int64_t k0,
            int64_t k1, bool prefetch) {
@@ -69,7 +69,8 @@ void Block(const float* x, const float* w, float* y, int64_t k_dim, int64_t n, i
     for (int j = 0; j < NV; ++j) Store(y + r * n + kLanes * j, acc[r][j]);
 }
 
-// y[0:m, 0:kLanes*NV] = x[0:m, :] @ w[:, 0:kLanes*NV], k in blocks of kBlockRows, two (or four) rows of x at a time.
+// y[0:m, 0:kLanes*NV] = x[0:m, :] @ w[:, 0:kLanes*NV], k in blocks of kBlockRows, two (or four)
+// rows of x at a time.
 template <int NV>
 void Tile(const float* x, const float* w, float* y, int64_t m, int64_t k_dim, int64_t n) {
   for (int64_t k0 = 0; k0 < k_dim; k0 += kBlockRows) {
