@@ -121,7 +121,11 @@ def uses_kernel(rows: int, *dtypes) -> bool:
 
 @jax.custom_jvp
 def small_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-  """x float32[M, K] @ w float32[K, N] -> float32[M, N] by the CPU kernel."""
+  """x float32[M, K] @ w float32[K, N] -> float32[M, N] by the CPU kernel.
+
+  Under jax.vmap each example is its own kernel call (and reads its weights again): fold a
+  batch of examples into the rows instead when they share w.
+  """
   if not kernel_available():
     raise RuntimeError("the CPU small-matmul kernel is unavailable; use kvjax.matmul.dot_general")
   if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
