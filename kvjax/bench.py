@@ -195,8 +195,10 @@ def bench_matmul(args) -> dict:
     raise ValueError("the CPU small-matmul kernel is unavailable here (see kvjax.matmul)")
   cfg = apply_overrides(BENCH_MODEL, [s.removeprefix("model.") for s in args.set])
   d, q, kv = cfg.d_model, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-  shapes = {"q": (d, q), "k, v": (d, kv), "out": (q, d), "gate, up": (d, cfg.mlp_dim),
-            "down": (cfg.mlp_dim, d), "lm_head": (d, cfg.vocab_size)}
+  mlp_in = "gate, up" if cfg.activation == "swiglu" else "up"
+  shapes = {"q": (d, q), "k, v": (d, kv), "out": (q, d), mlp_in: (d, cfg.mlp_dim), "down": (cfg.mlp_dim, d)}
+  if not cfg.tie_embeddings:  # tied logits go through the embedding's attend, not a Dense layer
+    shapes["lm_head"] = (d, cfg.vocab_size)
   chain = 16
   rng = np.random.default_rng(0)
 

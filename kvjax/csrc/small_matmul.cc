@@ -156,7 +156,7 @@ ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   const int64_t threads = std::clamp<int64_t>(k * n * int64_t{sizeof(float)} / kMinBytesPerThread, 1,
                                               std::max<int64_t>(1, pool.num_threads()));
   const int64_t vectors = n / kLanes;
-  // At least one tile per thread, each at most kMaxVectors wide, in a multiple of the threads.
+  // At least one tile per thread, each at most max_vectors wide, in a multiple of the threads.
   const int64_t max_vectors = m >= kRowsForFour ? kMaxVectors4 : kMaxVectors;
   int64_t tiles = std::max<int64_t>(threads, (vectors + max_vectors - 1) / max_vectors);
   tiles = (tiles + threads - 1) / threads * threads;
