@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import cpu_kernels
 from kvjax.config import ModelConfig
 from kvjax.matmul import dot_general
 
@@ -86,6 +87,45 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
   # 64: 35 -> 20 ms). For longer queries (prefill, training) the swapped form is the faster one.
   spec = "bkgts,bksh->bkgth" if t == 1 else "bkgts,bksh->btkgh"
   return jnp.einsum(spec, probs, v).reshape(b, t, n, h)
+
+
+def uses_cache_kernel(*dtypes) -> bool:
+  """Whether `attend_cache` with operands of these dtypes runs in the CPU kernel."""
+  return (all(d == jnp.float32 for d in dtypes) and cpu_kernels.single_cpu()
+          and cpu_kernels.available("attention"))
+
+
+def attend_cache(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array) -> jax.Array:
+  """One query token per row against the cache: row b reads positions [0, lengths[b]].
+
+  Args:
+    q: [B, 1, N, H] queries (already rotated).
+    k_cache: [B, K, H, S] keys; v_cache: [B, K, S, H] values.
+    lengths: int32[B], the position of each row's new token (already written to the cache).
+  Returns:
+    [B, 1, N, H] in q's dtype.
+  On a single CPU device, in float32, the CPU kernel (csrc/decode_attention.cc) computes it
+  reading only each row's valid positions; otherwise XLA's masked `attend` over the whole cache.
+  """
+  def xla(q, k_cache, v_cache, lengths):
+    mask = (jnp.arange(v_cache.shape[CACHE_SEQ_AXIS["v"]])[None, :] <= lengths[:, None])[:, None, :]  # [B, 1, S]
+    return attend(q, k_cache, v_cache, mask, k_transposed=True)
+
+  if not uses_cache_kernel(q.dtype, k_cache.dtype, v_cache.dtype):
+    return xla(q, k_cache, v_cache, lengths)
+
+  @jax.custom_jvp
+  def kernel(q, k_cache, v_cache, lengths):
+    b, _, n, h = q.shape
+    grouped = group_queries(q, k_cache.shape[1])[:, 0] * (h ** -0.5)  # [B, K, G, H]
+    out = jax.ffi.ffi_call(cpu_kernels.KERNELS["attention"][0], jax.ShapeDtypeStruct(grouped.shape, q.dtype),
+                           vmap_method="sequential")(grouped, k_cache, v_cache, lengths.astype(jnp.int32) + 1)
+    return out.reshape(b, 1, n, h)
+
+  # Tangents are XLA's: the kernel only runs forward.
+  kernel.defjvp(lambda primals, tangents: (kernel(*primals), jax.jvp(xla, primals, tangents)[1]))
+  # Chosen when lowering: a function traced here may still be compiled for an accelerator.
+  return jax.lax.platform_dependent(q, k_cache, v_cache, lengths, cpu=kernel, default=xla)
 
 
 def write_rows(cache: jax.Array, update: jax.Array, starts: jax.Array, axis: int) -> jax.Array:
@@ -155,5 +195,4 @@ class Attention(nn.Module):
     v_cache = write_rows(self.get_variable("cache", "v"), v, lengths, CACHE_SEQ_AXIS["v"])
     self.put_variable("cache", "k", k_cache)
     self.put_variable("cache", "v", v_cache)
-    mask = (jnp.arange(v_cache.shape[CACHE_SEQ_AXIS["v"]])[None, :] <= lengths[:, None])[:, None, :]  # [B, 1, S]
-    return self.out(attend(q, k_cache, v_cache, mask, k_transposed=True))
+    return self.out(attend_cache(q, k_cache, v_cache, lengths))

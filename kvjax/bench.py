@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import baselines, decode, matmul
+from kvjax import attention, baselines, decode, matmul
 from kvjax.config import ModelConfig, apply_overrides
 from kvjax.flops import matmul_params, peak_flops
 from kvjax.model import Transformer
@@ -106,6 +106,7 @@ def bench_decode(args) -> dict:
   bandwidth, flops = memory_bandwidth(), peak_flops()[0]
   result = {"benchmark": "decode", "model": cfg.to_dict(), "batch": args.batch, "prompt": args.prompt,
             "new_tokens": args.new, "small_matmul_kernel": matmul.uses_kernel(args.batch, cfg.compute_dtype),
+            "decode_attention_kernel": attention.uses_cache_kernel(cfg.compute_dtype, cfg.kv_dtype),
             "memory_bandwidth_GBps": bandwidth / 1e9, "matmul_GFLOPs": flops / 1e9}
 
   cache = filled_cache(model, params, args.batch, args.prompt, args.prompt + args.new)
@@ -182,6 +183,7 @@ def bench_hf(args) -> dict:
   return {"benchmark": "hf", "model": imported.to_dict(), "batch": args.batch, "prompt": args.prompt,
           "new_tokens": args.new, "torch_threads": torch.get_num_threads(),
           "small_matmul_kernel": matmul.uses_kernel(args.batch, imported.compute_dtype),
+          "decode_attention_kernel": attention.uses_cache_kernel(imported.compute_dtype, imported.kv_dtype),
           "transformers_version": transformers.__version__, "torch_version": torch.__version__,
           "kvjax_tokens_per_s": tokens / kvjax_s, "hf_tokens_per_s": tokens / hf_s,
           "kvjax_over_hf": hf_s / kvjax_s, "greedy_tokens_agree": float((ours == theirs).mean())}

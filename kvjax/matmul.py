@@ -15,108 +15,36 @@ which XLA streams as fast).
 float32 product with MIN_ROWS to MAX_ROWS rows to the kernel when running on a single CPU device,
 and everything else to XLA: larger products (prefill and training, except at toy sizes),
 accelerators, sharded meshes, other dtypes. Gradients (forward and reverse mode) are XLA's.
-The kernel is compiled with the system's C++ compiler on first use and cached in
-$KVJAX_CACHE (default ~/.cache/kvjax); without a compiler kvjax warns once and uses XLA.
-KVJAX_SMALL_MATMUL=0 turns it off (e.g. to compare against XLA's dot).
+The kernel is built on first use (kvjax/cpu_kernels.py); without a compiler kvjax warns once
+and uses XLA. KVJAX_CPU_KERNELS=attention leaves it off (e.g. to compare against XLA's dot).
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import hashlib
 import math
-import os
-import pathlib
-import platform
-import shutil
-import subprocess
-import tempfile
-import warnings
 
 import jax
 import jax.numpy as jnp
-import jaxlib
 from jax import lax
 
-SOURCE = pathlib.Path(__file__).parent / "csrc" / "small_matmul.cc"
-TARGET = "kvjax_small_matmul"
+from kvjax import cpu_kernels
+
+TARGET = cpu_kernels.KERNELS["matmul"][0]
 # The rows for which the kernel beats XLA's dot on the development machine (`kvjax bench
 # matmul`, see above).
 MIN_ROWS, MAX_ROWS = 2, 32
-COMPILE_FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC"]
 
 
-def _cpu_features() -> str:
-  """The CPU's instruction-set line (x86 "flags", Arm "Features"): -march=native depends on it."""
-  try:
-    for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-      if line.startswith(("flags", "Features")):
-        return line
-  except OSError:
-    pass
-  return platform.processor()
-
-
-def _compiler() -> str:
-  compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-  if compiler is None:
-    raise RuntimeError("no C++ compiler found (set CXX)")
-  return compiler
-
-
-def _library_path(compiler: str) -> pathlib.Path:
-  """Where the kernel built from this source, by this compiler, for this jaxlib and CPU is cached."""
-  version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-  key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(COMPILE_FLAGS), compiler, version,
-                                  jaxlib.__version__, platform.machine(), _cpu_features()]).encode())
-  cache = pathlib.Path(os.environ.get("KVJAX_CACHE", pathlib.Path.home() / ".cache" / "kvjax"))
-  return cache / f"small_matmul-{key.hexdigest()[:16]}.so"
-
-
-def _compile(compiler: str, path: pathlib.Path) -> None:
-  path.parent.mkdir(parents=True, exist_ok=True)
-  with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-    out = pathlib.Path(tmp) / path.name
-    cmd = [compiler, *COMPILE_FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-      raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
-    os.replace(out, path)  # atomic: concurrent first uses never load a half-written library
-
-
-def _load(compiler: str) -> ctypes.CDLL:
-  path = _library_path(compiler)
-  if path.exists():
-    try:
-      return ctypes.cdll.LoadLibrary(str(path))
-    except OSError:
-      pass  # a damaged or foreign build: rebuild it
-  _compile(compiler, path)
-  return ctypes.cdll.LoadLibrary(str(path))
-
-
-@functools.cache
 def kernel_available() -> bool:
-  """Whether the CPU kernel is built and registered with XLA (compiling it on first call).
-
-  Read once per process, like KVJAX_SMALL_MATMUL: functions already traced keep their choice.
-  """
-  if os.environ.get("KVJAX_SMALL_MATMUL", "1") == "0":
-    return False
-  try:
-    library = _load(_compiler())
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.KvjaxSmallMatmul), platform="cpu")
-  except Exception as e:  # noqa: BLE001 - any failure to build or load means XLA's dot, said once
-    warnings.warn(f"kvjax: the CPU small-matmul kernel is unavailable, using XLA's dot ({e})")
-    return False
-  return True
+  """Whether the CPU kernel is built and registered with XLA (compiling it on first call)."""
+  return cpu_kernels.available("matmul")
 
 
 def uses_kernel(rows: int, *dtypes) -> bool:
   """Whether a product with `rows` rows and these operand dtypes goes to the kernel."""
   return (MIN_ROWS <= rows <= MAX_ROWS and all(d == jnp.float32 for d in dtypes)
-          and jax.default_backend() == "cpu" and jax.device_count() == 1 and kernel_available())
+          and cpu_kernels.single_cpu() and kernel_available())
 
 
 @jax.custom_jvp

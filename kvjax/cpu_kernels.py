@@ -1,0 +1,120 @@
+"""kvjax's CPU kernels (csrc/*.cc): built on first use, registered with XLA as FFI targets.
+
+The sources are compiled together into one shared library with the system's C++ compiler
+(about 10 s), cached in $KVJAX_CACHE (default ~/.cache/kvjax) under a key of the sources, the
+flags, the compiler, jaxlib and the CPU's features. Without a compiler, or on any build or
+load failure, kvjax warns once and every product and attention runs in XLA.
+
+KVJAX_CPU_KERNELS selects the kernels, read once per process: unset for all, "none" (or "0")
+for none, or a comma list of names ("matmul", "attention"), e.g. to compare one against XLA.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+
+import jax
+import jaxlib
+
+SOURCES = sorted((pathlib.Path(__file__).parent / "csrc").glob("*.cc"))
+COMPILE_FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC"]
+# name -> (XLA target, exported handler symbol)
+KERNELS = {
+    "matmul": ("kvjax_small_matmul", "KvjaxSmallMatmul"),
+    "attention": ("kvjax_decode_attention", "KvjaxDecodeAttention"),
+}
+
+
+def _cpu_features() -> str:
+  """The CPU's instruction-set line (x86 "flags", Arm "Features"): -march=native depends on it."""
+  try:
+    for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+      if line.startswith(("flags", "Features")):
+        return line
+  except OSError:
+    pass
+  return platform.processor()
+
+
+def _compiler() -> str:
+  compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+  if compiler is None:
+    raise RuntimeError("no C++ compiler found (set CXX)")
+  return compiler
+
+
+def _library_path(compiler: str) -> pathlib.Path:
+  """Where the library built from these sources, by this compiler, for this jaxlib and CPU is cached."""
+  version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+  key = hashlib.sha256("\n".join([*(s.read_text() for s in SOURCES), " ".join(COMPILE_FLAGS), compiler,
+                                  version, jaxlib.__version__, platform.machine(), _cpu_features()]).encode())
+  cache = pathlib.Path(os.environ.get("KVJAX_CACHE", pathlib.Path.home() / ".cache" / "kvjax"))
+  return cache / f"kvjax_cpu-{key.hexdigest()[:16]}.so"
+
+
+def _compile(compiler: str, path: pathlib.Path) -> None:
+  path.parent.mkdir(parents=True, exist_ok=True)
+  with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+    out = pathlib.Path(tmp) / path.name
+    cmd = [compiler, *COMPILE_FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+      raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+    os.replace(out, path)  # atomic: concurrent first uses never load a half-written library
+
+
+def _load(compiler: str) -> ctypes.CDLL:
+  path = _library_path(compiler)
+  if path.exists():
+    try:
+      return ctypes.cdll.LoadLibrary(str(path))
+    except OSError:
+      pass  # a damaged or foreign build: rebuild it
+  _compile(compiler, path)
+  return ctypes.cdll.LoadLibrary(str(path))
+
+
+def _selected() -> set[str]:
+  value = os.environ.get("KVJAX_CPU_KERNELS")
+  if value is None:
+    return set(KERNELS)
+  names = {n.strip() for n in value.split(",") if n.strip()} - {"none", "0"}
+  if unknown := names - set(KERNELS):
+    raise ValueError(f"KVJAX_CPU_KERNELS={value!r}: unknown kernels {sorted(unknown)}; "
+                     f"choose from {sorted(KERNELS)}, or 'none'")
+  return names
+
+
+@functools.cache
+def _registered() -> frozenset[str]:
+  selected = _selected()
+  if not selected:
+    return frozenset()
+  try:
+    library = _load(_compiler())
+    for name in selected:
+      target, symbol = KERNELS[name]
+      jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
+  except Exception as e:  # noqa: BLE001 - any failure to build or load means XLA, said once
+    warnings.warn(f"kvjax: the CPU kernels are unavailable, using XLA ({e})")
+    return frozenset()
+  return frozenset(selected)
+
+
+def available(name: str) -> bool:
+  """Whether kernel `name` ("matmul" or "attention") is built and registered (building on first call)."""
+  return name in _registered()
+
+
+def single_cpu() -> bool:
+  """Whether jax runs on one CPU device: the kernels' domain (a mesh or an accelerator uses XLA)."""
+  return jax.default_backend() == "cpu" and jax.device_count() == 1

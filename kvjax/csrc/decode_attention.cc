@@ -1,0 +1,337 @@
+// kvjax_decode_attention: one query token per sequence attends to its cached keys and values,
+// in float32 on the CPU.
+//
+// An XLA FFI handler. Inputs, in the kv-head-major layout of kvjax's cache:
+//   q      [B, K, G, H]  the step's queries, grouped by kv head and already scaled,
+//   k      [B, K, H, S]  cached keys, transposed,
+//   v      [B, K, S, H]  cached values,
+//   valid  int32 [B]     how many cached positions each row attends to (its length + 1),
+// and the output [B, K, G, H]. Each (row, kv head) pair is cut into chunks of positions; a task
+// reads a chunk's keys once for all G query heads (scores as [G, H] x [H, chunk] with positions
+// in vector lanes), takes the softmax in a buffer that stays in L1, and reads the chunk's values
+// once; the chunks of a pair are merged afterwards (the split softmax of flash decoding). Only
+// positions below valid[b] are read: XLA's masked attention reads the whole preallocated cache.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+#ifdef __AVX512F__
+constexpr int64_t kLanes = 16;
+#else
+constexpr int64_t kLanes = 8;
+#endif
+constexpr int64_t kScoreVectors = 4;  // positions per score tile, in vectors
+constexpr int64_t kGroupBlock = 4;    // query heads per register tile
+constexpr int64_t kHeadVectors = 4;    // head-dim vectors per register tile of outputs
+constexpr int64_t kMinChunk = 128;    // positions: smaller chunks cost more in merging than they share
+constexpr int64_t kTasksPerThread = 4;
+
+typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t IVec __attribute__((vector_size(kLanes * sizeof(float))));
+
+inline Vec Load(const float* p) { Vec v; std::memcpy(&v, p, sizeof(v)); return v; }
+inline void Store(float* p, Vec v) { std::memcpy(p, &v, sizeof(v)); }
+
+// The first n < kLanes floats at p, zeros after; never reads past p + n.
+inline Vec LoadPart(const float* p, int64_t n) {
+#if defined(__AVX512F__)
+  return (Vec)_mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p);
+#elif defined(__AVX2__)
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return (Vec)_mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), lanes));
+#else
+  Vec v = {};
+  std::memcpy(&v, p, n * sizeof(float));
+  return v;
+#endif
+}
+
+inline void StorePart(float* p, Vec v, int64_t n) {
+  float tmp[kLanes];
+  Store(tmp, v);
+  std::memcpy(p, tmp, n * sizeof(float));
+}
+
+inline float Max(Vec v) {
+  float m = v[0];
+  for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
+  return m;
+}
+
+inline float Sum(Vec v) {
+  float s = 0;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+
+// e^x for x <= 0 (scores minus their maximum), to about 2 ulp: x = n ln2 + r with |r| <= ln2 / 2,
+// e^r by its degree-6 minimax polynomial, 2^n put in the exponent bits. Below -87, where e^x
+// leaves the normal floats, it returns e^-87.
+inline Vec Exp(Vec x) {
+  x = x > Vec{} - 87.0f ? x : Vec{} - 87.0f;
+  const Vec shifter = Vec{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const Vec n = (x * 1.44269504f + shifter) - shifter;
+  const Vec r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  Vec p = Vec{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const IVec bits = (__builtin_convertvector(n, IVec) + 127) << 23;
+  Vec scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+struct Problem {
+  const float* q;
+  const float* k;
+  const float* v;
+  const int32_t* valid;
+  int64_t batch, kv_heads, groups, head_dim, max_len;
+  int64_t chunks, chunk;  // chunks per (row, kv head) pair, positions per chunk
+  // Per task: for each query head, the running max, the sum of exponentials, then H
+  // unnormalised outputs.
+  float* partial;
+
+  int64_t tasks() const { return batch * kv_heads * chunks; }
+  int64_t partial_stride() const { return groups * (head_dim + 2); }
+  void RunTask(int64_t task, float* scores) const;
+  void Merge(float* out) const;
+};
+
+// scores[g, 0:len] = q[g] . keys[:, s0 + 0:len] for query heads g0 <= g < g0 + GB, NV vectors
+// of positions at a time; keys has row stride max_len.
+template <int GB, int NV>
+void ScoreTile(const float* q, const float* keys, float* scores, int64_t head_dim, int64_t max_len,
+               int64_t s, int64_t scores_stride) {
+  Vec acc[GB][NV] = {};
+  for (int64_t h = 0; h < head_dim; ++h) {
+    Vec kv[NV];
+    for (int j = 0; j < NV; ++j) {
+      const int64_t at = s + kLanes * j;
+      kv[j] = at + kLanes <= max_len ? Load(keys + h * max_len + at) : LoadPart(keys + h * max_len + at, max_len - at);
+    }
+    for (int g = 0; g < GB; ++g) {
+      const float qg = q[g * head_dim + h];
+      for (int j = 0; j < NV; ++j) acc[g][j] += qg * kv[j];
+    }
+  }
+  for (int g = 0; g < GB; ++g)
+    for (int j = 0; j < NV; ++j) Store(scores + g * scores_stride + s + kLanes * j, acc[g][j]);
+}
+
+// out[g, 0:width] = sum over s < len of probs[g, s] * values[s, 0:width] for GB query heads,
+// width <= HV vectors; values has row stride head_dim and out has row stride head_dim + 2.
+template <int GB, int HV>
+void ValueTile(const float* probs, const float* values, float* out, int64_t len, int64_t head_dim,
+               int64_t width, int64_t probs_stride) {
+  Vec acc[GB][HV] = {};
+  const int64_t full = width / kLanes, rest = width % kLanes;
+  for (int64_t s = 0; s < len; ++s) {
+    const float* row = values + s * head_dim;
+    Vec vv[HV];
+    for (int j = 0; j < HV; ++j) vv[j] = j < full ? Load(row + kLanes * j) : LoadPart(row + kLanes * j, rest);
+    for (int g = 0; g < GB; ++g) {
+      const float p = probs[g * probs_stride + s];
+      for (int j = 0; j < HV; ++j) acc[g][j] += p * vv[j];
+    }
+  }
+  for (int g = 0; g < GB; ++g)
+    for (int j = 0; j < HV; ++j) {
+      if (j < full) Store(out + g * (head_dim + 2) + kLanes * j, acc[g][j]);
+      else StorePart(out + g * (head_dim + 2) + kLanes * j, acc[g][j], rest);
+    }
+}
+
+// ValueTile over the whole head dim, kHeadVectors vectors at a time.
+template <int GB>
+void ValueBlock(const float* probs, const float* values, float* out, int64_t len, int64_t head_dim,
+                int64_t probs_stride) {
+  using Fn = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t);
+  static constexpr Fn kByWidth[kHeadVectors] = {&ValueTile<GB, 1>, &ValueTile<GB, 2>, &ValueTile<GB, 3>,
+                                                &ValueTile<GB, 4>};
+  for (int64_t h = 0; h < head_dim; h += kHeadVectors * kLanes) {
+    const int64_t width = std::min(kHeadVectors * kLanes, head_dim - h);
+    kByWidth[(width + kLanes - 1) / kLanes - 1](probs, values + h, out + h, len, head_dim, width, probs_stride);
+  }
+}
+
+void Problem::RunTask(int64_t task, float* scores) const {
+  const int64_t pair = task / chunks, c = task % chunks;
+  const int64_t b = pair / kv_heads;
+  const int64_t s0 = std::min<int64_t>(c * chunk, valid[b]);
+  const int64_t len = std::min<int64_t>(chunk, valid[b] - s0);
+  const int64_t stride = (chunk + kScoreVectors * kLanes - 1) / (kScoreVectors * kLanes) * (kScoreVectors * kLanes);
+  const float* qp = q + pair * groups * head_dim;
+  const float* keys = k + pair * head_dim * max_len;
+  float* out = partial + task * partial_stride();
+  std::memset(out, 0, partial_stride() * sizeof(float));
+  if (len == 0) {
+    for (int64_t g = 0; g < groups; ++g) out[g * (head_dim + 2) + head_dim] = -std::numeric_limits<float>::infinity();
+    return;
+  }
+
+  // Scores, a tile of positions at a time; positions past len are computed and ignored.
+  for (int64_t g = 0; g < groups; g += kGroupBlock) {
+    const int64_t gb = std::min(kGroupBlock, groups - g);
+    for (int64_t s = 0; s < len; s += kScoreVectors * kLanes) {
+      const float* qg = qp + g * head_dim;
+      float* sg = scores + g * stride - s0;  // indexed by absolute position
+      const int64_t at = s0 + s;
+      if (len - s > (kScoreVectors - 1) * kLanes) {
+        if (gb == 4) ScoreTile<4, kScoreVectors>(qg, keys, sg, head_dim, max_len, at, stride);
+        else if (gb == 2) ScoreTile<2, kScoreVectors>(qg, keys, sg, head_dim, max_len, at, stride);
+        else if (gb == 3) ScoreTile<3, kScoreVectors>(qg, keys, sg, head_dim, max_len, at, stride);
+        else ScoreTile<1, kScoreVectors>(qg, keys, sg, head_dim, max_len, at, stride);
+      } else {
+        for (int64_t t = s; t < len; t += kLanes) {
+          if (gb == 4) ScoreTile<4, 1>(qg, keys, sg, head_dim, max_len, s0 + t, stride);
+          else if (gb == 2) ScoreTile<2, 1>(qg, keys, sg, head_dim, max_len, s0 + t, stride);
+          else if (gb == 3) ScoreTile<3, 1>(qg, keys, sg, head_dim, max_len, s0 + t, stride);
+          else ScoreTile<1, 1>(qg, keys, sg, head_dim, max_len, s0 + t, stride);
+        }
+      }
+    }
+  }
+
+  // Softmax numerators in place, with each query head's max and sum kept for the merge.
+  const int64_t full = len / kLanes * kLanes;
+  for (int64_t g = 0; g < groups; ++g) {
+    float* sg = scores + g * stride;
+    float m = -std::numeric_limits<float>::infinity();
+    Vec mv = Vec{} + m;
+    for (int64_t s = 0; s < full; s += kLanes) { const Vec x = Load(sg + s); mv = x > mv ? x : mv; }
+    m = Max(mv);
+    for (int64_t s = full; s < len; ++s) m = std::max(m, sg[s]);
+    Vec sum = {};
+    for (int64_t s = 0; s < full; s += kLanes) { const Vec e = Exp(Load(sg + s) - m); Store(sg + s, e); sum += e; }
+    float l = Sum(sum);
+    for (int64_t s = full; s < len; ++s) l += sg[s] = std::exp(sg[s] - m);
+    out[g * (head_dim + 2) + head_dim] = m;
+    out[g * (head_dim + 2) + head_dim + 1] = l;
+  }
+
+  const float* values = v + (pair * max_len + s0) * head_dim;
+  for (int64_t g = 0; g < groups; g += kGroupBlock) {
+    const int64_t gb = std::min(kGroupBlock, groups - g);
+    float* og = out + g * (head_dim + 2);
+    if (gb == 4) ValueBlock<4>(scores + g * stride, values, og, len, head_dim, stride);
+    else if (gb == 2) ValueBlock<2>(scores + g * stride, values, og, len, head_dim, stride);
+    else if (gb == 3) ValueBlock<3>(scores + g * stride, values, og, len, head_dim, stride);
+    else ValueBlock<1>(scores + g * stride, values, og, len, head_dim, stride);
+  }
+}
+
+// out[pair, g] = the chunks' outputs rescaled to their common max, over their common sum.
+void Problem::Merge(float* out) const {
+  const int64_t hd = head_dim + 2;
+  for (int64_t pair = 0; pair < batch * kv_heads; ++pair)
+    for (int64_t g = 0; g < groups; ++g) {
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t c = 0; c < chunks; ++c) m = std::max(m, partial[((pair * chunks + c) * groups + g) * hd + head_dim]);
+      float l = 0;
+      float* o = out + (pair * groups + g) * head_dim;
+      std::fill(o, o + head_dim, 0.0f);
+      for (int64_t c = 0; c < chunks; ++c) {
+        const float* p = partial + ((pair * chunks + c) * groups + g) * hd;
+        if (p[head_dim + 1] == 0) continue;  // an empty chunk
+        const float scale = std::exp(p[head_dim] - m);
+        l += scale * p[head_dim + 1];
+        for (int64_t h = 0; h < head_dim; ++h) o[h] += scale * p[h];
+      }
+      if (l > 0)
+        for (int64_t h = 0; h < head_dim; ++h) o[h] /= l;
+    }
+}
+
+// Tasks claimed from a shared counter, as in small_matmul.cc: a pool task that starts after all
+// are claimed returns at once, so the caller never waits on a task that has not started.
+struct Shared {
+  Problem problem;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> finished{0};
+
+  void Work() {
+    std::vector<float> scores;
+    for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < problem.tasks();) {
+      if (scores.empty()) {
+        const int64_t tile = kScoreVectors * kLanes;
+        scores.resize(problem.groups * ((problem.chunk + tile - 1) / tile * tile));
+      }
+      problem.RunTask(t, scores.data());
+      finished.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+// Named types: the registration macro below splits its arguments at commas.
+using Array4 = ffi::Buffer<ffi::F32, 4>;
+using Result4 = ffi::ResultBuffer<ffi::F32, 4>;
+using Output4 = ffi::Buffer<ffi::F32, 4>;
+using Lengths = ffi::Buffer<ffi::S32, 1>;
+
+ffi::Error DecodeAttention(ffi::ThreadPool pool, Array4 q, Array4 k, Array4 v, Lengths valid, Result4 out) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  const int64_t batch = qd[0], kv_heads = qd[1], groups = qd[2], head_dim = qd[3], max_len = vd[2];
+  if (kd[0] != batch || kd[1] != kv_heads || kd[2] != head_dim || kd[3] != max_len ||
+      vd[0] != batch || vd[1] != kv_heads || vd[3] != head_dim || valid.dimensions()[0] != batch)
+    return ffi::Error::InvalidArgument(
+        "kvjax_decode_attention expects q [B, K, G, H], k [B, K, H, S], v [B, K, S, H], valid [B]");
+  const int32_t* lengths = valid.typed_data();
+  int64_t longest = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    if (lengths[b] < 0 || lengths[b] > max_len)
+      return ffi::Error::InvalidArgument("kvjax_decode_attention: valid length outside [0, S]");
+    longest = std::max<int64_t>(longest, lengths[b]);
+  }
+  if (batch * kv_heads * groups == 0) return ffi::Error::Success();
+
+  // Enough tasks to share over the threads, each chunk at least kMinChunk positions long.
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t pairs = batch * kv_heads;
+  const int64_t wanted = std::max<int64_t>(1, (kTasksPerThread * threads + pairs - 1) / pairs);
+  const int64_t chunks = std::max<int64_t>(1, std::min(wanted, longest / kMinChunk));
+  const int64_t chunk = std::max<int64_t>(1, (longest + chunks - 1) / chunks);
+
+  auto shared = std::make_shared<Shared>();
+  std::vector<float> partial(pairs * chunks * groups * (head_dim + 2));
+  shared->problem = {q.typed_data(), k.typed_data(), v.typed_data(), lengths, batch, kv_heads, groups,
+                     head_dim, max_len, chunks, chunk, partial.data()};
+  const int64_t helpers = std::min(threads, shared->problem.tasks()) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { shared->Work(); });
+  shared->Work();
+  while (shared->finished.load(std::memory_order_acquire) < shared->problem.tasks()) std::this_thread::yield();
+  shared->problem.Merge(out->typed_data());
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxDecodeAttention, DecodeAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Array4>()
+                                  .Arg<Array4>()
+                                  .Arg<Array4>()
+                                  .Arg<Lengths>()
+                                  .Ret<Output4>());

@@ -1,0 +1,85 @@
+"""Decode attention over the cache: the CPU kernel against numpy, its routing and its gradients."""
+
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from kvjax import attention, cpu_kernels
+
+pytestmark = pytest.mark.skipif(
+    jax.default_backend() != "cpu" or shutil.which("g++") is None and shutil.which("c++") is None,
+    reason="the kernel is built for the CPU with the system's C++ compiler")
+
+
+def reference(q, k, v, lengths):
+  """float64 numpy: q [B, 1, N, H], k [B, K, H, S], v [B, K, S, H]; row b reads [0, lengths[b]]."""
+  q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+  b, _, n, h = q.shape
+  groups = n // k.shape[1]
+  out = np.zeros((b, n, h))
+  for row in range(b):
+    for head in range(n):
+      kv = attention.kv_head_of(head, n, k.shape[1])
+      keys, values = k[row, kv, :, :lengths[row] + 1], v[row, kv, :lengths[row] + 1]
+      scores = q[row, 0, head] @ keys / np.sqrt(h)
+      probs = np.exp(scores - scores.max())
+      out[row, head] = probs / probs.sum() @ values
+  assert groups * k.shape[1] == n
+  return out[:, None]
+
+
+def inputs(batch, kv_heads, groups, head_dim, max_len, lengths, seed=0):
+  rng = np.random.default_rng(seed)
+  q = rng.standard_normal((batch, 1, kv_heads * groups, head_dim), np.float32)
+  k = rng.standard_normal((batch, kv_heads, head_dim, max_len), np.float32)
+  v = rng.standard_normal((batch, kv_heads, max_len, head_dim), np.float32)
+  return q, k, v, np.asarray(lengths, np.int32)
+
+
+def test_kernel_builds():
+  # A machine with a compiler must build it: a silent fallback would hide a broken kernel.
+  assert cpu_kernels.available("attention")
+
+
+@pytest.mark.parametrize("batch,kv_heads,groups,head_dim,max_len,lengths", [
+    (2, 2, 4, 64, 256, [0, 255]),  # one position; the whole cache
+    (3, 1, 3, 12, 100, [5, 50, 99]),  # head dim and positions not multiples of a vector
+    (1, 1, 16, 12, 1000, [999]),  # MQA, one long row: split into chunks and merged
+    (2, 2, 5, 130, 40, [17, 39]),  # head dim over one output tile
+    (1, 2, 1, 7, 3000, [1500]),  # MHA, chunks of which the last are empty
+])
+def test_kernel_matches_reference(batch, kv_heads, groups, head_dim, max_len, lengths):
+  q, k, v, lengths = inputs(batch, kv_heads, groups, head_dim, max_len, lengths)
+  np.testing.assert_allclose(jax.jit(attention.attend_cache)(q, k, v, lengths), reference(q, k, v, lengths),
+                             rtol=1e-5, atol=2e-6)
+
+
+@settings(max_examples=10, deadline=None)
+@given(batch=st.integers(1, 4), kv_heads=st.integers(1, 3), groups=st.integers(1, 6), head_dim=st.integers(1, 80),
+       max_len=st.integers(1, 600), data=st.data())
+def test_kernel_matches_reference_any_shape(batch, kv_heads, groups, head_dim, max_len, data):
+  lengths = data.draw(st.lists(st.integers(0, max_len - 1), min_size=batch, max_size=batch))
+  q, k, v, lengths = inputs(batch, kv_heads, groups, head_dim, max_len, lengths)
+  np.testing.assert_allclose(attention.attend_cache(q, k, v, lengths), reference(q, k, v, lengths),
+                             rtol=1e-5, atol=2e-6)
+
+
+def test_routing():
+  q, k, v, lengths = inputs(2, 2, 2, 8, 32, [3, 31])
+  lowered = lambda *a: jax.jit(attention.attend_cache).lower(*a).as_text()
+  target = cpu_kernels.KERNELS["attention"][0]
+  assert target in lowered(q, k, v, lengths)
+  assert target not in lowered(q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), lengths)  # bf16 cache: XLA
+
+
+def test_gradients_are_xla():
+  q, k, v, lengths = inputs(2, 2, 2, 8, 32, [3, 31])
+  loss = lambda q, k, v: (attention.attend_cache(q, k, v, lengths) ** 2).sum()
+  mask = (np.arange(32)[None, :] <= lengths[:, None])[:, None, :]
+  xla_loss = lambda q, k, v: (attention.attend(q, k, v, mask, k_transposed=True) ** 2).sum()
+  for ours, theirs in zip(jax.grad(loss, argnums=(0, 1, 2))(q, k, v), jax.grad(xla_loss, argnums=(0, 1, 2))(q, k, v)):
+    np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-6)
