@@ -25,7 +25,8 @@ import warnings
 import jax
 import jaxlib
 
-SOURCES = sorted((pathlib.Path(__file__).parent / "csrc").glob("*.cc"))
+CSRC = pathlib.Path(__file__).parent / "csrc"
+SOURCES = sorted(CSRC.glob("*.cc"))
 COMPILE_FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC"]
 # name -> (XLA target, exported handler symbol)
 KERNELS = {
@@ -55,8 +56,9 @@ def _compiler() -> str:
 def _library_path(compiler: str) -> pathlib.Path:
   """Where the library built from these sources, by this compiler, for this jaxlib and CPU is cached."""
   version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-  key = hashlib.sha256("\n".join([*(s.read_text() for s in SOURCES), " ".join(COMPILE_FLAGS), compiler,
-                                  version, jaxlib.__version__, platform.machine(), _cpu_features()]).encode())
+  files = [f.read_text() for f in sorted(CSRC.glob("*.[ch]*"))]  # sources and headers
+  key = hashlib.sha256("\n".join([*files, " ".join(COMPILE_FLAGS), compiler, version, jaxlib.__version__,
+                                  platform.machine(), _cpu_features()]).encode())
   cache = pathlib.Path(os.environ.get("KVJAX_CACHE", pathlib.Path.home() / ".cache" / "kvjax"))
   return cache / f"kvjax_cpu-{key.hexdigest()[:16]}.so"
 

@@ -22,52 +22,26 @@
 #include <thread>
 #include <vector>
 
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
+#include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-#ifdef __AVX512F__
-constexpr int64_t kLanes = 16;
-#else
-constexpr int64_t kLanes = 8;
-#endif
+using kvjax::IVec;
+using kvjax::kLanes;
+using kvjax::Load;
+using kvjax::LoadPart;
+using kvjax::Store;
+using kvjax::StorePart;
+using kvjax::Vec;
+
 constexpr int64_t kScoreVectors = 4;  // positions per score tile, in vectors
 constexpr int64_t kGroupBlock = 4;    // query heads per register tile
-constexpr int64_t kHeadVectors = 4;    // head-dim vectors per register tile of outputs
+constexpr int64_t kHeadVectors = 4;   // head-dim vectors per register tile of outputs
 constexpr int64_t kMinChunk = 128;    // positions: smaller chunks cost more in merging than they share
 constexpr int64_t kTasksPerThread = 4;
-
-typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
-typedef int32_t IVec __attribute__((vector_size(kLanes * sizeof(float))));
-
-inline Vec Load(const float* p) { Vec v; std::memcpy(&v, p, sizeof(v)); return v; }
-inline void Store(float* p, Vec v) { std::memcpy(p, &v, sizeof(v)); }
-
-// The first n < kLanes floats at p, zeros after; never reads past p + n.
-inline Vec LoadPart(const float* p, int64_t n) {
-#if defined(__AVX512F__)
-  return (Vec)_mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p);
-#elif defined(__AVX2__)
-  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  return (Vec)_mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), lanes));
-#else
-  Vec v = {};
-  std::memcpy(&v, p, n * sizeof(float));
-  return v;
-#endif
-}
-
-inline void StorePart(float* p, Vec v, int64_t n) {
-  float tmp[kLanes];
-  Store(tmp, v);
-  std::memcpy(p, tmp, n * sizeof(float));
-}
 
 inline float Max(Vec v) {
   float m = v[0];

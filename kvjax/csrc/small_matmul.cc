@@ -3,139 +3,114 @@
 // An XLA FFI handler for the CPU. At decode batch sizes the weights are read once per step and
 // the product is bound by how fast they stream from memory; XLA's CPU dot runs these shapes
 // far below the machine's bandwidth (see kvjax/matmul.py for figures). This kernel reads w in
-// its row-major [K, N] layout, no packing: each task owns a column tile (up to 192 floats with
-// AVX-512), walks k down the rows with the next rows prefetched, and keeps two rows of x times
-// the tile in vector registers (four rows times half as wide a tile from 16 rows of x on); the
-// other rows of x reuse each block of 32 weight rows from L1. Tiles are shared out over XLA's
-// intra-op thread pool.
+// its row-major [K, N] layout and in order: each thread takes a band of consecutive rows of w
+// (the bands' partial products are summed at the end) and walks it kPanel rows at a time across
+// a chunk of columns, adding each row of x times the panel into y's chunk, which stays in L1.
+// Whole rows read in order let the hardware prefetchers stream w: column tiles, a few hundred
+// bytes of each row at a time, ran at half the rate.
 
 #include <algorithm>
-#include <array>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <thread>
-#include <utility>
+#include <vector>
 
+#include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-// Vectors of 16 floats with AVX-512 (32 registers), else of 8 (16 registers on AVX2): the
-// register tiles below (rows of x times vectors) stay within the registers either way.
-#ifdef __AVX512F__
-constexpr int64_t kLanes = 16;
-constexpr int64_t kMaxVectors = 12;  // vectors per column tile: 2 rows x 12 accumulators
-constexpr int64_t kMaxVectors4 = 6;  // or, from kRowsForFour rows of x, 4 rows x 6
-#else
-constexpr int64_t kLanes = 8;
-constexpr int64_t kMaxVectors = 6;
-constexpr int64_t kMaxVectors4 = 3;
-#endif
-constexpr int64_t kRowsForFour = 16;
-constexpr int64_t kPrefetchRows = 8;
-constexpr int64_t kBlockRows = 32;  // rows of w reused from L1 by every row group of x
+using kvjax::kLanes;
+using kvjax::Vec;
+
+constexpr int64_t kPanel = 8;               // rows of w per pass over a column chunk
+constexpr int64_t kChunkBytes = 32 << 10;   // of y per column chunk, to stay in L1
 constexpr int64_t kMinBytesPerThread = 64 << 10;
+constexpr int64_t kBandsPerThread = 4;
 
-typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
-
-inline Vec Load(const float* p) { Vec v; std::memcpy(&v, p, sizeof(v)); return v; }
-inline void Store(float* p, Vec v) { std::memcpy(p, &v, sizeof(v)); }
-
-// Adds x[r, k0:k1] @ w[k0:k1, 0:kLanes*NV] to y[r, 0:kLanes*NV] (or writes it, when k0 == 0)
-// for rows r < MR; x has row stride k_dim, w and y have row stride n. The first row group of
-// each block prefetches the rows ahead; later groups find the block's rows in L1.
-template <int MR, int NV>
-void Block(const float* x, const float* w, float* y, int64_t k_dim, int64_t n, int64_t k0,
-           int64_t k1, bool prefetch) {
-  Vec acc[MR][NV];
-  for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NV; ++j) acc[r][j] = k0 == 0 ? Vec{} : Load(y + r * n + kLanes * j);
-  w += k0 * n;
-  for (int64_t k = k0; k < k1; ++k, w += n) {
-    if (prefetch)
-      for (int j = 0; j < NV; ++j) __builtin_prefetch(w + kPrefetchRows * n + kLanes * j);
-    Vec wv[NV];
-    for (int j = 0; j < NV; ++j) wv[j] = Load(w + kLanes * j);
-    for (int r = 0; r < MR; ++r) {
-      const float b = x[r * k_dim + k];
-      for (int j = 0; j < NV; ++j) acc[r][j] += b * wv[j];
-    }
-  }
-  for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NV; ++j) Store(y + r * n + kLanes * j, acc[r][j]);
-}
-
-// y[0:m, 0:kLanes*NV] = x[0:m, :] @ w[:, 0:kLanes*NV], k in blocks of kBlockRows, two (or four)
-// rows of x at a time.
-template <int NV>
-void Tile(const float* x, const float* w, float* y, int64_t m, int64_t k_dim, int64_t n) {
-  for (int64_t k0 = 0; k0 < k_dim; k0 += kBlockRows) {
-    const int64_t k1 = std::min(k_dim, k0 + kBlockRows);
-    int64_t r = 0;
-    if constexpr (NV <= kMaxVectors4)
-      if (m >= kRowsForFour)
-        for (; r + 4 <= m; r += 4) Block<4, NV>(x + r * k_dim, w, y + r * n, k_dim, n, k0, k1, r == 0);
-    for (; r + 2 <= m; r += 2) Block<2, NV>(x + r * k_dim, w, y + r * n, k_dim, n, k0, k1, r == 0);
-    if (r < m) Block<1, NV>(x + r * k_dim, w, y + r * n, k_dim, n, k0, k1, r == 0);
-  }
-}
-
-// Tile<1> ... Tile<kMaxVectors>, indexed by tile width - 1.
-template <size_t... I>
-constexpr auto TilesOfWidth(std::index_sequence<I...>) {
-  return std::array{&Tile<static_cast<int>(I) + 1>...};
-}
-constexpr auto kTiles = TilesOfWidth(std::make_index_sequence<kMaxVectors>{});
-
-// Like Block<1, 1> over the last n % kLanes columns: y[r, c0:n] = x[r, :] @ w[:, c0:n] for r < m.
-void Tail(const float* x, const float* w, float* y, int64_t m, int64_t k_dim, int64_t n, int64_t c0) {
-  const size_t bytes = (n - c0) * sizeof(float);
+// y[:, c:c+width] = (or += when add) x[:, k:k+P] @ w[k:k+P, c:c+width] for width = kLanes, or
+// the first `width` < kLanes columns when Partial. x has row stride k_dim; w and y have n.
+template <int P, bool Partial>
+inline void Column(const float* x, const float* w, float* y, int64_t m, int64_t k_dim, int64_t n,
+                   int64_t k, int64_t c, int64_t width, bool add) {
+  const auto load = [width](const float* p) { return Partial ? kvjax::LoadPart(p, width) : kvjax::Load(p); };
+  Vec wv[P];
+  for (int i = 0; i < P; ++i) wv[i] = load(w + (k + i) * n + c);
   for (int64_t r = 0; r < m; ++r) {
-    Vec acc = {};
-    for (int64_t k = 0; k < k_dim; ++k) {
-      Vec wv = {};
-      std::memcpy(&wv, w + k * n + c0, bytes);
-      acc += x[r * k_dim + k] * wv;
-    }
-    float out[kLanes];
-    Store(out, acc);
-    std::memcpy(y + r * n + c0, out, bytes);
+    Vec acc = add ? load(y + r * n + c) : Vec{};
+    const float* xr = x + r * k_dim + k;
+    for (int i = 0; i < P; ++i) acc += xr[i] * wv[i];
+    if (Partial) kvjax::StorePart(y + r * n + c, acc, width);
+    else kvjax::Store(y + r * n + c, acc);
   }
 }
 
-// y = x @ w, cut into column tiles.
+// Rows k:k+P of w across columns c0:c1.
+template <int P>
+void Panel(const float* x, const float* w, float* y, int64_t m, int64_t k_dim, int64_t n, int64_t k,
+           int64_t c0, int64_t c1, bool add) {
+  int64_t c = c0;
+  for (; c + kLanes <= c1; c += kLanes) Column<P, false>(x, w, y, m, k_dim, n, k, c, kLanes, add);
+  if (c < c1) Column<P, true>(x, w, y, m, k_dim, n, k, c, c1 - c, add);
+}
+
 struct Problem {
   const float* x;
   const float* w;
   float* y;
   int64_t m, k, n;
-  int64_t tile_vectors;  // vectors per column tile
-  int64_t num_tiles;     // the last tile also covers the columns past the last full vector
+  int64_t bands, band_rows;  // bands of consecutive rows of w, claimed one at a time
+  int64_t workers;
+  float* partial;            // [workers - 1, m, n]: the sums of the bands of workers 1, 2, ...
 
-  void RunTile(int64_t t) const {
-    const int64_t col = t * tile_vectors * kLanes;
-    const int64_t nv = std::min(tile_vectors, n / kLanes - t * tile_vectors);
-    if (nv > 0) kTiles[nv - 1](x, w + col, y + col, m, k, n);
-    if (t == num_tiles - 1 && n % kLanes) Tail(x, w, y, m, k, n, n / kLanes * kLanes);
+  // Adds x[:, band] @ w[band, :] for band `t` into worker `i`'s sum (or writes it, when first),
+  // a column chunk at a time.
+  void RunBand(int64_t t, int64_t i, bool first) const {
+    float* out = i == 0 ? y : partial + (i - 1) * m * n;
+    const int64_t k0 = std::min(k, t * band_rows), k1 = std::min(k, k0 + band_rows);
+    if (k0 == k1) {
+      if (first) std::memset(out, 0, m * n * sizeof(float));
+      return;
+    }
+    const int64_t chunk = std::max(kLanes, kChunkBytes / int64_t{sizeof(float)} / m / kLanes * kLanes);
+    for (int64_t c0 = 0; c0 < n; c0 += chunk) {
+      const int64_t c1 = std::min(n, c0 + chunk);
+      int64_t r = k0;
+      for (; r + kPanel <= k1; r += kPanel) Panel<kPanel>(x, w, out, m, k, n, r, c0, c1, !first || r != k0);
+      for (; r < k1; ++r) Panel<1>(x, w, out, m, k, n, r, c0, c1, !first || r != k0);
+    }
   }
 };
 
-// Tiles claimed from a shared counter; a pool task that starts after all are claimed returns
-// at once, so the caller never waits on a task that has not started (no deadlock when every
-// pool thread is itself inside this kernel).
+// Bands claimed from a shared counter, so a thread that wakes late takes fewer; a pool task
+// that starts after all are claimed returns at once, so the caller never waits on a task that
+// has not started (no deadlock when every pool thread is itself inside this kernel). Each
+// worker sums its bands in its own buffer (the caller's is y); the buffers are added at the end.
 struct Shared {
   Problem problem;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> finished{0};
+  std::vector<char> used;  // per worker: whether its buffer holds a sum
 
-  void Work() {
-    for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < problem.num_tiles;) {
-      problem.RunTile(t);
+  void Work(int64_t worker) {
+    for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < problem.bands;) {
+      problem.RunBand(t, worker, !used[worker]);
+      used[worker] = 1;
       finished.fetch_add(1, std::memory_order_release);
+    }
+  }
+
+  void SumWorkers() const {
+    const int64_t size = problem.m * problem.n;
+    if (!used[0]) std::memset(problem.y, 0, size * sizeof(float));
+    for (int64_t i = 1; i < problem.workers; ++i) {
+      if (!used[i]) continue;
+      const float* p = problem.partial + (i - 1) * size;
+      for (int64_t j = 0; j < size; ++j) problem.y[j] += p[j];
     }
   }
 };
@@ -147,27 +122,25 @@ ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0])
     return ffi::Error::InvalidArgument("kvjax_small_matmul expects x [M, K] and w [K, N]");
   const int64_t m = xd[0], k = xd[1], n = wd[1];
-  if (k == 0) {
-    std::memset(y->typed_data(), 0, m * n * sizeof(float));
-    return ffi::Error::Success();
-  }
+  if (m * n == 0) return ffi::Error::Success();
   // A pool thread takes 10-20 us to wake: only weights of kMinBytesPerThread or more per thread
   // are worth sharing.
   const int64_t threads = std::clamp<int64_t>(k * n * int64_t{sizeof(float)} / kMinBytesPerThread, 1,
                                               std::max<int64_t>(1, pool.num_threads()));
-  const int64_t vectors = n / kLanes;
-  // At least one tile per thread, each at most max_vectors wide, in a multiple of the threads.
-  const int64_t max_vectors = m >= kRowsForFour ? kMaxVectors4 : kMaxVectors;
-  int64_t tiles = std::max<int64_t>(threads, (vectors + max_vectors - 1) / max_vectors);
-  tiles = (tiles + threads - 1) / threads * threads;
-  const int64_t tile_vectors = std::max<int64_t>(1, (vectors + tiles - 1) / tiles);
-  const int64_t num_tiles = std::max<int64_t>(1, (vectors + tile_vectors - 1) / tile_vectors);
+  const int64_t panels = std::max<int64_t>(1, (k + kPanel - 1) / kPanel);
+  const int64_t bands = std::min(threads * kBandsPerThread, panels);
+  const int64_t band_rows = (panels + bands - 1) / bands * kPanel;
+  const int64_t workers = std::min(threads, bands);
 
   auto shared = std::make_shared<Shared>();
-  shared->problem = {x.typed_data(), w.typed_data(), y->typed_data(), m, k, n, tile_vectors, num_tiles};
-  for (int64_t i = 1; i < std::min(threads, num_tiles); ++i) pool.Schedule([shared] { shared->Work(); });
-  shared->Work();
-  while (shared->finished.load(std::memory_order_acquire) < num_tiles) std::this_thread::yield();
+  std::vector<float> partial((workers - 1) * m * n);
+  shared->problem = {x.typed_data(), w.typed_data(), y->typed_data(), m, k, n, bands, band_rows, workers,
+                     partial.data()};
+  shared->used.assign(workers, 0);
+  for (int64_t i = 1; i < workers; ++i) pool.Schedule([shared, i] { shared->Work(i); });
+  shared->Work(0);
+  while (shared->finished.load(std::memory_order_acquire) < bands) std::this_thread::yield();
+  shared->SumWorkers();
   return ffi::Error::Success();
 }
 

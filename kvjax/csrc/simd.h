@@ -1,0 +1,54 @@
+// Float vectors for kvjax's CPU kernels: 16 lanes with AVX-512, else 8 (AVX2 and others), as
+// GCC vector extensions, with loads and stores of the first n < kLanes lanes.
+
+#ifndef KVJAX_CSRC_SIMD_H_
+#define KVJAX_CSRC_SIMD_H_
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace kvjax {
+
+#ifdef __AVX512F__
+constexpr int64_t kLanes = 16;
+#else
+constexpr int64_t kLanes = 8;
+#endif
+
+typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t IVec __attribute__((vector_size(kLanes * sizeof(float))));
+
+inline Vec Load(const float* p) { Vec v; std::memcpy(&v, p, sizeof(v)); return v; }
+inline void Store(float* p, Vec v) { std::memcpy(p, &v, sizeof(v)); }
+
+// The first n < kLanes floats at p, zeros after; never touches memory past p + n.
+inline Vec LoadPart(const float* p, int64_t n) {
+#if defined(__AVX512F__)
+  return (Vec)_mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p);
+#elif defined(__AVX2__)
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return (Vec)_mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), lanes));
+#else
+  Vec v = {};
+  std::memcpy(&v, p, n * sizeof(float));
+  return v;
+#endif
+}
+
+inline void StorePart(float* p, Vec v, int64_t n) {
+#if defined(__AVX512F__)
+  _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1), (__m512)v);
+#else
+  float lanes[kLanes];
+  Store(lanes, v);
+  std::memcpy(p, lanes, n * sizeof(float));
+#endif
+}
+
+}  // namespace kvjax
+
+#endif  // KVJAX_CSRC_SIMD_H_
