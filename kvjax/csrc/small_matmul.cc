@@ -33,13 +33,17 @@ constexpr int64_t kMinBytesPerThread = 64 << 10;
 constexpr int64_t kBandsPerThread = 4;
 
 // y[:, c:c+width] = (or += when add) x[:, k:k+P] @ w[k:k+P, c:c+width] for width = kLanes, or
-// the first `width` < kLanes columns when Partial. x has row stride k_dim; w and y have n.
+// the first `width` < kLanes columns when Partial. x has row stride k_dim; w and y have n. With
+// `prefetch`, the same columns of the next P rows are fetched into L2 meanwhile: the hardware
+// prefetchers alone keep the 8 row streams at about 2/3 of the memory's rate.
 template <int P, bool Partial>
 inline void Column(const float* x, const float* w, float* y, int64_t m, int64_t k_dim, int64_t n,
-                   int64_t k, int64_t c, int64_t width, bool add) {
+                   int64_t k, int64_t c, int64_t width, bool add, bool prefetch) {
   const auto load = [width](const float* p) { return Partial ? kvjax::LoadPart(p, width) : kvjax::Load(p); };
   Vec wv[P];
   for (int i = 0; i < P; ++i) wv[i] = load(w + (k + i) * n + c);
+  if (prefetch)
+    for (int i = 0; i < P; ++i) __builtin_prefetch(w + (k + P + i) * n + c, 0, 2);
   for (int64_t r = 0; r < m; ++r) {
     Vec acc = add ? load(y + r * n + c) : Vec{};
     const float* xr = x + r * k_dim + k;
@@ -52,10 +56,10 @@ inline void Column(const float* x, const float* w, float* y, int64_t m, int64_t 
 // Rows k:k+P of w across columns c0:c1.
 template <int P>
 void Panel(const float* x, const float* w, float* y, int64_t m, int64_t k_dim, int64_t n, int64_t k,
-           int64_t c0, int64_t c1, bool add) {
+           int64_t c0, int64_t c1, bool add, bool prefetch) {
   int64_t c = c0;
-  for (; c + kLanes <= c1; c += kLanes) Column<P, false>(x, w, y, m, k_dim, n, k, c, kLanes, add);
-  if (c < c1) Column<P, true>(x, w, y, m, k_dim, n, k, c, c1 - c, add);
+  for (; c + kLanes <= c1; c += kLanes) Column<P, false>(x, w, y, m, k_dim, n, k, c, kLanes, add, prefetch);
+  if (c < c1) Column<P, true>(x, w, y, m, k_dim, n, k, c, c1 - c, add, prefetch);
 }
 
 struct Problem {
@@ -80,8 +84,9 @@ struct Problem {
     for (int64_t c0 = 0; c0 < n; c0 += chunk) {
       const int64_t c1 = std::min(n, c0 + chunk);
       int64_t r = k0;
-      for (; r + kPanel <= k1; r += kPanel) Panel<kPanel>(x, w, out, m, k, n, r, c0, c1, !first || r != k0);
-      for (; r < k1; ++r) Panel<1>(x, w, out, m, k, n, r, c0, c1, !first || r != k0);
+      for (; r + kPanel <= k1; r += kPanel)
+        Panel<kPanel>(x, w, out, m, k, n, r, c0, c1, !first || r != k0, r + 2 * kPanel <= k1);
+      for (; r < k1; ++r) Panel<1>(x, w, out, m, k, n, r, c0, c1, !first || r != k0, false);
     }
   }
 };
