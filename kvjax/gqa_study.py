@@ -14,13 +14,13 @@ import csv
 import dataclasses
 import json
 import statistics
-import time
 from pathlib import Path
 
 import jax
 import numpy as np
 
 from kvjax import checkpoint, decode, train
+from kvjax.bench import timed_alternating
 from kvjax.config import ModelConfig, check_positive, check_real, to_dict
 from kvjax.data import load_dataset
 from kvjax.evaluate import evaluate
@@ -143,16 +143,9 @@ def time_per_sample(models: dict, timing: TimingConfig) -> dict:
   vocab = min(model.config.vocab_size for model, _ in models.values())
   prompts = rng.integers(0, vocab, (timing.batch, timing.prompt), dtype=np.int32)
   lengths = np.full((timing.batch,), timing.prompt, np.int32)
-  calls = {name: (lambda m=model, p=params: jax.block_until_ready(
-      decode.generate(m, p, prompts, lengths, timing.new_tokens))) for name, (model, params) in models.items()}
-  for call in calls.values():
-    call()
-  times = {name: [] for name in models}
-  for _ in range(timing.repeats):
-    for name, call in calls.items():
-      start = time.perf_counter()
-      call()
-      times[name].append(time.perf_counter() - start)
+  calls = {name: (lambda m=model, p=params: decode.generate(m, p, prompts, lengths, timing.new_tokens))
+           for name, (model, params) in models.items()}
+  times = timed_alternating(calls, timing.repeats)
   return {name: {"time_per_sample_s": statistics.median(times[name]) / timing.batch, "times_s": times[name],
                  "kv_bytes_per_token": model.config.kv_bytes_per_token,
                  "params": int(sum(x.size for x in jax.tree.leaves(params)))}
