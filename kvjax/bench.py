@@ -84,6 +84,9 @@ def init_model(cfg: ModelConfig, seed: int = 0):
   return model, params
 
 
+STEP_REPEATS = 10  # timed decode steps per `time_decode_step`
+
+
 def filled_cache(model: Transformer, params, batch: int, context: int, max_len: int):
   """A cache holding `context` random positions per row, without running a prefill."""
   shapes = jax.eval_shape(lambda p: decode._prefill(model, p, jnp.zeros((batch, 1), jnp.int32),
@@ -95,8 +98,16 @@ def filled_cache(model: Transformer, params, batch: int, context: int, max_len: 
   return jax.tree.unflatten(tree, filled)
 
 
-def time_decode_step(model, params, cache, steps: int = 10) -> float:
-  """Median seconds of one jitted decode step, the cache donated from step to step."""
+def time_decode_step(model, params, cache, steps: int = STEP_REPEATS) -> float:
+  """Median seconds of one jitted decode step, the cache donated from step to step.
+
+  Runs steps + 1 steps (one warm-up): the cache must have room for them (the jitted step itself
+  does not check, and a write past the end would be clamped).
+  """
+  room = decode.cache_capacity(cache) - int(jnp.max(cache["lengths"]))
+  if room < steps + 1:
+    raise ValueError(f"time_decode_step: the cache has room for {room} more positions; "
+                     f"{steps + 1} steps need {steps + 1}")
   tokens = jnp.zeros((cache["lengths"].shape[0],), jnp.int32)
   logits, cache = decode._decode_step(model, params, cache, tokens)
   logits.block_until_ready()
@@ -123,7 +134,7 @@ def bench_decode(args) -> dict:
             "decode_attention_kernel": attention.uses_cache_kernel(cfg.compute_dtype, cfg.kv_dtype),
             "memory_bandwidth_GBps": bandwidth / 1e9, "matmul_GFLOPs": flops / 1e9}
 
-  cache = filled_cache(model, params, args.batch, args.prompt, args.prompt + args.new)
+  cache = filled_cache(model, params, args.batch, args.prompt, args.prompt + STEP_REPEATS + 1)
   step = time_decode_step(model, params, cache)
   step_bytes = decode_step_bytes(cfg, args.batch, args.prompt)
   result.update(decode_step_ms=step * 1e3, decode_step_bytes=step_bytes,
