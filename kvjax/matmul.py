@@ -2,14 +2,16 @@
 
 A decode step multiplies a handful of rows (one per sequence) by every weight matrix, so it is
 bound by how fast the weights stream from memory. XLA's CPU dot runs these shapes well below
-the machine's bandwidth. The kernel in csrc/small_matmul.cc reads the row-major weights once,
-in column tiles shared over XLA's intra-op threads, with two or four rows of x times a tile
-held in vector registers and each block of 32 weight rows reused from L1 by the other rows.
-`kvjax bench matmul` on the 2-core development machine (24 GB/s), 16 distinct weights per
-timed call, 8 rows: [512, 1408] 334 -> 203 us (14 GB/s), [1408, 512] 385 -> 244 us,
-[512, 4096] 1071 -> 653 us; 32 rows: 1.3-1.6x faster than XLA; 64 rows: no faster (0.8-1.3x),
-so larger products stay with XLA's blocked GEMM, and so does one row (a matrix-vector product,
-which XLA streams as fast).
+the machine's bandwidth. The kernel in csrc/small_matmul.cc reads the row-major weights in
+order: each thread takes bands of consecutive rows, walks them 8 rows at a time across column
+chunks whose slice of y stays in L1, and prefetches the next 8 rows into L2; the threads' sums
+are added at the end. `kvjax bench matmul` on the 2-core development machine (about 22 GB/s),
+16 distinct weights per timed call, XLA's time over the kernel's: 8 rows 1.0x ([512, 512]),
+1.4x ([512, 1408]), 1.5x ([1408, 512]), 2.1x ([512, 4096]); 2 rows 1.2-1.9x; 16 rows 0.9-1.4x,
+1.2-1.4x on the MLP and output weights that dominate a step; 32 rows 0.9-1.2x, so from 17 rows
+on products stay with XLA's blocked GEMM, and so does one row (a matrix-vector product). At
+DRAM scale (128 weights of [1408, 512]) the kernel streams 8 rows at 17-19 GB/s where a plain
+reduction reaches 20-22.
 
 `dot_general` is a drop-in for lax.dot_general that kvjax's Dense layers use: it sends a
 float32 product with MIN_ROWS to MAX_ROWS rows to the kernel when running on a single CPU device,
@@ -33,7 +35,7 @@ from kvjax import cpu_kernels
 TARGET = cpu_kernels.KERNELS["matmul"][0]
 # The rows for which the kernel beats XLA's dot on the development machine (`kvjax bench
 # matmul`, see above).
-MIN_ROWS, MAX_ROWS = 2, 32
+MIN_ROWS, MAX_ROWS = 2, 16
 
 
 def kernel_available() -> bool:
