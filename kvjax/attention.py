@@ -165,28 +165,40 @@ class Attention(nn.Module):
         dot_general=dot_general,
         kernel_init=nn.initializers.normal((cfg.num_heads * cfg.head_dim) ** -0.5 / (2 * cfg.num_layers) ** 0.5))
 
+  def query(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    """x [B, T, D], positions int[B, T] -> q [B, T, N, H]."""
+    q = self.q(x)
+    return rope(q, positions, self.config.rope_theta) if self.config.positions == "rope" else q
+
+  def key_value(self, x: jax.Array, positions: jax.Array):
+    """x [B, T, D], positions int[B, T] -> k and v [B, K, T, H]."""
+    k, v = self.k(x), self.v(x)
+    if self.config.positions == "rope":
+      k = rope(k, positions, self.config.rope_theta)
+    return k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+
   def project(self, x: jax.Array, positions: jax.Array):
     """x [B, T, D], positions int[B, T] -> q [B, T, N, H], k and v [B, K, T, H]."""
-    q, k, v = self.q(x), self.k(x), self.v(x)
-    if self.config.positions == "rope":
-      q = rope(q, positions, self.config.rope_theta)
-      k = rope(k, positions, self.config.rope_theta)
-    return q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    return self.query(x, positions), *self.key_value(x, positions)
 
   def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
     q, k, v = self.project(x, positions)
     return self.out(attend(q, k, v, mask))
 
-  def prefill(self, x, positions, mask, max_len: int) -> jax.Array:
+  def prefill(self, x, positions, mask, max_len: int, query_rows: jax.Array | None = None) -> jax.Array:
     """Like __call__, and stores the prompt's K/V at positions [0, T) of a new cache:
-    k [B, K, H, max_len], v [B, K, max_len, H]."""
+    k [B, K, H, max_len], v [B, K, max_len, H]. With query_rows (int[B]) only the token at
+    position query_rows[b] of each row attends, [B, 1, D] out: the cache still gets every
+    position (the last layer's other outputs are not needed to sample the next token)."""
     cfg = self.config
-    q, k, v = self.project(x, positions)
+    k, v = self.key_value(x, positions)
     b, kv, h = x.shape[0], cfg.num_kv_heads, cfg.head_dim
     for name, new, shape in (("k", k.swapaxes(2, 3), (b, kv, h, max_len)), ("v", v, (b, kv, max_len, h))):
       buf = jnp.zeros(shape, cfg.kv_dtype)
       self.put_variable("cache", name, jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype), (0, 0, 0, 0)))
-    return self.out(attend(q, k, v, mask))
+    if query_rows is not None:
+      x, positions, mask = (a[jnp.arange(b), query_rows][:, None] for a in (x, positions, mask))
+    return self.out(attend(self.query(x, positions), k, v, mask))
 
   def decode(self, x: jax.Array, lengths: jax.Array) -> jax.Array:
     """x [B, 1, D] is the token at position lengths[b]; its K/V are written there, then it attends to [0, lengths[b]]."""

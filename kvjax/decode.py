@@ -104,7 +104,7 @@ def prefill(model: Transformer, params, tokens, lengths, max_len: int, *, last_o
     lengths: int[B], each in [1, T].
     max_len: cache length S; decoding can continue while lengths < S.
     last_only: return only each row's next-token logits (skips the vocabulary projection of
-      every other position).
+      every other position, and the last layer's attention output and MLP there).
   Returns:
     (logits float32[B, T, V], cache). The next-token logits of row b are logits[b, lengths[b] - 1];
     with last_only, (logits float32[B, V] holding those, cache).

@@ -68,8 +68,11 @@ class Block(nn.Module):
   def __call__(self, x, positions, mask):
     return self._finish(x, self.attn(self.attn_norm(x), positions, mask))
 
-  def prefill(self, x, positions, mask, max_len: int):
-    return self._finish(x, self.attn.prefill(self.attn_norm(x), positions, mask, max_len))
+  def prefill(self, x, positions, mask, max_len: int, query_rows=None):
+    attn_out = self.attn.prefill(self.attn_norm(x), positions, mask, max_len, query_rows)
+    if query_rows is not None:
+      x = x[jnp.arange(x.shape[0]), query_rows][:, None]  # [B, 1, D]
+    return self._finish(x, attn_out)
 
   def decode(self, x, lengths):
     return self._finish(x, self.attn.decode(self.attn_norm(x), lengths))
@@ -126,12 +129,12 @@ class Transformer(nn.Module):
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
     x = self._embed(tokens, positions)
     mask = causal_mask(lengths, t)
-    for layer in self.layers:
-      x = layer.prefill(x, positions, mask, max_len)
+    for i, layer in enumerate(self.layers):
+      # With last_only, the last layer computes only each prompt's last token past its K/V.
+      query_rows = lengths - 1 if last_only and i == len(self.layers) - 1 else None
+      x = layer.prefill(x, positions, mask, max_len, query_rows)
     self.put_variable("cache", "lengths", lengths.astype(jnp.int32))
-    if last_only:
-      return self._logits(x[jnp.arange(b), lengths - 1])
-    return self._logits(x)
+    return self._logits(x[:, 0] if last_only else x)
 
   def decode(self, tokens: jax.Array) -> jax.Array:
     """tokens int[B] at positions cache lengths[b] -> logits [B, V]; extends the cache by one."""
