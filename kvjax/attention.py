@@ -107,6 +107,9 @@ def attend_cache(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: 
   On a single CPU device, in float32, the CPU kernel (csrc/decode_attention.cc) computes it
   reading only each row's valid positions; otherwise XLA's masked `attend` over the whole cache.
   """
+  if q.shape[1] != 1:
+    raise ValueError(f"attend_cache takes one query token per row, got q of shape {q.shape}")
+
   def xla(q, k_cache, v_cache, lengths):
     mask = (jnp.arange(v_cache.shape[CACHE_SEQ_AXIS["v"]])[None, :] <= lengths[:, None])[:, None, :]  # [B, 1, S]
     return attend(q, k_cache, v_cache, mask, k_transposed=True)

@@ -5,8 +5,9 @@ The sources are compiled together into one shared library with the system's C++ 
 flags, the compiler, jaxlib and the CPU's features. Without a compiler, or on any build or
 load failure, kvjax warns once and every product and attention runs in XLA.
 
-KVJAX_CPU_KERNELS selects the kernels, read once per process: unset for all, "none" (or "0")
-for none, or a comma list of names ("matmul", "attention"), e.g. to compare one against XLA.
+KVJAX_CPU_KERNELS selects the kernels, read once per process: unset for all, "none" (or "0",
+or empty) for none, or a comma list of names ("matmul", "attention"), e.g. to compare one
+against XLA.
 """
 
 from __future__ import annotations

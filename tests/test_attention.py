@@ -50,7 +50,7 @@ def test_kernel_builds():
     (3, 1, 3, 12, 100, [5, 50, 99]),  # head dim and positions not multiples of a vector
     (1, 1, 16, 12, 1000, [999]),  # MQA, one long row: split into chunks and merged
     (2, 2, 5, 130, 40, [17, 39]),  # head dim over one output tile
-    (1, 2, 1, 7, 3000, [1500]),  # MHA, chunks of which the last are empty
+    (2, 1, 1, 7, 3000, [0, 1500]),  # MHA; row 0's chunks past its one position are empty
 ])
 def test_kernel_matches_reference(batch, kv_heads, groups, head_dim, max_len, lengths):
   q, k, v, lengths = inputs(batch, kv_heads, groups, head_dim, max_len, lengths)
@@ -66,6 +66,15 @@ def test_kernel_matches_reference_any_shape(batch, kv_heads, groups, head_dim, m
   q, k, v, lengths = inputs(batch, kv_heads, groups, head_dim, max_len, lengths)
   np.testing.assert_allclose(attention.attend_cache(q, k, v, lengths), reference(q, k, v, lengths),
                              rtol=1e-5, atol=2e-6)
+
+
+def test_kernel_propagates_nan():
+  # Like XLA's softmax: a NaN among a row's valid keys makes its output NaN, wherever it falls.
+  q, k, v, lengths = inputs(2, 1, 2, 8, 64, [40, 40])
+  k[0, 0, 3, 5] = np.nan  # a position in the vectorised part
+  k[1, 0, 3, 40] = np.nan  # the last position, past the last full vector
+  out = np.asarray(attention.attend_cache(q, k, v, lengths))
+  assert np.isnan(out).all()
 
 
 def test_routing():

@@ -41,6 +41,7 @@ constexpr int64_t kScoreVectors = 4;  // positions per score tile, in vectors
 constexpr int64_t kGroupBlock = 4;    // query heads per register tile
 constexpr int64_t kHeadVectors = 4;   // head-dim vectors per register tile of outputs
 constexpr int64_t kMinChunk = 128;    // positions: smaller chunks cost more in merging than they share
+constexpr int64_t kMaxChunk = 512;    // positions: a chunk's scores (G x chunk floats) stay in L1
 constexpr int64_t kTasksPerThread = 4;
 
 inline float Max(Vec v) {
@@ -57,9 +58,9 @@ inline float Sum(Vec v) {
 
 // e^x for x <= 0 (scores minus their maximum), to about 2 ulp: x = n ln2 + r with |r| <= ln2 / 2,
 // e^r by its degree-6 minimax polynomial, 2^n put in the exponent bits. Below -87, where e^x
-// leaves the normal floats, it returns e^-87.
+// leaves the normal floats, it returns e^-87; a NaN stays NaN.
 inline Vec Exp(Vec x) {
-  x = x > Vec{} - 87.0f ? x : Vec{} - 87.0f;
+  x = x < Vec{} - 87.0f ? Vec{} - 87.0f : x;
   const Vec shifter = Vec{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
   const Vec n = (x * 1.44269504f + shifter) - shifter;
   const Vec r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
@@ -93,11 +94,11 @@ struct Problem {
   void Merge(float* out) const;
 };
 
-// scores[g, 0:len] = q[g] . keys[:, s0 + 0:len] for query heads g0 <= g < g0 + GB, NV vectors
-// of positions at a time; keys has row stride max_len.
+// scores[g, s - s0 + 0:NV*kLanes] = q[g] . keys[:, s + 0:NV*kLanes] for GB query heads; keys has
+// row stride max_len, and positions past max_len read as zero.
 template <int GB, int NV>
 void ScoreTile(const float* q, const float* keys, float* scores, int64_t head_dim, int64_t max_len,
-               int64_t s, int64_t scores_stride) {
+               int64_t s, int64_t s0, int64_t scores_stride) {
   Vec acc[GB][NV] = {};
   for (int64_t h = 0; h < head_dim; ++h) {
     Vec kv[NV];
@@ -111,7 +112,7 @@ void ScoreTile(const float* q, const float* keys, float* scores, int64_t head_di
     }
   }
   for (int g = 0; g < GB; ++g)
-    for (int j = 0; j < NV; ++j) Store(scores + g * scores_stride + s + kLanes * j, acc[g][j]);
+    for (int j = 0; j < NV; ++j) Store(scores + g * scores_stride + s - s0 + kLanes * j, acc[g][j]);
 }
 
 // out[g, 0:width] = sum over s < len of probs[g, s] * values[s, 0:width] for GB query heads,
@@ -168,21 +169,20 @@ void Problem::RunTask(int64_t task, float* scores) const {
   // Scores, a tile of positions at a time; positions past len are computed and ignored.
   for (int64_t g = 0; g < groups; g += kGroupBlock) {
     const int64_t gb = std::min(kGroupBlock, groups - g);
+    const float* qg = qp + g * head_dim;
+    float* sg = scores + g * stride;
     for (int64_t s = 0; s < len; s += kScoreVectors * kLanes) {
-      const float* qg = qp + g * head_dim;
-      float* sg = scores + g * stride - s0;  // indexed by absolute position
-      const int64_t at = s0 + s;
       if (len - s > (kScoreVectors - 1) * kLanes) {
-        if (gb == 4) ScoreTile<4, kScoreVectors>(qg, keys, sg, head_dim, max_len, at, stride);
-        else if (gb == 2) ScoreTile<2, kScoreVectors>(qg, keys, sg, head_dim, max_len, at, stride);
-        else if (gb == 3) ScoreTile<3, kScoreVectors>(qg, keys, sg, head_dim, max_len, at, stride);
-        else ScoreTile<1, kScoreVectors>(qg, keys, sg, head_dim, max_len, at, stride);
+        if (gb == 4) ScoreTile<4, kScoreVectors>(qg, keys, sg, head_dim, max_len, s0 + s, s0, stride);
+        else if (gb == 2) ScoreTile<2, kScoreVectors>(qg, keys, sg, head_dim, max_len, s0 + s, s0, stride);
+        else if (gb == 3) ScoreTile<3, kScoreVectors>(qg, keys, sg, head_dim, max_len, s0 + s, s0, stride);
+        else ScoreTile<1, kScoreVectors>(qg, keys, sg, head_dim, max_len, s0 + s, s0, stride);
       } else {
         for (int64_t t = s; t < len; t += kLanes) {
-          if (gb == 4) ScoreTile<4, 1>(qg, keys, sg, head_dim, max_len, s0 + t, stride);
-          else if (gb == 2) ScoreTile<2, 1>(qg, keys, sg, head_dim, max_len, s0 + t, stride);
-          else if (gb == 3) ScoreTile<3, 1>(qg, keys, sg, head_dim, max_len, s0 + t, stride);
-          else ScoreTile<1, 1>(qg, keys, sg, head_dim, max_len, s0 + t, stride);
+          if (gb == 4) ScoreTile<4, 1>(qg, keys, sg, head_dim, max_len, s0 + t, s0, stride);
+          else if (gb == 2) ScoreTile<2, 1>(qg, keys, sg, head_dim, max_len, s0 + t, s0, stride);
+          else if (gb == 3) ScoreTile<3, 1>(qg, keys, sg, head_dim, max_len, s0 + t, s0, stride);
+          else ScoreTile<1, 1>(qg, keys, sg, head_dim, max_len, s0 + t, s0, stride);
         }
       }
     }
@@ -280,17 +280,19 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, Array4 q, Array4 k, Array4 v, L
   }
   if (batch * kv_heads * groups == 0) return ffi::Error::Success();
 
-  // Enough tasks to share over the threads, each chunk at least kMinChunk positions long.
+  // Enough tasks to share over the threads, chunks of kMinChunk to kMaxChunk positions where
+  // the lengths allow.
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t pairs = batch * kv_heads;
   const int64_t wanted = std::max<int64_t>(1, (kTasksPerThread * threads + pairs - 1) / pairs);
-  const int64_t chunks = std::max<int64_t>(1, std::min(wanted, longest / kMinChunk));
+  const int64_t chunks = std::max({int64_t{1}, std::min(wanted, longest / kMinChunk),
+                                   (longest + kMaxChunk - 1) / kMaxChunk});
   const int64_t chunk = std::max<int64_t>(1, (longest + chunks - 1) / chunks);
 
   auto shared = std::make_shared<Shared>();
-  std::vector<float> partial(pairs * chunks * groups * (head_dim + 2));
+  std::unique_ptr<float[]> partial(new float[pairs * chunks * groups * (head_dim + 2)]);  // set by each task
   shared->problem = {q.typed_data(), k.typed_data(), v.typed_data(), lengths, batch, kv_heads, groups,
-                     head_dim, max_len, chunks, chunk, partial.data()};
+                     head_dim, max_len, chunks, chunk, partial.get()};
   const int64_t helpers = std::min(threads, shared->problem.tasks()) - 1;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { shared->Work(); });
   shared->Work();
