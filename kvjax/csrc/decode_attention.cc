@@ -13,15 +13,14 @@
 // positions below valid[b] are read: XLA's masked attention reads the whole preallocated cache.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <memory>
-#include <thread>
 #include <vector>
 
+#include "parallel.h"
 #include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -238,30 +237,9 @@ void Problem::Merge(float* out) const {
     }
 }
 
-// Tasks claimed from a shared counter, as in small_matmul.cc: a pool task that starts after all
-// are claimed returns at once, so the caller never waits on a task that has not started.
-struct Shared {
-  Problem problem;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> finished{0};
-
-  void Work() {
-    std::vector<float> scores;
-    for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < problem.tasks();) {
-      if (scores.empty()) {
-        const int64_t tile = kScoreVectors * kLanes;
-        scores.resize(problem.groups * ((problem.chunk + tile - 1) / tile * tile));
-      }
-      problem.RunTask(t, scores.data());
-      finished.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
 // Named types: the registration macro below splits its arguments at commas.
 using Array4 = ffi::Buffer<ffi::F32, 4>;
 using Result4 = ffi::ResultBuffer<ffi::F32, 4>;
-using Output4 = ffi::Buffer<ffi::F32, 4>;
 using Lengths = ffi::Buffer<ffi::S32, 1>;
 
 ffi::Error DecodeAttention(ffi::ThreadPool pool, Array4 q, Array4 k, Array4 v, Lengths valid, Result4 out) {
@@ -289,15 +267,17 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, Array4 q, Array4 k, Array4 v, L
                                    (longest + kMaxChunk - 1) / kMaxChunk});
   const int64_t chunk = std::max<int64_t>(1, (longest + chunks - 1) / chunks);
 
-  auto shared = std::make_shared<Shared>();
   std::unique_ptr<float[]> partial(new float[pairs * chunks * groups * (head_dim + 2)]);  // set by each task
-  shared->problem = {q.typed_data(), k.typed_data(), v.typed_data(), lengths, batch, kv_heads, groups,
-                     head_dim, max_len, chunks, chunk, partial.get()};
-  const int64_t helpers = std::min(threads, shared->problem.tasks()) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { shared->Work(); });
-  shared->Work();
-  while (shared->finished.load(std::memory_order_acquire) < shared->problem.tasks()) std::this_thread::yield();
-  shared->problem.Merge(out->typed_data());
+  const Problem problem{q.typed_data(), k.typed_data(), v.typed_data(), lengths, batch, kv_heads, groups,
+                        head_dim, max_len, chunks, chunk, partial.get()};
+  const int64_t workers = std::min(threads, problem.tasks());
+  const int64_t tile = kScoreVectors * kLanes;
+  std::vector<std::vector<float>> scores(workers);  // per worker, allocated on its first task
+  kvjax::ParallelFor(pool, problem.tasks(), workers, [&](int64_t task, int64_t worker) {
+    if (scores[worker].empty()) scores[worker].resize(groups * ((chunk + tile - 1) / tile * tile));
+    problem.RunTask(task, scores[worker].data());
+  });
+  problem.Merge(out->typed_data());
   return ffi::Error::Success();
 }
 
@@ -310,4 +290,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxDecodeAttention, DecodeAttention,
                                   .Arg<Array4>()
                                   .Arg<Array4>()
                                   .Arg<Lengths>()
-                                  .Ret<Output4>());
+                                  .Ret<Array4>());

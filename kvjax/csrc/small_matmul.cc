@@ -10,13 +10,11 @@
 // bytes of each row at a time, ran at half the rate.
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 #include <vector>
 
+#include "parallel.h"
 #include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -67,9 +65,8 @@ struct Problem {
   const float* w;
   float* y;
   int64_t m, k, n;
-  int64_t bands, band_rows;  // bands of consecutive rows of w, claimed one at a time
-  int64_t workers;
-  float* partial;            // [workers - 1, m, n]: the sums of the bands of workers 1, 2, ...
+  int64_t band_rows;  // rows of w per band, one task each
+  float* partial;     // [workers - 1, m, n]: the sums of the bands of workers 1, 2, ...
 
   // Adds x[:, band] @ w[band, :] for band `t` into worker `i`'s sum (or writes it, when first),
   // a column chunk at a time.
@@ -91,35 +88,6 @@ struct Problem {
   }
 };
 
-// Bands claimed from a shared counter, so a thread that wakes late takes fewer; a pool task
-// that starts after all are claimed returns at once, so the caller never waits on a task that
-// has not started (no deadlock when every pool thread is itself inside this kernel). Each
-// worker sums its bands in its own buffer (the caller's is y); the buffers are added at the end.
-struct Shared {
-  Problem problem;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> finished{0};
-  std::vector<char> used;  // per worker: whether its buffer holds a sum
-
-  void Work(int64_t worker) {
-    for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < problem.bands;) {
-      problem.RunBand(t, worker, !used[worker]);
-      used[worker] = 1;
-      finished.fetch_add(1, std::memory_order_release);
-    }
-  }
-
-  void SumWorkers() const {
-    const int64_t size = problem.m * problem.n;
-    if (!used[0]) std::memset(problem.y, 0, size * sizeof(float));
-    for (int64_t i = 1; i < problem.workers; ++i) {
-      if (!used[i]) continue;
-      const float* p = problem.partial + (i - 1) * size;
-      for (int64_t j = 0; j < size; ++j) problem.y[j] += p[j];
-    }
-  }
-};
-
 ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                        ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
@@ -137,15 +105,18 @@ ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   const int64_t band_rows = (panels + bands - 1) / bands * kPanel;
   const int64_t workers = std::min(threads, bands);
 
-  auto shared = std::make_shared<Shared>();
   std::vector<float> partial((workers - 1) * m * n);
-  shared->problem = {x.typed_data(), w.typed_data(), y->typed_data(), m, k, n, bands, band_rows, workers,
-                     partial.data()};
-  shared->used.assign(workers, 0);
-  for (int64_t i = 1; i < workers; ++i) pool.Schedule([shared, i] { shared->Work(i); });
-  shared->Work(0);
-  while (shared->finished.load(std::memory_order_acquire) < bands) std::this_thread::yield();
-  shared->SumWorkers();
+  const Problem problem{x.typed_data(), w.typed_data(), y->typed_data(), m, k, n, band_rows, partial.data()};
+  // Each worker sums its bands in its own buffer (worker 0's is y); the buffers are added at the end.
+  std::vector<char> used(workers, 0);  // per worker: whether its buffer holds a sum
+  kvjax::ParallelFor(pool, bands, workers, [&](int64_t band, int64_t worker) {
+    problem.RunBand(band, worker, !used[worker]);
+    used[worker] = 1;
+  });
+  if (!used[0]) std::memset(problem.y, 0, m * n * sizeof(float));
+  for (int64_t i = 1; i < workers; ++i)
+    if (used[i])
+      for (int64_t j = 0; j < m * n; ++j) problem.y[j] += partial[(i - 1) * m * n + j];
   return ffi::Error::Success();
 }
 
