@@ -16,7 +16,7 @@ import json
 import statistics
 import tempfile
 import time
-from typing import Callable
+from typing import Callable, Hashable
 
 import jax
 import jax.numpy as jnp
@@ -32,18 +32,7 @@ BENCH_MODEL = ModelConfig(vocab_size=4096, d_model=512, num_layers=8, num_heads=
                           mlp_dim=1408, max_len=2048)
 
 
-def timed(fn: Callable[[], object], repeats: int) -> float:
-  """Median wall seconds of fn() over `repeats` runs, after one warm-up (compilation) run."""
-  jax.block_until_ready(fn())
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
-
-
-def timed_alternating(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
+def timed_alternating(fns: dict[Hashable, Callable[[], object]], repeats: int) -> dict[Hashable, list[float]]:
   """Wall seconds of each fn over `repeats` rounds that call every fn once, after one warm-up
   each: load from other processes falls on all of them alike."""
   for fn in fns.values():
@@ -55,6 +44,11 @@ def timed_alternating(fns: dict[str, Callable[[], object]], repeats: int) -> dic
       jax.block_until_ready(fn())
       times[name].append(time.perf_counter() - start)
   return times
+
+
+def timed(fn: Callable[[], object], repeats: int) -> float:
+  """Median wall seconds of fn() over `repeats` runs, after one warm-up (compilation) run."""
+  return statistics.median(timed_alternating({"fn": fn}, repeats)["fn"])
 
 
 def memory_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
@@ -232,37 +226,29 @@ def bench_matmul(args) -> dict:
   chain = 16
   rng = np.random.default_rng(0)
 
-  def timer(product, x, weights):
+  def chained(product, x, weights):
     def run(x, weights):
       for w in weights:  # each product feeds the next, so the calls cannot overlap
         x = x + 1e-3 * jnp.resize(product(x, w), x.shape)
       return x
     run = jax.jit(run)
-    run(x, weights).block_until_ready()
-    def once():
-      start = time.perf_counter()
-      run(x, weights).block_until_ready()
-      return (time.perf_counter() - start) / chain
-    return once
+    return lambda: run(x, weights)
 
   rows_list = sorted({1, matmul.MIN_ROWS, args.batch, matmul.MAX_ROWS})
-  timers = {}
+  calls = {}
   for name, (k, n) in shapes.items():
     weights = [jnp.asarray(rng.standard_normal((k, n), np.float32)) for _ in range(chain)]
     for rows in rows_list:
       x = jnp.asarray(rng.standard_normal((rows, k), np.float32))
-      timers[name, rows] = (timer(jnp.matmul, x, weights), timer(matmul.small_matmul, x, weights))
-  times = {key: ([], []) for key in timers}
-  for _ in range(args.repeats):
-    for key, (xla, kernel) in timers.items():
-      times[key][0].append(xla())
-      times[key][1].append(kernel())
+      calls[name, rows, "xla"] = chained(jnp.matmul, x, weights)
+      calls[name, rows, "kernel"] = chained(matmul.small_matmul, x, weights)
+  times = timed_alternating(calls, args.repeats)
   results = []
-  for (name, rows), (xla, kernel) in times.items():
-    k, n = shapes[name]
-    xla, kernel = statistics.median(xla), statistics.median(kernel)
-    results.append({"weight": name, "rows": rows, "k": k, "n": n, "xla_us": xla * 1e6, "kernel_us": kernel * 1e6,
-                    "xla_over_kernel": xla / kernel, "kernel_weight_GBps": k * n * 4 / kernel / 1e9})
+  for name, (k, n) in shapes.items():
+    for rows in rows_list:
+      xla, kernel = (statistics.median(times[name, rows, side]) / chain for side in ("xla", "kernel"))
+      results.append({"weight": name, "rows": rows, "k": k, "n": n, "xla_us": xla * 1e6, "kernel_us": kernel * 1e6,
+                      "xla_over_kernel": xla / kernel, "kernel_weight_GBps": k * n * 4 / kernel / 1e9})
   return {"benchmark": "matmul", "model": cfg.to_dict(), "max_rows": matmul.MAX_ROWS, "results": results}
 
 
