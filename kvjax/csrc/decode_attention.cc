@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <memory>
 #include <vector>
 
@@ -89,6 +90,11 @@ struct Problem {
 
   int64_t tasks() const { return batch * kv_heads * chunks; }
   int64_t partial_stride() const { return groups * (head_dim + 2); }
+  // A task's scores buffer holds groups rows of this many floats: chunk rounded up to a tile.
+  int64_t score_stride() const {
+    constexpr int64_t tile = kScoreVectors * kLanes;
+    return (chunk + tile - 1) / tile * tile;
+  }
   void RunTask(int64_t task, float* scores) const;
   void Merge(float* out) const;
 };
@@ -150,41 +156,47 @@ void ValueBlock(const float* probs, const float* values, float* out, int64_t len
   }
 }
 
+// fn(std::integral_constant<int, gb>) for a block of 1 <= gb <= kGroupBlock query heads.
+template <typename Fn>
+inline void WithGroupBlock(int64_t gb, Fn fn) {
+  static_assert(kGroupBlock == 4);
+  switch (gb) {
+    case 4: return fn(std::integral_constant<int, 4>{});
+    case 3: return fn(std::integral_constant<int, 3>{});
+    case 2: return fn(std::integral_constant<int, 2>{});
+    default: return fn(std::integral_constant<int, 1>{});
+  }
+}
+
 void Problem::RunTask(int64_t task, float* scores) const {
   const int64_t pair = task / chunks, c = task % chunks;
   const int64_t b = pair / kv_heads;
   const int64_t s0 = std::min<int64_t>(c * chunk, valid[b]);
   const int64_t len = std::min<int64_t>(chunk, valid[b] - s0);
-  const int64_t stride = (chunk + kScoreVectors * kLanes - 1) / (kScoreVectors * kLanes) * (kScoreVectors * kLanes);
+  const int64_t stride = score_stride();
   const float* qp = q + pair * groups * head_dim;
   const float* keys = k + pair * head_dim * max_len;
   float* out = partial + task * partial_stride();
-  std::memset(out, 0, partial_stride() * sizeof(float));
-  if (len == 0) {
+  if (len == 0) {  // no outputs, a zero sum and a max of -inf: the merge skips it
+    std::memset(out, 0, partial_stride() * sizeof(float));
     for (int64_t g = 0; g < groups; ++g) out[g * (head_dim + 2) + head_dim] = -std::numeric_limits<float>::infinity();
     return;
   }
 
   // Scores, a tile of positions at a time; positions past len are computed and ignored.
   for (int64_t g = 0; g < groups; g += kGroupBlock) {
-    const int64_t gb = std::min(kGroupBlock, groups - g);
     const float* qg = qp + g * head_dim;
     float* sg = scores + g * stride;
-    for (int64_t s = 0; s < len; s += kScoreVectors * kLanes) {
-      if (len - s > (kScoreVectors - 1) * kLanes) {
-        if (gb == 4) ScoreTile<4, kScoreVectors>(qg, keys, sg, head_dim, max_len, s0 + s, s0, stride);
-        else if (gb == 2) ScoreTile<2, kScoreVectors>(qg, keys, sg, head_dim, max_len, s0 + s, s0, stride);
-        else if (gb == 3) ScoreTile<3, kScoreVectors>(qg, keys, sg, head_dim, max_len, s0 + s, s0, stride);
-        else ScoreTile<1, kScoreVectors>(qg, keys, sg, head_dim, max_len, s0 + s, s0, stride);
-      } else {
-        for (int64_t t = s; t < len; t += kLanes) {
-          if (gb == 4) ScoreTile<4, 1>(qg, keys, sg, head_dim, max_len, s0 + t, s0, stride);
-          else if (gb == 2) ScoreTile<2, 1>(qg, keys, sg, head_dim, max_len, s0 + t, s0, stride);
-          else if (gb == 3) ScoreTile<3, 1>(qg, keys, sg, head_dim, max_len, s0 + t, s0, stride);
-          else ScoreTile<1, 1>(qg, keys, sg, head_dim, max_len, s0 + t, s0, stride);
+    WithGroupBlock(std::min(kGroupBlock, groups - g), [&](auto block) {
+      constexpr int GB = decltype(block)::value;
+      for (int64_t s = 0; s < len; s += kScoreVectors * kLanes) {
+        if (len - s > (kScoreVectors - 1) * kLanes) {
+          ScoreTile<GB, kScoreVectors>(qg, keys, sg, head_dim, max_len, s0 + s, s0, stride);
+        } else {
+          for (int64_t t = s; t < len; t += kLanes) ScoreTile<GB, 1>(qg, keys, sg, head_dim, max_len, s0 + t, s0, stride);
         }
       }
-    }
+    });
   }
 
   // Softmax numerators in place, with each query head's max and sum kept for the merge.
@@ -205,14 +217,10 @@ void Problem::RunTask(int64_t task, float* scores) const {
   }
 
   const float* values = v + (pair * max_len + s0) * head_dim;
-  for (int64_t g = 0; g < groups; g += kGroupBlock) {
-    const int64_t gb = std::min(kGroupBlock, groups - g);
-    float* og = out + g * (head_dim + 2);
-    if (gb == 4) ValueBlock<4>(scores + g * stride, values, og, len, head_dim, stride);
-    else if (gb == 2) ValueBlock<2>(scores + g * stride, values, og, len, head_dim, stride);
-    else if (gb == 3) ValueBlock<3>(scores + g * stride, values, og, len, head_dim, stride);
-    else ValueBlock<1>(scores + g * stride, values, og, len, head_dim, stride);
-  }
+  for (int64_t g = 0; g < groups; g += kGroupBlock)
+    WithGroupBlock(std::min(kGroupBlock, groups - g), [&](auto block) {
+      ValueBlock<decltype(block)::value>(scores + g * stride, values, out + g * (head_dim + 2), len, head_dim, stride);
+    });
 }
 
 // out[pair, g] = the chunks' outputs rescaled to their common max, over their common sum.
@@ -271,10 +279,9 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, Array4 q, Array4 k, Array4 v, L
   const Problem problem{q.typed_data(), k.typed_data(), v.typed_data(), lengths, batch, kv_heads, groups,
                         head_dim, max_len, chunks, chunk, partial.get()};
   const int64_t workers = std::min(threads, problem.tasks());
-  const int64_t tile = kScoreVectors * kLanes;
   std::vector<std::vector<float>> scores(workers);  // per worker, allocated on its first task
   kvjax::ParallelFor(pool, problem.tasks(), workers, [&](int64_t task, int64_t worker) {
-    if (scores[worker].empty()) scores[worker].resize(groups * ((chunk + tile - 1) / tile * tile));
+    if (scores[worker].empty()) scores[worker].resize(groups * problem.score_stride());
     problem.RunTask(task, scores[worker].data());
   });
   problem.Merge(out->typed_data());
