@@ -38,10 +38,10 @@ using kvjax::StorePart;
 using kvjax::Vec;
 
 constexpr int64_t kScoreVectors = 4;  // positions per score tile, in vectors
-constexpr int64_t kGroupBlock = 4;    // query heads per register tile
-constexpr int64_t kHeadVectors = 4;   // head-dim vectors per register tile of outputs
-constexpr int64_t kMinChunk = 128;    // positions: smaller chunks cost more in merging than they share
-constexpr int64_t kMaxChunk = 512;    // positions: a chunk's scores (G x chunk floats) stay in L1
+constexpr int64_t kScoreGroups = 8;   // query heads per register tile of scores
+constexpr int64_t kValueGroups = 8;   // query heads per register tile of outputs
+constexpr int64_t kMinChunk = 256;    // positions: shorter chunks read their key rows in shorter runs
+constexpr int64_t kMaxChunk = 2048;   // positions: a chunk's scores (G x chunk floats) stay in L2
 constexpr int64_t kTasksPerThread = 4;
 
 inline float Max(Vec v) {
@@ -100,16 +100,19 @@ struct Problem {
 };
 
 // scores[g, s - s0 + 0:NV*kLanes] = q[g] . keys[:, s + 0:NV*kLanes] for GB query heads; keys has
-// row stride max_len, and positions past max_len read as zero.
-template <int GB, int NV>
+// row stride max_len. kEdge: the tile reaches past max_len, whose positions read as zero.
+// (Whether a load is partial is decided at compile time: a choice made in the loop keeps the
+// accumulators out of registers.)
+template <int GB, int NV, bool kEdge>
 void ScoreTile(const float* q, const float* keys, float* scores, int64_t head_dim, int64_t max_len,
                int64_t s, int64_t s0, int64_t scores_stride) {
   Vec acc[GB][NV] = {};
   for (int64_t h = 0; h < head_dim; ++h) {
+    const float* row = keys + h * max_len + s;
     Vec kv[NV];
     for (int j = 0; j < NV; ++j) {
-      const int64_t at = s + kLanes * j;
-      kv[j] = at + kLanes <= max_len ? Load(keys + h * max_len + at) : LoadPart(keys + h * max_len + at, max_len - at);
+      const int64_t left = max_len - s - kLanes * j;
+      kv[j] = !kEdge || left >= kLanes ? Load(row + kLanes * j) : left > 0 ? LoadPart(row + kLanes * j, left) : Vec{};
     }
     for (int g = 0; g < GB; ++g) {
       const float qg = q[g * head_dim + h];
@@ -121,16 +124,16 @@ void ScoreTile(const float* q, const float* keys, float* scores, int64_t head_di
 }
 
 // out[g, 0:width] = sum over s < len of probs[g, s] * values[s, 0:width] for GB query heads,
-// width <= HV vectors; values has row stride head_dim and out has row stride head_dim + 2.
-template <int GB, int HV>
+// width = HV vectors, the last holding only `rest` lanes if kPartial; values has row stride
+// head_dim and out has row stride head_dim + 2.
+template <int GB, int HV, bool kPartial>
 void ValueTile(const float* probs, const float* values, float* out, int64_t len, int64_t head_dim,
-               int64_t width, int64_t probs_stride) {
+               int64_t rest, int64_t probs_stride) {
   Vec acc[GB][HV] = {};
-  const int64_t full = width / kLanes, rest = width % kLanes;
   for (int64_t s = 0; s < len; ++s) {
     const float* row = values + s * head_dim;
     Vec vv[HV];
-    for (int j = 0; j < HV; ++j) vv[j] = j < full ? Load(row + kLanes * j) : LoadPart(row + kLanes * j, rest);
+    for (int j = 0; j < HV; ++j) vv[j] = kPartial && j == HV - 1 ? LoadPart(row + kLanes * j, rest) : Load(row + kLanes * j);
     for (int g = 0; g < GB; ++g) {
       const float p = probs[g * probs_stride + s];
       for (int j = 0; j < HV; ++j) acc[g][j] += p * vv[j];
@@ -138,29 +141,39 @@ void ValueTile(const float* probs, const float* values, float* out, int64_t len,
   }
   for (int g = 0; g < GB; ++g)
     for (int j = 0; j < HV; ++j) {
-      if (j < full) Store(out + g * (head_dim + 2) + kLanes * j, acc[g][j]);
-      else StorePart(out + g * (head_dim + 2) + kLanes * j, acc[g][j], rest);
+      if (kPartial && j == HV - 1) StorePart(out + g * (head_dim + 2) + kLanes * j, acc[g][j], rest);
+      else Store(out + g * (head_dim + 2) + kLanes * j, acc[g][j]);
     }
 }
 
-// ValueTile over the whole head dim, kHeadVectors vectors at a time.
+// ValueTile over the whole head dim: up to 32 accumulators, 4 vectors of it at a time for up to 4
+// query heads, 2 for more.
 template <int GB>
 void ValueBlock(const float* probs, const float* values, float* out, int64_t len, int64_t head_dim,
                 int64_t probs_stride) {
   using Fn = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t);
-  static constexpr Fn kByWidth[kHeadVectors] = {&ValueTile<GB, 1>, &ValueTile<GB, 2>, &ValueTile<GB, 3>,
-                                                &ValueTile<GB, 4>};
+  constexpr int kHeadVectors = GB > 4 ? 2 : 4;
+  // [vectors - 1][partial]
+  static constexpr Fn kByWidth[4][2] = {
+      {&ValueTile<GB, 1, false>, &ValueTile<GB, 1, true>},
+      {&ValueTile<GB, 2, false>, &ValueTile<GB, 2, true>},
+      {&ValueTile<GB, std::min(3, kHeadVectors), false>, &ValueTile<GB, std::min(3, kHeadVectors), true>},
+      {&ValueTile<GB, std::min(4, kHeadVectors), false>, &ValueTile<GB, std::min(4, kHeadVectors), true>}};
   for (int64_t h = 0; h < head_dim; h += kHeadVectors * kLanes) {
-    const int64_t width = std::min(kHeadVectors * kLanes, head_dim - h);
-    kByWidth[(width + kLanes - 1) / kLanes - 1](probs, values + h, out + h, len, head_dim, width, probs_stride);
+    const int64_t width = std::min(kHeadVectors * kLanes, head_dim - h), rest = width % kLanes;
+    kByWidth[(width + kLanes - 1) / kLanes - 1][rest != 0](probs, values + h, out + h, len, head_dim, rest, probs_stride);
   }
 }
 
-// fn(std::integral_constant<int, gb>) for a block of 1 <= gb <= kGroupBlock query heads.
+// fn(std::integral_constant<int, gb>) for a block of 1 <= gb <= 8 query heads.
 template <typename Fn>
 inline void WithGroupBlock(int64_t gb, Fn fn) {
-  static_assert(kGroupBlock == 4);
+  static_assert(kScoreGroups <= 8 && kValueGroups <= 8);
   switch (gb) {
+    case 8: return fn(std::integral_constant<int, 8>{});
+    case 7: return fn(std::integral_constant<int, 7>{});
+    case 6: return fn(std::integral_constant<int, 6>{});
+    case 5: return fn(std::integral_constant<int, 5>{});
     case 4: return fn(std::integral_constant<int, 4>{});
     case 3: return fn(std::integral_constant<int, 3>{});
     case 2: return fn(std::integral_constant<int, 2>{});
@@ -183,17 +196,20 @@ void Problem::RunTask(int64_t task, float* scores) const {
     return;
   }
 
-  // Scores, a tile of positions at a time; positions past len are computed and ignored.
-  for (int64_t g = 0; g < groups; g += kGroupBlock) {
+  // Scores, a tile of positions at a time (positions past len are computed and ignored), for up
+  // to 8 query heads per pass over the chunk's keys.
+  for (int64_t g = 0; g < groups; g += kScoreGroups) {
     const float* qg = qp + g * head_dim;
     float* sg = scores + g * stride;
-    WithGroupBlock(std::min(kGroupBlock, groups - g), [&](auto block) {
+    WithGroupBlock(std::min(kScoreGroups, groups - g), [&](auto block) {
       constexpr int GB = decltype(block)::value;
-      for (int64_t s = 0; s < len; s += kScoreVectors * kLanes) {
-        if (len - s > (kScoreVectors - 1) * kLanes) {
-          ScoreTile<GB, kScoreVectors>(qg, keys, sg, head_dim, max_len, s0 + s, s0, stride);
+      constexpr int NV = GB > 4 ? kScoreVectors / 2 : kScoreVectors;  // GB x NV accumulators
+      for (int64_t s = 0; s < len; s += NV * kLanes) {
+        if (len - s > (NV - 1) * kLanes) {
+          if (s0 + s + NV * kLanes <= max_len) ScoreTile<GB, NV, false>(qg, keys, sg, head_dim, max_len, s0 + s, s0, stride);
+          else ScoreTile<GB, NV, true>(qg, keys, sg, head_dim, max_len, s0 + s, s0, stride);
         } else {
-          for (int64_t t = s; t < len; t += kLanes) ScoreTile<GB, 1>(qg, keys, sg, head_dim, max_len, s0 + t, s0, stride);
+          for (int64_t t = s; t < len; t += kLanes) ScoreTile<GB, 1, true>(qg, keys, sg, head_dim, max_len, s0 + t, s0, stride);
         }
       }
     });
@@ -217,8 +233,8 @@ void Problem::RunTask(int64_t task, float* scores) const {
   }
 
   const float* values = v + (pair * max_len + s0) * head_dim;
-  for (int64_t g = 0; g < groups; g += kGroupBlock)
-    WithGroupBlock(std::min(kGroupBlock, groups - g), [&](auto block) {
+  for (int64_t g = 0; g < groups; g += kValueGroups)
+    WithGroupBlock(std::min(kValueGroups, groups - g), [&](auto block) {
       ValueBlock<decltype(block)::value>(scores + g * stride, values, out + g * (head_dim + 2), len, head_dim, stride);
     });
 }
