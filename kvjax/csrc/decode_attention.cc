@@ -7,9 +7,9 @@
 //   v      [B, K, S, H]  cached values,
 //   valid  int32 [B]     how many cached positions each row attends to (its length + 1),
 // and the output [B, K, G, H]. Each (row, kv head) pair is cut into chunks of positions; a task
-// reads a chunk's keys once for all G query heads (scores as [G, H] x [H, chunk] with positions
-// in vector lanes), takes the softmax in a buffer that stays in L1, and reads the chunk's values
-// once; the chunks of a pair are merged afterwards (the split softmax of flash decoding). Only
+// reads a chunk's keys once for up to 8 query heads (scores as [G, H] x [H, chunk] with
+// positions in vector lanes), takes the softmax in a per-thread buffer that stays in cache, and
+// reads the chunk's values once; the chunks of a pair are merged afterwards (the split softmax of flash decoding). Only
 // positions below valid[b] are read: XLA's masked attention reads the whole preallocated cache.
 
 #include <algorithm>
