@@ -9,16 +9,17 @@
 // and the output [B, K, G, H]. Each (row, kv head) pair is cut into chunks of positions; a task
 // reads a chunk's keys once for up to 8 query heads (scores as [G, H] x [H, chunk] with
 // positions in vector lanes), takes the softmax in a per-thread buffer that stays in cache, and
-// reads the chunk's values once; the chunks of a pair are merged afterwards (the split softmax of flash decoding). Only
-// positions below valid[b] are read: XLA's masked attention reads the whole preallocated cache.
+// reads the chunk's values once; the chunks of a pair are merged afterwards (the split softmax
+// of flash decoding). Only positions below valid[b] are read: XLA's masked attention reads the
+// whole preallocated cache.
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <type_traits>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "parallel.h"
@@ -146,38 +147,27 @@ void ValueTile(const float* probs, const float* values, float* out, int64_t len,
     }
 }
 
+// fn(std::integral_constant<int, n>) for 1 <= n <= kMax: a run-time count as a template argument.
+template <int kMax, typename Fn>
+inline void WithConstant(int64_t n, Fn fn) {
+  if constexpr (kMax > 1)
+    if (n < kMax) return WithConstant<kMax - 1>(n, fn);
+  fn(std::integral_constant<int, kMax>{});
+}
+
 // ValueTile over the whole head dim: up to 32 accumulators, 4 vectors of it at a time for up to 4
 // query heads, 2 for more.
 template <int GB>
 void ValueBlock(const float* probs, const float* values, float* out, int64_t len, int64_t head_dim,
                 int64_t probs_stride) {
-  using Fn = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t);
   constexpr int kHeadVectors = GB > 4 ? 2 : 4;
-  // [vectors - 1][partial]
-  static constexpr Fn kByWidth[4][2] = {
-      {&ValueTile<GB, 1, false>, &ValueTile<GB, 1, true>},
-      {&ValueTile<GB, 2, false>, &ValueTile<GB, 2, true>},
-      {&ValueTile<GB, std::min(3, kHeadVectors), false>, &ValueTile<GB, std::min(3, kHeadVectors), true>},
-      {&ValueTile<GB, std::min(4, kHeadVectors), false>, &ValueTile<GB, std::min(4, kHeadVectors), true>}};
   for (int64_t h = 0; h < head_dim; h += kHeadVectors * kLanes) {
     const int64_t width = std::min(kHeadVectors * kLanes, head_dim - h), rest = width % kLanes;
-    kByWidth[(width + kLanes - 1) / kLanes - 1][rest != 0](probs, values + h, out + h, len, head_dim, rest, probs_stride);
-  }
-}
-
-// fn(std::integral_constant<int, gb>) for a block of 1 <= gb <= 8 query heads.
-template <typename Fn>
-inline void WithGroupBlock(int64_t gb, Fn fn) {
-  static_assert(kScoreGroups <= 8 && kValueGroups <= 8);
-  switch (gb) {
-    case 8: return fn(std::integral_constant<int, 8>{});
-    case 7: return fn(std::integral_constant<int, 7>{});
-    case 6: return fn(std::integral_constant<int, 6>{});
-    case 5: return fn(std::integral_constant<int, 5>{});
-    case 4: return fn(std::integral_constant<int, 4>{});
-    case 3: return fn(std::integral_constant<int, 3>{});
-    case 2: return fn(std::integral_constant<int, 2>{});
-    default: return fn(std::integral_constant<int, 1>{});
+    WithConstant<kHeadVectors>((width + kLanes - 1) / kLanes, [&](auto vectors) {
+      constexpr int HV = decltype(vectors)::value;
+      if (rest) ValueTile<GB, HV, true>(probs, values + h, out + h, len, head_dim, rest, probs_stride);
+      else ValueTile<GB, HV, false>(probs, values + h, out + h, len, head_dim, rest, probs_stride);
+    });
   }
 }
 
@@ -201,7 +191,7 @@ void Problem::RunTask(int64_t task, float* scores) const {
   for (int64_t g = 0; g < groups; g += kScoreGroups) {
     const float* qg = qp + g * head_dim;
     float* sg = scores + g * stride;
-    WithGroupBlock(std::min(kScoreGroups, groups - g), [&](auto block) {
+    WithConstant<kScoreGroups>(std::min(kScoreGroups, groups - g), [&](auto block) {
       constexpr int GB = decltype(block)::value;
       constexpr int NV = GB > 4 ? kScoreVectors / 2 : kScoreVectors;  // GB x NV accumulators
       for (int64_t s = 0; s < len; s += NV * kLanes) {
@@ -234,7 +224,7 @@ void Problem::RunTask(int64_t task, float* scores) const {
 
   const float* values = v + (pair * max_len + s0) * head_dim;
   for (int64_t g = 0; g < groups; g += kValueGroups)
-    WithGroupBlock(std::min(kValueGroups, groups - g), [&](auto block) {
+    WithConstant<kValueGroups>(std::min(kValueGroups, groups - g), [&](auto block) {
       ValueBlock<decltype(block)::value>(scores + g * stride, values, out + g * (head_dim + 2), len, head_dim, stride);
     });
 }
