@@ -44,6 +44,11 @@ constexpr int64_t kValueGroups = 8;   // query heads per register tile of output
 constexpr int64_t kMinChunk = 256;    // positions: shorter chunks read their key rows in shorter runs
 constexpr int64_t kMaxChunk = 2048;   // positions: a chunk's scores (G x chunk floats) stay in L2
 constexpr int64_t kTasksPerThread = 4;
+// Software prefetch distances, in floats. The hardware prefetcher alone leaves the loops waiting
+// on memory when many query heads share each cached row (the value loop's single stream, and the
+// key tile's head_dim rows of stride max_len).
+constexpr int64_t kKeyPrefetch = 64;      // along each key row: one to two tiles ahead
+constexpr int64_t kValuePrefetch = 1024;  // 4 KB down the values
 
 inline float Max(Vec v) {
   float m = v[0];
@@ -110,6 +115,7 @@ void ScoreTile(const float* q, const float* keys, float* scores, int64_t head_di
   Vec acc[GB][NV] = {};
   for (int64_t h = 0; h < head_dim; ++h) {
     const float* row = keys + h * max_len + s;
+    for (int j = 0; j < NV; ++j) __builtin_prefetch(row + kLanes * j + kKeyPrefetch);
     Vec kv[NV];
     for (int j = 0; j < NV; ++j) {
       const int64_t left = max_len - s - kLanes * j;
@@ -134,6 +140,7 @@ void ValueTile(const float* probs, const float* values, float* out, int64_t len,
   for (int64_t s = 0; s < len; ++s) {
     const float* row = values + s * head_dim;
     Vec vv[HV];
+    for (int j = 0; j < HV; ++j) __builtin_prefetch(row + kLanes * j + kValuePrefetch);
     for (int j = 0; j < HV; ++j) vv[j] = kPartial && j == HV - 1 ? LoadPart(row + kLanes * j, rest) : Load(row + kLanes * j);
     for (int g = 0; g < GB; ++g) {
       const float p = probs[g * probs_stride + s];
