@@ -47,7 +47,7 @@ constexpr int64_t kTasksPerThread = 4;
 // Software prefetch distances, in floats. The hardware prefetcher alone leaves the loops waiting
 // on memory when many query heads share each cached row (the value loop's single stream, and the
 // key tile's head_dim rows of stride max_len). A prefetch past a buffer's end never faults.
-constexpr int64_t kKeyPrefetch = 64;      // along each key row: one to two tiles ahead
+constexpr int64_t kKeyPrefetch = 64;      // 256 B along each key row (1-2 score tiles at 16 lanes)
 constexpr int64_t kValuePrefetch = 1024;  // 4 KB down the values
 
 inline float Max(Vec v) {
