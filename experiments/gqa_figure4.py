@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvjax import gqa_study as gs
+from kvjax.studies import gqa as gs
 
 
 def main(study: gs.GqaStudy, workdir: Path) -> list[dict]:

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvjax import checkpoint, convert_kv_heads
-from kvjax import gqa_study as gs
-from kvjax.model import Transformer
+from kvjax import convert_kv_heads
+from kvjax.training import checkpoint
+from kvjax.studies import gqa as gs
+from kvjax.model.transformer import Transformer
 
 
 def main(study: gs.GqaStudy, workdir: Path) -> list[dict]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvjax import gqa_study as gs
+from kvjax.studies import gqa as gs
 
 COLUMNS = [("model", "model", ""), ("num_kv_heads", "kv heads", "d"), ("params", "params", ","),
            ("kv_bytes_per_token", "KV bytes/token", ","), ("time_per_sample_s", "time/sample (s)", ".5f"),

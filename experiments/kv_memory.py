@@ -4,7 +4,7 @@ returns the headline numbers."""
 
 from __future__ import annotations
 
-from kvjax.memory_study import KVMemoryStudy, run_study, summary
+from kvjax.studies.kv_memory import KVMemoryStudy, run_study, summary
 
 
 def main(config: KVMemoryStudy, workdir: str) -> dict:

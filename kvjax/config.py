@@ -1,7 +1,7 @@
 """Configuration: ModelConfig, the field checks every config uses, and the generic machinery
 (apply_overrides, to_dict, from_dict) that works for any nested frozen-dataclass config.
 
-Run configs (kvjax.run_config.TrainRun and the run configs of other jobs) nest these dataclasses
+Run configs (kvjax.training.config.TrainRun and the run configs of other jobs) nest these dataclasses
 and carry a `job` field naming what `kvjax run` executes.
 """
 

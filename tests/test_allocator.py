@@ -8,8 +8,8 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, rule
 
-from kvjax.allocator import OutOfPages, PageAllocator
-from kvjax.paged import NULL_PAGE
+from kvjax.serving.allocator import OutOfPages, PageAllocator
+from kvjax.cache.paged import NULL_PAGE
 
 NUM_PAGES = 10
 

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kvjax import attention, cpu_kernels
+from kvjax.model import attention
+from kvjax.kernels import build as cpu_kernels
 
 pytestmark = pytest.mark.skipif(
     jax.default_backend() != "cpu" or shutil.which("g++") is None and shutil.which("c++") is None,

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from kvjax.config import ModelConfig, apply_overrides, config_keys, from_dict, to_dict
-from kvjax.run_config import DataConfig, TrainConfig, TrainRun
+from kvjax.training.config import DataConfig, TrainConfig, TrainRun
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +154,7 @@ def main(config, workdir):
 
 
 def test_run_dispatches_to_an_experiment_driver(tmp_path, capsys):
-  from kvjax import cli
+  from kvjax.cli import main as cli
   (tmp_path / "configs" / "nested").mkdir(parents=True)
   (tmp_path / "experiments").mkdir()
   config_file = tmp_path / "configs" / "nested" / "hello.py"
@@ -178,7 +178,7 @@ def test_run_dispatches_to_an_experiment_driver(tmp_path, capsys):
     (CONFIG_FILE.format(job="hello"), "unknown config key 'greting'"),
 ])
 def test_run_errors(tmp_path, capsys, content, message):
-  from kvjax import cli
+  from kvjax.cli import main as cli
   config_file = tmp_path / "bad.py"
   config_file.write_text(content)
   argv = ["run", str(config_file), "--workdir", str(tmp_path / "w")]
@@ -190,6 +190,6 @@ def test_run_errors(tmp_path, capsys, content, message):
 
 
 def test_run_missing_config_file(tmp_path, capsys):
-  from kvjax import cli
+  from kvjax.cli import main as cli
   assert cli.main(["run", str(tmp_path / "absent.py")]) == 2
   assert "config file not found" in capsys.readouterr().err

@@ -7,8 +7,8 @@ import hashlib
 import numpy as np
 import pytest
 
-from kvjax import data
-from kvjax.run_config import DataConfig
+from kvjax.training import data
+from kvjax.training.config import DataConfig
 
 
 @pytest.mark.parametrize("text", ["hello, world\n", "遥遥领先", "naïve café ☕ \x00 tab\t", ""])

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax import baselines, decode
+from kvjax.decoding import baselines
+from kvjax.decoding import decode
 from conftest import init_params, tiny_config
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.engine import Engine, EngineConfig
+from kvjax.serving.engine import Engine, EngineConfig
 from conftest import init_params, tiny_config
 
 MAX_LEN = 48
@@ -128,6 +128,6 @@ def test_bad_requests_are_rejected_and_lose_nothing(model_params):
     Engine(model, params, EngineConfig(max_len=65))
   with pytest.raises(ValueError, match="EngineConfig.attention must be one of"):
     EngineConfig(attention="flash")
-  if not kvjax.paged.pallas_available():
+  if not kvjax.cache.paged.pallas_available():
     with pytest.raises(ValueError, match="needs a GPU backend"):
       Engine(model, params, EngineConfig(attention="pallas"))

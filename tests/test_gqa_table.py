@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvjax import checkpoint
-from kvjax.cli import main
+from kvjax.training import checkpoint
+from kvjax.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,7 +1,7 @@
 """Hugging Face import: parity with `transformers` on small random models, and clear errors.
 
 The parity tests build random Llama / Qwen2 / GPT-2 models with transformers, save them
-with safetensors (one of them sharded), import them with kvjax.hf.from_hf and compare the
+with safetensors (one of them sharded), import them with kvjax.interop.hf.from_hf and compare the
 full forward logits, cached prefill + decode logits, and greedy generations.
 """
 
@@ -14,7 +14,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from kvjax import Transformer, decode_step, generate, prefill
-from kvjax.hf import from_hf, load_tokenizer
+from kvjax.interop.hf import from_hf, load_tokenizer
 
 VOCAB = 128
 PROMPT_LENGTHS = (7, 4)
@@ -218,8 +218,8 @@ def test_tokenizer_json_is_loaded(tmp_path):
 def test_import_hf_writes_a_loadable_checkpoint(tmp_path, capsys):
   import argparse
 
-  from kvjax import hf
-  from kvjax.checkpoint import load_model
+  from kvjax.interop import hf
+  from kvjax.training.checkpoint import load_model
   hf_dir, workdir = tmp_path / "hf", tmp_path / "run"
   _tiny_llama(hf_dir)
   (hf_dir / "tokenizer.json").write_text('{"version": "1.0"}')
@@ -244,9 +244,9 @@ def test_import_hf_writes_a_loadable_checkpoint(tmp_path, capsys):
 def test_imported_gpt2_converts_to_gqa_and_uptrains(tmp_path):
   import torch
 
-  from kvjax.checkpoint import load_model
-  from kvjax.hf import import_hf
-  from kvjax.uptrain import uptrain
+  from kvjax.training.checkpoint import load_model
+  from kvjax.interop.hf import import_hf
+  from kvjax.conversion.uptrain import uptrain
   tf = _transformers()
   torch.manual_seed(0)
   config = tf.GPT2Config(vocab_size=256, n_embd=32, n_layer=2, n_head=4, n_positions=64,

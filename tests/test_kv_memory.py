@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvjax.config import ModelConfig
-from kvjax.memory_study import CSV_FIELDS, KVMemoryStudy, WorkloadConfig, make_workload
+from kvjax.studies.kv_memory import CSV_FIELDS, KVMemoryStudy, WorkloadConfig, make_workload
 
 ROOT = Path(__file__).resolve().parents[1]
 

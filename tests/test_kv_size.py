@@ -9,9 +9,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from kvjax import Transformer, kv_size
+from kvjax import Transformer
+from kvjax.interop import kv_size
 from kvjax.config import ModelConfig
-from kvjax.kv_size import PRESETS, Architecture, count_params, parse_bytes, plan, resolve
+from kvjax.interop.kv_size import PRESETS, Architecture, count_params, parse_bytes, plan, resolve
 
 KIB = 1024
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from jax import lax
 
-from kvjax import matmul
+from kvjax.kernels import matmul
 
 pytestmark = pytest.mark.skipif(
     jax.default_backend() != "cpu" or shutil.which("g++") is None and shutil.which("c++") is None,

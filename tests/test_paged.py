@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax import paged
-from kvjax.allocator import PageAllocator
+from kvjax.cache import paged
+from kvjax.serving.allocator import PageAllocator
 from conftest import VARIANTS, init_params, tiny_config
 
 PAGE_SIZE = 4

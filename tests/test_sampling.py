@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax.sampling import Sampling, filter_logits, sample
+from kvjax.decoding.sampling import Sampling, filter_logits, sample
 
 LOGITS = jnp.log(jnp.array([[0.5, 0.2, 0.15, 0.1, 0.05]]))
 

@@ -13,11 +13,13 @@ import jax
 import numpy as np
 import pytest
 
-from kvjax import checkpoint, cli, sharding
+from kvjax import sharding
+from kvjax.training import checkpoint
+from kvjax.cli import main as cli
 from kvjax.config import ModelConfig, apply_overrides, to_dict
-from kvjax.hf import param_shapes
-from kvjax.run_config import TrainConfig, TrainRun
-from kvjax.uptrain import uptrain_config
+from kvjax.interop.hf import param_shapes
+from kvjax.training.config import TrainConfig, TrainRun
+from kvjax.conversion.uptrain import uptrain_config
 
 
 def test_parse_mesh():

@@ -1,6 +1,6 @@
 """Training, evaluation, checkpoints and the run / eval / generate commands on a tiny model.
 
-The kill-and-resume test runs `python -m kvjax.cli run` in subprocesses, SIGKILLs one after
+The kill-and-resume test runs `python -m kvjax.cli.main run` in subprocesses, SIGKILLs one after
 its first checkpoint, restarts it and compares the final parameters bitwise with an
 uninterrupted run.
 """
@@ -23,11 +23,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax import checkpoint, cli, train
+from kvjax.training import checkpoint
+from kvjax.cli import main as cli
+from kvjax.training import train
 from kvjax.config import ModelConfig, apply_overrides, to_dict
-from kvjax.data import eval_batches, load_dataset
-from kvjax.model import Transformer
-from kvjax.run_config import DataConfig, TrainConfig, TrainRun
+from kvjax.training.data import eval_batches, load_dataset
+from kvjax.model.transformer import Transformer
+from kvjax.training.config import DataConfig, TrainConfig, TrainRun
 
 MODEL = ModelConfig(d_model=32, num_layers=1, num_heads=2, num_kv_heads=1, mlp_dim=64, max_len=64)
 WORDS = "the quick brown fox jumps over a lazy dog while seven bold wizards pack boxes".split()
@@ -152,7 +154,7 @@ def test_mismatched_config_is_refused(trained, tmp_path, capsys):
     train.run(apply_overrides(config, ["data.held_out=tail"]), copy)
   config_file = tmp_path / "tiny.py"
   config_file.write_text(
-      "from kvjax.config import ModelConfig\nfrom kvjax.run_config import DataConfig, TrainConfig, TrainRun\n"
+      "from kvjax.config import ModelConfig\nfrom kvjax.training.config import DataConfig, TrainConfig, TrainRun\n"
       f"def get_config():\n  return {config!r}\n")
   assert cli.main(["run", str(config_file), "--workdir", str(copy), "--set", "model.num_layers=2"]) == 2
   assert f"{copy} holds checkpoints of a different config" in capsys.readouterr().err
@@ -197,7 +199,7 @@ def _run_cli(config_file: Path, workdir: Path, cache: Path) -> subprocess.Popen:
   # The three runs share a compilation cache: later runs load the first one's executables.
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(cache),
          "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
-  return subprocess.Popen([sys.executable, "-m", "kvjax.cli", "run", str(config_file), "--workdir", str(workdir)],
+  return subprocess.Popen([sys.executable, "-m", "kvjax.cli.main", "run", str(config_file), "--workdir", str(workdir)],
                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -211,7 +213,7 @@ def test_sigkill_and_resume_is_bitwise_exact(corpus, tmp_path):
   config_file = tmp_path / "configs" / "resume.py"
   config_file.parent.mkdir()
   config_file.write_text(
-      "from kvjax.config import ModelConfig\nfrom kvjax.run_config import DataConfig, TrainConfig, TrainRun\n"
+      "from kvjax.config import ModelConfig\nfrom kvjax.training.config import DataConfig, TrainConfig, TrainRun\n"
       f"def get_config():\n  return {config!r}\n")
 
   full = _run_cli(config_file, tmp_path / "full", tmp_path / "jax_cache")

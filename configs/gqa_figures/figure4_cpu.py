@@ -7,7 +7,7 @@ Run it in the table's workdir to reuse the pre-trained MHA-big:
 import dataclasses
 from pathlib import Path
 
-from kvjax.jobs import load_config
+from kvjax.cli.run import load_config
 
 
 def get_config():

@@ -8,8 +8,8 @@ cores: 17 pre-training and uptraining, 19 timing generation (MHA-big's alone abo
 """
 
 from kvjax.config import ModelConfig
-from kvjax.gqa_study import GqaStudy, TimingConfig
-from kvjax.run_config import DataConfig, TrainConfig
+from kvjax.studies.gqa import GqaStudy, TimingConfig
+from kvjax.training.config import DataConfig, TrainConfig
 
 
 def get_config() -> GqaStudy:

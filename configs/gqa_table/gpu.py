@@ -5,8 +5,8 @@ byte-level models; MHA-big has 32 heads, so GQA-4 keeps the paper's 8 query head
 """
 
 from kvjax.config import ModelConfig
-from kvjax.gqa_study import GqaStudy, TimingConfig
-from kvjax.run_config import DataConfig, TrainConfig
+from kvjax.studies.gqa import GqaStudy, TimingConfig
+from kvjax.training.config import DataConfig, TrainConfig
 
 
 def get_config() -> GqaStudy:

@@ -5,8 +5,8 @@ quality, files) in about two minutes on two CPU cores. The numbers only show the
 """
 
 from kvjax.config import ModelConfig
-from kvjax.gqa_study import GqaStudy, TimingConfig
-from kvjax.run_config import DataConfig, TrainConfig
+from kvjax.studies.gqa import GqaStudy, TimingConfig
+from kvjax.training.config import DataConfig, TrainConfig
 
 
 def get_config() -> GqaStudy:

@@ -6,7 +6,7 @@ a KV budget of 16384 token slots, i.e. 16 requests preallocated at max_len.
 """
 
 from kvjax.config import ModelConfig
-from kvjax.memory_study import KVMemoryStudy, WorkloadConfig
+from kvjax.studies.kv_memory import KVMemoryStudy, WorkloadConfig
 
 
 def get_config() -> KVMemoryStudy:

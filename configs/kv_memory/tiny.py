@@ -4,7 +4,7 @@
 """
 
 from kvjax.config import ModelConfig
-from kvjax.memory_study import KVMemoryStudy, WorkloadConfig
+from kvjax.studies.kv_memory import KVMemoryStudy, WorkloadConfig
 
 
 def get_config() -> KVMemoryStudy:

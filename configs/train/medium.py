@@ -5,7 +5,7 @@ standard library's sources, computing in bfloat16; for an accelerator.
 """
 
 from kvjax.config import ModelConfig
-from kvjax.run_config import DataConfig, TrainConfig, TrainRun
+from kvjax.training.config import DataConfig, TrainConfig, TrainRun
 
 
 def get_config() -> TrainRun:

@@ -6,7 +6,7 @@ library, computing in bfloat16. Sized for an accelerator; on a CPU measure throu
 """
 
 from kvjax.config import ModelConfig
-from kvjax.run_config import DataConfig, TrainConfig, TrainRun
+from kvjax.training.config import DataConfig, TrainConfig, TrainRun
 
 
 def get_config() -> TrainRun:

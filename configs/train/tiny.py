@@ -5,7 +5,7 @@ on two CPU cores, enough to watch the loss fall (and a source for `kvjax uptrain
 """
 
 from kvjax.config import ModelConfig
-from kvjax.run_config import DataConfig, TrainConfig, TrainRun
+from kvjax.training.config import DataConfig, TrainConfig, TrainRun
 
 
 def get_config() -> TrainRun:

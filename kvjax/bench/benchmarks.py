@@ -1,0 +1,291 @@
+"""`kvjax bench`: decoding benchmarks that print JSON. Every ratio is measured in one run.
+
+  decode   generate tokens/s and the decode step against this machine's rooflines, measured in
+           the same run: memory bandwidth (a jitted reduction over 1 GiB) and matmul FLOP/s.
+  nocache  the preallocated cache vs no cache, the concat cache and the doubling buffer.
+  hf       kvjax generate vs Hugging Face transformers' generate (static cache) on the same
+           Llama-style weights (needs the `bench` extra: torch, transformers).
+  paged    paged vs contiguous decode step at equal batch and context.
+  matmul   kvjax's CPU small-matmul kernel vs XLA's dot on the decode step's weight shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from typing import Callable, Hashable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.model import attention
+from kvjax.decoding import baselines
+from kvjax.decoding import decode
+from kvjax.kernels import matmul
+from kvjax.config import ModelConfig, apply_overrides
+from kvjax.model.flops import matmul_params, peak_flops
+from kvjax.model.transformer import Transformer
+
+# The Llama-style reference config of the benchmarks.
+BENCH_MODEL = ModelConfig(vocab_size=4096, d_model=512, num_layers=8, num_heads=8, num_kv_heads=2,
+                          mlp_dim=1408, max_len=2048)
+
+
+def timed_alternating(fns: dict[Hashable, Callable[[], object]], repeats: int) -> dict[Hashable, list[float]]:
+  """Wall seconds of each fn over `repeats` rounds that call every fn once, after one warm-up
+  each: load from other processes falls on all of them alike."""
+  for fn in fns.values():
+    jax.block_until_ready(fn())
+  times = {name: [] for name in fns}
+  for _ in range(repeats):
+    for name, fn in fns.items():
+      start = time.perf_counter()
+      jax.block_until_ready(fn())
+      times[name].append(time.perf_counter() - start)
+  return times
+
+
+def timed(fn: Callable[[], object], repeats: int) -> float:
+  """Median wall seconds of fn() over `repeats` runs, after one warm-up (compilation) run."""
+  return statistics.median(timed_alternating({"fn": fn}, repeats)["fn"])
+
+
+def memory_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
+  """Bytes/s that a jitted reduction streams from memory: the decode-step ceiling."""
+  x = jnp.ones((num_bytes // 4,), jnp.float32)
+  total = jax.jit(jnp.sum)
+  return num_bytes / timed(lambda: total(x), repeats)
+
+
+def weight_bytes(cfg: ModelConfig) -> int:
+  """Bytes of the weights one decode step reads (embedding rows gathered are negligible)."""
+  return matmul_params(cfg) * 4
+
+
+def decode_step_bytes(cfg: ModelConfig, batch: int, context: int) -> int:
+  return weight_bytes(cfg) + batch * context * cfg.kv_bytes_per_token
+
+
+def prefill_flops(cfg: ModelConfig, batch: int, prompt: int) -> float:
+  attention = 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * prompt * prompt  # causal half of 4
+  return batch * (2 * matmul_params(cfg) * prompt + attention)
+
+
+def init_model(cfg: ModelConfig, seed: int = 0):
+  model = Transformer(cfg)
+  params = jax.jit(model.init)(jax.random.key(seed), jnp.zeros((1, 8), jnp.int32))["params"]
+  return model, params
+
+
+STEP_REPEATS = 10  # timed decode steps per `time_decode_step`
+
+
+def filled_cache(model: Transformer, params, batch: int, context: int, max_len: int):
+  """A cache holding `context` random positions per row, without running a prefill."""
+  shapes = jax.eval_shape(lambda p: decode._prefill(model, p, jnp.zeros((batch, 1), jnp.int32),
+                                                    jnp.ones((batch,), jnp.int32), max_len)[1], params)
+  leaves, tree = jax.tree.flatten(shapes)
+  keys = jax.random.split(jax.random.key(1), len(leaves))
+  filled = [jnp.full(s.shape, context, s.dtype) if s.dtype == jnp.int32
+            else jax.random.normal(k, s.shape, s.dtype) for k, s in zip(keys, leaves)]
+  return jax.tree.unflatten(tree, filled)
+
+
+def time_decode_step(model, params, cache, steps: int = STEP_REPEATS) -> float:
+  """Median seconds of one jitted decode step, the cache donated from step to step.
+
+  Runs steps + 1 steps (one warm-up): the cache must have room for them (the jitted step itself
+  does not check, and a write past the end would be clamped).
+  """
+  room = decode.cache_capacity(cache) - int(jnp.max(cache["lengths"]))
+  if room < steps + 1:
+    raise ValueError(f"time_decode_step: the cache has room for {room} more positions; "
+                     f"{steps + 1} steps need {steps + 1}")
+  tokens = jnp.zeros((cache["lengths"].shape[0],), jnp.int32)
+  logits, cache = decode._decode_step(model, params, cache, tokens)
+  logits.block_until_ready()
+  times = []
+  for _ in range(steps):
+    start = time.perf_counter()
+    logits, cache = decode._decode_step(model, params, cache, tokens)
+    logits.block_until_ready()
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def random_prompts(cfg: ModelConfig, batch: int, prompt: int, seed: int = 0):
+  tokens = np.asarray(jax.random.randint(jax.random.key(seed), (batch, prompt), 0, cfg.vocab_size), np.int32)
+  return tokens, np.full((batch,), prompt, np.int32)
+
+
+def bench_decode(args) -> dict:
+  cfg = apply_overrides(BENCH_MODEL, [s.removeprefix("model.") for s in args.set])
+  model, params = init_model(cfg)
+  bandwidth, flops = memory_bandwidth(), peak_flops()[0]
+  result = {"benchmark": "decode", "model": cfg.to_dict(), "batch": args.batch, "prompt": args.prompt,
+            "new_tokens": args.new, "small_matmul_kernel": matmul.uses_kernel(args.batch, cfg.compute_dtype),
+            "decode_attention_kernel": attention.uses_cache_kernel(cfg.compute_dtype, cfg.kv_dtype),
+            "memory_bandwidth_GBps": bandwidth / 1e9, "matmul_GFLOPs": flops / 1e9}
+
+  cache = filled_cache(model, params, args.batch, args.prompt, args.prompt + STEP_REPEATS + 1)
+  step = time_decode_step(model, params, cache)
+  step_bytes = decode_step_bytes(cfg, args.batch, args.prompt)
+  result.update(decode_step_ms=step * 1e3, decode_step_bytes=step_bytes,
+                decode_step_roofline_ms=step_bytes / bandwidth * 1e3,
+                decode_roofline_fraction=step_bytes / bandwidth / step)
+
+  if args.new > 1:
+    prompts, lengths = random_prompts(cfg, args.batch, args.prompt)
+    seconds = timed(lambda: decode.generate(model, params, prompts, lengths, args.new), args.repeats)
+    ceiling = prefill_flops(cfg, args.batch, args.prompt) / flops + sum(
+        decode_step_bytes(cfg, args.batch, args.prompt + i) / bandwidth for i in range(args.new - 1))
+    tokens = args.batch * args.new
+    result.update(generate_s=seconds, tokens_per_s=tokens / seconds,
+                  ceiling_tokens_per_s=tokens / ceiling, fraction_of_ceiling=ceiling / seconds)
+  return result
+
+
+def bench_nocache(args) -> dict:
+  cfg = apply_overrides(BENCH_MODEL, [s.removeprefix("model.") for s in args.set])
+  model, params = init_model(cfg)
+  prompts, lengths = random_prompts(cfg, 1, args.prompt)
+  rows = []
+  for new in args.lengths:
+    expected = np.asarray(decode.generate(model, params, prompts, lengths, new))
+    row = {"new_tokens": new, "cached_s": timed(lambda: decode.generate(model, params, prompts, lengths, new), args.repeats)}
+    strategies = {"nocache": baselines.generate_nocache, "doubling": baselines.generate_doubling}
+    if new <= args.concat_max:
+      strategies["concat"] = baselines.generate_concat
+    for name, fn in strategies.items():
+      tokens = fn(model, params, prompts, lengths, new)
+      row[f"{name}_s"] = timed(lambda: fn(model, params, prompts, lengths, new), 1)
+      row[f"{name}_over_cached"] = row[f"{name}_s"] / row["cached_s"]
+      row[f"{name}_same_tokens"] = bool((tokens == expected).all())
+    rows.append(row)
+  return {"benchmark": "nocache", "model": cfg.to_dict(), "batch": 1, "prompt": args.prompt, "rows": rows}
+
+
+def bench_hf(args) -> dict:
+  try:
+    import torch
+    import transformers
+  except ImportError as err:
+    raise ValueError(f"`kvjax bench hf` needs the bench extra (pip install 'kvjax[bench]'): {err}") from None
+  from kvjax.interop import hf
+
+  cfg = apply_overrides(BENCH_MODEL, [s.removeprefix("model.") for s in args.set])
+  torch.manual_seed(0)
+  torch.set_num_threads(args.threads or torch.get_num_threads())
+  hf_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+      vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.mlp_dim,
+      num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+      num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, max_position_embeddings=cfg.max_len,
+      rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, tie_word_embeddings=False,
+      torch_dtype="float32")).eval()
+  with tempfile.TemporaryDirectory() as tmp:
+    hf_model.save_pretrained(tmp, safe_serialization=True)
+    params, imported = hf.from_hf(tmp)
+  model = Transformer(imported)
+  prompts, lengths = random_prompts(imported, args.batch, args.prompt)
+  ours = np.asarray(decode.generate(model, params, prompts, lengths, args.new))
+
+  input_ids = torch.from_numpy(prompts.astype(np.int64))
+  generate_kwargs = dict(attention_mask=torch.ones_like(input_ids), max_new_tokens=args.new,
+                         min_new_tokens=args.new, do_sample=False, cache_implementation="static",
+                         pad_token_id=0, eos_token_id=None)
+  with torch.inference_mode():
+    theirs = hf_model.generate(input_ids, **generate_kwargs)[:, args.prompt:].numpy()
+    times = timed_alternating({"kvjax": lambda: decode.generate(model, params, prompts, lengths, args.new),
+                               "hf": lambda: hf_model.generate(input_ids, **generate_kwargs)}, args.repeats)
+  kvjax_s, hf_s = statistics.median(times["kvjax"]), statistics.median(times["hf"])
+  ratios = [h / k for k, h in zip(times["kvjax"], times["hf"])]
+  tokens = args.batch * args.new
+  return {"benchmark": "hf", "model": imported.to_dict(), "batch": args.batch, "prompt": args.prompt,
+          "new_tokens": args.new, "torch_threads": torch.get_num_threads(),
+          "small_matmul_kernel": matmul.uses_kernel(args.batch, imported.compute_dtype),
+          "decode_attention_kernel": attention.uses_cache_kernel(imported.compute_dtype, imported.kv_dtype),
+          "transformers_version": transformers.__version__, "torch_version": torch.__version__,
+          "kvjax_tokens_per_s": tokens / kvjax_s, "hf_tokens_per_s": tokens / hf_s,
+          "kvjax_over_hf": hf_s / kvjax_s, "kvjax_over_hf_per_round": ratios,
+          "kvjax_s": times["kvjax"], "hf_s": times["hf"], "greedy_tokens_agree": float((ours == theirs).mean())}
+
+
+def bench_matmul(args) -> dict:
+  """Per-call time of x[rows, K] @ w[K, N] for each weight shape of a decode step, by XLA's dot and
+  by the kernel, in alternating rounds. Each timed call chains 16 products over distinct weights
+  (the weights stream from memory, as in a decode step)."""
+  if not matmul.kernel_available():
+    raise ValueError("the CPU small-matmul kernel is unavailable here (see kvjax.kernels.matmul)")
+  cfg = apply_overrides(BENCH_MODEL, [s.removeprefix("model.") for s in args.set])
+  d, q, kv = cfg.d_model, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+  mlp_in = "gate, up" if cfg.activation == "swiglu" else "up"
+  shapes = {"q": (d, q), "k, v": (d, kv), "out": (q, d), mlp_in: (d, cfg.mlp_dim), "down": (cfg.mlp_dim, d)}
+  if not cfg.tie_embeddings:  # tied logits go through the embedding's attend, not a Dense layer
+    shapes["lm_head"] = (d, cfg.vocab_size)
+  chain = 16
+  rng = np.random.default_rng(0)
+
+  def chained(product, x, weights):
+    def run(x, weights):
+      for w in weights:  # each product feeds the next, so the calls cannot overlap
+        x = x + 1e-3 * jnp.resize(product(x, w), x.shape)
+      return x
+    run = jax.jit(run)
+    return lambda: run(x, weights)
+
+  rows_list = sorted({1, matmul.MIN_ROWS, args.batch, matmul.MAX_ROWS})
+  calls = {}
+  for name, (k, n) in shapes.items():
+    weights = [jnp.asarray(rng.standard_normal((k, n), np.float32)) for _ in range(chain)]
+    for rows in rows_list:
+      x = jnp.asarray(rng.standard_normal((rows, k), np.float32))
+      calls[name, rows, "xla"] = chained(jnp.matmul, x, weights)
+      calls[name, rows, "kernel"] = chained(matmul.small_matmul, x, weights)
+  times = timed_alternating(calls, args.repeats)
+  results = []
+  for name, (k, n) in shapes.items():
+    for rows in rows_list:
+      xla, kernel = (statistics.median(times[name, rows, side]) / chain for side in ("xla", "kernel"))
+      results.append({"weight": name, "rows": rows, "k": k, "n": n, "xla_us": xla * 1e6, "kernel_us": kernel * 1e6,
+                      "xla_over_kernel": xla / kernel, "kernel_weight_GBps": k * n * 4 / kernel / 1e9})
+  return {"benchmark": "matmul", "model": cfg.to_dict(), "max_rows": matmul.MAX_ROWS, "results": results}
+
+
+def bench_paged(args) -> dict:
+  from kvjax.cache.paged import bench_paged as run
+  return run(args)
+
+
+BENCHMARKS = {"decode": bench_decode, "nocache": bench_nocache, "hf": bench_hf, "paged": bench_paged,
+              "matmul": bench_matmul}
+
+
+def command(args: argparse.Namespace) -> int:
+  result = BENCHMARKS[args.benchmark](args)
+  print(json.dumps(result, indent=None if args.json else 2))
+  return 0
+
+
+def add_parser(subparsers) -> None:
+  parser = subparsers.add_parser("bench", help="decoding benchmarks (JSON)", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("benchmark", choices=sorted(BENCHMARKS))
+  parser.add_argument("--set", action="append", default=[], metavar="model.KEY=VALUE",
+                      help="override a field of the benchmark model, e.g. model.num_kv_heads=8")
+  parser.add_argument("--batch", type=int, default=8)
+  parser.add_argument("--prompt", type=int, default=128)
+  parser.add_argument("--new", type=int, default=128, help="new tokens per sequence")
+  parser.add_argument("--repeats", type=int, default=5, help="timed runs after warm-up (median)")
+  parser.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[64, 128, 256, 512],
+                      help="nocache: comma-separated numbers of new tokens")
+  parser.add_argument("--concat-max", type=int, default=64,
+                      help="nocache: longest run for the concat cache (it compiles once per length)")
+  parser.add_argument("--threads", type=int, default=0, help="hf: torch threads (default: torch's)")
+  parser.add_argument("--context", type=int, default=1024, help="paged: tokens cached per row")
+  parser.add_argument("--page-size", type=int, default=16, help="paged: tokens per page")
+  parser.add_argument("--json", action="store_true", help="one line of JSON")
+  parser.set_defaults(func=command)

@@ -1,0 +1,90 @@
+"""MHA -> GQA / MQA checkpoint conversion (Ainslie et al. 2023, section 2.1), as a pure function.
+
+The K and V projections of each layer, kernel [D, K, H] and bias [K, H], go from K_old to
+K_new heads. Old kv head j joins new head `kv_head_of(j, K_old, K_new)`, that is the
+contiguous block j // (K_old / K_new): the same rule by which attention maps query heads to kv
+heads, so every query head keeps reading (a pool of) the heads it read before.
+
+  mean:   each new head is the mean of the old heads in its group (the paper's choice).
+  first:  each new head is the first old head of its group.
+  random: new heads are freshly initialised (the paper's Figure 4 ablation).
+Q and output projections and everything else are unchanged.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.model.attention import kv_head_of
+from kvjax.config import ModelConfig
+
+METHODS = ("mean", "first", "random")
+
+
+def _pool(x: jax.Array, groups: np.ndarray, num_new: int, method: str, axis: int) -> jax.Array:
+  """Pools axis `axis` of x (the kv-head axis) from len(groups) heads to num_new heads."""
+  moved = jnp.moveaxis(x, axis, 0)  # [K_old, ...]
+  if method == "mean":
+    pooled = jax.ops.segment_sum(moved, groups, num_segments=num_new) / (len(groups) // num_new)
+  else:  # first
+    first_of_group = np.searchsorted(groups, np.arange(num_new))
+    pooled = moved[first_of_group]
+  return jnp.moveaxis(pooled.astype(x.dtype), 0, axis)
+
+
+def _fresh(x: jax.Array, num_new: int, axis: int, key: jax.Array, d_model: int) -> jax.Array:
+  shape = list(x.shape)
+  shape[axis] = num_new
+  if x.ndim == 2:  # bias [K, H]
+    return jnp.zeros(shape, x.dtype)
+  return (jax.random.normal(key, shape, jnp.float32) * d_model ** -0.5).astype(x.dtype)
+
+
+def convert_kv_heads(params, config: ModelConfig, num_kv_heads: int, method: str = "mean",
+                     rng: jax.Array | None = None):
+  """Converts a checkpoint to `num_kv_heads` kv heads.
+
+  Args:
+    params: the model's 'params' tree (as from Transformer.init or a checkpoint).
+    config: the config params belong to.
+    num_kv_heads: the target; must divide config.num_kv_heads (MHA -> GQA, MHA -> MQA,
+      GQA -> fewer groups).
+    method: "mean", "first" or "random" (needs rng).
+  Returns:
+    (params, config) for the converted model. The input is not modified.
+  """
+  if method not in METHODS:
+    raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+  if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or num_kv_heads < 1:
+    raise ValueError(f"num_kv_heads must be a positive integer, got {num_kv_heads!r}")
+  if config.num_kv_heads % num_kv_heads:
+    raise ValueError(f"cannot convert {config.num_kv_heads} kv heads to {num_kv_heads}: the target "
+                     f"must divide the current number of kv heads ({config.num_kv_heads})")
+  if method == "random" and rng is None:
+    raise ValueError("method='random' needs an rng key")
+  new_config = config.replace(num_kv_heads=num_kv_heads)
+  if num_kv_heads == config.num_kv_heads and method != "random":
+    return params, new_config
+
+  groups = kv_head_of(np.arange(config.num_kv_heads), config.num_kv_heads, num_kv_heads)
+  keys = iter(jax.random.split(rng, 4 * config.num_layers) if rng is not None else [])
+  new_params = dict(params)
+  for i in range(config.num_layers):
+    name = f"layers_{i}"
+    if name not in params:
+      raise ValueError(f"params have no {name!r} but config.num_layers={config.num_layers}")
+    attn = dict(params[name]["attn"])
+    for proj in ("k", "v"):
+      converted = {}
+      for leaf, value in attn[proj].items():
+        axis = value.ndim - 2  # kernel [D, K, H] -> 1; bias [K, H] -> 0
+        if value.shape[axis] != config.num_kv_heads:
+          raise ValueError(f"{name}/attn/{proj}/{leaf} has shape {value.shape}, expected "
+                           f"{config.num_kv_heads} kv heads on axis {axis}")
+        converted[leaf] = (_fresh(value, num_kv_heads, axis, next(keys), config.d_model)
+                           if method == "random" else _pool(value, groups, num_kv_heads, method, axis))
+      attn[proj] = converted
+    new_params[name] = {**params[name], "attn": attn}
+  return new_params, new_config

@@ -1,0 +1,124 @@
+"""Uptraining (Ainslie et al. 2023): convert a trained MHA checkpoint to GQA / MQA, then continue
+pre-training for a fraction alpha of the source run's steps; the `kvjax uptrain` subcommand.
+
+The source workdir is only read. The destination is an ordinary training workdir (resumable like
+any run) plus uptrain.json, which records held-out quality before conversion, right after it
+(alpha = 0) and after uptraining.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import jax
+
+from kvjax import sharding
+from kvjax.training import checkpoint
+from kvjax.training import train
+from kvjax.config import ModelConfig, apply_overrides, from_dict, to_dict
+from kvjax.conversion.kv_heads import METHODS, convert_kv_heads
+from kvjax.training.data import load_dataset
+from kvjax.training.evaluate import evaluate
+from kvjax.model.transformer import Transformer
+from kvjax.training.config import DataConfig, TrainConfig, TrainRun
+
+
+def uptrain_config(source: dict, source_steps: int, num_kv_heads: int, fraction: float,
+                   overrides=()) -> TrainRun:
+  """The destination run: the source's model with fewer kv heads, its data and optimizer settings,
+  and fraction x source_steps steps (warmup and cadences scaled alike, fresh optimizer state).
+  The source's device mesh is not inherited: give one with the override train.mesh=..."""
+  model = from_dict(ModelConfig, source["model"]).replace(num_kv_heads=num_kv_heads)
+  data = from_dict(DataConfig, source["data"]) if "data" in source else DataConfig(seq_len=min(128, model.max_len))
+  tc = from_dict(TrainConfig, source["train"]) if "train" in source else TrainConfig()
+  steps = max(1, round(fraction * source_steps))
+  scale = lambda n: max(1, min(steps, math.ceil(n * fraction)))
+  tc = dataclasses.replace(tc, steps=steps, warmup_steps=min(tc.warmup_steps, scale(tc.warmup_steps)),
+                           eval_every=scale(tc.eval_every), checkpoint_every=scale(tc.checkpoint_every),
+                           log_every=scale(tc.log_every), mesh=None)
+  return apply_overrides(TrainRun(job="uptrain", model=model, data=data, train=tc), list(overrides))
+
+
+def uptrain(source_workdir: str | Path, workdir: str | Path, num_kv_heads: int, *, method: str = "mean",
+            fraction: float = 0.05, overrides=(), seed: int = 0) -> dict:
+  """Converts the latest checkpoint of `source_workdir` and uptrains it in `workdir`.
+
+  fraction = 0 stores the converted weights without training (the paper's alpha = 0).
+  Returns the record written to workdir/uptrain.json.
+  """
+  source, dest = Path(source_workdir).resolve(), Path(workdir).resolve()
+  if source == dest or source in dest.parents:
+    raise ValueError(f"--workdir {dest} must be outside the source workdir {source}, which is never modified")
+  if not 0 <= fraction <= 1:
+    raise ValueError(f"fraction must be in [0, 1], got {fraction!r}")
+  step = checkpoint.latest_step(source)
+  if step is None:
+    raise ValueError(f"no checkpoint in source workdir {checkpoint.checkpoint_dir(source)}")
+  model, params, source_config = checkpoint.load_model(source, step)
+  if fraction > 0 and step == 0 and not any(o.startswith("train.steps=") for o in overrides):
+    raise ValueError(f"the checkpoint in {source} records no pre-training steps (step 0); "
+                     "give the uptraining length with --set train.steps=N")
+  new_params, new_model_config = convert_kv_heads(params, model.config, num_kv_heads, method,
+                                                  rng=jax.random.key(seed))
+  config = uptrain_config(source_config, step, num_kv_heads, fraction, overrides)
+
+  record_path = dest / "uptrain.json"
+  record = json.loads(record_path.read_text()) if record_path.exists() else None
+  if record is not None and (record["num_kv_heads"], record["method"], record["fraction"]) != (num_kv_heads, method, fraction):
+    raise ValueError(f"{dest} holds an uptraining with kv heads {record['num_kv_heads']}, method "
+                     f"{record['method']!r}, fraction {record['fraction']}; use another --workdir")
+  data = load_dataset(config.data)
+  mesh = sharding.mesh_from_arg(config.train.mesh)
+  quality = lambda m, p: evaluate(m, p, data, batch_size=config.train.batch_size,
+                                  num_batches=config.train.eval_batches, mesh=mesh)
+  if record is None:
+    record = {"source": str(source), "source_step": step, "num_kv_heads": num_kv_heads,
+              "method": method, "fraction": fraction, "steps": config.train.steps if fraction else 0,
+              "before": quality(model, params),
+              "converted": quality(Transformer(new_model_config), new_params)}
+    dest.mkdir(parents=True, exist_ok=True)
+    record_path.write_text(json.dumps(record, indent=2) + "\n")
+
+  if fraction == 0:
+    if checkpoint.latest_step(dest) is None:
+      checkpoint.save_params(dest, new_params, new_model_config, run_config=to_dict(config))
+    record["after"] = record["converted"]
+  else:
+    (dest / "config.json").write_text(json.dumps(to_dict(config), indent=2) + "\n")
+    summary = train.run(config, dest, init_params=new_params)
+    record["after"] = {"loss": summary["val_loss"], "bits_per_byte": summary["bits_per_byte"],
+                       "accuracy": summary["accuracy"]}
+  record_path.write_text(json.dumps(record, indent=2) + "\n")
+  return record
+
+
+def command(args: argparse.Namespace) -> int:
+  overrides = args.set + ([f"train.mesh={args.mesh}"] if args.mesh is not None else [])
+  record = uptrain(args.source, args.workdir, args.kv_heads, method=args.method, fraction=args.fraction,
+                   overrides=overrides, seed=args.seed)
+  rows = [("before conversion", record["before"]), ("converted (alpha=0)", record["converted"]),
+          (f"uptrained (alpha={record['fraction']})", record["after"])]
+  for name, q in rows:
+    print(f"{name:>22}: loss {q['loss']:.4f}  bits/byte {q['bits_per_byte']:.4f}  accuracy {q['accuracy']:.4f}")
+  return 0
+
+
+def add_parser(subparsers) -> None:
+  parser = subparsers.add_parser("uptrain", help="convert an MHA checkpoint to GQA/MQA and continue training")
+  parser.add_argument("--from", dest="source", required=True, metavar="SRC_WORKDIR",
+                      help="training (or imported) workdir to convert; never modified")
+  parser.add_argument("--workdir", required=True, help="where the uptrained run is written")
+  parser.add_argument("--kv-heads", type=int, required=True, help="target number of kv heads")
+  parser.add_argument("--method", choices=METHODS, default="mean")
+  parser.add_argument("--fraction", type=float, default=0.05,
+                      help="uptraining steps as a fraction of the source's pre-training steps (alpha)")
+  parser.add_argument("--seed", type=int, default=0, help="rng seed for --method random")
+  parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                      help="override the uptraining run config, e.g. train.lr=3e-4")
+  parser.add_argument("--mesh", metavar="data=D,model=M",
+                      help="shard the uptraining over a device mesh (the run's train.mesh)")
+  parser.set_defaults(func=command)

@@ -1,0 +1,257 @@
+"""KV-cache size planner: `kvjax kv-size MODEL [--context N] [--batch B] [--dtype bf16] ...`.
+
+A cache holds K and V for every layer, kv head and position, so one token costs
+  2 x num_layers x num_kv_heads x head_dim x bytes per element,
+and a batch of B sequences of N tokens costs B x N times that. The planner prints this for
+the model as built and for its MHA / GQA / MQA variants (every kv-head count that divides
+the query heads), and how large a batch or context fits the device memory once the weights
+are loaded, optionally split across several devices. Activations and framework overhead are
+not counted.
+
+MODEL is a preset name (PRESETS), a kvjax config file (get_config() returning a ModelConfig
+or a config with a .model ModelConfig), a kvjax workdir, or a Hugging Face directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import math
+import re
+from pathlib import Path
+
+from kvjax.config import ModelConfig, check_positive, from_dict
+from kvjax.interop.hf import config_from_hf, param_shapes, read_hf_config
+
+BYTES_PER_ELEMENT = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2,
+                     "fp8": 1, "int8": 1}
+UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+         "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+@dataclasses.dataclass(frozen=True)
+class Architecture:
+  """What the KV cache and the weights' size depend on. params counts every weight."""
+
+  name: str
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  d_model: int
+  mlp_dim: int
+  vocab_size: int
+  params: int
+  note: str = ""
+
+  def __post_init__(self):
+    check_positive(self, "num_layers", "num_heads", "num_kv_heads", "head_dim", "d_model",
+                   "mlp_dim", "vocab_size", "params")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(f"Architecture.num_heads={self.num_heads} is not divisible by "
+                       f"num_kv_heads={self.num_kv_heads}")
+
+  def bytes_per_token(self, bytes_per_element: int, num_kv_heads: int | None = None) -> int:
+    kv = self.num_kv_heads if num_kv_heads is None else num_kv_heads
+    return 2 * self.num_layers * kv * self.head_dim * bytes_per_element
+
+
+# Published architectures (config.json of each release; params as reported for the checkpoint).
+PRESETS = {p.name: p for p in (
+    Architecture("Qwen2-0.5B", 24, 14, 2, 64, 896, 4864, 151936, 494_032_768),
+    Architecture("Qwen2-1.5B", 28, 12, 2, 128, 1536, 8960, 151936, 1_543_714_304),
+    Architecture("Qwen2-7B", 28, 28, 4, 128, 3584, 18944, 152064, 7_615_616_512),
+    Architecture("Qwen2-57B-A14B", 28, 28, 4, 128, 3584, 2560, 151936, 57_408_658_944,
+                 note="mixture of experts: 64 experts of mlp_dim 2560 plus a shared one; "
+                      "all 57.4B weights are resident, 14B active per token"),
+    Architecture("Qwen2-72B", 80, 64, 8, 128, 8192, 29568, 152064, 72_706_203_648),
+    Architecture("Llama-2-70B", 80, 64, 8, 128, 8192, 28672, 32000, 68_976_648_192),
+    Architecture("Llama-3-70B", 80, 64, 8, 128, 8192, 28672, 128256, 70_553_706_496),
+    Architecture("GPT-2", 12, 12, 12, 64, 768, 3072, 50257, 124_439_808),
+    Architecture("T5.1.1-XXL-decoder", 24, 64, 64, 64, 4096, 10240, 32128, 11_135_332_352,
+                 note="cache of the decoder's self-attention; cross-attention adds as much per "
+                      "encoder token. Weights count encoder and decoder"),
+)}
+
+
+def count_params(config: ModelConfig) -> int:
+  """Weights of Transformer(config), from the shapes of a one- and a two-layer model: every
+  layer has the same parameters, and tracing 80 layers would take seconds."""
+  one, two = (sum(math.prod(x.shape) for x in _leaves(param_shapes(config.replace(num_layers=n))))
+              for n in (1, 2))
+  return one + (config.num_layers - 1) * (two - one)
+
+
+def _leaves(tree):
+  for value in tree.values():
+    yield from (_leaves(value) if isinstance(value, dict) else (value,))
+
+
+def from_model_config(name: str, config: ModelConfig) -> Architecture:
+  return Architecture(name, config.num_layers, config.num_heads, config.num_kv_heads,
+                      config.head_dim, config.d_model, config.mlp_dim, config.vocab_size,
+                      count_params(config))
+
+
+def _model_config_from_file(path: Path) -> ModelConfig:
+  spec = importlib.util.spec_from_file_location(f"kvjax_config_{path.stem}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  if not callable(getattr(module, "get_config", None)):
+    raise ValueError(f"config file {path} does not define get_config()")
+  config = module.get_config()
+  config = config if isinstance(config, ModelConfig) else getattr(config, "model", None)
+  if not isinstance(config, ModelConfig):
+    raise ValueError(f"get_config() in {path} returns neither a ModelConfig nor a config with a "
+                     ".model ModelConfig")
+  return config
+
+
+def _model_config_from_workdir(path: Path) -> ModelConfig:
+  saved = path / "config.json"
+  if saved.is_file():
+    model = json.loads(saved.read_text()).get("model")
+  else:
+    from kvjax.training.checkpoint import read_meta  # orbax is imported only for checkpoint-only workdirs
+    model = read_meta(path)["config"].get("model")
+  if not isinstance(model, dict):
+    raise ValueError(f"{path} holds no kvjax model config (no 'model' section)")
+  return from_dict(ModelConfig, model)
+
+
+def resolve(spec: str) -> Architecture:
+  """A preset name (case-insensitive), config file, kvjax workdir or Hugging Face directory."""
+  by_lower = {name.lower(): arch for name, arch in PRESETS.items()}
+  if spec.lower() in by_lower:
+    return by_lower[spec.lower()]
+  path = Path(spec)
+  if path.is_file() and path.suffix == ".py":
+    return from_model_config(path.name, _model_config_from_file(path))
+  if path.is_dir():
+    if (path / "config.json").is_file():
+      if "model_type" in json.loads((path / "config.json").read_text()):
+        return from_model_config(path.name, config_from_hf(read_hf_config(path)))
+    if (path / "config.json").is_file() or (path / "checkpoints").is_dir():
+      return from_model_config(path.name, _model_config_from_workdir(path))
+  raise ValueError(f"unknown model {spec!r}: not a preset ({', '.join(PRESETS)}), a config file "
+                   "(.py), a kvjax workdir or a Hugging Face directory")
+
+
+def parse_bytes(text: str) -> int:
+  """'80GB' -> 80e9, '80GiB' -> 80 * 2**30, '1.5e9' -> 1500000000."""
+  match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-z]*)\s*", text.lower())
+  if not match or match.group(2) not in UNITS:
+    raise ValueError(f"cannot read memory size {text!r}; use e.g. 80GB, 141GB, 24GiB or a byte count")
+  return int(float(match.group(1)) * UNITS[match.group(2)])
+
+
+def kv_head_counts(arch: Architecture) -> list[int]:
+  """Every kv-head count the query heads can be grouped into, MHA first, MQA last."""
+  return [k for k in range(arch.num_heads, 0, -1) if arch.num_heads % k == 0]
+
+
+def variant_name(arch: Architecture, num_kv_heads: int) -> str:
+  return "MHA" if num_kv_heads == arch.num_heads else "MQA" if num_kv_heads == 1 else "GQA"
+
+
+def plan(arch: Architecture, *, context: int, batch: int, dtype: str = "bf16",
+         weight_dtype: str | None = None, device_memory: int | None = None, devices: int = 1) -> dict:
+  """Bytes per token, cache size and what fits, for the model and each kv-head variant.
+
+  With devices > 1 the weights and kv heads are split across them (tensor parallel); a model
+  with fewer kv heads than devices keeps one kv head per device, replicated (vLLM's rule),
+  so each device stores ceil(kv_heads / devices) heads of every token.
+  """
+  for name, value in (("context", context), ("batch", batch), ("devices", devices)):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      raise ValueError(f"{name} must be a positive integer, got {value!r}")
+  weight_dtype = weight_dtype or dtype
+  for name, value in (("dtype", dtype), ("weight dtype", weight_dtype)):
+    if value not in BYTES_PER_ELEMENT:
+      raise ValueError(f"{name} {value!r} is not one of {tuple(BYTES_PER_ELEMENT)}")
+  element = BYTES_PER_ELEMENT[dtype]
+  weights = arch.params * BYTES_PER_ELEMENT[weight_dtype]
+  free = None if device_memory is None else max(device_memory - -(-weights // devices), 0)
+  rows = []
+  for kv in kv_head_counts(arch):
+    per_token = arch.bytes_per_token(element, kv)
+    row = {"variant": variant_name(arch, kv), "kv_heads": kv, "as_built": kv == arch.num_kv_heads,
+           "bytes_per_token": per_token, "cache_bytes": per_token * context * batch}
+    if free is not None:
+      per_device = arch.bytes_per_token(element, -(-kv // devices))
+      row["max_batch"] = free // (per_device * context)
+      row["max_context"] = free // (per_device * batch)
+    rows.append(row)
+  result = {"model": arch.name, "architecture": dataclasses.asdict(arch), "dtype": dtype,
+            "weight_dtype": weight_dtype, "context": context, "batch": batch,
+            "bytes_per_token": arch.bytes_per_token(element),
+            "cache_bytes": arch.bytes_per_token(element) * context * batch,
+            "weights_bytes": weights, "variants": rows}
+  if device_memory is not None:
+    built = next(r for r in rows if r["as_built"])
+    result.update(devices=devices, device_memory_bytes=device_memory, free_bytes_per_device=free,
+                  max_batch=built["max_batch"], max_context=built["max_context"])
+  return result
+
+
+def human(n: int) -> str:
+  for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    if n >= size:
+      return f"{n / size:.1f} {unit}"
+  return f"{n} B"
+
+
+def _count(n: int) -> str:
+  return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n:,}"
+
+
+def render(result: dict) -> str:
+  a = result["architecture"]
+  lines = [f"{result['model']}: {a['num_layers']} layers, {a['num_heads']} query heads, "
+           f"{a['num_kv_heads']} kv heads, head dim {a['head_dim']}, d_model {a['d_model']}, "
+           f"{_count(a['params'])} params"]
+  if a["note"]:
+    lines.append(f"  ({a['note']})")
+  lines.append(f"weights ({result['weight_dtype']}): {human(result['weights_bytes'])}")
+  fits = "device_memory_bytes" in result
+  if fits:
+    memory = result["device_memory_bytes"]
+    lines.append(f"{result['devices']} device(s) of {memory / 1e9:.1f} GB ({human(memory)}): "
+                 f"{human(result['free_bytes_per_device'])} free per device after weights")
+    if not result["free_bytes_per_device"]:
+      lines.append("  the weights alone do not fit: add devices or use a smaller --weight-dtype")
+  header = f"  {'variant':<9}{'kv heads':>9}{'per token':>12}{'cache':>12}"
+  header += f"{'max batch':>11}{'max context':>13}" if fits else ""
+  lines += [f"KV cache in {result['dtype']}, context {result['context']:,} x batch {result['batch']:,} "
+            "(* = as built):", header]
+  for row in result["variants"]:
+    line = (f"{'*' if row['as_built'] else ' '} {row['variant']:<9}{row['kv_heads']:>9}"
+            f"{human(row['bytes_per_token']):>12}{human(row['cache_bytes']):>12}")
+    if fits:
+      line += f"{row['max_batch']:>11,}{row['max_context']:>13,}"
+    lines.append(line)
+  return "\n".join(lines)
+
+
+def command(args: argparse.Namespace) -> int:
+  memory = None if args.device_memory is None else parse_bytes(args.device_memory)
+  result = plan(resolve(args.model), context=args.context, batch=args.batch, dtype=args.dtype,
+                weight_dtype=args.weight_dtype, device_memory=memory, devices=args.devices)
+  print(json.dumps(result) if args.json else render(result))
+  return 0
+
+
+def add_parser(subparsers) -> None:
+  parser = subparsers.add_parser("kv-size", help="KV-cache bytes per token and what fits a device")
+  parser.add_argument("model", help=f"preset ({', '.join(PRESETS)}), config file, kvjax workdir or HF directory")
+  parser.add_argument("--context", type=int, default=4096, help="tokens per sequence (default 4096)")
+  parser.add_argument("--batch", type=int, default=1, help="sequences (default 1)")
+  parser.add_argument("--dtype", default="bf16", help=f"cache element type {tuple(BYTES_PER_ELEMENT)}")
+  parser.add_argument("--weight-dtype", help="weight element type (default: --dtype)")
+  parser.add_argument("--device-memory", help="e.g. 80GB (10^9 bytes) or 80GiB (2^30)")
+  parser.add_argument("--devices", type=int, default=1,
+                      help="devices the model is split across, tensor parallel (default 1)")
+  parser.add_argument("--json", action="store_true", help="print one JSON object")
+  parser.set_defaults(func=command)

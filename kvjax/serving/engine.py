@@ -1,0 +1,331 @@
+"""Continuous batching over the paged KV cache.
+
+`num_slots` batch rows are decoded together by one jitted step. A request is admitted to a free
+row when the pages for its context are free (first come, first served), is prefilled on its
+own, and leaves as soon as it finishes, freeing its pages for the next one. When the running
+requests need more pages than are free, the newest is preempted: its pages are freed and it
+waits to be recomputed (prefill of prompt + tokens so far) once pages free up.
+
+A request's tokens depend only on its prompt, sampling settings and id: the random key of its
+i-th token is fold_in(fold_in(key(seed), id), i). So every request completes with the tokens it
+would get alone, whatever the admission order, batching or preemptions.
+
+How much memory a request holds is the `allocation` policy, so the same engine runs the
+memory baselines of the KV-memory study:
+  paged:     pages for exactly the tokens cached (PagedAttention);
+  doubling:  a buffer of the next power of two >= the context, doubled when full;
+  max_len:   max_len positions reserved at admission (contiguous preallocation).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.cache import paged
+from kvjax.serving.allocator import OutOfPages, PageAllocator
+from kvjax.config import check_choice, check_positive
+from kvjax.decoding.decode import size_bucket
+from kvjax.model.transformer import Transformer
+from kvjax.decoding.sampling import Sampling, sample
+
+ALLOCATIONS = ("paged", "doubling", "max_len")
+MIN_PROMPT_BUCKET = 16
+GREEDY = (0.0, 0, 1.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """num_pages counts the null page, so num_pages - 1 pages of page_size tokens hold KV.
+  max_len (longest context, prompt + generated) defaults to ModelConfig.max_len."""
+
+  num_slots: int = 8
+  num_pages: int = 257
+  page_size: int = 16
+  max_len: int | None = None
+  allocation: str = "paged"
+  attention: str = "gather"  # kvjax.cache.paged.ATTENTION_IMPLS: "pallas" is JAX's GPU kernel
+  eos_id: int | None = None
+  seed: int = 0
+
+  def __post_init__(self):
+    check_positive(self, "num_slots", "num_pages", "page_size")
+    if self.max_len is not None:
+      check_positive(self, "max_len")
+    if self.num_pages < 2:
+      raise ValueError(f"EngineConfig.num_pages={self.num_pages} leaves no page besides the null page")
+    check_choice(self, "allocation", ALLOCATIONS)
+    check_choice(self, "attention", paged.ATTENTION_IMPLS)
+    if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+      raise ValueError(f"EngineConfig.seed must be an integer, got {self.seed!r}")
+
+
+@dataclasses.dataclass
+class Request:
+  id: int
+  prompt: np.ndarray  # int32[L]
+  max_new_tokens: int
+  sampling: tuple[float, int, float]  # temperature, top_k, top_p (0 and 1 disable the filters)
+  generated: list[int] = dataclasses.field(default_factory=list)
+  slot: int | None = None
+  preemptions: int = 0
+
+  @property
+  def context(self) -> np.ndarray:
+    return np.concatenate([self.prompt, np.asarray(self.generated, np.int32)])
+
+
+@dataclasses.dataclass
+class EngineStats:
+  """Counters and one entry per decode step (requests running, tokens cached, token slots allocated)."""
+
+  prefills: int = 0
+  preemptions: int = 0
+  generated_tokens: int = 0
+  running: list[int] = dataclasses.field(default_factory=list)
+  cached: list[int] = dataclasses.field(default_factory=list)
+  allocated: list[int] = dataclasses.field(default_factory=list)
+
+  @property
+  def utilisation(self) -> float:
+    """KV slots holding real tokens / slots allocated, summed over the decode steps."""
+    return sum(self.cached) / max(1, sum(self.allocated))
+
+
+@jax.jit
+def _pick(logits, sampling: Sampling, seed, ids, index):
+  """Per-row sampling: logits [B, V], settings [B], token index [B] -> int32[B]. Jitted apart from the
+  model so that the sampler compiles once per batch size, not once per prompt bucket or width."""
+  base = jax.random.key(seed)
+  keys = jax.vmap(lambda i, t: jax.random.fold_in(jax.random.fold_in(base, i), t))(ids, index)
+  return jax.vmap(lambda row, key, s: sample(row[None], key, s)[0])(logits, keys, sampling)
+
+
+@functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("cache",))
+def _prefill(model, params, cache, tokens, lengths):
+  logits, cache = paged.prefill_logits(model, params, cache, tokens, lengths)
+  return logits[jnp.arange(tokens.shape[0]), lengths - 1], cache
+
+
+_decode = jax.jit(paged.decode_logits, static_argnames=("model", "impl"), donate_argnames=("cache",))
+
+
+def _stack(settings: list[tuple[float, int, float]]) -> Sampling:
+  """Per-row sampling settings as one Sampling of [B] arrays."""
+  temperature, top_k, top_p = zip(*settings)
+  return Sampling(jnp.asarray(temperature, jnp.float32), jnp.asarray(top_k, jnp.int32),
+                  jnp.asarray(top_p, jnp.float32))
+
+
+class Engine:
+  """Continuous-batching generation: `submit` requests, then `step` or `run`."""
+
+  def __init__(self, model: Transformer, params, config: EngineConfig = EngineConfig()):
+    cfg = model.config
+    self.model, self.params, self.config = model, params, config
+    self.max_len = config.max_len or cfg.max_len
+    if self.max_len > cfg.max_len:
+      raise ValueError(f"EngineConfig.max_len={self.max_len} exceeds ModelConfig.max_len={cfg.max_len}")
+    if config.attention == "pallas" and not paged.pallas_available():
+      raise ValueError(f"EngineConfig.attention='pallas' needs a GPU backend and JAX's Pallas "
+                       f"paged-attention kernel; the backend is {jax.default_backend()!r}")
+    self.allocator = PageAllocator(config.num_pages, config.page_size)
+    self.max_pages = self.allocator.pages_for(self.max_len)
+    self.cache = paged.init_cache(cfg, config.num_pages, config.page_size, config.num_slots, self.max_pages)
+    self.waiting: list[Request] = []  # by id: preempted requests go back in arrival order
+    self.slots: list[Request | None] = [None] * config.num_slots
+    self.finished: dict[int, Request] = {}
+    self.stats = EngineStats()
+    self._next_id = 0
+
+  # Public API.
+
+  def submit(self, prompt, max_new_tokens: int, sampling: Sampling | None = None) -> int:
+    """Queues a request; returns its id. prompt int[L]; sampling defaults to greedy."""
+    prompt = np.asarray(prompt)
+    vocab = self.model.config.vocab_size
+    if prompt.ndim != 1 or not np.issubdtype(prompt.dtype, np.integer) or prompt.size == 0:
+      raise ValueError(f"prompt must be a non-empty 1-D integer array, got {prompt.dtype}{list(prompt.shape)}")
+    if ((prompt < 0) | (prompt >= vocab)).any():
+      pos = int(np.argmax((prompt < 0) | (prompt >= vocab)))
+      raise ValueError(f"token id {int(prompt[pos])} at position {pos} is outside [0, vocab_size={vocab})")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+      raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    longest = prompt.size + max_new_tokens - 1
+    if longest > self.max_len:
+      raise ValueError(f"prompt of {prompt.size} tokens + max_new_tokens={max_new_tokens} needs {longest} "
+                       f"cache positions, more than max_len={self.max_len}")
+    peak = self.allocator.pages_for(self._target(longest, 0))
+    if peak > self.allocator.num_usable:
+      raise ValueError(f"the request needs up to {peak} pages under allocation={self.config.allocation!r} "
+                       f"but the pool has {self.allocator.num_usable}")
+    if sampling is None:
+      settings = GREEDY
+    elif isinstance(sampling, Sampling):
+      settings = (float(sampling.temperature), int(sampling.top_k), float(sampling.top_p))
+    else:
+      raise ValueError(f"sampling must be a kvjax.Sampling or None, got {type(sampling).__name__}")
+    request = Request(self._next_id, prompt.astype(np.int32), max_new_tokens, settings)
+    self._next_id += 1
+    self.waiting.append(request)
+    return request.id
+
+  @property
+  def running(self) -> list[Request]:
+    return sorted((r for r in self.slots if r is not None), key=lambda r: r.id)
+
+  def step(self) -> list[Request]:
+    """Admits what fits, then decodes one token for every running request. Returns the requests
+    that finished during the step."""
+    finished: list[Request] = []
+    self._admit(finished)
+    self._grow()
+    if self.running:
+      self._decode(finished)
+    return finished
+
+  def run(self) -> dict[int, np.ndarray]:
+    """Steps until no request is left; returns every finished request's tokens by id."""
+    while self.waiting or self.running:
+      idle, prefills = not self.running, self.stats.prefills
+      self.step()
+      if idle and self.stats.prefills == prefills:
+        raise RuntimeError(f"request {self.waiting[0].id} cannot be admitted into an idle engine")
+    return {i: np.asarray(r.generated, np.int32) for i, r in sorted(self.finished.items())}
+
+  def warmup(self) -> None:
+    """Compiles every prompt bucket and page-table width on idle rows (writes land in the null page)."""
+    n = MIN_PROMPT_BUCKET
+    while True:
+      bucket = size_bucket(n, self.max_len, MIN_PROMPT_BUCKET)
+      self._run_prefill(np.zeros((1, bucket), np.int32), np.ones(1, np.int32),
+                        np.zeros((1, self.max_pages), np.int32), GREEDY, 0, 0)
+      if bucket >= self.max_len:
+        break
+      n = bucket + 1
+    width = self._width(1)
+    while True:
+      self._run_decode([None] * self.config.num_slots, width)
+      if width >= self.max_pages:
+        break
+      width = self._width(width * self.config.page_size + 1)
+
+  # Memory policy.
+
+  def _target(self, tokens: int, capacity: int) -> int:
+    """Token capacity the allocation policy holds for `tokens` cached, given `capacity` now."""
+    policy = self.config.allocation
+    if policy == "paged":
+      return tokens
+    if policy == "max_len":
+      return self.max_len
+    return min(self.max_len, max(capacity, 1 << max(0, tokens - 1).bit_length()))
+
+  def _growth(self, request: Request) -> int:
+    """Pages the request's next decode step will add."""
+    alloc = self.allocator
+    length, held = alloc.length(request.id), len(alloc.pages(request.id))
+    return max(0, alloc.pages_for(self._target(length + 1, alloc.capacity(request.id))) - held)
+
+  def _width(self, positions: int) -> int:
+    """Page-table columns a decode step reads to cover `positions` positions: attention gathers
+    and reads only these pages, and bucketing them bounds the number of compilations."""
+    floor = self.allocator.pages_for(MIN_PROMPT_BUCKET)
+    return size_bucket(self.allocator.pages_for(positions), self.max_pages, floor)
+
+  # Scheduling.
+
+  def _admit(self, finished: list[Request]) -> None:
+    alloc = self.allocator
+    while self.waiting and None in self.slots:
+      request = self.waiting[0]
+      context = request.context
+      pages = alloc.pages_for(self._target(context.size, 0))
+      # Admit only if the next decode step can still grow every running request (this one too,
+      # unless its prefill yields its last token): otherwise the newcomer would be preempted
+      # right after its prefill.
+      if len(request.generated) + 1 < request.max_new_tokens:
+        pages = alloc.pages_for(self._target(context.size + 1, pages * alloc.page_size))
+      if pages + sum(map(self._growth, self.running)) > alloc.num_free:
+        return
+      self.waiting.pop(0)
+      alloc.allocate(request.id, context.size)
+      alloc.reserve(request.id, self._target(context.size, 0))
+      request.slot = self.slots.index(None)
+      self.slots[request.slot] = request
+      bucket = size_bucket(context.size, self.max_len, MIN_PROMPT_BUCKET)
+      tokens = np.zeros((1, bucket), np.int32)
+      tokens[0, :context.size] = context
+      token = self._run_prefill(tokens, np.array([context.size], np.int32),
+                                alloc.page_table([request.id], self.max_pages),
+                                request.sampling, request.id, len(request.generated))
+      self.stats.prefills += 1
+      self._emit(request, int(token[0]), finished)
+
+  def _grow(self) -> None:
+    """Makes room for one more token per running request, oldest first, preempting the newest."""
+    for request in self.running:
+      while request.slot is not None:
+        alloc = self.allocator
+        try:
+          alloc.reserve(request.id, self._target(alloc.length(request.id) + 1, alloc.capacity(request.id)))
+          alloc.append(request.id, 1)
+          break
+        except OutOfPages:
+          self._preempt(self.running[-1])
+
+  def _preempt(self, request: Request) -> None:
+    self.allocator.free(request.id)
+    self.slots[request.slot] = None
+    request.slot = None
+    request.preemptions += 1
+    self.stats.preemptions += 1
+    bisect.insort(self.waiting, request, key=lambda r: r.id)
+
+  def _emit(self, request: Request, token: int, finished: list[Request]) -> None:
+    request.generated.append(token)
+    self.stats.generated_tokens += 1
+    eos = self.config.eos_id
+    if len(request.generated) == request.max_new_tokens or (eos is not None and token == eos):
+      self.allocator.free(request.id)
+      self.slots[request.slot] = None
+      request.slot = None
+      self.finished[request.id] = request
+      finished.append(request)
+
+  def _decode(self, finished: list[Request]) -> None:
+    alloc = self.allocator
+    running = self.running
+    self.stats.running.append(len(running))
+    self.stats.cached.append(sum(alloc.length(r.id) for r in running))
+    self.stats.allocated.append(sum(alloc.capacity(r.id) for r in running))
+    tokens = self._run_decode(self.slots, self._width(max(alloc.length(r.id) for r in running)))
+    for request in running:
+      self._emit(request, int(tokens[request.slot]), finished)
+
+  # Device calls.
+
+  def _run_prefill(self, tokens, lengths, page_table, sampling, request_id, index):
+    cache = self.cache.replace(page_table=jnp.asarray(page_table), lengths=jnp.asarray(lengths))
+    logits, self.cache = _prefill(self.model, self.params, cache, jnp.asarray(tokens), jnp.asarray(lengths))
+    return np.asarray(_pick(logits, _stack([sampling]), self.config.seed, jnp.array([request_id], jnp.int32),
+                            jnp.array([index], jnp.int32)))
+
+  def _run_decode(self, slots: list[Request | None], width: int) -> np.ndarray:
+    """One decode step over all rows; a request's cache already holds the position it writes."""
+    alloc = self.allocator
+    ids = [None if r is None else r.id for r in slots]
+    table = alloc.page_table(ids, self.max_pages)[:, :width]
+    lengths = np.array([0 if r is None else alloc.length(r.id) - 1 for r in slots], np.int32)
+    tokens = np.array([0 if r is None else r.generated[-1] for r in slots], np.int32)
+    index = np.array([0 if r is None else len(r.generated) for r in slots], np.int32)
+    sampling = _stack([GREEDY if r is None else r.sampling for r in slots])
+    cache = self.cache.replace(page_table=jnp.asarray(table), lengths=jnp.asarray(lengths))
+    logits, self.cache = _decode(self.model, self.params, cache, jnp.asarray(tokens), self.config.attention)
+    return np.asarray(_pick(logits, sampling, self.config.seed,
+                            jnp.asarray([0 if i is None else i for i in ids], jnp.int32), jnp.asarray(index)))

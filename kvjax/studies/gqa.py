@@ -1,0 +1,217 @@
+"""The GQA paper's study (Ainslie et al. 2023): pre-train MHA models, uptrain MHA-big into GQA /
+MQA, and measure inference time against quality. The drivers in experiments/gqa_*.py compose
+these pieces; every stage is cached in WORKDIR/stages.json, so a rerun skips finished stages.
+
+Naming follows the paper: MHA-small plays T5-Large, MHA-big plays T5-XXL; GQA-k and MQA rows are
+named by their kv heads. Time per sample is the wall time of one jitted `generate` call divided
+by the batch, with batch and lengths chosen so that reading the KV cache dominates each decode
+step, as in the paper's large-batch TPU measurements.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import statistics
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from kvjax.training import checkpoint
+from kvjax.decoding import decode
+from kvjax.training import train
+from kvjax.bench.benchmarks import timed_alternating
+from kvjax.config import ModelConfig, check_positive, check_real, to_dict
+from kvjax.training.data import load_dataset
+from kvjax.training.evaluate import evaluate
+from kvjax.training.config import DataConfig, TrainConfig, TrainRun
+from kvjax.conversion.uptrain import uptrain
+
+# Table 1 of the paper: inference time per sample (s) and average score over its tasks.
+PAPER_TABLE = (
+    ("MHA-Large", 0.37, 46.0),
+    ("MHA-XXL", 1.51, 47.2),
+    ("MQA-XXL", 0.24, 46.6),
+    ("GQA-8-XXL", 0.28, 47.1),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class TimingConfig:
+  """One `generate` call per measurement: batch x (prompt + new_tokens) tokens."""
+
+  batch: int = 64
+  prompt: int = 64
+  new_tokens: int = 448
+  repeats: int = 5
+
+  def __post_init__(self):
+    check_positive(self, "batch", "prompt", "new_tokens", "repeats")
+
+
+@dataclasses.dataclass(frozen=True)
+class GqaStudy:
+  """Shared by the table and the figures. `gqa_kv_heads` defaults to big.num_heads // 8, the
+  paper's 8 query heads per kv head; `fractions` and `methods` drive Figures 5 and 4."""
+
+  job: str = "gqa_table"
+  small: ModelConfig = dataclasses.field(default_factory=lambda: ModelConfig(num_heads=4, num_kv_heads=4))
+  big: ModelConfig = dataclasses.field(default_factory=lambda: ModelConfig(num_heads=16, num_kv_heads=16))
+  data: DataConfig = dataclasses.field(default_factory=DataConfig)
+  train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+  timing: TimingConfig = dataclasses.field(default_factory=TimingConfig)
+  gqa_kv_heads: int = 0
+  fraction: float = 0.05
+  fractions: tuple[float, ...] = (0.0, 0.05, 0.1)
+  methods: tuple[str, ...] = ("mean", "first", "random")
+
+  def __post_init__(self):
+    for name in ("small", "big"):
+      cfg = getattr(self, name)
+      if cfg.num_kv_heads != cfg.num_heads:
+        raise ValueError(f"GqaStudy.{name} must be MHA (num_kv_heads == num_heads), got "
+                         f"{cfg.num_kv_heads} kv heads for {cfg.num_heads} heads")
+    if self.gqa_kv_heads == 0:
+      object.__setattr__(self, "gqa_kv_heads", max(1, self.big.num_heads // 8))
+    check_positive(self, "gqa_kv_heads")
+    if self.big.num_heads % self.gqa_kv_heads:
+      raise ValueError(f"GqaStudy.gqa_kv_heads={self.gqa_kv_heads} must divide big.num_heads={self.big.num_heads}")
+    check_real(self, "fraction", 0.0, 1.0)
+    if any(not 0 <= f <= 1 for f in self.fractions):
+      raise ValueError(f"GqaStudy.fractions must lie in [0, 1], got {self.fractions!r}")
+
+  def row_name(self, num_kv_heads: int) -> str:
+    if num_kv_heads == self.big.num_heads:
+      return "MHA-big"
+    return "MQA-big" if num_kv_heads == 1 else f"GQA-{num_kv_heads}-big"
+
+
+# Fields that only select which stages run (the table and each figure share one workdir).
+STAGE_SELECTORS = ("job", "fractions", "methods")
+
+
+class Stages:
+  """Results of finished stages in WORKDIR/stages.json; `run` computes a stage once.
+
+  The file records the study it belongs to: a rerun with other models, data, training or timing
+  settings stops with an error instead of reusing results computed under the old ones.
+  """
+
+  def __init__(self, workdir: Path, study: GqaStudy):
+    self.path = workdir / "stages.json"
+    self.done = json.loads(self.path.read_text()) if self.path.exists() else {}
+    current = {k: v for k, v in to_dict(study).items() if k not in STAGE_SELECTORS}
+    recorded = self.done.setdefault("study", current)
+    if recorded != current:
+      diffs = checkpoint.config_diffs(recorded, current)
+      raise ValueError(f"{self.path} holds stages of a study with other settings ({'; '.join(diffs)}); "
+                       "run it in another --workdir")
+
+  def run(self, name: str, fn):
+    if name not in self.done:
+      print(f"== stage {name}", flush=True)
+      self.done[name] = fn()
+      self.path.write_text(json.dumps(self.done, indent=2) + "\n")
+    return self.done[name]
+
+
+def pretrain(study: GqaStudy, stages: Stages, workdir: Path, which: str) -> dict:
+  """Pre-trains MHA-small or MHA-big in WORKDIR/mha_{which}; returns its train summary."""
+  config = TrainRun(model=getattr(study, which), data=study.data, train=study.train)
+  return stages.run(f"pretrain_{which}", lambda: train.run(config, workdir / f"mha_{which}"))
+
+
+def uptrained(study: GqaStudy, stages: Stages, workdir: Path, num_kv_heads: int,
+              method: str = "mean", fraction: float | None = None) -> Path:
+  """Uptrains MHA-big to `num_kv_heads` in its own workdir; returns that workdir."""
+  fraction = study.fraction if fraction is None else fraction
+  dest = workdir / f"kv{num_kv_heads}_{method}_alpha{fraction:g}"
+  mesh = [f"train.mesh={study.train.mesh}"] if study.train.mesh else []
+  stages.run(dest.name, lambda: uptrain(workdir / "mha_big", dest, num_kv_heads, method=method,
+                                        fraction=fraction, overrides=mesh))
+  return dest
+
+
+def time_per_sample(models: dict, timing: TimingConfig) -> dict:
+  """Seconds per sample of jitted greedy `generate` for each of {name: (model, params)}.
+
+  After one warm-up call each, the models are timed round-robin, `timing.repeats` rounds, so
+  that load from other processes falls on all of them alike; each gets the median of its calls
+  divided by the batch.
+  """
+  rng = np.random.default_rng(0)
+  vocab = min(model.config.vocab_size for model, _ in models.values())
+  prompts = rng.integers(0, vocab, (timing.batch, timing.prompt), dtype=np.int32)
+  lengths = np.full((timing.batch,), timing.prompt, np.int32)
+  calls = {name: (lambda m=model, p=params: decode.generate(m, p, prompts, lengths, timing.new_tokens))
+           for name, (model, params) in models.items()}
+  times = timed_alternating(calls, timing.repeats)
+  return {name: {"time_per_sample_s": statistics.median(times[name]) / timing.batch, "times_s": times[name],
+                 "kv_bytes_per_token": model.config.kv_bytes_per_token,
+                 "params": int(sum(x.size for x in jax.tree.leaves(params)))}
+          for name, (model, params) in models.items()}
+
+
+def measure(study: GqaStudy, stages: Stages, workdirs: dict[str, Path]) -> dict[str, dict]:
+  """Held-out quality (a stage per model) and time per sample (one stage, timed together) of the
+  latest checkpoint in each of {name: workdir}."""
+  loaded = {name: checkpoint.load_model(path)[:2] for name, path in workdirs.items()}
+  data = load_dataset(study.data)
+  quality = {name: stages.run(f"quality_{name}", lambda m=model, p=params: evaluate(
+      m, p, data, batch_size=study.train.batch_size, num_batches=study.train.eval_batches))
+      for name, (model, params) in loaded.items()}
+  timing = stages.run("timing_" + "_".join(workdirs), lambda: time_per_sample(loaded, study.timing))
+  return {name: {**timing[name], **quality[name]} for name in workdirs}
+
+
+def write_rows(rows: list[dict], path_stem: Path, columns: list[str]) -> None:
+  """rows -> STEM.csv (the given columns) and STEM.json (every field)."""
+  with open(f"{path_stem}.csv", "w", newline="") as f:
+    writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(rows)
+  Path(f"{path_stem}.json").write_text(json.dumps(rows, indent=2) + "\n")
+
+
+def markdown_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
+  """columns: (key, header, format spec)."""
+  lines = ["| " + " | ".join(h for _, h, _ in columns) + " |", "|" + "---|" * len(columns)]
+  for row in rows:
+    cells = [("" if row.get(k) is None else format(row[k], spec)) for k, _, spec in columns]
+    lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def plot(path: Path, series: list[tuple[str, list[float], list[float]]], xlabel: str, ylabel: str,
+         title: str, annotate: list[list[str]] | None = None, paper: bool = False,
+         lower_is_better: bool = True) -> None:
+  """Line/scatter plot of (label, xs, ys) series, better quality upwards; with paper=True, a
+  second panel shows the paper's Table 1."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, axes = plt.subplots(1, 2 if paper else 1, figsize=(11 if paper else 6, 4.2), squeeze=False)
+  ax = axes[0][0]
+  for i, (label, xs, ys) in enumerate(series):
+    ax.plot(xs, ys, "o-" if len(xs) > 1 else "o", label=label)
+    for x, y, text in zip(xs, ys, (annotate or [[]] * len(series))[i]):
+      ax.annotate(text, (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
+  ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+  if lower_is_better:
+    ax.invert_yaxis()
+  ax.grid(alpha=0.3)
+  if len(series) > 1:
+    ax.legend(fontsize=8)
+  if paper:
+    ref = axes[0][1]
+    for name, seconds, score in PAPER_TABLE:
+      ref.plot(seconds, score, "s")
+      ref.annotate(name, (seconds, score), textcoords="offset points", xytext=(5, 5), fontsize=8)
+    ref.set(xlabel="time per sample (s)", ylabel="average score", title="paper, Table 1 (T5, TPUv4)")
+    ref.grid(alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)

@@ -1,0 +1,245 @@
+"""The KV-memory study: how much of a fixed KV budget holds real tokens under each allocation policy.
+
+One seeded workload of requests (log-normal prompt and output lengths: long-tailed, like chat
+traces) is served by the continuous-batching engine (kvjax.serving.engine) once per policy, all within
+the same KV budget of `budget_tokens` token slots (budget_tokens x kv_bytes_per_token bytes):
+  max_len   contiguous preallocation of max_len positions per request;
+  doubling  a buffer per request that doubles its capacity when full;
+  paged     PagedAttention at each page size in `page_sizes`.
+The baselines run on pages of `baseline_page_size` tokens, which only sets their granularity
+(their capacities are multiples of it), so every policy uses the same kernels and the
+differences come from memory alone. Per policy: utilisation (tokens cached / slots allocated,
+summed over decode steps), peak and mean concurrent requests, preemptions and tokens/s.
+Every policy should produce the same tokens for every request (greedy); the study counts the
+requests that match the first policy's run.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.config import ModelConfig, check_nonnegative, check_positive, check_real
+from kvjax.serving.engine import Engine, EngineConfig
+from kvjax.model.transformer import Transformer
+
+CSV_FIELDS = ("policy", "page_size", "budget_tokens", "budget_bytes", "utilisation", "peak_concurrent",
+              "mean_concurrent", "preemptions", "decode_steps", "generated_tokens", "seconds",
+              "tokens_per_s", "identical_outputs")
+# Section 6.2 and Figure 2 of Kwon et al., "Efficient Memory Management for Large Language Model
+# Serving with PagedAttention" (SOSP 2023).
+VLLM_ANCHORS = (("earlier systems (Orca, FasterTransformer)", "20.4-38.2%", "1x"),
+                ("vLLM", "96.3%", "2.2x the best earlier system"))
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkloadConfig:
+  """num_requests requests, all queued at time 0. Prompt and output lengths are log-normal with
+  the given medians and log-space sigmas, clipped so that prompt + output fits max_len."""
+
+  num_requests: int = 200
+  prompt_median: int = 128
+  prompt_sigma: float = 0.9
+  output_median: int = 192
+  output_sigma: float = 0.9
+  seed: int = 0
+
+  def __post_init__(self):
+    check_positive(self, "num_requests", "prompt_median", "output_median")
+    check_real(self, "prompt_sigma", 0.0, 4.0)
+    check_real(self, "output_sigma", 0.0, 4.0)
+    check_nonnegative(self, "seed")
+
+
+@dataclasses.dataclass(frozen=True)
+class KVMemoryStudy:
+  """The study run by `kvjax run` for job "kv_memory". Contexts are capped at model.max_len."""
+
+  job: str = "kv_memory"
+  model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+  workload: WorkloadConfig = dataclasses.field(default_factory=WorkloadConfig)
+  budget_tokens: int = 16384
+  page_sizes: tuple[int, ...] = (8, 16, 32)
+  baseline_page_size: int = 16
+  num_slots: int = 64
+  seed: int = 0
+
+  def __post_init__(self):
+    if self.job != "kv_memory":
+      raise ValueError(f"KVMemoryStudy.job must be 'kv_memory', got {self.job!r}")
+    for name, cls in (("model", ModelConfig), ("workload", WorkloadConfig)):
+      if not isinstance(getattr(self, name), cls):
+        raise ValueError(f"KVMemoryStudy.{name} must be a {cls.__name__}, got {getattr(self, name)!r}")
+    check_positive(self, "budget_tokens", "baseline_page_size", "num_slots")
+    if not self.page_sizes or not all(isinstance(z, int) and not isinstance(z, bool) and z > 0
+                                      for z in self.page_sizes):
+      raise ValueError(f"KVMemoryStudy.page_sizes must be a non-empty tuple of positive integers, "
+                       f"got {self.page_sizes!r}")
+    for size in (*self.page_sizes, self.baseline_page_size):
+      if self.budget_tokens % size:
+        raise ValueError(f"KVMemoryStudy.budget_tokens={self.budget_tokens} is not a multiple of page "
+                         f"size {size}: every policy must get the same budget")
+    if self.budget_tokens < self.model.max_len:
+      raise ValueError(f"KVMemoryStudy.budget_tokens={self.budget_tokens} cannot hold one request of "
+                       f"ModelConfig.max_len={self.model.max_len} positions")
+    check_nonnegative(self, "seed")
+
+  def policies(self) -> list[tuple[str, int]]:
+    """(allocation, page size) pairs, baselines first."""
+    return ([("max_len", self.baseline_page_size), ("doubling", self.baseline_page_size)]
+            + [("paged", size) for size in self.page_sizes])
+
+
+def make_workload(config: WorkloadConfig, max_len: int, vocab_size: int) -> list[tuple[np.ndarray, int]]:
+  """Seeded (prompt int32[L], max_new_tokens) pairs with L + max_new_tokens - 1 <= max_len."""
+  rng = np.random.default_rng(config.seed)
+  requests = []
+  for _ in range(config.num_requests):
+    prompt_len = int(np.clip(round(config.prompt_median * rng.lognormal(0.0, config.prompt_sigma)),
+                             1, max_len))
+    output_len = int(np.clip(round(config.output_median * rng.lognormal(0.0, config.output_sigma)),
+                             1, max_len - prompt_len + 1))
+    requests.append((rng.integers(0, vocab_size, prompt_len, dtype=np.int32), output_len))
+  return requests
+
+
+def serve(model: Transformer, params, workload, config: EngineConfig) -> tuple[dict, dict]:
+  """Runs the workload through one engine; returns (metrics, outputs by request id). Compilation is
+  done before the clock starts."""
+  engine = Engine(model, params, config)
+  engine.warmup()
+  for prompt, max_new_tokens in workload:
+    engine.submit(prompt, max_new_tokens)
+  start = time.perf_counter()
+  outputs = engine.run()
+  seconds = time.perf_counter() - start
+  stats = engine.stats
+  budget = (config.num_pages - 1) * config.page_size
+  metrics = {
+      "policy": config.allocation if config.allocation != "paged" else f"paged{config.page_size}",
+      "page_size": config.page_size,
+      "budget_tokens": budget,
+      "budget_bytes": budget * model.config.kv_bytes_per_token,
+      "utilisation": stats.utilisation,
+      "peak_concurrent": max(stats.running),
+      "mean_concurrent": float(np.mean(stats.running)),
+      "preemptions": stats.preemptions,
+      "decode_steps": len(stats.running),
+      "generated_tokens": stats.generated_tokens,
+      "seconds": seconds,
+      "tokens_per_s": stats.generated_tokens / seconds,
+  }
+  trace = {"running": list(stats.running), "cached": list(stats.cached), "allocated": list(stats.allocated)}
+  return {**metrics, "trace": trace}, outputs
+
+
+def run_study(study: KVMemoryStudy, workdir: str | Path) -> list[dict]:
+  """Serves the workload under every policy; writes kv_memory.{csv,md,png} to workdir; returns the rows."""
+  workdir = Path(workdir)
+  workdir.mkdir(parents=True, exist_ok=True)
+  cfg = study.model
+  model = Transformer(cfg)
+  params = model.init(jax.random.key(study.seed), jnp.zeros((1, 1), jnp.int32))["params"]
+  workload = make_workload(study.workload, cfg.max_len, cfg.vocab_size)
+  rows, reference = [], None
+  for allocation, page_size in study.policies():
+    engine_config = EngineConfig(num_slots=study.num_slots, num_pages=study.budget_tokens // page_size + 1,
+                                 page_size=page_size, allocation=allocation, seed=study.seed)
+    row, outputs = serve(model, params, workload, engine_config)
+    reference = outputs if reference is None else reference
+    row["identical_outputs"] = sum(np.array_equal(reference[i], outputs[i]) for i in reference)
+    rows.append(row)
+    print(f"kv_memory: {row['policy']}: utilisation {row['utilisation']:.3f}, peak concurrent "
+          f"{row['peak_concurrent']}, {row['tokens_per_s']:.0f} tokens/s", flush=True)
+  write_csv(rows, workdir / "kv_memory.csv")
+  (workdir / "kv_memory.md").write_text(report(study, workload, rows))
+  plot(rows, workdir / "kv_memory.png")
+  return rows
+
+
+def summary(rows: list[dict]) -> dict:
+  """The rows without their traces, and the headline numbers: paged utilisation at page size 16
+  (or the first paged run) and its concurrency over contiguous max_len preallocation."""
+  contiguous = next(r for r in rows if r["policy"] == "max_len")
+  paged = next((r for r in rows if r["policy"] == "paged16"),
+               next(r for r in rows if r["policy"].startswith("paged")))
+  return {
+      "rows": [{k: r[k] for k in CSV_FIELDS} for r in rows],
+      "paged_policy": paged["policy"],
+      "paged_utilisation": paged["utilisation"],
+      "peak_concurrent_over_max_len": paged["peak_concurrent"] / contiguous["peak_concurrent"],
+      "mean_concurrent_over_max_len": paged["mean_concurrent"] / contiguous["mean_concurrent"],
+      "tokens_per_s_over_max_len": paged["tokens_per_s"] / contiguous["tokens_per_s"],
+  }
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+  with open(path, "w", newline="") as f:
+    writer = csv.DictWriter(f, CSV_FIELDS, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(rows)
+
+
+def report(study: KVMemoryStudy, workload, rows: list[dict]) -> str:
+  prompts = np.array([p.size for p, _ in workload])
+  outputs = np.array([n for _, n in workload])
+  contiguous = next(r for r in rows if r["policy"] == "max_len")
+  lines = [
+      "# KV-memory study", "",
+      f"Workload: {len(workload)} requests queued at once; prompt length median {int(np.median(prompts))}, "
+      f"mean {prompts.mean():.0f}, max {prompts.max()}; output length median {int(np.median(outputs))}, "
+      f"mean {outputs.mean():.0f}, max {outputs.max()}; contexts capped at max_len={study.model.max_len}.",
+      f"KV budget: {study.budget_tokens} token slots = {study.budget_tokens * study.model.kv_bytes_per_token} "
+      f"bytes for every policy; {study.num_slots} batch slots. Model: d_model {study.model.d_model}, "
+      f"{study.model.num_layers} layers, {study.model.num_heads} heads, {study.model.num_kv_heads} kv heads.",
+      f"Requests whose greedy tokens match the {rows[0]['policy']} run, per policy: "
+      + ", ".join(f"{r['policy']} {r['identical_outputs']}/{len(workload)}" for r in rows)
+      + " (an allocation policy must not change what a request generates).", "",
+      "| policy | page size | utilisation | peak concurrent | x max_len | mean concurrent | preemptions "
+      "| decode steps | tokens/s |",
+      "|---|---|---|---|---|---|---|---|---|",
+  ]
+  for r in rows:
+    lines.append(f"| {r['policy']} | {r['page_size']} | {100 * r['utilisation']:.1f}% | {r['peak_concurrent']} "
+                 f"| {r['peak_concurrent'] / contiguous['peak_concurrent']:.2f}x | {r['mean_concurrent']:.1f} "
+                 f"| {r['preemptions']} | {r['decode_steps']} | {r['tokens_per_s']:.0f} |")
+  lines += ["", "Utilisation: tokens cached / token slots allocated, summed over decode steps. "
+            "Baselines are allocated in multiples of their page size. tokens/s: generated tokens over "
+            "the wall time of serving the whole workload after compilation, same kernels for every policy "
+            "(the paged vs contiguous kernel cost is `kvjax bench paged`).", "",
+            "Reference, vLLM paper (ShareGPT/Alpaca traces on GPUs): KV memory holding real tokens, and "
+            "concurrent requests:", "", "| system | utilisation | concurrent requests |", "|---|---|---|"]
+  lines += [f"| {name} | {util} | {conc} |" for name, util, conc in VLLM_ANCHORS]
+  return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, (bars, lines) = plt.subplots(1, 2, figsize=(11, 4))
+  names = [r["policy"] for r in rows]
+  bars.bar(names, [100 * r["utilisation"] for r in rows], color="tab:blue")
+  bars.set_ylabel("KV slots holding real tokens (%)")
+  bars.set_ylim(0, 100)
+  twin = bars.twinx()
+  twin.plot(names, [r["peak_concurrent"] for r in rows], "o-", color="tab:red")
+  twin.set_ylabel("peak concurrent requests", color="tab:red")
+  twin.set_ylim(0, 1.1 * max(r["peak_concurrent"] for r in rows))
+  bars.set_title("Utilisation and concurrency within one KV budget")
+  for r in rows:
+    lines.plot(r["trace"]["running"], label=r["policy"])
+  lines.set_xlabel("decode step")
+  lines.set_ylabel("running requests")
+  lines.set_title("Concurrency over the run")
+  lines.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)

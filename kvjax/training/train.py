@@ -1,0 +1,315 @@
+"""Training: AdamW with warmup and cosine decay, a jitted train step, periodic held-out eval and
+orbax checkpoints from which a run resumes exactly.
+
+Batches are int32 [B, T] inputs and targets (the inputs shifted by one byte). The train state
+(step, float32 params, optimizer state) is donated to every step. A checkpoint holds the state,
+the data sampler's position and generator state, the run config and the corpus hash, so a run
+killed at any point and started again ends with bitwise the parameters of an uninterrupted run
+(on the same machine and backend).
+
+With TrainConfig.mesh the state is sharded by kvjax.sharding's rules (initialised, or restored
+from a checkpoint, straight onto the mesh) and every batch is split over `data`; jit then
+partitions the one train step. A run may resume on another mesh, or none.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh
+from tqdm import tqdm
+
+from kvjax import sharding
+from kvjax.training import checkpoint
+from kvjax.training.data import Dataset, WindowSampler, load_dataset
+from kvjax.training.evaluate import evaluate
+from kvjax.model.flops import peak_flops, train_flops_per_token
+from kvjax.model.transformer import Transformer
+from kvjax.training.config import TrainConfig, TrainRun, to_dict
+
+__all__ = ["TrainState", "TrainingDiverged", "evaluate", "make_optimizer", "make_train_step", "run"]
+
+
+class TrainingDiverged(ValueError):
+  """A non-finite loss or gradient norm. A ValueError, so `kvjax run` reports it as a clean error."""
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array  # int32 scalar: optimizer steps taken
+  params: Any
+  opt_state: Any
+
+
+def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
+  """Global-norm clipping, then AdamW; weight decay applies to matrices (ndim >= 2) only."""
+  return optax.chain(
+      optax.clip_by_global_norm(config.clip_norm),
+      optax.adamw(learning_rate_schedule(config), b1=config.b1, b2=config.b2,
+                  weight_decay=config.weight_decay,
+                  mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)))
+
+
+def learning_rate_schedule(config: TrainConfig) -> optax.Schedule:
+  """Learning rate of optimizer step `count` (from 0)."""
+  warmup = optax.linear_schedule(0.0, config.lr, max(config.warmup_steps, 1))
+  decay = optax.cosine_decay_schedule(config.lr, max(config.steps - config.warmup_steps, 1),
+                                      alpha=config.min_lr_ratio)
+  return optax.join_schedules([warmup, decay], [config.warmup_steps])
+
+
+@functools.cache
+def param_initializer(model: Transformer, mesh: Mesh | None = None):
+  """-> jitted init(key) -> float32 params, sharded over `mesh` when given; cached per (model, mesh),
+  so runs in one process compile it once."""
+  init = lambda key: model.init(key, jnp.zeros((1, 1), jnp.int32))["params"]
+  if mesh is None:
+    return jax.jit(init)
+  shapes = jax.eval_shape(init, jax.random.key(0))
+  return jax.jit(init, out_shardings=sharding.param_sharding(shapes, mesh))
+
+
+def place_state(state: TrainState, mesh: Mesh | None) -> TrainState:
+  """The state committed to the default device, or sharded over `mesh`, as the train step's outputs
+  are (an input placed otherwise would make the step compile a second time)."""
+  return jax.device_put(state, jax.devices()[0]) if mesh is None else sharding.shard_params(state, mesh)
+
+
+def init_state(model: Transformer, optimizer: optax.GradientTransformation, key: jax.Array,
+               params=None, mesh: Mesh | None = None) -> TrainState:
+  """The step-0 state (from `params`, else freshly initialised), placed by `place_state`."""
+  if params is None:
+    params = param_initializer(model, mesh)(key)
+  else:
+    expected = checkpoint.param_shapes(jax.eval_shape(param_initializer(model), key))
+    given = checkpoint.param_shapes(params)
+    if given != expected:
+      diffs = [f"{k}: expected {expected.get(k)}, got {given.get(k)}"
+               for k in sorted(set(expected) | set(given)) if expected.get(k) != given.get(k)]
+      raise ValueError(f"init_params do not match the model config: {'; '.join(diffs[:5])}")
+  if mesh is not None:
+    params = sharding.shard_params(params, mesh)  # so the optimizer moments start out sharded too
+  state = TrainState(step=np.int32(0), params=params, opt_state=optimizer.init(params))
+  return place_state(state, mesh)
+
+
+def make_train_step(model: Transformer, optimizer: optax.GradientTransformation, state_sharding=None):
+  """-> jitted step(state, inputs, targets) -> (state, {"loss", "grad_norm"}); donates `state`.
+  `state_sharding` (kvjax.sharding.param_sharding of the state) pins the new state to the layout
+  the step was given, so that feeding it back hits the one compiled step."""
+  def step(state: TrainState, inputs: jax.Array, targets: jax.Array):
+    def loss_fn(params):
+      logits = model.apply({"params": params}, inputs)  # [B, T, V] float32
+      return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    new = TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),
+                     opt_state=opt_state)
+    return new, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+
+  return jax.jit(step, donate_argnums=0, out_shardings=(state_sharding, None))
+
+
+class Logger:
+  """Appends JSON lines to WORKDIR/metrics.jsonl; on resume, drops lines past the resumed step
+  (written by the interrupted run after its last checkpoint) so the file reads as one run."""
+
+  def __init__(self, workdir: Path, resume_step: int):
+    self.path = workdir / "metrics.jsonl"
+    kept = []
+    if resume_step and self.path.exists():
+      for line in self.path.read_text().splitlines():
+        try:
+          if json.loads(line)["step"] <= resume_step:
+            kept.append(line)
+        except (ValueError, KeyError, TypeError):
+          pass  # a line cut short by the interruption
+    self.path.write_text("".join(f"{line}\n" for line in kept))
+
+  def write(self, record: dict) -> None:
+    with self.path.open("a") as f:
+      f.write(json.dumps(record) + "\n")
+
+
+def _resume(manager, workdir: Path, config: dict, data: Dataset, like: TrainState, sampler: WindowSampler,
+            mesh: Mesh | None):
+  """Restores the latest checkpoint into (state, sampler) -> (state, step); (None, 0) when none.
+  `like` gives the state's structure, shapes and dtypes; the state is restored onto `mesh`."""
+  step = manager.latest_step()
+  if step is None:
+    return None, 0
+  where = checkpoint.step_dir(workdir, step)
+  meta = checkpoint.read_meta(workdir, step)
+  if meta.get("kind") != "train":
+    raise ValueError(f"checkpoint {where} holds {meta.get('kind')!r} weights without optimizer state "
+                     "and cannot be resumed; train in a new --workdir")
+  checkpoint.check_compatible(meta["config"], config, checkpoint.checkpoint_dir(workdir))
+  saved_hash = meta.get("corpus", {}).get("sha256")
+  if saved_hash != data.info.sha256:
+    raise ValueError(f"checkpoint {where} was trained on a corpus with sha256 {saved_hash}, but "
+                     f"{data.info.source} now has sha256 {data.info.sha256}; resuming would not be "
+                     "exact - train in another --workdir")
+  params, opt_state = checkpoint.restore_train_state(manager, workdir, step, like.params, like.opt_state,
+                                                     mesh)
+  try:
+    sampler.restore(meta["data"])
+  except (KeyError, TypeError, ValueError) as err:
+    raise ValueError(f"checkpoint {where} holds no valid data position: {err!r}") from err
+  return place_state(TrainState(step=np.int32(step), params=params, opt_state=opt_state), mesh), step
+
+
+def run(config: TrainRun, workdir: str | Path, init_params=None) -> dict:
+  """Trains (or resumes) the run in `workdir`; returns a summary of the final step.
+  A fresh run starts from `init_params` (with fresh optimizer state) when given, as uptraining
+  does; a resumed run always continues from its checkpoint."""
+  tc, config_dict = config.train, to_dict(config)
+  mesh = sharding.mesh_from_arg(tc.mesh)  # first: a mesh this machine cannot hold stops the run here
+  workdir = Path(workdir).resolve()
+  workdir.mkdir(parents=True, exist_ok=True)
+  data = load_dataset(config.data)
+  model = Transformer(config.model)
+  compute_model = Transformer(config.model.replace(dtype="bfloat16")) if tc.bf16 else model
+  optimizer = make_optimizer(tc)
+  sampler = WindowSampler(data.train, data.seq_len, tc.batch_size, config.data.seed)
+  key = jax.random.key(tc.seed)
+  like = jax.eval_shape(functools.partial(init_state, model, optimizer), key)
+  num_params = sum(x.size for x in jax.tree.leaves(like.params))
+
+  manager = checkpoint.open_manager(workdir, keep=tc.keep_checkpoints, writing=True)
+  try:
+    state, start = _resume(manager, workdir, config_dict, data, like, sampler, mesh)
+    if state is None:
+      state = init_state(model, optimizer, key, init_params, mesh)
+    (workdir / "corpus.json").write_text(json.dumps(data.info.to_dict(), indent=2) + "\n")
+    print(f"kvjax train: {num_params:,} parameters, corpus {data.info.source} ({data.info.num_bytes:,} bytes, "
+          f"{data.info.num_files} files), " + (f"resuming at step {start}" if start else "starting at step 0")
+          + (f", on a mesh of {dict(mesh.shape)}" if mesh is not None else ""), flush=True)
+    state_sharding = sharding.param_sharding(like, mesh) if mesh is not None else None
+    trainer = _Trainer(config, workdir, manager, compute_model, optimizer, data, sampler, start, mesh,
+                       state_sharding)
+    return trainer.loop(state, start) | {"params": num_params}
+  finally:
+    manager.close()
+
+
+class _Trainer:
+  """The training loop's bookkeeping: logging windows, throughput, eval and checkpoint cadence."""
+
+  def __init__(self, config: TrainRun, workdir: Path, manager, model, optimizer, data, sampler, start, mesh,
+               state_sharding):
+    self.config, self.tc, self.workdir, self.manager = config, config.train, workdir, manager
+    self.model, self.data, self.sampler, self.mesh = model, data, sampler, mesh
+    self.train_step = make_train_step(model, optimizer, state_sharding)
+    self.schedule = jax.jit(learning_rate_schedule(self.tc))
+    self.logger = Logger(workdir, start)
+    self.tokens_per_step = self.tc.batch_size * data.seq_len
+    self.flops_per_step = train_flops_per_token(config.model, data.seq_len) * self.tokens_per_step
+    self.peak, self.peak_source = peak_flops()
+    if self.peak is not None and mesh is not None:
+      self.peak *= mesh.size  # peak_flops is one device's
+    self.pending: list[tuple[int, dict]] = []  # device metrics not yet checked
+    self.window = self._new_window()
+    self.timed_steps, self.timed_seconds = 0, 0.0
+    self.last_good = manager.latest_step()
+    self.val: dict = {}
+
+  def loop(self, state: TrainState, start: int) -> dict:
+    tc = self.tc
+    bar = tqdm(total=tc.steps, initial=start, desc="train", unit="step", mininterval=1.0)
+    clock = time.perf_counter()
+    try:
+      for step in range(start + 1, tc.steps + 1):
+        inputs, targets = self.sampler.next()
+        if self.mesh is not None:
+          inputs, targets = sharding.shard_batch(self.mesh, inputs, targets)
+        state, metrics = self.train_step(state, inputs, targets)
+        self.pending.append((step, metrics))
+        bar.update(1)
+        flush = step % tc.log_every == 0 or step % tc.checkpoint_every == 0 or step % tc.eval_every == 0
+        if not (flush or step == tc.steps or step == start + 1):
+          continue
+        checked = self._check_pending()
+        if step > start + 1:  # the first step compiles: it is not counted in throughput
+          self.window["timed_steps"] += checked
+          self.window["seconds"] += time.perf_counter() - clock
+        if step % tc.log_every == 0 or step == tc.steps:
+          self._log(step, bar)
+        if step % tc.eval_every == 0 or step == tc.steps:
+          self._eval(step, state)
+        if step % tc.checkpoint_every == 0 or step == tc.steps:
+          self._save(step, state)
+        clock = time.perf_counter()
+    finally:
+      bar.close()
+    if not self.val:
+      self._eval(int(state.step), state)
+    tokens_per_s = self.timed_steps * self.tokens_per_step / self.timed_seconds if self.timed_seconds else None
+    return {"step": int(state.step), "val_loss": self.val["loss"], "bits_per_byte": self.val["bits_per_byte"],
+            "accuracy": self.val["accuracy"], "tokens_per_s": tokens_per_s, "mfu": self._mfu(tokens_per_s),
+            "peak_flops_source": self.peak_source}
+
+  def _mfu(self, tokens_per_s: float | None) -> float | None:
+    if tokens_per_s is None or self.peak is None:
+      return None
+    return tokens_per_s / self.tokens_per_step * self.flops_per_step / self.peak
+
+  @staticmethod
+  def _new_window() -> dict:
+    return {"steps": 0, "loss": 0.0, "grad_norm": 0.0, "timed_steps": 0, "seconds": 0.0}
+
+  def _check_pending(self) -> int:
+    """Fetches the metrics of the steps since the last check; stops on a non-finite value.
+    Returns how many steps were checked."""
+    for step, metrics in self.pending:
+      loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
+      if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        good = (f"the last good checkpoint is {checkpoint.step_dir(self.workdir, self.last_good)}"
+                if self.last_good is not None else "no checkpoint was written")
+        raise TrainingDiverged(f"training diverged at step {step}: loss {loss}, gradient norm {grad_norm}; "
+                               f"stopped, {good}. Lower train.lr or raise train.warmup_steps.")
+      self.window["steps"] += 1
+      self.window["loss"] += loss
+      self.window["grad_norm"] += grad_norm
+    checked, self.pending = len(self.pending), []
+    return checked
+
+  def _log(self, step: int, bar: tqdm) -> None:
+    w = self.window
+    if not w["steps"]:
+      return
+    tokens_per_s = w["timed_steps"] * self.tokens_per_step / w["seconds"] if w["seconds"] else None
+    record = {"step": step, "kind": "train", "loss": w["loss"] / w["steps"],
+              "grad_norm": w["grad_norm"] / w["steps"], "lr": float(self.schedule(step - 1)),
+              "tokens_per_s": tokens_per_s, "mfu": self._mfu(tokens_per_s)}
+    self.logger.write(record)
+    postfix = {"loss": f"{record['loss']:.3f}"}
+    if tokens_per_s:
+      postfix |= {"tok/s": f"{tokens_per_s:,.0f}", "mfu": f"{record['mfu']:.1%}" if record["mfu"] is not None else "?"}
+      self.timed_steps += w["timed_steps"]
+      self.timed_seconds += w["seconds"]
+    bar.set_postfix(postfix, refresh=False)
+    self.window = self._new_window()
+
+  def _eval(self, step: int, state: TrainState) -> None:
+    self.val = evaluate(self.model, state.params, self.data, batch_size=self.tc.batch_size,
+                        num_batches=self.tc.eval_batches, mesh=self.mesh)
+    self.logger.write({"step": step, "kind": "eval", **{f"val_{k}": v for k, v in self.val.items()}})
+    tqdm.write(f"step {step}: val loss {self.val['loss']:.4f}, {self.val['bits_per_byte']:.3f} bits/byte, "
+               f"accuracy {self.val['accuracy']:.3f}")
+
+  def _save(self, step: int, state: TrainState) -> None:
+    meta = {"kind": "train", "step": step, "config": to_dict(self.config), "data": self.sampler.state(),
+            "corpus": self.data.info.to_dict()}
+    checkpoint.save_train_state(self.manager, step, state.params, state.opt_state, meta)
+    self.last_good = step
