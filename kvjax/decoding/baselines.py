@@ -17,8 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.model.attention import CACHE_SEQ_AXIS
-from kvjax.decoding.decode import _decode_step, _prefill, cache_capacity, check_prompts
+from kvjax.decoding.decode import check_tokens, decode_step, for_decoding, forward, prefill
 from kvjax.model.transformer import Transformer
 
 NOCACHE_BUCKET = 64  # recompute over prefixes padded to a multiple of this, to bound compilations
@@ -26,11 +25,12 @@ NOCACHE_BUCKET = 64  # recompute over prefixes padded to a multiple of this, to 
 
 def _start(model: Transformer, prompts, lengths, max_new_tokens: int):
   cfg = model.config
+  prompts, lengths = check_tokens(model, prompts, lengths)
   longest = int(np.max(lengths))
   if longest + max_new_tokens - 1 > cfg.max_len:
     raise ValueError(f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds "
                      f"ModelConfig.max_len={cfg.max_len}")
-  return check_prompts(model, prompts, lengths, cfg.max_len)
+  return prompts, lengths
 
 
 @functools.partial(jax.jit, static_argnames=("model",))
@@ -56,17 +56,6 @@ def generate_nocache(model: Transformer, params, prompts, lengths, max_new_token
   return out
 
 
-def _grow(cache, new_capacity: int):
-  """A cache whose k/v buffers are copied into zero buffers of length new_capacity."""
-  def pad(x, axis):
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, new_capacity - x.shape[axis])
-    return jnp.pad(x, widths)
-  layers = {name: {"attn": {kv: pad(x, CACHE_SEQ_AXIS[kv]) for kv, x in layer["attn"].items()}}
-            for name, layer in cache.items() if name != "lengths"}
-  return {**layers, "lengths": cache["lengths"]}
-
-
 def _decode_loop(cache, first, max_new_tokens, step_fn):
   out = [np.asarray(first)]
   token = first
@@ -78,25 +67,23 @@ def _decode_loop(cache, first, max_new_tokens, step_fn):
 
 
 def _prefill_first(model, params, prompts, lengths, capacity):
-  logits, cache = _prefill(model, params, jnp.asarray(prompts), jnp.asarray(lengths), capacity, last_only=True)
-  first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  return first, cache
+  logits, cache = prefill(model, params, prompts, lengths, capacity, logits="last")
+  return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
 
 
 @functools.partial(jax.jit, static_argnames=("model",))
 def _concat_step(model, params, cache, token):
   # layer_past + concatenate: the new buffers are one position longer, a full copy each step.
-  grown = _grow(cache, cache_capacity(cache) + 1)
-  logits, variables = model.apply({"params": params, "cache": grown}, token,
-                                  method=Transformer.decode, mutable=["cache"])
-  return logits, variables["cache"]
+  logits, cache = forward(model, params, cache.resized(cache.capacity + 1), token[:, None],
+                          jnp.ones_like(token))
+  return logits[:, 0], cache
 
 
 def generate_concat(model: Transformer, params, prompts, lengths, max_new_tokens: int) -> np.ndarray:
   """Greedy decoding with a GPT-2-style cache that is concatenated with each new position."""
   prompts, lengths = _start(model, prompts, lengths, max_new_tokens)
   first, cache = _prefill_first(model, params, prompts, lengths, prompts.shape[1])
-  step = functools.partial(_concat_step, model, params)
+  step = functools.partial(_concat_step, for_decoding(model), params)
   return _decode_loop(cache, first, max_new_tokens, step)
 
 
@@ -110,10 +97,9 @@ def generate_doubling(model: Transformer, params, prompts, lengths, max_new_toke
 
   def step(cache, token):
     nonlocal written
-    capacity = cache_capacity(cache)
-    if written == capacity:
-      cache = _grow(cache, 2 * capacity)
+    if written == cache.capacity:
+      cache = cache.resized(2 * cache.capacity)
     written += 1
-    return _decode_step(model, params, cache, token)
+    return decode_step(model, params, cache, token)
 
   return _decode_loop(cache, first, max_new_tokens, step)

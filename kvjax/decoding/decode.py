@@ -1,13 +1,18 @@
-"""Jitted prefill, decode_step and generate over the preallocated KV cache.
+"""prefill, extend, decode_step and generate: jitted decoding over any cache kind.
 
-The cache is the Flax 'cache' collection: {'layers_{i}': {'attn': {'k', 'v'}}, 'lengths'},
-with k [B, K, H, max_len] and v [B, K, max_len, H] in config.cache_dtype (see kvjax.model.attention) and lengths int32[B] (tokens written per row).
-Every function returns a new cache; the one passed in is donated and must not be reused.
-Given a `mesh`, each places params, batch rows and cache by kvjax.sharding's rules, and XLA
-partitions the same computation over it.
+All four run the model's one forward pass (kvjax.model.transformer) on a cache (kvjax.cache):
+prefill starts a contiguous cache from right-padded prompts, extend appends a right-padded chunk
+after what each row holds (a long prompt in pieces, the next turn of a conversation), decode_step
+appends one token per row, and generate runs prefill then the whole decode loop in one
+lax.while_loop. Every function returns a new cache; the one passed in is donated and must not
+be reused.
 
-Inputs are checked on the host before any compute: lax.dynamic_update_slice clamps an
-out-of-range write silently, so an overflowing cache must never reach the device.
+Inputs are checked on the host before any compute (the cache kind checks that the new tokens fit:
+lax.dynamic_update_slice clamps an out-of-range write silently). These are the entry points
+that choose how the model's products run: on a single CPU device they route them to kvjax's CPU
+kernels (built before tracing; without a compiler kvjax warns once and uses XLA). Given a
+`mesh`, each places params, batch rows and cache by kvjax.sharding's rules, and XLA partitions
+the same computation over it.
 """
 
 from __future__ import annotations
@@ -18,37 +23,59 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from kvjax import sharding
-from kvjax.model.attention import CACHE_SEQ_AXIS
-from kvjax.model.transformer import Transformer
+from kvjax.cache.base import KVCache
+from kvjax.cache.contiguous import ContiguousCache
+from kvjax.config import check_positive_int
 from kvjax.decoding.sampling import Sampling, sample
+from kvjax.kernels import attention as attention_kernel
+from kvjax.kernels import build, matmul
+from kvjax.model.backend import XLA, Backend, xla_cache_attention
+from kvjax.model.transformer import Transformer
 
-Cache = dict
+LOGITS = ("all", "last")
 
 
-def check_prompts(model: Transformer, tokens, lengths, max_len: int) -> tuple[np.ndarray, np.ndarray]:
-  """Validates right-padded prompts; returns them as int32 numpy arrays with padding set to 0."""
+@functools.cache
+def cpu_backend() -> Backend:
+  """The CPU kernels that built (building them on first call), as a backend."""
+  return Backend(dot_general=matmul.dot_general if build.available("matmul") else lax.dot_general,
+                 cache_attention=(attention_kernel.cache_attention if build.available("attention")
+                                  else xla_cache_attention))
+
+
+def for_decoding(model: Transformer, mesh=None) -> Transformer:
+  """`model` with the CPU kernels' backend on a single CPU device without a mesh; otherwise (or
+  when the model already has a backend of its own) unchanged."""
+  if mesh is not None or model.backend is not XLA or not build.single_cpu():
+    return model
+  backend = cpu_backend()
+  return model if backend == XLA else model.clone(backend=backend)
+
+
+def check_tokens(model: Transformer, tokens, lengths, *, min_length: int = 1) -> tuple[np.ndarray, np.ndarray]:
+  """Validates right-padded tokens int[B, T] with lengths int[B] in [min_length, T]; returns them
+  as int32 numpy arrays with the padding set to 0."""
   cfg = model.config
-  tokens = np.asarray(tokens)
-  lengths = np.asarray(lengths)
+  tokens, lengths = np.asarray(tokens), np.asarray(lengths)
   if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
     raise ValueError(f"tokens must be an integer array [batch, seq], got {tokens.dtype}{list(tokens.shape)}")
   batch, seq = tokens.shape
   if lengths.shape != (batch,) or not np.issubdtype(lengths.dtype, np.integer):
     raise ValueError(f"lengths must be an integer array of shape ({batch},) to match tokens, "
                      f"got {lengths.dtype}{list(lengths.shape)}")
-  if seq == 0 or (lengths < 1).any():
-    row = int(np.argmin(lengths)) if batch and seq else 0
-    raise ValueError(f"empty prompt: row {row} has length {int(lengths[row]) if batch else 0}; "
-                     "every prompt needs at least one token")
+  if batch == 0 or seq == 0:
+    raise ValueError(f"tokens must hold at least one row and one column, got shape {list(tokens.shape)}")
+  if (lengths < min_length).any():
+    row = int(np.argmin(lengths))
+    what = "empty prompt" if min_length else "negative length"
+    raise ValueError(f"{what}: row {row} has length {int(lengths[row])}; every row needs at least "
+                     f"{min_length} token{'s' if min_length != 1 else ''}")
   if (lengths > seq).any():
     row = int(np.argmax(lengths))
     raise ValueError(f"lengths[{row}]={int(lengths[row])} exceeds the {seq} tokens given")
-  if not 0 < max_len <= cfg.max_len:
-    raise ValueError(f"cache length max_len={max_len} must be in [1, ModelConfig.max_len={cfg.max_len}]")
-  if seq > max_len:
-    raise ValueError(f"prompt of {seq} tokens does not fit the cache length max_len={max_len}")
   valid = np.arange(seq)[None, :] < lengths[:, None]
   bad = valid & ((tokens < 0) | (tokens >= cfg.vocab_size))
   if bad.any():
@@ -58,75 +85,87 @@ def check_prompts(model: Transformer, tokens, lengths, max_len: int) -> tuple[np
   return np.where(valid, tokens, 0).astype(np.int32), lengths.astype(np.int32)
 
 
-def check_step_tokens(model: Transformer, tokens, lengths: np.ndarray) -> np.ndarray:
-  """Validates one decode step's tokens (one per row, ids in the vocabulary) -> numpy array."""
+def forward(model: Transformer, params, cache: KVCache, tokens, lengths, *, last: bool = False,
+            from_empty: bool = False):
+  """Traced body of every decode function: tokens int32[B, T] with lengths int32[B] written after
+  what the cache holds -> (logits float32 [B, T, V], or [B, V] at each row's last new token when
+  `last`; the new cache)."""
+  logits_at = jnp.maximum(lengths - 1, 0)[:, None] if last else None
+  logits, variables = model.apply(
+      {"params": params, "cache": cache.layers}, tokens, cache.replace(layers={}), lengths=lengths,
+      logits_at=logits_at, from_empty=from_empty, mutable=["cache"])  # the arrays travel in the collection
+  new = cache.replace(layers=variables["cache"], lengths=cache.lengths + lengths)
+  return (logits[:, 0] if last else logits), new
+
+
+_forward = jax.jit(forward, static_argnames=("model", "last", "from_empty"), donate_argnames=("cache",))
+
+
+def _place(mesh, params, cache, *batch):
+  params, batch = sharding.place(mesh, params, *batch)
+  if mesh is not None:
+    cache = jax.device_put(cache, sharding.cache_sharding(cache, mesh))
+  return params, cache, batch
+
+
+def extend(model: Transformer, params, cache: KVCache, tokens, lengths, *, logits: str = "all", mesh=None):
+  """Appends a right-padded chunk after what each row of `cache` holds.
+
+  Args:
+    cache: any cache kind (donated).
+    tokens: int[B, T], row b's new tokens in [0, lengths[b]).
+    lengths: int[B], each in [0, T] (a row may take no tokens); with logits="last", in [1, T].
+    logits: "all" -> float32[B, T, V] (row b's next-token logits at [b, lengths[b] - 1]);
+      "last" -> float32[B, V], only those (the rest of the last layer is not computed).
+  Returns:
+    (logits, the new cache holding lengths[b] more tokens per row).
+  Raises ValueError, naming the row, if a row's tokens do not fit the cache.
+  """
+  if logits not in LOGITS:
+    raise ValueError(f"logits must be one of {LOGITS}, got {logits!r}")
+  tokens, lengths = check_tokens(model, tokens, lengths, min_length=1 if logits == "last" else 0)
+  if lengths.shape[0] != cache.lengths.shape[0]:
+    raise ValueError(f"tokens have {lengths.shape[0]} rows but the cache has {cache.lengths.shape[0]}")
+  cache.check_room(lengths, tokens.shape[1])
+  from_empty = not np.asarray(cache.lengths).any()
+  params, cache, (tokens, lengths) = _place(mesh, params, cache, tokens, lengths)
+  return _forward(for_decoding(model, mesh), params, cache, jnp.asarray(tokens), jnp.asarray(lengths),
+                  last=logits == "last", from_empty=from_empty)
+
+
+def prefill(model: Transformer, params, tokens, lengths, max_len: int, *, logits: str = "all", mesh=None):
+  """Runs right-padded prompts through the model into a new contiguous cache of max_len positions
+  per row (at most ModelConfig.max_len): `extend` on an empty ContiguousCache.
+
+  tokens int[B, T], lengths int[B] each in [1, T]; see `extend` for `logits`.
+  """
+  check_positive_int(max_len, "max_len")
+  tokens, lengths = check_tokens(model, tokens, lengths)
+  if not max_len <= model.config.max_len:
+    raise ValueError(f"cache length max_len={max_len} must be in [1, ModelConfig.max_len={model.config.max_len}]")
+  if tokens.shape[1] > max_len:
+    raise ValueError(f"prompt of {tokens.shape[1]} tokens does not fit the cache length max_len={max_len}")
+  cache = ContiguousCache.create(model.config, tokens.shape[0], max_len)
+  return extend(model, params, cache, tokens, lengths, logits=logits, mesh=mesh)
+
+
+def decode_step(model: Transformer, params, cache: KVCache, tokens, *, mesh=None):
+  """Feeds one token per row at position cache.lengths[b] -> (logits float32[B, V], new cache)."""
   tokens = np.asarray(tokens)
-  if tokens.shape != lengths.shape or not np.issubdtype(tokens.dtype, np.integer):
-    raise ValueError(f"tokens must be an integer array of shape {lengths.shape} (one per row), "
+  batch = cache.lengths.shape[0]
+  if tokens.shape != (batch,) or not np.issubdtype(tokens.dtype, np.integer):
+    raise ValueError(f"tokens must be an integer array of shape ({batch},) (one per row), "
                      f"got {tokens.dtype}{list(tokens.shape)}")
   bad = (tokens < 0) | (tokens >= model.config.vocab_size)
   if bad.any():
     row = int(np.argmax(bad))
-    raise ValueError(f"token id {int(tokens[row])} at row {row} is outside "
-                     f"[0, vocab_size={model.config.vocab_size})")
-  return tokens
-
-
-@functools.partial(jax.jit, static_argnames=("model", "max_len", "last_only"))
-def _prefill(model, params, tokens, lengths, max_len, last_only=False):
-  logits, variables = model.apply({"params": params}, tokens, lengths, max_len, last_only,
-                                  method=Transformer.prefill, mutable=["cache"])
-  return logits, variables["cache"]
-
-
-@functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("cache",))
-def _decode_step(model, params, cache, tokens):
-  logits, variables = model.apply({"params": params, "cache": cache}, tokens,
-                                  method=Transformer.decode, mutable=["cache"])
-  return logits, variables["cache"]
-
-
-def cache_capacity(cache: Cache) -> int:
-  """max_len of a cache: the length of its buffers' sequence axis."""
-  return cache["layers_0"]["attn"]["v"].shape[CACHE_SEQ_AXIS["v"]]
-
-
-def cache_bytes(cache: Cache) -> int:
-  return sum(x.nbytes for x in jax.tree.leaves(cache))
-
-
-def prefill(model: Transformer, params, tokens, lengths, max_len: int, *, last_only: bool = False,
-            mesh=None):
-  """Runs right-padded prompts through the model and fills a new cache.
-
-  Args:
-    tokens: int[B, T], row b holds its prompt in [0, lengths[b]).
-    lengths: int[B], each in [1, T].
-    max_len: cache length S; decoding can continue while lengths < S.
-    last_only: return only each row's next-token logits (skips the vocabulary projection of
-      every other position, and the last layer's attention output and MLP there).
-  Returns:
-    (logits float32[B, T, V], cache). The next-token logits of row b are logits[b, lengths[b] - 1];
-    with last_only, (logits float32[B, V] holding those, cache).
-  """
-  tokens, lengths = check_prompts(model, tokens, lengths, max_len)
-  params, (tokens, lengths) = sharding.place(mesh, params, tokens, lengths)
-  return _prefill(model, params, tokens, lengths, max_len, last_only)
-
-
-def decode_step(model: Transformer, params, cache: Cache, tokens, *, mesh=None):
-  """Feeds one token per row at position cache['lengths'][b] -> (logits float32[B, V], new cache)."""
-  lengths = np.asarray(cache["lengths"])
-  tokens = check_step_tokens(model, tokens, lengths)
-  capacity = cache_capacity(cache)
-  if (lengths >= capacity).any():
-    row = int(np.argmax(lengths))
-    raise ValueError(f"cache is full: row {row} holds {int(lengths[row])} tokens and the cache length "
-                     f"is {capacity}; prefill with a larger max_len")
-  params, (tokens,) = sharding.place(mesh, params, tokens.astype(np.int32))
-  if mesh is not None:
-    cache = jax.device_put(cache, sharding.cache_sharding(cache, mesh))
-  return _decode_step(model, params, cache, jnp.asarray(tokens))
+    raise ValueError(f"token id {int(tokens[row])} at row {row} is outside [0, vocab_size={model.config.vocab_size})")
+  ones = np.ones((batch,), np.int32)
+  cache.check_room(ones, 1)
+  params, cache, (tokens, ones) = _place(mesh, params, cache, tokens.astype(np.int32), ones)
+  logits, cache = _forward(for_decoding(model, mesh), params, cache, jnp.asarray(tokens)[:, None],
+                           jnp.asarray(ones))
+  return logits[:, 0], cache
 
 
 @flax.struct.dataclass
@@ -135,32 +174,33 @@ class DecodeState:
   last: jax.Array  # int32[B]: the token to feed next
   done: jax.Array  # bool[B]: row has produced eos_id
   tokens: jax.Array  # int32[B, max_new_tokens]
-  cache: Cache
+  cache: KVCache
   rng: jax.Array
 
 
 @functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "max_len"))
 def _generate(model, params, prompts, lengths, rng, sampling, eos_id, max_new_tokens, max_len):
   batch = prompts.shape[0]
-  logits, cache = _prefill(model, params, prompts, lengths, max_len, last_only=True)
+  cache = ContiguousCache.create(model.config, batch, max_len)
+  logits, cache = forward(model, params, cache, prompts, lengths, last=True, from_empty=True)
   rng, key = jax.random.split(rng)
   first = sample(logits, key, sampling)
   state = DecodeState(
       step=jnp.int32(1), last=first, done=first == eos_id,
       tokens=jnp.full((batch, max_new_tokens), eos_id, jnp.int32).at[:, 0].set(first),
       cache=cache, rng=rng)
+  ones = jnp.ones((batch,), jnp.int32)
 
   def cond(s: DecodeState):
     return (s.step < max_new_tokens) & ~s.done.all()
 
   def body(s: DecodeState):
-    logits, variables = model.apply({"params": params, "cache": s.cache}, s.last,
-                                    method=Transformer.decode, mutable=["cache"])
+    logits, cache = forward(model, params, s.cache, s.last[:, None], ones)
     rng, key = jax.random.split(s.rng)
-    token = jnp.where(s.done, eos_id, sample(logits, key, sampling))
+    token = jnp.where(s.done, eos_id, sample(logits[:, 0], key, sampling))
     return DecodeState(step=s.step + 1, last=token, done=s.done | (token == eos_id),
                        tokens=jax.lax.dynamic_update_slice(s.tokens, token[:, None], (0, s.step)),
-                       cache=variables["cache"], rng=rng)
+                       cache=cache, rng=rng)
 
   return jax.lax.while_loop(cond, body, state).tokens
 
@@ -187,21 +227,20 @@ def generate(model: Transformer, params, prompts, lengths, max_new_tokens: int, 
   Compiles once per (batch, prompt bucket, max_new_tokens); sampling settings are traced.
   """
   cfg = model.config
-  if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-    raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-  longest = int(np.max(lengths)) if np.size(lengths) else 0
+  check_positive_int(max_new_tokens, "max_new_tokens")
+  prompts, lengths = check_tokens(model, prompts, lengths)
+  longest = int(lengths.max())
   if longest + max_new_tokens - 1 > cfg.max_len:
     raise ValueError(f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} needs "
                      f"{longest + max_new_tokens - 1} cache positions, more than ModelConfig.max_len={cfg.max_len}")
   if eos_id is not None and not 0 <= eos_id < cfg.vocab_size:
     raise ValueError(f"eos_id={eos_id} is outside [0, vocab_size={cfg.vocab_size})")
   sampling = Sampling.create(temperature, top_k, top_p)
-  prompts, lengths = check_prompts(model, prompts, lengths, cfg.max_len)
   bucket = size_bucket(longest, cfg.max_len - max_new_tokens + 1)
   padded = np.zeros((prompts.shape[0], bucket), np.int32)
   padded[:, :longest] = prompts[:, :longest]
   max_len = bucket + max_new_tokens - 1
   rng = jax.random.key(0) if rng is None else rng
   params, (padded, lengths) = sharding.place(mesh, params, padded, lengths)
-  return _generate(model, params, padded, lengths, rng, sampling,
+  return _generate(for_decoding(model, mesh), params, padded, lengths, rng, sampling,
                    jnp.int32(-1 if eos_id is None else eos_id), max_new_tokens, max_len)

@@ -13,6 +13,7 @@ against XLA.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import hashlib
 import os
@@ -54,9 +55,21 @@ def _compiler() -> str:
   return compiler
 
 
+COMPILE_TIMEOUT_S = 600  # a compiler that hangs must not hang kvjax
+
+
+def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+  try:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+  except subprocess.TimeoutExpired:
+    raise RuntimeError(f"{' '.join(cmd[:1])} did not finish within {timeout:.0f} s") from None
+  except OSError as err:
+    raise RuntimeError(f"cannot run the C++ compiler {cmd[0]!r} ({err.strerror}); set CXX") from None
+
+
 def _library_path(compiler: str) -> pathlib.Path:
   """Where the library built from these sources, by this compiler, for this jaxlib and CPU is cached."""
-  version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+  version = _run([compiler, "--version"], 60).stdout
   files = [f.read_text() for f in sorted(CSRC.glob("*.[ch]*"))]  # sources and headers
   key = hashlib.sha256("\n".join([*files, " ".join(COMPILE_FLAGS), compiler, version, jaxlib.__version__,
                                   platform.machine(), _cpu_features()]).encode())
@@ -65,25 +78,40 @@ def _library_path(compiler: str) -> pathlib.Path:
 
 
 def _compile(compiler: str, path: pathlib.Path) -> None:
-  path.parent.mkdir(parents=True, exist_ok=True)
   with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
     out = pathlib.Path(tmp) / path.name
     cmd = [compiler, *COMPILE_FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    done = _run(cmd, COMPILE_TIMEOUT_S)
     if done.returncode != 0:
       raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
-    os.replace(out, path)  # atomic: concurrent first uses never load a half-written library
+    os.replace(out, path)  # atomic: a reader never loads a half-written library
 
 
-def _load(compiler: str) -> ctypes.CDLL:
+def _load(compiler: str) -> tuple[ctypes.CDLL, pathlib.Path]:
+  """The library, built first unless cached. An exclusive lock on a file beside it makes a second
+  process wait for the first one's build rather than compile the same sources again; the kernel
+  releases the lock if its holder dies."""
   path = _library_path(compiler)
-  if path.exists():
-    try:
-      return ctypes.cdll.LoadLibrary(str(path))
-    except OSError:
-      pass  # a damaged or foreign build: rebuild it
-  _compile(compiler, path)
-  return ctypes.cdll.LoadLibrary(str(path))
+  path.parent.mkdir(parents=True, exist_ok=True)
+  with open(path.with_suffix(".lock"), "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if path.exists():
+      try:
+        return ctypes.cdll.LoadLibrary(str(path)), path
+      except OSError:
+        pass  # a damaged or foreign build: rebuild it
+    _compile(compiler, path)
+    return ctypes.cdll.LoadLibrary(str(path)), path
+
+
+@functools.cache
+def _library(selected: frozenset[str]) -> pathlib.Path:
+  """Builds (or loads) the library and registers the selected kernels with XLA, once per process."""
+  library, path = _load(_compiler())
+  for name in selected:
+    target, symbol = KERNELS[name]
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
+  return path
 
 
 def _selected() -> set[str]:
@@ -97,20 +125,26 @@ def _selected() -> set[str]:
   return names
 
 
+def build() -> dict:
+  """Builds and registers the kernels KVJAX_CPU_KERNELS selects, now (`kvjax build-kernels`).
+  Returns {"kernels": [...], "library": path}; raises RuntimeError with the compiler's message."""
+  selected = frozenset(_selected())
+  if not selected:
+    return {"kernels": [], "library": None}
+  return {"kernels": sorted(selected), "library": str(_library(selected))}
+
+
 @functools.cache
 def _registered() -> frozenset[str]:
-  selected = _selected()
+  selected = frozenset(_selected())
   if not selected:
     return frozenset()
   try:
-    library = _load(_compiler())
-    for name in selected:
-      target, symbol = KERNELS[name]
-      jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
+    _library(selected)
   except Exception as e:  # noqa: BLE001 - any failure to build or load means XLA, said once
     warnings.warn(f"kvjax: the CPU kernels are unavailable, using XLA ({e})")
     return frozenset()
-  return frozenset(selected)
+  return selected
 
 
 def available(name: str) -> bool:

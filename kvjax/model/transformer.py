@@ -1,23 +1,28 @@
-"""Decoder-only transformer (Llama / Qwen2 / GPT-2 families) built on `kvjax.model.attention`.
+"""Decoder-only transformer (Llama / Qwen2 / GPT-2 families): the one layer loop.
 
-Every Dense layer multiplies through `kvjax.kernels.matmul.dot_general`: XLA's dot, except that a decode
-step's few-row float32 products on a single CPU device go to kvjax's CPU kernel.
+Training, evaluation, prefill of ragged prompts, appending a chunk to a cache and one-token
+decoding all run `Transformer.__call__`; what differs is the cache kind handed in (none,
+contiguous, paged, ...; see kvjax.cache) and which columns' logits are asked for.
 
 Parameter tree (kernels in float32, computation in config.dtype):
   embed/embedding [V, D]; pos_embed/embedding [max_len, D] (learned positions)
   layers_{i}/attn_norm, attn/{q,k,v,out}, mlp_norm, mlp/{gate,up,down}
   final_norm; lm_head/kernel [D, V] unless tie_embeddings.
+The 'cache' collection mirrors it: layers_{i}/attn/{name: array} as the cache kind lays it out
+(`cache_collection`).
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from kvjax.model.attention import Attention
 from kvjax.config import ModelConfig
-from kvjax.kernels.matmul import dot_general
+from kvjax.model.attention import NO_CACHE, Attention, Span, take_rows
+from kvjax.model.backend import XLA, Backend
 
 
 def make_norm(cfg: ModelConfig, name: str) -> nn.Module:
@@ -26,21 +31,26 @@ def make_norm(cfg: ModelConfig, name: str) -> nn.Module:
   return nn.LayerNorm(epsilon=cfg.norm_eps, dtype=cfg.compute_dtype, name=name)
 
 
-def causal_mask(lengths: jax.Array, seq_len: int) -> jax.Array:
-  """bool [B, T, T]: query t reads key s when s <= t and s < lengths[b] (right padding)."""
-  pos = jnp.arange(seq_len)
-  return (pos[None, :, None] >= pos[None, None, :]) & (pos[None, None, :] < lengths[:, None, None])
+def cache_collection(config: ModelConfig, layer: Callable[[int], dict]) -> dict:
+  """The 'cache' collection for a model of `config`: layer(i) -> {name: array} of layer i's attention."""
+  return {f"layers_{i}": {"attn": layer(i)} for i in range(config.num_layers)}
+
+
+def cache_layers(collection: dict) -> list[dict]:
+  """The per-layer {name: array} dicts of a 'cache' collection, in layer order."""
+  return [collection[f"layers_{i}"]["attn"] for i in range(len(collection))]
 
 
 class Mlp(nn.Module):
   config: ModelConfig
+  backend: Backend = XLA
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     cfg = self.config
     def dense(features, name, std):
       return nn.Dense(features, use_bias=cfg.use_bias, dtype=cfg.compute_dtype, name=name,
-                      dot_general=dot_general, kernel_init=nn.initializers.normal(std))
+                      dot_general=self.backend.dot_general, kernel_init=nn.initializers.normal(std))
     in_std = cfg.d_model ** -0.5
     if cfg.activation == "swiglu":
       h = nn.silu(dense(cfg.mlp_dim, "gate", in_std)(x)) * dense(cfg.mlp_dim, "up", in_std)(x)
@@ -51,40 +61,32 @@ class Mlp(nn.Module):
 
 
 class Block(nn.Module):
-  """Pre-norm residual block. Each method mirrors the matching Attention entry point."""
+  """Pre-norm residual block."""
 
   config: ModelConfig
+  backend: Backend = XLA
 
   def setup(self):
     self.attn_norm = make_norm(self.config, "attn_norm")
-    self.attn = Attention(self.config)
+    self.attn = Attention(self.config, self.backend)
     self.mlp_norm = make_norm(self.config, "mlp_norm")
-    self.mlp = Mlp(self.config)
+    self.mlp = Mlp(self.config, self.backend)
 
-  def _finish(self, x, attn_out):
+  def __call__(self, x, span: Span, cache=NO_CACHE, outputs_at=None):
+    """x [B, T, D] -> [B, T, D], or [B, T', D] at the columns outputs_at int[B, T']."""
+    attn_out = self.attn(self.attn_norm(x), span, cache, outputs_at)
+    if outputs_at is not None:
+      x = take_rows(x, outputs_at)
     x = x + attn_out
     return x + self.mlp(self.mlp_norm(x))
 
-  def __call__(self, x, positions, mask):
-    return self._finish(x, self.attn(self.attn_norm(x), positions, mask))
-
-  def prefill(self, x, positions, mask, max_len: int, query_rows=None):
-    attn_out = self.attn.prefill(self.attn_norm(x), positions, mask, max_len, query_rows)
-    if query_rows is not None:
-      x = x[jnp.arange(x.shape[0]), query_rows][:, None]  # [B, 1, D]
-    return self._finish(x, attn_out)
-
-  def decode(self, x, lengths):
-    return self._finish(x, self.attn.decode(self.attn_norm(x), lengths))
-
 
 class Transformer(nn.Module):
-  """Causal LM. `__call__` is the full forward with no cache; `prefill` / `decode` use the
-  'cache' collection (per layer k [B, K, H, max_len], v [B, K, max_len, H], plus lengths int32[B]).
-  Prefer the jitted functions in `kvjax.decoding.decode` over calling prefill / decode directly.
-  """
+  """Causal LM. `backend` routes its products (kvjax.model.backend); the decode entry points in
+  kvjax.decoding set it, so build the model with the config alone."""
 
   config: ModelConfig
+  backend: Backend = XLA
 
   def setup(self):
     cfg = self.config
@@ -93,54 +95,41 @@ class Transformer(nn.Module):
     if cfg.positions == "learned":
       self.pos_embed = nn.Embed(cfg.max_len, cfg.d_model, dtype=cfg.compute_dtype,
                                 embedding_init=nn.initializers.normal(0.02), name="pos_embed")
-    self.layers = [Block(cfg, name=f"layers_{i}") for i in range(cfg.num_layers)]
+    self.layers = [Block(cfg, self.backend, name=f"layers_{i}") for i in range(cfg.num_layers)]
     self.final_norm = make_norm(cfg, "final_norm")
     if not cfg.tie_embeddings:
       self.lm_head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=cfg.compute_dtype, name="lm_head",
-                              dot_general=dot_general,
+                              dot_general=self.backend.dot_general,
                               kernel_init=nn.initializers.normal(cfg.d_model ** -0.5))
 
-  def _embed(self, tokens, positions):
+  def __call__(self, tokens: jax.Array, cache=None, *, lengths: jax.Array | None = None,
+               logits_at: jax.Array | None = None, from_empty: bool = False) -> jax.Array:
+    """Logits of right-padded tokens, written after what each row of `cache` holds.
+
+    Args:
+      tokens: int[B, T]; row b's new tokens are tokens[b, :lengths[b]].
+      cache: a cache kind (kvjax.cache) whose `lengths` int[B] are the tokens each row holds,
+        its arrays in the 'cache' collection (apply with mutable=['cache']); None for a plain
+        causal forward pass.
+      lengths: int[B] new tokens per row (default: all T).
+      logits_at: int[B, T'] columns whose logits are wanted (default: all T). The last layer
+        computes its attention output and MLP only there.
+      from_empty: no row of `cache` holds any token yet (see Span).
+    Returns:
+      float32 [B, T, V], or [B, T', V] at logits_at.
+    """
+    b, t = tokens.shape
+    starts = jnp.zeros((b,), jnp.int32) if cache is None else cache.lengths
+    span = Span(positions=starts[:, None] + jnp.arange(t, dtype=jnp.int32),
+                lengths=jnp.full((b,), t, jnp.int32) if lengths is None else lengths.astype(jnp.int32),
+                from_empty=cache is None or from_empty)
+    cache = NO_CACHE if cache is None else cache
     x = self.embed(tokens)
     if self.config.positions == "learned":
-      x = x + self.pos_embed(positions)
-    return x
-
-  def _logits(self, x):
+      x = x + self.pos_embed(span.positions)
+    last = len(self.layers) - 1
+    for i, layer in enumerate(self.layers):
+      x = layer(x, span, cache, logits_at if i == last else None)
     x = self.final_norm(x)
     logits = self.embed.attend(x) if self.config.tie_embeddings else self.lm_head(x)
     return logits.astype(jnp.float32)
-
-  def __call__(self, tokens: jax.Array) -> jax.Array:
-    """tokens int[B, T] -> logits float32[B, T, V], causal, no cache."""
-    b, t = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(t), (b, t))
-    mask = causal_mask(jnp.full((b,), t), t)
-    x = self._embed(tokens, positions)
-    for layer in self.layers:
-      x = layer(x, positions, mask)
-    return self._logits(x)
-
-  def prefill(self, tokens: jax.Array, lengths: jax.Array, max_len: int,
-              last_only: bool = False) -> jax.Array:
-    """Right-padded prompts tokens int[B, T] with lengths int[B] -> logits [B, T, V] (or, when
-    last_only, [B, V] at each prompt's last token: all that generation needs); creates the cache."""
-    b, t = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(t), (b, t))
-    x = self._embed(tokens, positions)
-    mask = causal_mask(lengths, t)
-    for i, layer in enumerate(self.layers):
-      # With last_only, the last layer computes only each prompt's last token past its K/V.
-      query_rows = lengths - 1 if last_only and i == len(self.layers) - 1 else None
-      x = layer.prefill(x, positions, mask, max_len, query_rows)
-    self.put_variable("cache", "lengths", lengths.astype(jnp.int32))
-    return self._logits(x[:, 0] if last_only else x)
-
-  def decode(self, tokens: jax.Array) -> jax.Array:
-    """tokens int[B] at positions cache lengths[b] -> logits [B, V]; extends the cache by one."""
-    lengths = self.get_variable("cache", "lengths")
-    x = self._embed(tokens[:, None], lengths[:, None])
-    for layer in self.layers:
-      x = layer.decode(x, lengths)
-    self.put_variable("cache", "lengths", lengths + 1)
-    return self._logits(x)[:, 0]

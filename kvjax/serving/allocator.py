@@ -4,9 +4,9 @@ A sequence owns an ordered list of pages; page j holds its positions [j*Z, (j+1)
 size Z. Pages are reference counted so that `fork` can share a prefix between sequences
 (parallel sampling): a shared page is never written, and the first write into a shared page
 copies it first (copy on write; the copy itself is done on the device by
-kvjax.cache.paged.copy_pages from the (src, dst) pairs `append` returns).
+PagedCache.copy_pages from the (src, dst) pairs `append` returns).
 
-Page 0 is the null page (kvjax.cache.paged.NULL_PAGE): never handed out, never freed.
+Page 0 is the null page (kvjax.cache.pages.NULL_PAGE): never handed out, never freed.
 
 Every operation either succeeds or raises before changing anything, so a failed request
 (OutOfPages, an unknown sequence) leaves the allocator exactly as it was.
@@ -18,7 +18,7 @@ from collections.abc import Hashable, Iterable
 
 import numpy as np
 
-from kvjax.cache.paged import NULL_PAGE
+from kvjax.cache.pages import NULL_PAGE
 
 
 class OutOfPages(RuntimeError):

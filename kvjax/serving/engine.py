@@ -27,12 +27,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache import paged
-from kvjax.serving.allocator import OutOfPages, PageAllocator
-from kvjax.config import check_choice, check_positive
-from kvjax.decoding.decode import size_bucket
-from kvjax.model.transformer import Transformer
+from kvjax.cache.paged import ATTENTION_IMPLS, PagedCache
+from kvjax.config import check_choice, check_positive, check_positive_int
+from kvjax.decoding.decode import for_decoding, forward, size_bucket
 from kvjax.decoding.sampling import Sampling, sample
+from kvjax.model.transformer import Transformer
+from kvjax.serving.allocator import OutOfPages, PageAllocator
 
 ALLOCATIONS = ("paged", "doubling", "max_len")
 MIN_PROMPT_BUCKET = 16
@@ -60,7 +60,7 @@ class EngineConfig:
     if self.num_pages < 2:
       raise ValueError(f"EngineConfig.num_pages={self.num_pages} leaves no page besides the null page")
     check_choice(self, "allocation", ALLOCATIONS)
-    check_choice(self, "attention", paged.ATTENTION_IMPLS)
+    check_choice(self, "attention", ATTENTION_IMPLS)
     if isinstance(self.seed, bool) or not isinstance(self.seed, int):
       raise ValueError(f"EngineConfig.seed must be an integer, got {self.seed!r}")
 
@@ -108,11 +108,15 @@ def _pick(logits, sampling: Sampling, seed, ids, index):
 
 @functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("cache",))
 def _prefill(model, params, cache, tokens, lengths):
-  logits, cache = paged.prefill_logits(model, params, cache, tokens, lengths)
-  return logits[jnp.arange(tokens.shape[0]), lengths - 1], cache
+  """One request's context into its (empty) pages -> (next-token logits [1, V], cache)."""
+  return forward(model, params, cache, tokens, lengths, last=True, from_empty=True)
 
 
-_decode = jax.jit(paged.decode_logits, static_argnames=("model", "impl"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("cache",))
+def _decode(model, params, cache, tokens):
+  """One token for every row -> (logits [B, V], cache)."""
+  logits, cache = forward(model, params, cache, tokens[:, None], jnp.ones_like(tokens))
+  return logits[:, 0], cache
 
 
 def _stack(settings: list[tuple[float, int, float]]) -> Sampling:
@@ -127,16 +131,17 @@ class Engine:
 
   def __init__(self, model: Transformer, params, config: EngineConfig = EngineConfig()):
     cfg = model.config
-    self.model, self.params, self.config = model, params, config
+    self.model, self.params, self.config = for_decoding(model), params, config
     self.max_len = config.max_len or cfg.max_len
     if self.max_len > cfg.max_len:
       raise ValueError(f"EngineConfig.max_len={self.max_len} exceeds ModelConfig.max_len={cfg.max_len}")
-    if config.attention == "pallas" and not paged.pallas_available():
-      raise ValueError(f"EngineConfig.attention='pallas' needs a GPU backend and JAX's Pallas "
-                       f"paged-attention kernel; the backend is {jax.default_backend()!r}")
     self.allocator = PageAllocator(config.num_pages, config.page_size)
     self.max_pages = self.allocator.pages_for(self.max_len)
-    self.cache = paged.init_cache(cfg, config.num_pages, config.page_size, config.num_slots, self.max_pages)
+    try:
+      self.cache = PagedCache.create(cfg, config.num_pages, config.page_size, config.num_slots, self.max_pages,
+                                     attention=config.attention)
+    except ValueError as err:
+      raise ValueError(f"EngineConfig.attention={config.attention!r}: {err}") from None
     self.waiting: list[Request] = []  # by id: preempted requests go back in arrival order
     self.slots: list[Request | None] = [None] * config.num_slots
     self.finished: dict[int, Request] = {}
@@ -154,8 +159,7 @@ class Engine:
     if ((prompt < 0) | (prompt >= vocab)).any():
       pos = int(np.argmax((prompt < 0) | (prompt >= vocab)))
       raise ValueError(f"token id {int(prompt[pos])} at position {pos} is outside [0, vocab_size={vocab})")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-      raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    check_positive_int(max_new_tokens, "max_new_tokens")
     longest = prompt.size + max_new_tokens - 1
     if longest > self.max_len:
       raise ValueError(f"prompt of {prompt.size} tokens + max_new_tokens={max_new_tokens} needs {longest} "
@@ -311,13 +315,14 @@ class Engine:
   # Device calls.
 
   def _run_prefill(self, tokens, lengths, page_table, sampling, request_id, index):
-    cache = self.cache.replace(page_table=jnp.asarray(page_table), lengths=jnp.asarray(lengths))
-    logits, self.cache = _prefill(self.model, self.params, cache, jnp.asarray(tokens), jnp.asarray(lengths))
+    cache = self.cache.with_rows(page_table, np.zeros_like(lengths))
+    logits, cache = _prefill(self.model, self.params, cache, jnp.asarray(tokens), jnp.asarray(lengths))
+    self.cache = cache
     return np.asarray(_pick(logits, _stack([sampling]), self.config.seed, jnp.array([request_id], jnp.int32),
                             jnp.array([index], jnp.int32)))
 
   def _run_decode(self, slots: list[Request | None], width: int) -> np.ndarray:
-    """One decode step over all rows; a request's cache already holds the position it writes."""
+    """One decode step over all rows; a request's pages already hold the position it writes."""
     alloc = self.allocator
     ids = [None if r is None else r.id for r in slots]
     table = alloc.page_table(ids, self.max_pages)[:, :width]
@@ -325,7 +330,6 @@ class Engine:
     tokens = np.array([0 if r is None else r.generated[-1] for r in slots], np.int32)
     index = np.array([0 if r is None else len(r.generated) for r in slots], np.int32)
     sampling = _stack([GREEDY if r is None else r.sampling for r in slots])
-    cache = self.cache.replace(page_table=jnp.asarray(table), lengths=jnp.asarray(lengths))
-    logits, self.cache = _decode(self.model, self.params, cache, jnp.asarray(tokens), self.config.attention)
+    logits, self.cache = _decode(self.model, self.params, self.cache.with_rows(table, lengths), jnp.asarray(tokens))
     return np.asarray(_pick(logits, sampling, self.config.seed,
                             jnp.asarray([0 if i is None else i for i in ids], jnp.int32), jnp.asarray(index)))

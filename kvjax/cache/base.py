@@ -1,0 +1,98 @@
+"""The cache interface: what every cache kind provides to the one forward path.
+
+A cache is plain data (a flax.struct pytree) returned new by every call: its per-layer arrays,
+which travel into the model as the Flax 'cache' collection, plus per-row bookkeeping (`lengths`,
+and whatever else the kind addresses its storage by, such as a page table). A kind decides
+  - what it stores per layer (`layers`, laid out by kvjax.model.transformer.cache_collection),
+  - how new K/V are written there (`write`),
+  - how a query reads what is stored (`read`),
+  - and, on the host before any compute, whether a call's new tokens fit (`check_room`).
+The layer loop, the decode functions and the engine only call these; see docs/design.md.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import flax.struct
+
+from kvjax.model.attention import Span, attend, new_keys_mask
+from kvjax.model.backend import Backend
+
+
+class KVCache(flax.struct.PyTreeNode):
+  """Base of the cache kinds.
+
+  layers: the 'cache' collection, {'layers_{i}': {'attn': {name: array}}}.
+  lengths: int32[B], tokens each row holds; the next token of row b goes to position lengths[b].
+  """
+
+  layers: dict
+  lengths: jax.Array
+
+  # Host side.
+
+  @property
+  def capacity(self) -> int:
+    """Positions one row can hold."""
+    raise NotImplementedError
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes of the stored K/V (every layer's arrays; the per-row bookkeeping excluded)."""
+    return sum(x.nbytes for x in jax.tree.leaves(self.layers))
+
+  def check_room(self, new_lengths: np.ndarray, width: int) -> None:
+    """Raises ValueError, naming the row, unless row b can take new_lengths[b] more tokens
+    passed in a chunk `width` columns wide. Called before compute: a write past the storage
+    must never reach the device, where it would be clamped or dropped silently."""
+    held = np.asarray(self.lengths)
+    if width > self.capacity:
+      raise ValueError(f"a chunk of {width} columns is wider than the cache's {self.capacity} positions")
+    over = held + new_lengths > self.capacity
+    if over.any():
+      row = int(np.argmax(over))
+      raise ValueError(f"cache is full: row {row} holds {int(held[row])} tokens and {int(new_lengths[row])} "
+                       f"more do not fit its {self.capacity} positions")
+
+  # Device side (traced): per layer, with that layer's arrays `stored` ({name: array}).
+
+  def write(self, stored: dict, k: jax.Array, v: jax.Array, span: Span) -> dict:
+    """Stores the valid columns of k, v [B, K, T, H] at span.positions; returns the new arrays."""
+    raise NotImplementedError
+
+  def read(self, stored: dict, q: jax.Array, q_positions: jax.Array, span: Span, backend: Backend) -> jax.Array:
+    """Queries q [B, Tq, N, H] at q_positions int[B, Tq] attend causally to what the rows hold
+    (this call's K/V already written) -> [B, Tq, N, H]."""
+    raise NotImplementedError
+
+  def attend(self, stored: dict, q, q_positions, k, v, span: Span, backend: Backend):
+    """What the layer loop calls: write this call's K/V, then attend -> (new arrays, [B, Tq, N, H]).
+    From an empty cache the new K/V are all there is, so they are read as they are."""
+    stored = self.write(stored, k, v, span)
+    if span.from_empty:
+      return stored, attend(q, k, v, new_keys_mask(q_positions, span))
+    return stored, self.read(stored, q, q_positions, span, backend)
+
+
+def write_rows(buffer: jax.Array, new: jax.Array, starts: jax.Array, counts: jax.Array, axis: int) -> jax.Array:
+  """Writes new[b]'s first counts[b] entries along `axis` into buffer[b] from position starts[b].
+
+  buffer [B, ..., S, ...], new [B, ..., T, ...] (the sequence axis `axis`, T <= S). Each row is
+  one dynamic_update_slice of a T-wide window: the window starts at min(starts[b], S - T) so it
+  never needs clamping, and keeps the buffer's old entries wherever no new entry lands (padding
+  columns, and positions before starts[b] when the window had to move back).
+  """
+  def one(row, update, start, count):
+    ax = axis - 1
+    size, width = row.shape[ax], update.shape[ax]
+    at = jnp.clip(start, 0, size - width)
+    index = [0] * row.ndim
+    index[ax] = at
+    old = jax.lax.dynamic_slice(row, index, update.shape)
+    source = jnp.arange(width) - (start - at)  # the new column each window position takes
+    keep = ((source >= 0) & (source < count)).reshape([width if d == ax else 1 for d in range(row.ndim)])
+    taken = update if width == 1 else jnp.take(update, jnp.clip(source, 0, width - 1), axis=ax)
+    return jax.lax.dynamic_update_slice(row, jnp.where(keep, taken.astype(row.dtype), old), index)
+  return jax.vmap(one)(buffer, new, starts, counts)

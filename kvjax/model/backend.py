@@ -1,0 +1,38 @@
+"""How the model's products are computed: XLA unless a decode entry point swaps in kernels.
+
+The model definition never imports a kernel. `Transformer(config, backend=...)` takes a Backend
+whose functions its Dense layers and its cache kinds call; the default computes everything in
+XLA. kvjax.decoding builds the CPU-kernel backend (kvjax.kernels) once, before tracing, and hands
+it to the model at its entry points (prefill, extend, decode_step, generate, the engine), so
+training, evaluation and conversion always run the plain XLA model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from jax import lax
+
+
+def xla_cache_attention(q, k_cache, v_cache, lengths, xla: Callable):
+  """The default route of one-token attention over a cache: XLA's computation, `xla`, as it is."""
+  return xla(q, k_cache, v_cache, lengths)
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+  """Routes for the products a forward pass computes. Hashable: it is part of the jitted model.
+
+  dot_general: every Dense layer's product (lax.dot_general's signature).
+  cache_attention: (q [B, 1, N, H], k_cache [B, K, H, S], v_cache [B, K, S, H], lengths int32[B],
+    xla) -> [B, 1, N, H], one query token per row reading positions [0, lengths[b]]; `xla` is the
+    reference computation with the same signature, which a route may fall back to (at lowering
+    time, on another platform, or for dtypes it does not take).
+  """
+
+  dot_general: Callable = lax.dot_general
+  cache_attention: Callable = xla_cache_attention
+
+
+XLA = Backend()
