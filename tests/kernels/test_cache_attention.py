@@ -1,4 +1,4 @@
-"""Decode attention over the cache: the CPU kernel against numpy, its routing and its gradients."""
+"""One-token attention over the contiguous cache: the CPU kernel against numpy, its routing and its gradients."""
 
 import shutil
 
@@ -8,8 +8,14 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kvjax.model import attention
+from kvjax.cache.contiguous import attend_one
+from kvjax.kernels import attention as attention_kernel
 from kvjax.kernels import build as cpu_kernels
+from kvjax.model import attention
+
+
+def attend_cache(q, k, v, lengths):
+  return attention_kernel.cache_attention(q, k, v, lengths, attend_one)
 
 pytestmark = pytest.mark.skipif(
     jax.default_backend() != "cpu" or shutil.which("g++") is None and shutil.which("c++") is None,
@@ -56,7 +62,7 @@ def test_kernel_builds():
 ])
 def test_kernel_matches_reference(batch, kv_heads, groups, head_dim, max_len, lengths):
   q, k, v, lengths = inputs(batch, kv_heads, groups, head_dim, max_len, lengths)
-  np.testing.assert_allclose(jax.jit(attention.attend_cache)(q, k, v, lengths), reference(q, k, v, lengths),
+  np.testing.assert_allclose(jax.jit(attend_cache)(q, k, v, lengths), reference(q, k, v, lengths),
                              rtol=1e-5, atol=2e-6)
 
 
@@ -66,7 +72,7 @@ def test_kernel_matches_reference(batch, kv_heads, groups, head_dim, max_len, le
 def test_kernel_matches_reference_any_shape(batch, kv_heads, groups, head_dim, max_len, data):
   lengths = data.draw(st.lists(st.integers(0, max_len - 1), min_size=batch, max_size=batch))
   q, k, v, lengths = inputs(batch, kv_heads, groups, head_dim, max_len, lengths)
-  np.testing.assert_allclose(attention.attend_cache(q, k, v, lengths), reference(q, k, v, lengths),
+  np.testing.assert_allclose(attend_cache(q, k, v, lengths), reference(q, k, v, lengths),
                              rtol=1e-5, atol=2e-6)
 
 
@@ -75,13 +81,13 @@ def test_kernel_propagates_nan():
   q, k, v, lengths = inputs(2, 1, 2, 8, 64, [40, 40])
   k[0, 0, 3, 5] = np.nan  # a position in the vectorised part
   k[1, 0, 3, 40] = np.nan  # the last position, past the last full vector
-  out = np.asarray(attention.attend_cache(q, k, v, lengths))
+  out = np.asarray(attend_cache(q, k, v, lengths))
   assert np.isnan(out).all()
 
 
 def test_routing():
   q, k, v, lengths = inputs(2, 2, 2, 8, 32, [3, 31])
-  lowered = lambda *a: jax.jit(attention.attend_cache).lower(*a).as_text()
+  lowered = lambda *a: jax.jit(attend_cache).lower(*a).as_text()
   target = cpu_kernels.KERNELS["attention"][0]
   assert target in lowered(q, k, v, lengths)
   assert target not in lowered(q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), lengths)  # bf16 cache: XLA
@@ -89,7 +95,7 @@ def test_routing():
 
 def test_gradients_are_xla():
   q, k, v, lengths = inputs(2, 2, 2, 8, 32, [3, 31])
-  loss = lambda q, k, v: (attention.attend_cache(q, k, v, lengths) ** 2).sum()
+  loss = lambda q, k, v: (attend_cache(q, k, v, lengths) ** 2).sum()
   mask = (np.arange(32)[None, :] <= lengths[:, None])[:, None, :]
   xla_loss = lambda q, k, v: (attention.attend(q, k, v, mask, k_transposed=True) ** 2).sum()
   for ours, theirs in zip(jax.grad(loss, argnums=(0, 1, 2))(q, k, v), jax.grad(xla_loss, argnums=(0, 1, 2))(q, k, v)):

@@ -31,10 +31,10 @@ def test_prefill_and_decode_match_full_forward(variant):
     positions = lengths + step
     logits, cache = kvjax.decode_step(model, params, cache, seqs[np.arange(3), positions])
     np.testing.assert_allclose(logits, full[np.arange(3), positions], atol=1e-5)
-  np.testing.assert_array_equal(cache["lengths"], lengths + 12)
-  last, last_cache = kvjax.prefill(model, params, prompts, lengths, max_len=32, last_only=True)
+  np.testing.assert_array_equal(cache.lengths, lengths + 12)
+  last, last_cache = kvjax.prefill(model, params, prompts, lengths, max_len=32, logits="last")
   np.testing.assert_allclose(last, full[np.arange(3), lengths - 1], atol=1e-5)
-  assert last_cache["lengths"].tolist() == lengths.tolist()
+  assert last_cache.lengths.tolist() == lengths.tolist()
 
 
 def test_ragged_batch_rows_match_running_alone(variant):
@@ -47,40 +47,6 @@ def test_ragged_batch_rows_match_running_alone(variant):
     np.testing.assert_array_equal(batched[row], np.asarray(alone)[0])
 
 
-def reference_attention(q, k, v, mask):
-  """Plain per-head softmax(q k^T / sqrt(h)) v; query head n reads kv head n // (N // K).
-
-  q [B, T, N, H]; k, v [B, K, S, H]; mask [B, T, S].
-  """
-  n, kv = q.shape[2], k.shape[1]
-  k = np.repeat(np.asarray(k), n // kv, axis=1)  # [B, N, S, H]
-  v = np.repeat(np.asarray(v), n // kv, axis=1)
-  scores = np.einsum("bthd,bhsd->bhts", q, k) / np.sqrt(q.shape[-1])
-  scores = np.where(np.asarray(mask)[:, None], scores, -np.inf)
-  probs = np.exp(scores - scores.max(-1, keepdims=True))
-  probs /= probs.sum(-1, keepdims=True)
-  return np.einsum("bhts,bhsd->bthd", probs, v)
-
-
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (6, 3), (4, 1)])
-def test_attend_matches_reference(num_heads, num_kv_heads):
-  keys = jax.random.split(jax.random.key(0), 3)
-  q = jax.random.normal(keys[0], (2, 5, num_heads, 8))
-  k = jax.random.normal(keys[1], (2, num_kv_heads, 7, 8))
-  v = jax.random.normal(keys[2], (2, num_kv_heads, 7, 8))
-  mask = np.tril(np.ones((5, 7), bool), k=2)[None].repeat(2, 0)
-  expected = reference_attention(q, k, v, mask)
-  np.testing.assert_allclose(kvjax.attend(q, k, v, mask), expected, atol=1e-5)
-  # The cache's layout (keys [B, K, H, S]), and one query token as in a decode step.
-  np.testing.assert_allclose(kvjax.attend(q, k.swapaxes(2, 3), v, mask, k_transposed=True), expected, atol=1e-5)
-  np.testing.assert_allclose(kvjax.attend(q[:, -1:], k.swapaxes(2, 3), v, mask[:, -1:], k_transposed=True),
-                             expected[:, -1:], atol=1e-5)
-
-
-def test_grouping_rule_is_contiguous():
-  assert [int(kvjax.kv_head_of(q, 8, 2)) for q in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
-
-
 def test_bf16_cache_stays_close_to_fp32():
   """A bfloat16 cache (fp32 compute) keeps next-token logits within 0.05 of the fp32 cache."""
   model32, params = init_params(tiny_config(2))
@@ -89,7 +55,7 @@ def test_bf16_cache_stays_close_to_fp32():
   lengths = np.array([8, 8])
   l32, c32 = kvjax.prefill(model32, params, seqs[:, :8], lengths, 16)
   l16, c16 = kvjax.prefill(model16, params, seqs[:, :8], lengths, 16)
-  assert c16["layers_0"]["attn"]["k"].dtype == jnp.bfloat16
+  assert c16.layers["layers_0"]["attn"]["k"].dtype == jnp.bfloat16
   for pos in range(8, 14):
     l32, c32 = kvjax.decode_step(model32, params, c32, seqs[:, pos])
     l16, c16 = kvjax.decode_step(model16, params, c16, seqs[:, pos])
@@ -112,7 +78,7 @@ def test_cache_bytes_follow_num_kv_heads():
   for kv in (4, 2, 1):
     model, params = init_params(tiny_config(kv))
     _, cache = kvjax.prefill(model, params, np.ones((2, 4), np.int32), np.array([4, 4]), 32)
-    sizes[kv] = kvjax.cache_bytes(cache) - cache["lengths"].nbytes
+    sizes[kv] = cache.nbytes
     assert sizes[kv] == 2 * 32 * model.config.kv_bytes_per_token
   assert sizes[4] == 2 * sizes[2] == 4 * sizes[1]
 

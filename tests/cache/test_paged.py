@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import functools
 
 import jax
@@ -11,6 +10,8 @@ import pytest
 
 import kvjax
 from kvjax.cache import paged
+from kvjax.cache.pages import NULL_PAGE
+from kvjax.model.transformer import cache_layers
 from kvjax.serving.allocator import PageAllocator
 from conftest import VARIANTS, init_params, tiny_config
 
@@ -29,6 +30,13 @@ def random_tokens(shape, seed):
   return np.array(jax.random.randint(jax.random.key(seed), shape, 0, 64), np.int32)
 
 
+def new_cache(config, table=None, lengths=None, attention="gather") -> kvjax.PagedCache:
+  cache = kvjax.PagedCache.create(config, NUM_PAGES, PAGE_SIZE, 3, MAX_PAGES, attention=attention)
+  if table is None:
+    return cache
+  return cache.with_rows(table, np.zeros(3, np.int32) if lengths is None else lengths)
+
+
 def scattered_table(seed: int) -> np.ndarray:
   """Every row owns MAX_PAGES pages drawn at random from the pool (never the null page)."""
   pages = np.random.default_rng(seed).permutation(np.arange(1, NUM_PAGES))[:3 * MAX_PAGES]
@@ -44,19 +52,19 @@ def test_paged_matches_contiguous(variant):
   prompts = np.where(np.arange(10)[None] < LENGTHS[:, None], seqs[:, :10], 0)
   table = scattered_table(seed=0)
   want, contiguous = kvjax.prefill(model, params, prompts, LENGTHS, max_len=MAX_PAGES * PAGE_SIZE)
-  cache = paged.init_cache(model.config, NUM_PAGES, PAGE_SIZE, 3, MAX_PAGES)
-  got, cache = paged.prefill(model, params, cache, prompts, LENGTHS, table)
+  got, cache = kvjax.extend(model, params, new_cache(model.config, table), prompts, LENGTHS)
   for row, n in enumerate(LENGTHS):
     np.testing.assert_allclose(got[row, :n], want[row, :n], atol=1e-5)
   for step in range(12):
     tokens = seqs[np.arange(3), LENGTHS + step]
     want, contiguous = kvjax.decode_step(model, params, contiguous, tokens)
-    got, cache = paged.decode_step(model, params, cache, tokens)
+    got, cache = kvjax.decode_step(model, params, cache, tokens)
     np.testing.assert_allclose(got, want, atol=1e-5)
   np.testing.assert_array_equal(cache.lengths, LENGTHS + 12)
   untouched = np.setdiff1d(np.arange(1, NUM_PAGES), table)
-  for pool in cache.k + cache.v:
-    assert not np.asarray(pool)[:, untouched].any()
+  for layer in cache_layers(cache.layers):
+    for pool in layer.values():
+      assert not np.asarray(pool)[:, untouched].any()
 
 
 def test_fork_copy_on_write_matches_contiguous():
@@ -68,8 +76,8 @@ def test_fork_copy_on_write_matches_contiguous():
   alloc = PageAllocator(NUM_PAGES, PAGE_SIZE)
   for row in range(3):
     alloc.allocate(row, int(LENGTHS[row]))
-  cache = paged.init_cache(model.config, NUM_PAGES, PAGE_SIZE, 3, MAX_PAGES)
-  _, cache = paged.prefill(model, params, cache, prompts, LENGTHS, alloc.page_table(range(3), MAX_PAGES))
+  _, cache = kvjax.extend(model, params, new_cache(model.config, alloc.page_table(range(3), MAX_PAGES)),
+                          prompts, LENGTHS)
   alloc.free(2)
   alloc.fork(0, "child")
   rows = [0, 1, "child"]
@@ -83,10 +91,10 @@ def test_fork_copy_on_write_matches_contiguous():
       copies = alloc.append(seq)
       copies_made += len(copies)
       if copies:
-        cache = paged.copy_pages(cache, *zip(*copies))
-    cache = cache.replace(page_table=alloc.page_table(rows, MAX_PAGES), lengths=lengths + step)
+        cache = cache.copy_pages(*zip(*copies))
+    cache = cache.with_rows(alloc.page_table(rows, MAX_PAGES), lengths + step)
     want, contiguous = kvjax.decode_step(model, params, contiguous, feed[step])
-    got, cache = paged.decode_step(model, params, cache, feed[step])
+    got, cache = kvjax.decode_step(model, params, cache, feed[step])
     np.testing.assert_allclose(got, want, atol=1e-5)
   assert copies_made == 1  # the parent's first write; the child then owns the original alone
   alloc.check()
@@ -104,57 +112,45 @@ def test_pallas_kernel_matches_gather():
   table = scattered_table(seed=1)
   logits = {}
   for impl in ("gather", "pallas_interpret"):
-    cache = paged.init_cache(model.config, NUM_PAGES, PAGE_SIZE, 3, MAX_PAGES)
-    _, cache = paged.prefill(model, params, cache, prompts, LENGTHS, table)
-    logits[impl], _ = paged.decode_step(model, params, cache, prompts[:, 0], impl=impl)
+    _, cache = kvjax.extend(model, params, new_cache(model.config, table, attention=impl), prompts, LENGTHS)
+    logits[impl], _ = kvjax.decode_step(model, params, cache, prompts[:, 0])
   np.testing.assert_allclose(logits["pallas_interpret"], logits["gather"], atol=1e-5)
 
 
 def test_pool_size_follows_kv_bytes_per_token():
   for num_kv_heads in (4, 2, 1):
     config = tiny_config(num_kv_heads, cache_dtype="bfloat16")
-    cache = paged.init_cache(config, 9, 16, 2, 4)
-    assert cache.pool_bytes == 9 * 16 * config.kv_bytes_per_token
-    assert cache.k[0].dtype == np.dtype("bfloat16")
+    cache = kvjax.PagedCache.create(config, 9, 16, 2, 4)
+    assert cache.nbytes == 9 * 16 * config.kv_bytes_per_token
+    assert cache_layers(cache.layers)[0]["k"].dtype == np.dtype("bfloat16")
 
 
 def test_bad_input_is_rejected_before_compute():
   model, params = model_params()
-  cache = paged.init_cache(model.config, NUM_PAGES, PAGE_SIZE, 3, MAX_PAGES)
   prompts = random_tokens((3, 10), seed=6)
   table = scattered_table(seed=2)
   holes = table.copy()
-  holes[1, 0] = paged.NULL_PAGE
+  holes[1, 0] = NULL_PAGE
   with pytest.raises(ValueError, match=r"row 1 has no page for positions \[0, 4\)"):
-    paged.prefill(model, params, cache, prompts, LENGTHS, holes)
+    kvjax.extend(model, params, new_cache(model.config, holes), prompts, LENGTHS)
   outside = table.copy()
   outside[2, 5] = NUM_PAGES
   with pytest.raises(ValueError, match=r"page_table\[2, 5\]=30 is outside"):
-    paged.prefill(model, params, cache, prompts, LENGTHS, outside)
+    kvjax.extend(model, params, new_cache(model.config, outside), prompts, LENGTHS)
   with pytest.raises(ValueError, match="needs 10 positions but the page table holds 2 pages"):
-    paged.prefill(model, params, cache, prompts, LENGTHS, table[:, :2])
-  full = cache.replace(page_table=table, lengths=np.full(3, MAX_PAGES * PAGE_SIZE))
+    kvjax.extend(model, params, new_cache(model.config, table[:, :2]), prompts, LENGTHS)
+  full = new_cache(model.config, table, np.full(3, MAX_PAGES * PAGE_SIZE))
   with pytest.raises(ValueError, match="needs 33 positions"):
-    paged.decode_step(model, params, full, np.zeros(3, np.int32))
-  ready = cache.replace(page_table=table, lengths=LENGTHS)
+    kvjax.decode_step(model, params, full, np.zeros(3, np.int32))
+  ready = new_cache(model.config, table, LENGTHS)
   with pytest.raises(ValueError, match="token id 64 at row 0"):
-    paged.decode_step(model, params, ready, np.array([64, 0, 0]))
-  with pytest.raises(ValueError, match="impl must be one of"):
-    paged.decode_step(model, params, ready, np.zeros(3, np.int32), impl="flash")
+    kvjax.decode_step(model, params, ready, np.array([64, 0, 0]))
+  with pytest.raises(ValueError, match="attention must be one of"):
+    new_cache(model.config, attention="flash")
   if not paged.pallas_available():
     with pytest.raises(ValueError, match="needs a GPU backend"):
-      paged.decode_step(model, params, ready, np.zeros(3, np.int32), impl="pallas")
+      new_cache(model.config, attention="pallas")
   with pytest.raises(ValueError, match="real pages"):
-    paged.copy_pages(cache, [0], [3])
+    ready.copy_pages([0], [3])
   with pytest.raises(ValueError, match="leaves no page besides the reserved null page"):
-    paged.init_cache(model.config, 1, PAGE_SIZE, 3, MAX_PAGES)
-
-
-def test_bench_paged_compares_equal_caches():
-  """The benchmark's two caches hold the same K/V, so their first steps agree (speed is not tested)."""
-  args = argparse.Namespace(set=["model.vocab_size=64", "model.d_model=32", "model.num_layers=1",
-                                 "model.num_heads=4", "model.num_kv_heads=2", "model.mlp_dim=64",
-                                 "model.max_len=64"], batch=2, repeats=2, context=64, page_size=8)
-  result = paged.bench_paged(args)
-  assert result["first_step_max_logit_diff"] < 1e-5
-  assert result["context"] == 64 and result["steps"] == 8 and result["paged_over_contiguous"] > 0
+    kvjax.PagedCache.create(model.config, 1, PAGE_SIZE, 3, MAX_PAGES)
