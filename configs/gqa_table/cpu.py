@@ -1,8 +1,8 @@
 """The GQA table on a CPU: byte-level models on 4 MB of the standard library, MHA-big with 16
 heads of 32 dims, GQA-2 keeping the paper's 8 query heads per kv head. Generation is timed on
 long outputs (64-token prompts, 1,984 new tokens, batch 64), where reading the KV cache is
-most of a decode step, as in the paper's large-batch setting. About 36 minutes on two CPU
-cores: 17 pre-training and uptraining, 19 timing generation (MHA-big's alone about 12).
+most of a decode step, as in the paper's large-batch setting. Sized for two CPU cores; its
+runtime and results are in docs/results.md.
 
   kvjax run configs/gqa_table/cpu.py --workdir runs/gqa_cpu
 """

@@ -1,4 +1,4 @@
-"""The GQA table on one GPU (sized for an H200, about 5 minutes): bf16 training of larger
+"""The GQA table on one GPU (sized for an H200): bf16 training of larger
 byte-level models; MHA-big has 32 heads, so GQA-4 keeps the paper's 8 query heads per kv head.
 
   pip install -e '.[cuda]' && kvjax run configs/gqa_table/gpu.py --workdir runs/gqa_gpu

@@ -1,5 +1,5 @@
 """The GQA table at toy size: every stage runs (two pre-trainings, two uptrainings, timing,
-quality, files) in about two minutes on two CPU cores. The numbers only show the pipeline works.
+quality, files) at a size the test suite runs. The numbers only show the pipeline works.
 
   kvjax run configs/gqa_table/tiny.py --workdir runs/gqa_tiny
 """

@@ -1,4 +1,4 @@
-"""The KV-memory study at the scale of the targets, in about five minutes on two CPU cores: 128
+"""The KV-memory study at the scale of the targets, sized for two CPU cores: 128
 long-tailed requests (median prompt 128, median output 192 tokens, contexts up to 1024) within
 a KV budget of 16384 token slots, i.e. 16 requests preallocated at max_len.
 

@@ -1,4 +1,4 @@
-"""The KV-memory study shrunk to run in seconds on a CPU (the test suite runs it end to end).
+"""The KV-memory study shrunk for a CPU: the test suite runs it end to end.
 
   kvjax run configs/kv_memory/tiny.py --workdir /tmp/kv_memory_tiny
 """

@@ -1,5 +1,5 @@
-"""A 2-layer byte-level MHA model on 1 MB of the standard library: trains in well under a minute
-on two CPU cores, enough to watch the loss fall (and a source for `kvjax uptrain`).
+"""A 2-layer byte-level MHA model on 1 MB of the standard library: small enough to train on two
+CPU cores and watch the loss fall (and a source for `kvjax uptrain`).
 
   kvjax run configs/train/tiny.py
 """

@@ -1,7 +1,7 @@
 """kvjax's CPU kernels (csrc/*.cc): built on first use, registered with XLA as FFI targets.
 
-The sources are compiled together into one shared library with the system's C++ compiler
-(about 10 s), cached in $KVJAX_CACHE (default ~/.cache/kvjax) under a key of the sources, the
+The sources are compiled together into one shared library with the system's C++ compiler,
+cached in $KVJAX_CACHE (default ~/.cache/kvjax) under a key of the sources, the
 flags, the compiler, jaxlib and the CPU's features. Without a compiler, or on any build or
 load failure, kvjax warns once and every product and attention runs in XLA.
 

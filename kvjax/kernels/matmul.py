@@ -5,19 +5,15 @@ bound by how fast the weights stream from memory. XLA's CPU dot runs these shape
 the machine's bandwidth. The kernel in csrc/small_matmul.cc reads the row-major weights in
 order: each thread takes bands of consecutive rows, walks them 8 rows at a time across column
 chunks whose slice of y stays in L1, and prefetches the next 8 rows into L2; the threads' sums
-are added at the end. `kvjax bench matmul` on the 2-core development machine (about 22 GB/s),
-16 distinct weights per timed call, XLA's time over the kernel's: 8 rows 1.0x ([512, 512]),
-1.4x ([512, 1408]), 1.5x ([1408, 512]), 2.1x ([512, 4096]); 2 rows 1.2-1.9x; 16 rows 0.9-1.4x,
-1.2-1.4x on the MLP and output weights that dominate a step; 32 rows 0.9-1.2x, so from 17 rows
-on products stay with XLA's blocked GEMM, and so does one row (a matrix-vector product). At
-DRAM scale (128 weights of [1408, 512]) the kernel streams 8 rows at 17-19 GB/s where a plain
-reduction reaches 20-22.
+are added at the end. It beats XLA's dot on 2 to 16 rows (`kvjax bench matmul`; the figures are
+in docs/results.md): from 17 rows on, products stay with XLA's blocked GEMM, and so does one row
+(a matrix-vector product).
 
 `dot_general` is a drop-in for lax.dot_general that kvjax's Dense layers use: it sends a
 float32 product with MIN_ROWS to MAX_ROWS rows to the kernel when running on a single CPU device,
 and everything else to XLA: larger products (prefill and training, except at toy sizes),
 accelerators, sharded meshes, other dtypes. Gradients (forward and reverse mode) are XLA's.
-The kernel is built on first use (kvjax/cpu_kernels.py); without a compiler kvjax warns once
+The kernel is built on first use (kvjax/kernels/build.py); without a compiler kvjax warns once
 and uses XLA. KVJAX_CPU_KERNELS=attention leaves it off (e.g. to compare against XLA's dot).
 """
 

@@ -2,12 +2,12 @@
 //
 // An XLA FFI handler for the CPU. At decode batch sizes the weights are read once per step and
 // the product is bound by how fast they stream from memory; XLA's CPU dot runs these shapes
-// far below the machine's bandwidth (see kvjax/matmul.py for figures). This kernel reads w in
+// far below the machine's bandwidth (figures in docs/results.md). This kernel reads w in
 // its row-major [K, N] layout and in order: each thread takes a band of consecutive rows of w
 // (the bands' partial products are summed at the end) and walks it kPanel rows at a time across
 // a chunk of columns, adding each row of x times the panel into y's chunk, which stays in L1.
-// Whole rows read in order let the hardware prefetchers stream w: column tiles, a few hundred
-// bytes of each row at a time, ran at half the rate.
+// Whole rows read in order let the hardware prefetchers stream w; column tiles, a few hundred
+// bytes of each row at a time, give them only short runs.
 
 #include <algorithm>
 #include <cstdint>
@@ -33,7 +33,7 @@ constexpr int64_t kBandsPerThread = 4;
 // y[:, c:c+width] = (or += when add) x[:, k:k+P] @ w[k:k+P, c:c+width] for width = kLanes, or
 // the first `width` < kLanes columns when Partial. x has row stride k_dim; w and y have n. With
 // `prefetch`, the same columns of the next P rows are fetched into L2 meanwhile: the hardware
-// prefetchers alone keep the 8 row streams at about 2/3 of the memory's rate.
+// prefetchers alone do not keep 8 row streams at the memory's rate.
 template <int P, bool Partial>
 inline void Column(const float* x, const float* w, float* y, int64_t m, int64_t k_dim, int64_t n,
                    int64_t k, int64_t c, int64_t width, bool add, bool prefetch) {
@@ -96,8 +96,8 @@ ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
     return ffi::Error::InvalidArgument("kvjax_small_matmul expects x [M, K] and w [K, N]");
   const int64_t m = xd[0], k = xd[1], n = wd[1];
   if (m * n == 0) return ffi::Error::Success();
-  // A pool thread takes 10-20 us to wake: only weights of kMinBytesPerThread or more per thread
-  // are worth sharing.
+  // Waking a pool thread costs more than streaming a small slice of w: only weights of
+  // kMinBytesPerThread or more per thread are worth sharing.
   const int64_t threads = std::clamp<int64_t>(k * n * int64_t{sizeof(float)} / kMinBytesPerThread, 1,
                                               std::max<int64_t>(1, pool.num_threads()));
   const int64_t panels = std::max<int64_t>(1, (k + kPanel - 1) / kPanel);
