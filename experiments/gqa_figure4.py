@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvjax.studies import gqa as gs
+from kvjax.studies import report
 
 
 def main(study: gs.GqaStudy, workdir: Path) -> list[dict]:
@@ -21,8 +22,7 @@ def main(study: gs.GqaStudy, workdir: Path) -> list[dict]:
                    "converted_bits_per_byte": record["converted"]["bits_per_byte"],
                    "bits_per_byte": record["after"]["bits_per_byte"], "accuracy": record["after"]["accuracy"]})
   stem = workdir / "gqa_figure4"
-  gs.write_rows(rows, stem, list(rows[0]))
-  print(gs.markdown_table(rows, [(k, k, ".4f" if isinstance(v, float) else "") for k, v in rows[0].items()]))
+  print(report.write_table(rows, stem, report.columns_of(rows[0])))
   series = [(name, list(range(len(study.methods))), [r["bits_per_byte"] for r in rows if r["model"] == name])
             for name in dict.fromkeys(r["model"] for r in rows)]
   gs.plot(Path(f"{stem}.png"), series, "conversion method: " + ", ".join(study.methods),

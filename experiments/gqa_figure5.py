@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvjax.studies import gqa as gs
+from kvjax.studies import report
 
 
 def main(study: gs.GqaStudy, workdir: Path) -> list[dict]:
@@ -21,8 +22,7 @@ def main(study: gs.GqaStudy, workdir: Path) -> list[dict]:
       rows.append({"model": study.row_name(kv), "num_kv_heads": kv, "alpha": alpha,
                    "bits_per_byte": after["bits_per_byte"], "accuracy": after["accuracy"]})
   stem = workdir / "gqa_figure5"
-  gs.write_rows(rows, stem, list(rows[0]))
-  print(gs.markdown_table(rows, [(k, k, ".4f" if k in ("bits_per_byte", "accuracy") else "") for k in rows[0]]))
+  print(report.write_table(rows, stem, [(k, k, ".4f" if k in ("bits_per_byte", "accuracy") else "") for k in rows[0]]))
   series = [(name, [r["alpha"] for r in rows if r["model"] == name],
              [r["bits_per_byte"] for r in rows if r["model"] == name])
             for name in dict.fromkeys(r["model"] for r in rows)]

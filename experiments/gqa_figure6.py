@@ -11,6 +11,7 @@ from pathlib import Path
 from kvjax import convert_kv_heads
 from kvjax.training import checkpoint
 from kvjax.studies import gqa as gs
+from kvjax.studies import report
 from kvjax.model.transformer import Transformer
 
 
@@ -26,9 +27,8 @@ def main(study: gs.GqaStudy, workdir: Path) -> list[dict]:
   rows = [{"num_kv_heads": config.num_kv_heads, "time_per_sample_s": timing[name]["time_per_sample_s"],
            "kv_bytes_per_token": config.kv_bytes_per_token} for name, (_, config) in models.items()]
   stem = workdir / "gqa_figure6"
-  gs.write_rows(rows, stem, list(rows[0]))
-  print(gs.markdown_table(rows, [("num_kv_heads", "kv heads", "d"), ("time_per_sample_s", "time/sample (s)", ".6f"),
-                                 ("kv_bytes_per_token", "KV bytes/token", ",")]))
+  print(report.write_table(rows, stem, [("num_kv_heads", "kv heads", "d"), ("time_per_sample_s", "time/sample (s)", ".6f"),
+                                        ("kv_bytes_per_token", "KV bytes/token", ",")]))
   gs.plot(Path(f"{stem}.png"), [("time per sample", [r["num_kv_heads"] for r in rows],
                                  [r["time_per_sample_s"] * 1e3 for r in rows])],
           "kv heads (1 = MQA, %d = MHA)" % heads, "time per sample (ms)", "Figure 6: kv heads vs time",

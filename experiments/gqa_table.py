@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvjax.studies import gqa as gs
+from kvjax.studies import report
 
 COLUMNS = [("model", "model", ""), ("num_kv_heads", "kv heads", "d"), ("params", "params", ","),
            ("kv_bytes_per_token", "KV bytes/token", ","), ("time_per_sample_s", "time/sample (s)", ".5f"),
@@ -35,12 +36,12 @@ def main(study: gs.GqaStudy, workdir: Path) -> list[dict]:
     row["speedup_vs_mha_big"] = base["time_per_sample_s"] / row["time_per_sample_s"]
 
   stem = workdir / "gqa_table"
-  gs.write_rows(rows, stem, [key for key, _, _ in COLUMNS])
-  paper = gs.markdown_table([dict(zip(("model", "time", "score"), r)) for r in gs.PAPER_TABLE],
+  table = report.write_table(rows, stem, COLUMNS)
+  paper = report.markdown_table([dict(zip(("model", "time", "score"), r)) for r in gs.PAPER_TABLE],
                             [("model", "paper model", ""), ("time", "time/sample (s)", ".2f"),
                              ("score", "avg score", ".1f")])
   t = study.timing
-  text = (f"# GQA table (alpha = {study.fraction})\n\n{gs.markdown_table(rows, COLUMNS)}\n\n"
+  text = (f"# GQA table (alpha = {study.fraction})\n\n{table}\n\n"
           f"Time per sample: median of {t.repeats} jitted `generate` calls, batch {t.batch}, prompt "
           f"{t.prompt}, {t.new_tokens} new tokens, divided by the batch. Quality: held-out bits per byte "
           f"(lower is better).\n\nFor reference, the paper's Table 1:\n\n{paper}\n")

@@ -1,5 +1,5 @@
 """Driver for job "kv_memory" (`kvjax run configs/kv_memory/<name>.py --workdir W`): serves the
-study's workload under every KV allocation policy, writes kv_memory.{csv,md,png} to W and
+study's workload under every KV allocation policy, writes kv_memory.{csv,json,md,png} to W and
 returns the headline numbers."""
 
 from __future__ import annotations

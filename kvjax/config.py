@@ -22,12 +22,16 @@ POSITIONS = ("rope", "learned")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
+def check_positive_int(value: Any, name: str) -> None:
+  """Raises ValueError naming `name` unless `value` is an int >= 1 (bools are not ints here)."""
+  if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
 def check_positive(obj: Any, *names: str) -> None:
   """Raises ValueError naming the first field of `obj` that is not a positive int."""
   for name in names:
-    value = getattr(obj, name)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-      raise ValueError(f"{type(obj).__name__}.{name} must be a positive integer, got {value!r}")
+    check_positive_int(getattr(obj, name), f"{type(obj).__name__}.{name}")
 
 
 def check_choice(obj: Any, name: str, choices: tuple[str, ...]) -> None:

@@ -17,7 +17,7 @@ from kvjax import sharding
 from kvjax.training import checkpoint
 from kvjax.cli import main as cli
 from kvjax.config import ModelConfig, apply_overrides, to_dict
-from kvjax.interop.hf import param_shapes
+from kvjax.model.params import abstract_params
 from kvjax.training.config import TrainConfig, TrainRun
 from kvjax.conversion.uptrain import uptrain_config
 
@@ -37,7 +37,7 @@ def test_rules_cover_every_matrix_of_the_model():
   mesh = sharding.make_mesh(1, 1)
   config = ModelConfig(vocab_size=64, d_model=32, num_layers=1, num_heads=4, num_kv_heads=2,
                        qkv_bias=True, use_bias=True)
-  specs = jax.tree.map(lambda s: tuple(s.spec), sharding.param_sharding(param_shapes(config), mesh))
+  specs = jax.tree.map(lambda s: tuple(s.spec), sharding.param_sharding(abstract_params(config), mesh))
   attn, mlp = specs["layers_0"]["attn"], specs["layers_0"]["mlp"]
   assert attn["q"]["kernel"] == attn["k"]["kernel"] == (None, "model", None)
   assert attn["out"]["kernel"] == ("model", None, None) and attn["out"]["bias"] == ()

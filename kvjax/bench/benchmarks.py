@@ -16,7 +16,6 @@ import json
 import statistics
 import tempfile
 import time
-from typing import Callable, Hashable
 
 import jax
 import jax.numpy as jnp
@@ -29,29 +28,11 @@ from kvjax.kernels import matmul
 from kvjax.config import ModelConfig, apply_overrides
 from kvjax.model.flops import matmul_params, peak_flops
 from kvjax.model.transformer import Transformer
+from kvjax.timing import timed, timed_alternating
 
 # The Llama-style reference config of the benchmarks.
 BENCH_MODEL = ModelConfig(vocab_size=4096, d_model=512, num_layers=8, num_heads=8, num_kv_heads=2,
                           mlp_dim=1408, max_len=2048)
-
-
-def timed_alternating(fns: dict[Hashable, Callable[[], object]], repeats: int) -> dict[Hashable, list[float]]:
-  """Wall seconds of each fn over `repeats` rounds that call every fn once, after one warm-up
-  each: load from other processes falls on all of them alike."""
-  for fn in fns.values():
-    jax.block_until_ready(fn())
-  times = {name: [] for name in fns}
-  for _ in range(repeats):
-    for name, fn in fns.items():
-      start = time.perf_counter()
-      jax.block_until_ready(fn())
-      times[name].append(time.perf_counter() - start)
-  return times
-
-
-def timed(fn: Callable[[], object], repeats: int) -> float:
-  """Median wall seconds of fn() over `repeats` runs, after one warm-up (compilation) run."""
-  return statistics.median(timed_alternating({"fn": fn}, repeats)["fn"])
 
 
 def memory_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.model.attention import kv_head_of
-from kvjax.config import ModelConfig
+from kvjax.config import ModelConfig, check_positive_int
 
 METHODS = ("mean", "first", "random")
 
@@ -57,8 +57,7 @@ def convert_kv_heads(params, config: ModelConfig, num_kv_heads: int, method: str
   """
   if method not in METHODS:
     raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-  if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or num_kv_heads < 1:
-    raise ValueError(f"num_kv_heads must be a positive integer, got {num_kv_heads!r}")
+  check_positive_int(num_kv_heads, "num_kv_heads")
   if config.num_kv_heads % num_kv_heads:
     raise ValueError(f"cannot convert {config.num_kv_heads} kv heads to {num_kv_heads}: the target "
                      f"must divide the current number of kv heads ({config.num_kv_heads})")

@@ -14,8 +14,8 @@ HF's repeat_kv gives query head n the kv head n // G, the same rule as `kv_head_
 heads map one to one. Tensors are read with safetensors' numpy backend (never pickle) and
 returned as float32 numpy arrays in the tree `Transformer(config).init` would build.
 
-`kvjax import-hf HF_DIR --workdir OUT` writes them as a params checkpoint (kvjax.training.checkpoint)
-that eval, generate and uptrain load, and copies tokenizer.json beside it when there is one.
+`kvjax import-hf HF_DIR --workdir OUT` (kvjax.conversion.import_hf) writes them as a params
+checkpoint that eval, generate and uptrain load, and copies tokenizer.json beside it when there is one.
 """
 
 from __future__ import annotations
@@ -23,16 +23,13 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import shutil
 from typing import Callable
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
 from kvjax.config import ModelConfig
-from kvjax.model.transformer import Transformer
+from kvjax.model.params import abstract_params
 
 SUPPORTED = ("llama", "qwen2", "gpt2")
 INDEX_FILE = "model.safetensors.index.json"
@@ -247,12 +244,6 @@ def _gpt2_plan(cfg: ModelConfig, names: set[str]) -> list[Entry]:
   return plan
 
 
-def param_shapes(cfg: ModelConfig) -> dict:
-  """The parameter tree of Transformer(cfg) as ShapeDtypeStructs, without allocating it."""
-  tokens = jnp.zeros((1, 1), jnp.int32)
-  return jax.eval_shape(lambda: Transformer(cfg).init(jax.random.key(0), tokens))["params"]
-
-
 def _flatten(tree: dict, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], object]:
   flat = {}
   for key, value in tree.items():
@@ -298,7 +289,7 @@ def from_hf(hf_dir: str | pathlib.Path, *, dtype: str | None = None) -> tuple[di
   tensors = TensorFiles(hf_dir)
   plan = (_gpt2_plan if kind == "gpt2" else _llama_plan)(cfg, tensors.names())
   _check_coverage(plan, tensors, cfg, kind)
-  shapes = _flatten(param_shapes(cfg))
+  shapes = _flatten(abstract_params(cfg))
   planned = {path for path, _, _ in plan}
   if planned != set(shapes):
     # A plan that misses a kvjax parameter is a bug in this module, not in the checkpoint.
@@ -339,24 +330,8 @@ def load_tokenizer(path: str | pathlib.Path):
   return Tokenizer.from_file(str(path))
 
 
-def import_hf(hf_dir: str | pathlib.Path, workdir: str | pathlib.Path, *, dtype: str | None = None) -> dict:
-  """from_hf, then save_params into workdir (which must hold no checkpoint); returns a summary."""
-  from kvjax.training import checkpoint  # orbax is needed only when writing
-
-  if checkpoint.latest_step(workdir) is not None:
-    raise ValueError(f"{checkpoint.checkpoint_dir(workdir)} already holds checkpoints; "
-                     "import into a new --workdir")
-  params, cfg = from_hf(hf_dir, dtype=dtype)
-  path = checkpoint.save_params(workdir, params, cfg)
-  tokenizer = pathlib.Path(hf_dir) / TOKENIZER_FILE
-  if tokenizer.is_file():
-    tokenizer = pathlib.Path(shutil.copyfile(tokenizer, pathlib.Path(workdir) / TOKENIZER_FILE))
-  return {"source": str(pathlib.Path(hf_dir).resolve()), "checkpoint": str(path),
-          "params": int(sum(x.size for x in jax.tree.leaves(params))), "model": cfg.to_dict(),
-          "tokenizer": str(tokenizer) if tokenizer.is_file() else None}
-
-
 def command(args: argparse.Namespace) -> int:
+  from kvjax.conversion.import_hf import import_hf
   print(json.dumps(import_hf(args.hf_dir, args.workdir, dtype=args.dtype)))
   return 0
 

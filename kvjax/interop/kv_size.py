@@ -22,8 +22,9 @@ import math
 import re
 from pathlib import Path
 
-from kvjax.config import ModelConfig, check_positive, from_dict
-from kvjax.interop.hf import config_from_hf, param_shapes, read_hf_config
+from kvjax.config import ModelConfig, check_positive, check_positive_int, from_dict
+from kvjax.interop.hf import config_from_hf, read_hf_config
+from kvjax.model.params import abstract_params
 
 BYTES_PER_ELEMENT = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2,
                      "fp8": 1, "int8": 1}
@@ -79,7 +80,7 @@ PRESETS = {p.name: p for p in (
 def count_params(config: ModelConfig) -> int:
   """Weights of Transformer(config), from the shapes of a one- and a two-layer model: every
   layer has the same parameters, and tracing 80 layers would take seconds."""
-  one, two = (sum(math.prod(x.shape) for x in _leaves(param_shapes(config.replace(num_layers=n))))
+  one, two = (sum(math.prod(x.shape) for x in _leaves(abstract_params(config.replace(num_layers=n))))
               for n in (1, 2))
   return one + (config.num_layers - 1) * (two - one)
 
@@ -110,12 +111,12 @@ def _model_config_from_file(path: Path) -> ModelConfig:
 
 
 def _model_config_from_workdir(path: Path) -> ModelConfig:
+  """The model of a workdir's config.json, which `kvjax run`, uptrain and import-hf all write."""
   saved = path / "config.json"
-  if saved.is_file():
-    model = json.loads(saved.read_text()).get("model")
-  else:
-    from kvjax.training.checkpoint import read_meta  # orbax is imported only for checkpoint-only workdirs
-    model = read_meta(path)["config"].get("model")
+  if not saved.is_file():
+    raise ValueError(f"{path} holds checkpoints but no config.json naming their model (a workdir "
+                     "written before kvjax recorded one); pass the run's config file instead")
+  model = json.loads(saved.read_text()).get("model")
   if not isinstance(model, dict):
     raise ValueError(f"{path} holds no kvjax model config (no 'model' section)")
   return from_dict(ModelConfig, model)
@@ -165,8 +166,7 @@ def plan(arch: Architecture, *, context: int, batch: int, dtype: str = "bf16",
   so each device stores ceil(kv_heads / devices) heads of every token.
   """
   for name, value in (("context", context), ("batch", batch), ("devices", devices)):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-      raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    check_positive_int(value, name)
   weight_dtype = weight_dtype or dtype
   for name, value in (("dtype", dtype), ("weight dtype", weight_dtype)):
     if value not in BYTES_PER_ELEMENT:

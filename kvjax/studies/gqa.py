@@ -10,7 +10,6 @@ step, as in the paper's large-batch TPU measurements.
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import json
 import statistics
@@ -22,12 +21,13 @@ import numpy as np
 from kvjax.training import checkpoint
 from kvjax.decoding import decode
 from kvjax.training import train
-from kvjax.bench.benchmarks import timed_alternating
+from kvjax.timing import timed_alternating
 from kvjax.config import ModelConfig, check_positive, check_real, to_dict
 from kvjax.training.data import load_dataset
 from kvjax.training.evaluate import evaluate
 from kvjax.training.config import DataConfig, TrainConfig, TrainRun
 from kvjax.conversion.uptrain import uptrain
+from kvjax.studies import report
 
 # Table 1 of the paper: inference time per sample (s) and average score over its tasks.
 PAPER_TABLE = (
@@ -166,52 +166,16 @@ def measure(study: GqaStudy, stages: Stages, workdirs: dict[str, Path]) -> dict[
   return {name: {**timing[name], **quality[name]} for name in workdirs}
 
 
-def write_rows(rows: list[dict], path_stem: Path, columns: list[str]) -> None:
-  """rows -> STEM.csv (the given columns) and STEM.json (every field)."""
-  with open(f"{path_stem}.csv", "w", newline="") as f:
-    writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
-    writer.writeheader()
-    writer.writerows(rows)
-  Path(f"{path_stem}.json").write_text(json.dumps(rows, indent=2) + "\n")
-
-
-def markdown_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
-  """columns: (key, header, format spec)."""
-  lines = ["| " + " | ".join(h for _, h, _ in columns) + " |", "|" + "---|" * len(columns)]
-  for row in rows:
-    cells = [("" if row.get(k) is None else format(row[k], spec)) for k, _, spec in columns]
-    lines.append("| " + " | ".join(cells) + " |")
-  return "\n".join(lines)
-
-
-def plot(path: Path, series: list[tuple[str, list[float], list[float]]], xlabel: str, ylabel: str,
-         title: str, annotate: list[list[str]] | None = None, paper: bool = False,
-         lower_is_better: bool = True) -> None:
+def plot(path: Path, series: list[report.Series], xlabel: str, ylabel: str, title: str,
+         annotate: list[list[str]] | None = None, paper: bool = False, lower_is_better: bool = True) -> None:
   """Line/scatter plot of (label, xs, ys) series, better quality upwards; with paper=True, a
   second panel shows the paper's Table 1."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  fig, axes = plt.subplots(1, 2 if paper else 1, figsize=(11 if paper else 6, 4.2), squeeze=False)
-  ax = axes[0][0]
-  for i, (label, xs, ys) in enumerate(series):
-    ax.plot(xs, ys, "o-" if len(xs) > 1 else "o", label=label)
-    for x, y, text in zip(xs, ys, (annotate or [[]] * len(series))[i]):
-      ax.annotate(text, (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
-  ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
-  if lower_is_better:
-    ax.invert_yaxis()
-  ax.grid(alpha=0.3)
-  if len(series) > 1:
-    ax.legend(fontsize=8)
-  if paper:
-    ref = axes[0][1]
-    for name, seconds, score in PAPER_TABLE:
-      ref.plot(seconds, score, "s")
-      ref.annotate(name, (seconds, score), textcoords="offset points", xytext=(5, 5), fontsize=8)
-    ref.set(xlabel="time per sample (s)", ylabel="average score", title="paper, Table 1 (T5, TPUv4)")
-    ref.grid(alpha=0.3)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  with report.figure(path, panels=2 if paper else 1, size=(11 if paper else 6, 4.2)) as axes:
+    report.plot_series(axes[0], series, xlabel, ylabel, title, annotate, invert_y=lower_is_better)
+    if paper:
+      ref = axes[1]
+      for name, seconds, score in PAPER_TABLE:
+        ref.plot(seconds, score, "s")
+        ref.annotate(name, (seconds, score), textcoords="offset points", xytext=(5, 5), fontsize=8)
+      ref.set(xlabel="time per sample (s)", ylabel="average score", title="paper, Table 1 (T5, TPUv4)")
+      ref.grid(alpha=0.3)

@@ -16,7 +16,6 @@ requests that match the first policy's run.
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import time
 from pathlib import Path
@@ -25,13 +24,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.config import ModelConfig, check_nonnegative, check_positive, check_real
+from kvjax.config import ModelConfig, check_nonnegative, check_positive, check_positive_int, check_real
 from kvjax.serving.engine import Engine, EngineConfig
 from kvjax.model.transformer import Transformer
+from kvjax.studies.report import figure, markdown_table, write_table
 
 CSV_FIELDS = ("policy", "page_size", "budget_tokens", "budget_bytes", "utilisation", "peak_concurrent",
               "mean_concurrent", "preemptions", "decode_steps", "generated_tokens", "seconds",
               "tokens_per_s", "identical_outputs")
+# The markdown table: (row field, heading, format); peak_over_max_len is the peak concurrency
+# over that of contiguous max_len preallocation.
+TABLE_COLUMNS = (("policy", "policy", ""), ("page_size", "page size", ""), ("utilisation", "utilisation", ".1%"),
+                 ("peak_concurrent", "peak concurrent", ""), ("peak_over_max_len", "x max_len", ".2f"),
+                 ("mean_concurrent", "mean concurrent", ".1f"), ("preemptions", "preemptions", ""),
+                 ("decode_steps", "decode steps", ""), ("tokens_per_s", "tokens/s", ".0f"))
 # Section 6.2 and Figure 2 of Kwon et al., "Efficient Memory Management for Large Language Model
 # Serving with PagedAttention" (SOSP 2023).
 VLLM_ANCHORS = (("earlier systems (Orca, FasterTransformer)", "20.4-38.2%", "1x"),
@@ -77,10 +83,11 @@ class KVMemoryStudy:
       if not isinstance(getattr(self, name), cls):
         raise ValueError(f"KVMemoryStudy.{name} must be a {cls.__name__}, got {getattr(self, name)!r}")
     check_positive(self, "budget_tokens", "baseline_page_size", "num_slots")
-    if not self.page_sizes or not all(isinstance(z, int) and not isinstance(z, bool) and z > 0
-                                      for z in self.page_sizes):
+    if not self.page_sizes:
       raise ValueError(f"KVMemoryStudy.page_sizes must be a non-empty tuple of positive integers, "
                        f"got {self.page_sizes!r}")
+    for i, size in enumerate(self.page_sizes):
+      check_positive_int(size, f"KVMemoryStudy.page_sizes[{i}]")
     for size in (*self.page_sizes, self.baseline_page_size):
       if self.budget_tokens % size:
         raise ValueError(f"KVMemoryStudy.budget_tokens={self.budget_tokens} is not a multiple of page "
@@ -140,7 +147,8 @@ def serve(model: Transformer, params, workload, config: EngineConfig) -> tuple[d
 
 
 def run_study(study: KVMemoryStudy, workdir: str | Path) -> list[dict]:
-  """Serves the workload under every policy; writes kv_memory.{csv,md,png} to workdir; returns the rows."""
+  """Serves the workload under every policy; writes kv_memory.{csv,json,md,png} to workdir; returns
+  the rows."""
   workdir = Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   cfg = study.model
@@ -157,7 +165,8 @@ def run_study(study: KVMemoryStudy, workdir: str | Path) -> list[dict]:
     rows.append(row)
     print(f"kv_memory: {row['policy']}: utilisation {row['utilisation']:.3f}, peak concurrent "
           f"{row['peak_concurrent']}, {row['tokens_per_s']:.0f} tokens/s", flush=True)
-  write_csv(rows, workdir / "kv_memory.csv")
+  write_table([{k: r[k] for k in CSV_FIELDS} for r in rows], workdir / "kv_memory",
+              [(k, k, "") for k in CSV_FIELDS])
   (workdir / "kv_memory.md").write_text(report(study, workload, rows))
   plot(rows, workdir / "kv_memory.png")
   return rows
@@ -179,13 +188,6 @@ def summary(rows: list[dict]) -> dict:
   }
 
 
-def write_csv(rows: list[dict], path: Path) -> None:
-  with open(path, "w", newline="") as f:
-    writer = csv.DictWriter(f, CSV_FIELDS, extrasaction="ignore")
-    writer.writeheader()
-    writer.writerows(rows)
-
-
 def report(study: KVMemoryStudy, workload, rows: list[dict]) -> str:
   prompts = np.array([p.size for p, _ in workload])
   outputs = np.array([n for _, n in workload])
@@ -201,45 +203,35 @@ def report(study: KVMemoryStudy, workload, rows: list[dict]) -> str:
       f"Requests whose greedy tokens match the {rows[0]['policy']} run, per policy: "
       + ", ".join(f"{r['policy']} {r['identical_outputs']}/{len(workload)}" for r in rows)
       + " (an allocation policy must not change what a request generates).", "",
-      "| policy | page size | utilisation | peak concurrent | x max_len | mean concurrent | preemptions "
-      "| decode steps | tokens/s |",
-      "|---|---|---|---|---|---|---|---|---|",
+      markdown_table([{**r, "peak_over_max_len": r["peak_concurrent"] / contiguous["peak_concurrent"]}
+                      for r in rows], TABLE_COLUMNS),
   ]
-  for r in rows:
-    lines.append(f"| {r['policy']} | {r['page_size']} | {100 * r['utilisation']:.1f}% | {r['peak_concurrent']} "
-                 f"| {r['peak_concurrent'] / contiguous['peak_concurrent']:.2f}x | {r['mean_concurrent']:.1f} "
-                 f"| {r['preemptions']} | {r['decode_steps']} | {r['tokens_per_s']:.0f} |")
   lines += ["", "Utilisation: tokens cached / token slots allocated, summed over decode steps. "
             "Baselines are allocated in multiples of their page size. tokens/s: generated tokens over "
             "the wall time of serving the whole workload after compilation, same kernels for every policy "
             "(the paged vs contiguous kernel cost is `kvjax bench paged`).", "",
             "Reference, vLLM paper (ShareGPT/Alpaca traces on GPUs): KV memory holding real tokens, and "
-            "concurrent requests:", "", "| system | utilisation | concurrent requests |", "|---|---|---|"]
-  lines += [f"| {name} | {util} | {conc} |" for name, util, conc in VLLM_ANCHORS]
+            "concurrent requests:", "",
+            markdown_table([dict(zip(("system", "utilisation", "concurrent"), anchor)) for anchor in VLLM_ANCHORS],
+                           [("system", "system", ""), ("utilisation", "utilisation", ""),
+                            ("concurrent", "concurrent requests", "")])]
   return "\n".join(lines) + "\n"
 
 
 def plot(rows: list[dict], path: Path) -> None:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  fig, (bars, lines) = plt.subplots(1, 2, figsize=(11, 4))
-  names = [r["policy"] for r in rows]
-  bars.bar(names, [100 * r["utilisation"] for r in rows], color="tab:blue")
-  bars.set_ylabel("KV slots holding real tokens (%)")
-  bars.set_ylim(0, 100)
-  twin = bars.twinx()
-  twin.plot(names, [r["peak_concurrent"] for r in rows], "o-", color="tab:red")
-  twin.set_ylabel("peak concurrent requests", color="tab:red")
-  twin.set_ylim(0, 1.1 * max(r["peak_concurrent"] for r in rows))
-  bars.set_title("Utilisation and concurrency within one KV budget")
-  for r in rows:
-    lines.plot(r["trace"]["running"], label=r["policy"])
-  lines.set_xlabel("decode step")
-  lines.set_ylabel("running requests")
-  lines.set_title("Concurrency over the run")
-  lines.legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  with figure(path, panels=2, size=(11, 4), dpi=110) as (bars, lines):
+    names = [r["policy"] for r in rows]
+    bars.bar(names, [100 * r["utilisation"] for r in rows], color="tab:blue")
+    bars.set_ylabel("KV slots holding real tokens (%)")
+    bars.set_ylim(0, 100)
+    twin = bars.twinx()
+    twin.plot(names, [r["peak_concurrent"] for r in rows], "o-", color="tab:red")
+    twin.set_ylabel("peak concurrent requests", color="tab:red")
+    twin.set_ylim(0, 1.1 * max(r["peak_concurrent"] for r in rows))
+    bars.set_title("Utilisation and concurrency within one KV budget")
+    for r in rows:
+      lines.plot(r["trace"]["running"], label=r["policy"])
+    lines.set_xlabel("decode step")
+    lines.set_ylabel("running requests")
+    lines.set_title("Concurrency over the run")
+    lines.legend()

@@ -3,7 +3,8 @@
 Layout: WORKDIR/checkpoints/<step>/{params, opt_state, meta}. `params` and `opt_state` are
 float32 pytrees; `meta` is JSON: {"kind": "train" | "params", "step", "config" (the run config
 dict), "data" (sampler position and generator state), "corpus" (sha256 and size)}. A "params"
-checkpoint (written by save_params, e.g. for imported weights) has no optimizer state.
+checkpoint (written by save_params, e.g. for imported weights) has no optimizer state; beside it
+save_params writes WORKDIR/config.json, the run config, as `kvjax run` does.
 
 Every failure to read a checkpoint is a ValueError naming its path; nothing here deletes a
 checkpoint except CheckpointManager's keep-last-N rotation during training.
@@ -11,16 +12,17 @@ checkpoint except CheckpointManager's keep-last-N rotation during training.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
 from kvjax import sharding
 from kvjax.config import ModelConfig, from_dict
+from kvjax.model.params import abstract_params, check_params
 from kvjax.model.transformer import Transformer
 
 ITEMS = ("params", "opt_state", "meta")
@@ -63,11 +65,6 @@ def abstract(tree: Any, mesh: Mesh | None = None) -> Any:
   else:
     shardings = sharding.param_sharding(tree, mesh)
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
-
-
-def abstract_params(model: Transformer, mesh: Mesh | None = None) -> Any:
-  shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
-  return abstract(shapes, mesh)
 
 
 def _restore(manager: ocp.CheckpointManager, workdir, step: int, **items) -> Any:
@@ -158,33 +155,24 @@ def load_model(workdir: str | Path, step: int | None = None, *,
     raise ValueError(f"checkpoint {step_dir(workdir, step)} has an invalid model config: {err}") from err
   model = Transformer(model_config)
   with open_manager(workdir) as manager:
-    params = _restore(manager, workdir, step, params=ocp.args.StandardRestore(abstract_params(model, mesh))).params
+    target = abstract(abstract_params(model_config), mesh)
+    params = _restore(manager, workdir, step, params=ocp.args.StandardRestore(target)).params
   return model, params, config
-
-
-def param_shapes(params) -> dict[str, tuple[tuple[int, ...], str]]:
-  """{"layers_0/attn/q/kernel": (shape, dtype name), ...} of a params tree."""
-  leaves = jax.tree_util.tree_leaves_with_path(params)
-  return {"/".join(str(getattr(k, "key", k)) for k in path): (tuple(x.shape), jnp.dtype(x.dtype).name)
-          for path, x in leaves}
 
 
 def save_params(workdir: str | Path, params, model_config: ModelConfig, *, step: int = 0,
                 run_config: dict | None = None) -> Path:
   """Writes `params` as a checkpoint that load_model (and so `kvjax eval` / `generate`) reads.
 
-  run_config defaults to {"job": "import", "model": model_config.to_dict()}. Refuses a workdir
-  that already holds checkpoints. Returns the checkpoint's path.
+  run_config defaults to {"job": "import", "model": model_config.to_dict()} and is also written to
+  WORKDIR/config.json, so that every workdir names its model in plain JSON (the kv-size planner
+  reads it without orbax). Refuses a workdir that already holds checkpoints. Returns the
+  checkpoint's path.
   """
   if latest_step(workdir) is not None:
     raise ValueError(f"{checkpoint_dir(workdir)} already holds checkpoints; "
                      "save into a new workdir rather than overwrite them")
-  expected, given = param_shapes(abstract_params(Transformer(model_config))), param_shapes(params)
-  if expected != given:
-    diffs = [f"{k}: expected {expected.get(k)}, got {given.get(k)}"
-             for k in sorted(set(expected) | set(given)) if expected.get(k) != given.get(k)]
-    raise ValueError(f"params do not match the model config: {'; '.join(diffs[:5])}"
-                     + (f" (and {len(diffs) - 5} more)" if len(diffs) > 5 else ""))
+  check_params(params, model_config)
   config = dict(run_config) if run_config is not None else {"job": "import"}
   config["model"] = model_config.to_dict()
   meta = {"kind": "params", "step": step, "config": config}
@@ -192,4 +180,5 @@ def save_params(workdir: str | Path, params, model_config: ModelConfig, *, step:
     manager.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
                                                meta=ocp.args.JsonSave(meta)))
     manager.wait_until_finished()
+  (Path(workdir) / "config.json").write_text(json.dumps(config, indent=2) + "\n")
   return step_dir(workdir, step)

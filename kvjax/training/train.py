@@ -34,6 +34,7 @@ from kvjax.training import checkpoint
 from kvjax.training.data import Dataset, WindowSampler, load_dataset
 from kvjax.training.evaluate import evaluate
 from kvjax.model.flops import peak_flops, train_flops_per_token
+from kvjax.model.params import abstract_params, check_params
 from kvjax.model.transformer import Transformer
 from kvjax.training.config import TrainConfig, TrainRun, to_dict
 
@@ -75,8 +76,7 @@ def param_initializer(model: Transformer, mesh: Mesh | None = None):
   init = lambda key: model.init(key, jnp.zeros((1, 1), jnp.int32))["params"]
   if mesh is None:
     return jax.jit(init)
-  shapes = jax.eval_shape(init, jax.random.key(0))
-  return jax.jit(init, out_shardings=sharding.param_sharding(shapes, mesh))
+  return jax.jit(init, out_shardings=sharding.param_sharding(abstract_params(model.config), mesh))
 
 
 def place_state(state: TrainState, mesh: Mesh | None) -> TrainState:
@@ -91,12 +91,7 @@ def init_state(model: Transformer, optimizer: optax.GradientTransformation, key:
   if params is None:
     params = param_initializer(model, mesh)(key)
   else:
-    expected = checkpoint.param_shapes(jax.eval_shape(param_initializer(model), key))
-    given = checkpoint.param_shapes(params)
-    if given != expected:
-      diffs = [f"{k}: expected {expected.get(k)}, got {given.get(k)}"
-               for k in sorted(set(expected) | set(given)) if expected.get(k) != given.get(k)]
-      raise ValueError(f"init_params do not match the model config: {'; '.join(diffs[:5])}")
+    check_params(params, model.config, "init_params")
   if mesh is not None:
     params = sharding.shard_params(params, mesh)  # so the optimizer moments start out sharded too
   state = TrainState(step=np.int32(0), params=params, opt_state=optimizer.init(params))

@@ -11,7 +11,7 @@ import pytest
 from kvjax.training import checkpoint
 from kvjax.cli.main import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def tree_state(path: Path) -> dict:

@@ -6,13 +6,15 @@ import argparse
 import json
 
 import jax
-import jax.numpy as jnp
+import numpy as np
 import pytest
 
-from kvjax import Transformer
 from kvjax.interop import kv_size
+from kvjax.cache.contiguous import ContiguousCache
 from kvjax.config import ModelConfig
 from kvjax.interop.kv_size import PRESETS, Architecture, count_params, parse_bytes, plan, resolve
+from kvjax.model.params import abstract_params
+from kvjax.training import checkpoint
 
 KIB = 1024
 
@@ -59,18 +61,12 @@ def test_dense_presets_match_their_published_parameter_counts(name):
 def test_bytes_per_token_matches_an_allocated_cache():
   config = ModelConfig(vocab_size=64, d_model=48, num_layers=3, num_heads=6, num_kv_heads=2,
                        max_len=32, cache_dtype="bfloat16")
-  model = Transformer(config)
-  params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))["params"]
   batch, max_len = 3, 20
-  tokens = jax.ShapeDtypeStruct((batch, 5), jnp.int32)
-  _, variables = jax.eval_shape(
-      lambda p, t: model.apply({"params": p}, t, jnp.full((batch,), 5), max_len,
-                               method=Transformer.prefill, mutable=["cache"]), params, tokens)
-  kv_leaves = [x for x in jax.tree.leaves(variables["cache"]) if x.ndim == 4]
-  allocated = sum(x.size * x.dtype.itemsize for x in kv_leaves)
+  cache = ContiguousCache.create(config, batch, max_len)
+  allocated = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache.layers))
   result = plan(kv_size.from_model_config("tiny", config), context=max_len, batch=batch, dtype="bf16")
   assert result["cache_bytes"] == allocated
-  assert result["architecture"]["params"] == sum(x.size for x in jax.tree.leaves(params))
+  assert result["architecture"]["params"] == sum(x.size for x in jax.tree.leaves(abstract_params(config)))
 
 
 def test_fitting_is_the_largest_that_fits():
@@ -116,6 +112,17 @@ def test_models_from_config_file_workdir_and_hf_dir(tmp_path):
     assert arch.bytes_per_token(4) == config.kv_bytes_per_token == 2 * 2 * 2 * 8 * 4
   assert resolve(str(workdir)).params == count_params(config)
   assert resolve(str(hf_dir)).params == count_params(config.replace(qkv_bias=True))
+
+
+def test_a_params_checkpoint_names_its_model_in_config_json(tmp_path):
+  config = ModelConfig(vocab_size=64, d_model=32, num_layers=1, num_heads=4, num_kv_heads=2)
+  params = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), abstract_params(config))
+  workdir = tmp_path / "imported"
+  checkpoint.save_params(workdir, params, config)
+  assert resolve(str(workdir)) == kv_size.from_model_config("imported", config)
+  (workdir / "config.json").unlink()
+  with pytest.raises(ValueError, match="holds checkpoints but no config.json"):
+    resolve(str(workdir))
 
 
 def test_text_output_and_errors(capsys, tmp_path):

@@ -218,6 +218,7 @@ def test_tokenizer_json_is_loaded(tmp_path):
 def test_import_hf_writes_a_loadable_checkpoint(tmp_path, capsys):
   import argparse
 
+  from kvjax.conversion.import_hf import import_hf
   from kvjax.interop import hf
   from kvjax.training.checkpoint import load_model
   hf_dir, workdir = tmp_path / "hf", tmp_path / "run"
@@ -238,14 +239,14 @@ def test_import_hf_writes_a_loadable_checkpoint(tmp_path, capsys):
   for key, value in flat_want.items():
     np.testing.assert_array_equal(np.asarray(flat_got[key]), value)
   with pytest.raises(ValueError, match="already holds checkpoints"):
-    hf.import_hf(hf_dir, workdir)
+    import_hf(hf_dir, workdir)
 
 
 def test_imported_gpt2_converts_to_gqa_and_uptrains(tmp_path):
   import torch
 
   from kvjax.training.checkpoint import load_model
-  from kvjax.interop.hf import import_hf
+  from kvjax.conversion.import_hf import import_hf
   from kvjax.conversion.uptrain import uptrain
   tf = _transformers()
   torch.manual_seed(0)
