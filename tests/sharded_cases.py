@@ -88,7 +88,7 @@ def test_prefill_decode_generate_match_one_device(config, data, model_axis, kv_s
   placed = sharding.shard_params(params, mesh)["layers_0"]["attn"]
   assert spec(placed["k"]["kernel"]) == (None, kv_spec[1], None)
   assert spec(placed["q"]["kernel"]) == (None, "model", None)
-  k = cache["layers_0"]["attn"]["k"]  # [B, K, H, S]
+  k = cache.layers["layers_0"]["attn"]["k"]  # [B, K, H, S]
   assert spec(k)[1:] == kv_spec[1:] and spec(k)[0] == ("data" if data > 1 else spec(k)[0])
   assert k.addressable_shards[0].data.shape == (4 // data, config.num_kv_heads // (
       model_axis if kv_spec[1] else 1), config.head_dim, 24)
@@ -112,7 +112,7 @@ def test_decode_step_with_8_kv_heads_on_model_8_gathers_no_kv():
   tokens, lengths = prompts(2, 6, KV8.vocab_size)
   _, cache = decode.prefill(model, params, tokens, lengths, 16, mesh=mesh)
   params, (step_tokens,) = sharding.place(mesh, params, np.zeros(2, np.int32))
-  hlo = decode._decode_step.lower(model, params, cache, step_tokens).compile().as_text()
+  hlo = decode._forward.lower(model, params, cache, step_tokens[:, None], jnp.ones(2, jnp.int32)).compile().as_text()
   # Each device's cache is its own kv head: the compiled module's cache parameters are
   # [B, 1, H, S] and [B, 1, S, H] shards of the k [B, 8, H, S] and v [B, 8, S, H] caches.
   entry_inputs = re.search(r"ENTRY [^(]*\((.*?)\) ->", hlo).group(1)

@@ -79,20 +79,17 @@ class KVCache(flax.struct.PyTreeNode):
 def write_rows(buffer: jax.Array, new: jax.Array, starts: jax.Array, counts: jax.Array, axis: int) -> jax.Array:
   """Writes new[b]'s first counts[b] entries along `axis` into buffer[b] from position starts[b].
 
-  buffer [B, ..., S, ...], new [B, ..., T, ...] (the sequence axis `axis`, T <= S). Each row is
-  one dynamic_update_slice of a T-wide window: the window starts at min(starts[b], S - T) so it
-  never needs clamping, and keeps the buffer's old entries wherever no new entry lands (padding
-  columns, and positions before starts[b] when the window had to move back).
+  buffer [B, ..., S, ...], new [B, ..., T, ...] (the sequence axis `axis`). One scatter for all
+  rows, in place when the buffer is donated. The columns past counts[b] (padding) are sent to
+  position S, out of range, and dropped: a row near its end may take a chunk padded past it, and
+  nothing it holds is overwritten. (A per-row lax.dynamic_update_slice would instead clamp such
+  a write back over the row's last tokens.) Callers check starts + counts <= S beforehand.
   """
-  def one(row, update, start, count):
-    ax = axis - 1
-    size, width = row.shape[ax], update.shape[ax]
-    at = jnp.clip(start, 0, size - width)
-    index = [0] * row.ndim
-    index[ax] = at
-    old = jax.lax.dynamic_slice(row, index, update.shape)
-    source = jnp.arange(width) - (start - at)  # the new column each window position takes
-    keep = ((source >= 0) & (source < count)).reshape([width if d == ax else 1 for d in range(row.ndim)])
-    taken = update if width == 1 else jnp.take(update, jnp.clip(source, 0, width - 1), axis=ax)
-    return jax.lax.dynamic_update_slice(row, jnp.where(keep, taken.astype(row.dtype), old), index)
-  return jax.vmap(one)(buffer, new, starts, counts)
+  batch, width, size = new.shape[0], new.shape[axis], buffer.shape[axis]
+  columns = jnp.arange(width)[None, :]
+  positions = jnp.where(columns < counts[:, None], starts[:, None] + columns, size)  # [B, T]
+  index = [jnp.arange(batch)[:, None]] + [slice(None)] * (buffer.ndim - 1)
+  index[axis] = positions
+  # The two advanced indices (rows, positions) broadcast to [B, T] and lead the update's axes.
+  update = jnp.moveaxis(new, axis, 1).astype(buffer.dtype)  # [B, T, ...]
+  return buffer.at[tuple(index)].set(update, mode="drop")

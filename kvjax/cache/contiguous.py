@@ -4,7 +4,7 @@ Per layer k [B, K, H, S] and v [B, K, S, H] in config.cache_dtype, kv-head major
 (row, kv head) pair reads one contiguous block per decode step; keys are stored transposed so
 that the decode scores are a plain [G, H] x [H, S] product with S contiguous (the
 sequence-major layout [B, S, K, H] makes XLA's CPU dot transpose the whole cache every step).
-New K/V are written with lax.dynamic_update_slice.
+New K/V are scattered into place (`write_rows`), in place since the cache is donated.
 """
 
 from __future__ import annotations

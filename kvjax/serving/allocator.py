@@ -19,6 +19,7 @@ from collections.abc import Hashable, Iterable
 import numpy as np
 
 from kvjax.cache.pages import NULL_PAGE
+from kvjax.config import check_positive_int
 
 
 class OutOfPages(RuntimeError):
@@ -29,9 +30,8 @@ class PageAllocator:
   """Allocates pages 1 .. num_pages - 1 of a pool of `num_pages` pages of `page_size` tokens."""
 
   def __init__(self, num_pages: int, page_size: int):
-    for name, value in (("num_pages", num_pages), ("page_size", page_size)):
-      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    check_positive_int(num_pages, "num_pages")
+    check_positive_int(page_size, "page_size")
     if num_pages < 2:
       raise ValueError(f"num_pages={num_pages} leaves no page besides the reserved null page")
     self.num_pages = num_pages

@@ -1,0 +1,74 @@
+"""`kvjax bench paged`: the paged decode step against the contiguous one at equal batch and context.
+
+Both caches hold the same K/V (the contiguous cache's rows scattered over randomly ordered pages),
+so the first step's logits are compared too. Steps alternate between the caches so that both see
+the same machine load.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.bench.benchmarks import BENCH_MODEL, filled_cache, init_model
+from kvjax.cache.paged import PagedCache, pallas_available
+from kvjax.config import ModelConfig
+from kvjax.decoding.decode import decode_step
+from kvjax.model.transformer import cache_collection, cache_layers
+from kvjax.timing import timed_alternating
+
+
+def bench_paged(cfg: ModelConfig = BENCH_MODEL, *, batch: int = 8, repeats: int = 5, context: int = 1024,
+                page_size: int = 16) -> dict:
+  """Median step times of the contiguous and paged caches (and the Pallas kernel's, on a GPU),
+  each holding `context - steps` tokens per row when timing starts."""
+  impls = ["gather", "pallas"] if pallas_available() else ["gather"]
+  steps = max(4 * repeats, 8)
+  advance = steps + 1  # each cache takes one warm-up step and `steps` timed ones
+  if context % page_size or context > cfg.max_len or context <= advance:
+    raise ValueError(f"context={context} must be a multiple of page_size={page_size}, at most "
+                     f"ModelConfig.max_len={cfg.max_len} and more than {advance} (the timed steps)")
+  model, params = init_model(cfg)
+  start = context - advance
+  contiguous = filled_cache(model, params, batch, start, context)
+  width = context // page_size
+  table = np.random.default_rng(0).permutation(np.arange(1, batch * width + 1)).reshape(batch, width)
+
+  def scatter(rows):  # rows [B, K, S, H] -> pool [K, P, Z, H], pages in table order
+    pool = jnp.zeros((cfg.num_kv_heads, batch * width + 1, page_size, cfg.head_dim), cfg.kv_dtype)
+    pages = rows.reshape(batch, cfg.num_kv_heads, width, page_size, cfg.head_dim).swapaxes(0, 1)
+    return pool.at[:, table].set(pages.astype(pool.dtype))
+
+  layers = cache_layers(contiguous.layers)
+  pools = cache_collection(cfg, lambda i: {"k": scatter(layers[i]["k"].swapaxes(2, 3)), "v": scatter(layers[i]["v"])})
+  caches = {"contiguous": contiguous}
+  for impl in impls:
+    empty = PagedCache.create(cfg, 2, page_size, batch, width, attention=impl)
+    caches[impl] = empty.replace(layers=jax.tree.map(jnp.copy, pools)).with_rows(table, contiguous.lengths)
+  del layers, pools
+  tokens = np.zeros((batch,), np.int32)
+  first = {}
+
+  def stepper(name):
+    def step():
+      logits, caches[name] = decode_step(model, params, caches[name], tokens)
+      first.setdefault(name, logits)
+      return logits
+    return step
+
+  times = timed_alternating({name: stepper(name) for name in caches}, steps)
+  ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+  result = {"benchmark": "paged", "backend": jax.default_backend(), "model": cfg.to_dict(), "batch": batch,
+            "context": context, "page_size": page_size, "steps": steps,
+            "contiguous_step_ms": ms["contiguous"], "paged_step_ms": ms["gather"],
+            "paged_over_contiguous": ms["gather"] / ms["contiguous"],
+            "paged_over_contiguous_per_round": [p / c for p, c in zip(times["gather"], times["contiguous"])],
+            "first_step_max_logit_diff": float(jnp.abs(first["gather"] - first["contiguous"]).max()),
+            "pallas_available": pallas_available()}
+  if "pallas" in caches:
+    result.update(pallas_step_ms=ms["pallas"], pallas_over_contiguous=ms["pallas"] / ms["contiguous"],
+                  pallas_first_step_max_logit_diff=float(jnp.abs(first["pallas"] - first["contiguous"]).max()))
+  return result
