@@ -22,7 +22,6 @@ multi-task SLURM or Open MPI launch, which JAX detects by itself.
 
 from __future__ import annotations
 
-import argparse
 import os
 from typing import Any
 
@@ -73,14 +72,10 @@ def make_mesh(data: int = 1, model: int = 1) -> Mesh:
                        devices=devices[:data * model])
 
 
-def mesh_from_arg(text: str | None) -> Mesh | None:
-  """The --mesh command-line value as a Mesh; None (no sharding) when not given."""
-  return None if text is None else make_mesh(**parse_mesh(text))
-
-
-def add_mesh_argument(parser: argparse.ArgumentParser) -> None:
-  parser.add_argument("--mesh", metavar="data=D,model=M",
-                      help="shard over a device mesh: batch on data, heads / kv heads / MLP on model")
+def mesh_from_spec(spec: str | None) -> Mesh | None:
+  """A 'data=D,model=M' spec (a run's train.mesh, or a command's --mesh) as a Mesh; None (no
+  sharding) when there is none."""
+  return None if spec is None else make_mesh(**parse_mesh(spec))
 
 
 def _names(path) -> tuple[str, ...]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pathlib
 import re
 
 import pytest
@@ -169,6 +170,8 @@ CONFIG_FILE = """
 import dataclasses
 from kvjax.config import ModelConfig
 
+DRIVER = {driver!r}
+
 @dataclasses.dataclass(frozen=True)
 class HelloRun:
   job: str = "{job}"
@@ -188,13 +191,13 @@ def main(config, workdir):
 """
 
 
-def test_run_dispatches_to_an_experiment_driver(tmp_path, capsys):
+def test_run_dispatches_to_the_driver_the_config_names(tmp_path, capsys):
   from kvjax.cli import main as cli
   (tmp_path / "configs" / "nested").mkdir(parents=True)
-  (tmp_path / "experiments").mkdir()
+  (tmp_path / "drivers").mkdir()
   config_file = tmp_path / "configs" / "nested" / "hello.py"
-  config_file.write_text(CONFIG_FILE.format(job="hello"))
-  (tmp_path / "experiments" / "hello.py").write_text(DRIVER)
+  config_file.write_text(CONFIG_FILE.format(job="hello", driver="../../drivers/hello.py"))
+  (tmp_path / "drivers" / "hello.py").write_text(DRIVER)
   workdir = tmp_path / "runs" / "hello"
   argv = ["run", str(config_file), "--workdir", str(workdir), "--set", "greeting=hi", "model.num_kv_heads=2"]
   assert cli.main(argv) == 0
@@ -206,11 +209,44 @@ def test_run_dispatches_to_an_experiment_driver(tmp_path, capsys):
   assert '"greeting": "hi"' in out  # the resolved config is printed
 
 
+def test_run_works_from_another_working_directory(tmp_path, monkeypatch, capsys):
+  """The config names its driver by path: nothing is looked up from the working directory."""
+  from kvjax.cli import main as cli
+  (tmp_path / "project").mkdir()
+  driver = tmp_path / "project" / "hello_driver.py"
+  driver.write_text(DRIVER)
+  config_file = tmp_path / "project" / "hello.py"
+  config_file.write_text(CONFIG_FILE.format(job="hello", driver=driver.name))  # beside the config
+  elsewhere = tmp_path / "elsewhere"
+  elsewhere.mkdir()
+  monkeypatch.chdir(elsewhere)
+  assert cli.main(["run", "../project/hello.py", "--set", "greeting=hey"]) == 0
+  assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["said"] == "hey"
+  # The default workdir is runs/<config stem> under the working directory.
+  assert json.loads((elsewhere / "runs" / "hello" / "out.json").read_text()) == {"greeting": "hey"}
+
+
+def test_every_config_names_an_existing_driver_or_a_library_job():
+  from kvjax.cli import run
+  root = pathlib.Path(__file__).resolve().parent.parent
+  configs = sorted((root / "configs").rglob("*.py"))
+  assert configs
+  for path in configs:
+    config, driver = run._load(path)
+    job = run.resolve_job(config.job, driver, path)
+    assert callable(job), path
+    assert (driver is None) == (config.job in run.JOBS), path
+    assert driver is None or driver.parent == root / "experiments", path
+
+
 @pytest.mark.parametrize("content, message", [
-    (CONFIG_FILE.format(job="nosuchjob"), "unknown job 'nosuchjob'"),
+    (CONFIG_FILE.format(job="nosuchjob", driver=None), "unknown job 'nosuchjob': not a library job (train)"),
+    (CONFIG_FILE.format(job="hello", driver="missing.py"), "names DRIVER {tmp}/missing.py, which does not exist"),
+    (CONFIG_FILE.format(job="hello", driver="bad.py"), "bad.py (DRIVER of {tmp}/bad.py) does not define main"),
+    (CONFIG_FILE.format(job="hello", driver=3), "DRIVER in config file {tmp}/bad.py must be a path, got 3"),
     ("x = 1\n", "does not define get_config()"),
     ("def get_config():\n  return {'job': 'train'}\n", "must return a config dataclass with a `job` field"),
-    (CONFIG_FILE.format(job="hello"), "unknown config key 'greting'"),
+    (CONFIG_FILE.format(job="hello", driver=None), "unknown config key 'greting'"),
 ])
 def test_run_errors(tmp_path, capsys, content, message):
   from kvjax.cli import main as cli
@@ -220,7 +256,7 @@ def test_run_errors(tmp_path, capsys, content, message):
   if "greting" in message:
     argv += ["--set", "greting=hi"]
   assert cli.main(argv) == 2
-  assert message in capsys.readouterr().err
+  assert message.format(tmp=tmp_path) in capsys.readouterr().err
   assert not (tmp_path / "w").exists()  # nothing written before the config resolves
 
 
@@ -228,3 +264,31 @@ def test_run_missing_config_file(tmp_path, capsys):
   from kvjax.cli import main as cli
   assert cli.main(["run", str(tmp_path / "absent.py")]) == 2
   assert "config file not found" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["run", "c.py"], ["uptrain", "--from", "a", "--workdir", "b", "--kv-heads", "1"],
+                                     ["bench", "decode"]])
+def test_set_is_one_option_in_every_command(command, capsys):
+  """--set takes several items and repeats, with the same help, wherever it is offered."""
+  from kvjax.cli import main as cli
+  from kvjax.cli.options import SET_HELP
+  parser = cli.build_parser()
+  args = parser.parse_args([*command, "--set", "a=1", "b.c=2", "--set", "d='x'"])
+  assert args.overrides == ["a=1", "b.c=2", "d='x'"]
+  assert parser.parse_args(command).overrides == []
+  with pytest.raises(SystemExit):
+    parser.parse_args([command[0], "--help"])
+  assert " ".join(capsys.readouterr().out.split()).count(" ".join(SET_HELP.split())) == 1
+
+
+def test_bench_set_changes_the_benchmark_model():
+  from kvjax.bench.benchmarks import BENCH_MODEL
+  from kvjax.cli import bench, main as cli
+  from kvjax.cli.options import apply_set
+  args = cli.build_parser().parse_args(["bench", "paged", "--set", "model.num_kv_heads=8", "--batch", "2"])
+  model = apply_set(bench.BenchConfig(), args).model
+  assert model == BENCH_MODEL.replace(num_kv_heads=8)
+  assert bench.benchmark_kwargs(args) == {"batch": 2, "repeats": 5, "context": 1024, "page_size": 16}
+  with pytest.raises(ValueError, match=r"unknown config key 'num_kv_heads'; valid keys: model.vocab_size"):
+    apply_set(bench.BenchConfig(), cli.build_parser().parse_args(
+        ["bench", "decode", "--set", "num_kv_heads=8"]))

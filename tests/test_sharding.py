@@ -74,11 +74,18 @@ def test_train_mesh_is_validated_resumable_and_not_inherited_by_uptraining():
   assert uptrain_config(source, 100, 2, 0.1, ["train.mesh=model=2"]).train.mesh == "model=2"
 
 
-def test_mesh_options_on_run_eval_uptrain(tmp_path, capsys):
+def test_mesh_options_on_run_eval_generate_uptrain(tmp_path, capsys):
   parser = cli.build_parser()
-  assert parser.parse_args(["eval", "--workdir", "w", "--mesh", "model=2"]).mesh == "model=2"
-  assert parser.parse_args(["uptrain", "--from", "a", "--workdir", "b", "--kv-heads", "1",
-                            "--mesh", "data=2"]).mesh == "data=2"
+  commands = {"run": ["c.py"], "eval": ["--workdir", "w"], "generate": ["--workdir", "w", "--prompt", "p"],
+              "uptrain": ["--from", "a", "--workdir", "b", "--kv-heads", "1"]}
+  for name, required in commands.items():
+    assert parser.parse_args([name, *required, "--mesh", "data=2,model=4"]).mesh == "data=2,model=4"
+    assert parser.parse_args([name, *required]).mesh is None
+    # One parser for the text everywhere: a malformed mesh stops the command line, naming the item.
+    with pytest.raises(SystemExit) as exit_info:
+      parser.parse_args([name, *required, "--mesh", "pipe=2"])
+    assert exit_info.value.code == 2
+    assert f"kvjax {name}: error: argument --mesh: mesh item 'pipe=2'" in capsys.readouterr().err
   # A mesh larger than this machine stops `kvjax run` before any work, naming the devices.
   workdir = tmp_path / "run"
   tiny = str(Path(__file__).resolve().parent.parent / "configs" / "train" / "tiny.py")

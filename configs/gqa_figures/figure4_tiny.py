@@ -9,6 +9,8 @@ from pathlib import Path
 
 from kvjax.cli.run import load_config
 
+DRIVER = Path(__file__).parents[2] / "experiments" / "gqa_figure4.py"
+
 
 def get_config():
   table = load_config(Path(__file__).parents[1] / "gqa_table" / "tiny.py")

@@ -7,9 +7,13 @@ runtime and results are in docs/results.md.
   kvjax run configs/gqa_table/cpu.py --workdir runs/gqa_cpu
 """
 
+from pathlib import Path
+
 from kvjax.config import ModelConfig
 from kvjax.studies.gqa import GqaStudy, TimingConfig
 from kvjax.training.config import DataConfig, TrainConfig
+
+DRIVER = Path(__file__).parents[2] / "experiments" / "gqa_table.py"
 
 
 def get_config() -> GqaStudy:

@@ -4,9 +4,13 @@ byte-level models; MHA-big has 32 heads, so GQA-4 keeps the paper's 8 query head
   pip install -e '.[cuda]' && kvjax run configs/gqa_table/gpu.py --workdir runs/gqa_gpu
 """
 
+from pathlib import Path
+
 from kvjax.config import ModelConfig
 from kvjax.studies.gqa import GqaStudy, TimingConfig
 from kvjax.training.config import DataConfig, TrainConfig
+
+DRIVER = Path(__file__).parents[2] / "experiments" / "gqa_table.py"
 
 
 def get_config() -> GqaStudy:

@@ -4,9 +4,13 @@ quality, files) at a size the test suite runs. The numbers only show the pipelin
   kvjax run configs/gqa_table/tiny.py --workdir runs/gqa_tiny
 """
 
+from pathlib import Path
+
 from kvjax.config import ModelConfig
 from kvjax.studies.gqa import GqaStudy, TimingConfig
 from kvjax.training.config import DataConfig, TrainConfig
+
+DRIVER = Path(__file__).parents[2] / "experiments" / "gqa_table.py"
 
 
 def get_config() -> GqaStudy:

@@ -1,4 +1,5 @@
-"""`kvjax bench`: decoding benchmarks that print JSON. Every ratio is measured in one run.
+"""Decoding benchmarks (`kvjax bench`), each returning a JSON-ready dict. Every ratio is measured
+in one run.
 
   decode   generate tokens/s and the decode step against this machine's rooflines, measured in
            the same run: memory bandwidth (a jitted reduction over 1 GiB) and matmul FLOP/s.
@@ -11,11 +12,10 @@
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import tempfile
 import time
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +25,7 @@ from kvjax.model import attention
 from kvjax.decoding import baselines
 from kvjax.decoding import decode
 from kvjax.kernels import matmul
-from kvjax.config import ModelConfig, apply_overrides
+from kvjax.config import ModelConfig
 from kvjax.model.flops import matmul_params, peak_flops
 from kvjax.model.transformer import Transformer
 from kvjax.timing import timed, timed_alternating
@@ -103,43 +103,50 @@ def random_prompts(cfg: ModelConfig, batch: int, prompt: int, seed: int = 0):
   return tokens, np.full((batch,), prompt, np.int32)
 
 
-def bench_decode(args) -> dict:
-  cfg = apply_overrides(BENCH_MODEL, [s.removeprefix("model.") for s in args.set])
+def bench_decode(cfg: ModelConfig = BENCH_MODEL, *, batch: int = 8, prompt: int = 128,
+                 new_tokens: int = 128, repeats: int = 5) -> dict:
+  """Decode step (ms) on a cache of `prompt` positions per row and, for new_tokens > 1, generate
+  tokens/s from prompts of `prompt` tokens, each against its roofline; generate is timed as the
+  median of `repeats` runs."""
   model, params = init_model(cfg)
   bandwidth, flops = memory_bandwidth(), peak_flops()[0]
-  result = {"benchmark": "decode", "model": cfg.to_dict(), "batch": args.batch, "prompt": args.prompt,
-            "new_tokens": args.new, "small_matmul_kernel": matmul.uses_kernel(args.batch, cfg.compute_dtype),
+  result = {"benchmark": "decode", "model": cfg.to_dict(), "batch": batch, "prompt": prompt,
+            "new_tokens": new_tokens, "small_matmul_kernel": matmul.uses_kernel(batch, cfg.compute_dtype),
             "decode_attention_kernel": attention.uses_cache_kernel(cfg.compute_dtype, cfg.kv_dtype),
             "memory_bandwidth_GBps": bandwidth / 1e9, "matmul_GFLOPs": flops / 1e9}
 
-  cache = filled_cache(model, params, args.batch, args.prompt, args.prompt + STEP_REPEATS + 1)
+  cache = filled_cache(model, params, batch, prompt, prompt + STEP_REPEATS + 1)
   step = time_decode_step(model, params, cache)
-  step_bytes = decode_step_bytes(cfg, args.batch, args.prompt)
+  step_bytes = decode_step_bytes(cfg, batch, prompt)
   result.update(decode_step_ms=step * 1e3, decode_step_bytes=step_bytes,
                 decode_step_roofline_ms=step_bytes / bandwidth * 1e3,
                 decode_roofline_fraction=step_bytes / bandwidth / step)
 
-  if args.new > 1:
-    prompts, lengths = random_prompts(cfg, args.batch, args.prompt)
-    seconds = timed(lambda: decode.generate(model, params, prompts, lengths, args.new), args.repeats)
-    ceiling = prefill_flops(cfg, args.batch, args.prompt) / flops + sum(
-        decode_step_bytes(cfg, args.batch, args.prompt + i) / bandwidth for i in range(args.new - 1))
-    tokens = args.batch * args.new
+  if new_tokens > 1:
+    prompts, lengths = random_prompts(cfg, batch, prompt)
+    seconds = timed(lambda: decode.generate(model, params, prompts, lengths, new_tokens), repeats)
+    ceiling = prefill_flops(cfg, batch, prompt) / flops + sum(
+        decode_step_bytes(cfg, batch, prompt + i) / bandwidth for i in range(new_tokens - 1))
+    tokens = batch * new_tokens
     result.update(generate_s=seconds, tokens_per_s=tokens / seconds,
                   ceiling_tokens_per_s=tokens / ceiling, fraction_of_ceiling=ceiling / seconds)
   return result
 
 
-def bench_nocache(args) -> dict:
-  cfg = apply_overrides(BENCH_MODEL, [s.removeprefix("model.") for s in args.set])
+def bench_nocache(cfg: ModelConfig = BENCH_MODEL, *, prompt: int = 128,
+                  new_token_counts: Sequence[int] = (64, 128, 256, 512), concat_max: int = 64,
+                  repeats: int = 5) -> dict:
+  """Seconds to generate each of `new_token_counts` new tokens from one prompt of `prompt` tokens
+  with the preallocated cache and with the baselines; the concat cache, which compiles once per
+  length, only up to concat_max new tokens."""
   model, params = init_model(cfg)
-  prompts, lengths = random_prompts(cfg, 1, args.prompt)
+  prompts, lengths = random_prompts(cfg, 1, prompt)
   rows = []
-  for new in args.lengths:
+  for new in new_token_counts:
     expected = np.asarray(decode.generate(model, params, prompts, lengths, new))
-    row = {"new_tokens": new, "cached_s": timed(lambda: decode.generate(model, params, prompts, lengths, new), args.repeats)}
+    row = {"new_tokens": new, "cached_s": timed(lambda: decode.generate(model, params, prompts, lengths, new), repeats)}
     strategies = {"nocache": baselines.generate_nocache, "doubling": baselines.generate_doubling}
-    if new <= args.concat_max:
+    if new <= concat_max:
       strategies["concat"] = baselines.generate_concat
     for name, fn in strategies.items():
       tokens = fn(model, params, prompts, lengths, new)
@@ -147,10 +154,13 @@ def bench_nocache(args) -> dict:
       row[f"{name}_over_cached"] = row[f"{name}_s"] / row["cached_s"]
       row[f"{name}_same_tokens"] = bool((tokens == expected).all())
     rows.append(row)
-  return {"benchmark": "nocache", "model": cfg.to_dict(), "batch": 1, "prompt": args.prompt, "rows": rows}
+  return {"benchmark": "nocache", "model": cfg.to_dict(), "batch": 1, "prompt": prompt, "rows": rows}
 
 
-def bench_hf(args) -> dict:
+def bench_hf(cfg: ModelConfig = BENCH_MODEL, *, batch: int = 8, prompt: int = 128, new_tokens: int = 128,
+             repeats: int = 5, threads: int = 0) -> dict:
+  """kvjax's generate vs transformers' (static cache) on the same weights, in `repeats` alternating
+  rounds; torch uses `threads` threads (0: torch's default)."""
   try:
     import torch
     import transformers
@@ -158,9 +168,8 @@ def bench_hf(args) -> dict:
     raise ValueError(f"`kvjax bench hf` needs the bench extra (pip install 'kvjax[bench]'): {err}") from None
   from kvjax.interop import hf
 
-  cfg = apply_overrides(BENCH_MODEL, [s.removeprefix("model.") for s in args.set])
   torch.manual_seed(0)
-  torch.set_num_threads(args.threads or torch.get_num_threads())
+  torch.set_num_threads(threads or torch.get_num_threads())
   hf_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
       vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.mlp_dim,
       num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
@@ -171,23 +180,23 @@ def bench_hf(args) -> dict:
     hf_model.save_pretrained(tmp, safe_serialization=True)
     params, imported = hf.from_hf(tmp)
   model = Transformer(imported)
-  prompts, lengths = random_prompts(imported, args.batch, args.prompt)
-  ours = np.asarray(decode.generate(model, params, prompts, lengths, args.new))
+  prompts, lengths = random_prompts(imported, batch, prompt)
+  ours = np.asarray(decode.generate(model, params, prompts, lengths, new_tokens))
 
   input_ids = torch.from_numpy(prompts.astype(np.int64))
-  generate_kwargs = dict(attention_mask=torch.ones_like(input_ids), max_new_tokens=args.new,
-                         min_new_tokens=args.new, do_sample=False, cache_implementation="static",
+  generate_kwargs = dict(attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
+                         min_new_tokens=new_tokens, do_sample=False, cache_implementation="static",
                          pad_token_id=0, eos_token_id=None)
   with torch.inference_mode():
-    theirs = hf_model.generate(input_ids, **generate_kwargs)[:, args.prompt:].numpy()
-    times = timed_alternating({"kvjax": lambda: decode.generate(model, params, prompts, lengths, args.new),
-                               "hf": lambda: hf_model.generate(input_ids, **generate_kwargs)}, args.repeats)
+    theirs = hf_model.generate(input_ids, **generate_kwargs)[:, prompt:].numpy()
+    times = timed_alternating({"kvjax": lambda: decode.generate(model, params, prompts, lengths, new_tokens),
+                               "hf": lambda: hf_model.generate(input_ids, **generate_kwargs)}, repeats)
   kvjax_s, hf_s = statistics.median(times["kvjax"]), statistics.median(times["hf"])
   ratios = [h / k for k, h in zip(times["kvjax"], times["hf"])]
-  tokens = args.batch * args.new
-  return {"benchmark": "hf", "model": imported.to_dict(), "batch": args.batch, "prompt": args.prompt,
-          "new_tokens": args.new, "torch_threads": torch.get_num_threads(),
-          "small_matmul_kernel": matmul.uses_kernel(args.batch, imported.compute_dtype),
+  tokens = batch * new_tokens
+  return {"benchmark": "hf", "model": imported.to_dict(), "batch": batch, "prompt": prompt,
+          "new_tokens": new_tokens, "torch_threads": torch.get_num_threads(),
+          "small_matmul_kernel": matmul.uses_kernel(batch, imported.compute_dtype),
           "decode_attention_kernel": attention.uses_cache_kernel(imported.compute_dtype, imported.kv_dtype),
           "transformers_version": transformers.__version__, "torch_version": torch.__version__,
           "kvjax_tokens_per_s": tokens / kvjax_s, "hf_tokens_per_s": tokens / hf_s,
@@ -195,13 +204,13 @@ def bench_hf(args) -> dict:
           "kvjax_s": times["kvjax"], "hf_s": times["hf"], "greedy_tokens_agree": float((ours == theirs).mean())}
 
 
-def bench_matmul(args) -> dict:
-  """Per-call time of x[rows, K] @ w[K, N] for each weight shape of a decode step, by XLA's dot and
-  by the kernel, in alternating rounds. Each timed call chains 16 products over distinct weights
+def bench_matmul(cfg: ModelConfig = BENCH_MODEL, *, batch: int = 8, repeats: int = 5) -> dict:
+  """Per-call time of x[rows, K] @ w[K, N] for each weight shape of a decode step and rows in
+  (1, matmul.MIN_ROWS, batch, matmul.MAX_ROWS), by XLA's dot and by the kernel, in `repeats`
+  alternating rounds. Each timed call chains 16 products over distinct weights
   (the weights stream from memory, as in a decode step)."""
   if not matmul.kernel_available():
     raise ValueError("the CPU small-matmul kernel is unavailable here (see kvjax.kernels.matmul)")
-  cfg = apply_overrides(BENCH_MODEL, [s.removeprefix("model.") for s in args.set])
   d, q, kv = cfg.d_model, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
   mlp_in = "gate, up" if cfg.activation == "swiglu" else "up"
   shapes = {"q": (d, q), "k, v": (d, kv), "out": (q, d), mlp_in: (d, cfg.mlp_dim), "down": (cfg.mlp_dim, d)}
@@ -218,7 +227,7 @@ def bench_matmul(args) -> dict:
     run = jax.jit(run)
     return lambda: run(x, weights)
 
-  rows_list = sorted({1, matmul.MIN_ROWS, args.batch, matmul.MAX_ROWS})
+  rows_list = sorted({1, matmul.MIN_ROWS, batch, matmul.MAX_ROWS})
   calls = {}
   for name, (k, n) in shapes.items():
     weights = [jnp.asarray(rng.standard_normal((k, n), np.float32)) for _ in range(chain)]
@@ -226,7 +235,7 @@ def bench_matmul(args) -> dict:
       x = jnp.asarray(rng.standard_normal((rows, k), np.float32))
       calls[name, rows, "xla"] = chained(jnp.matmul, x, weights)
       calls[name, rows, "kernel"] = chained(matmul.small_matmul, x, weights)
-  times = timed_alternating(calls, args.repeats)
+  times = timed_alternating(calls, repeats)
   results = []
   for name, (k, n) in shapes.items():
     for rows in rows_list:
@@ -236,37 +245,13 @@ def bench_matmul(args) -> dict:
   return {"benchmark": "matmul", "model": cfg.to_dict(), "max_rows": matmul.MAX_ROWS, "results": results}
 
 
-def bench_paged(args) -> dict:
-  from kvjax.cache.paged import bench_paged as run
-  return run(args)
+def bench_paged(cfg: ModelConfig = BENCH_MODEL, *, batch: int = 8, repeats: int = 5, context: int = 1024,
+                page_size: int = 16) -> dict:
+  """The paged decode step vs the contiguous one on the same K/V (kvjax.bench.paged.bench_paged):
+  `context` tokens cached per row in pages of `page_size` tokens."""
+  from kvjax.bench import paged  # imported here: kvjax.bench.paged builds on this module's helpers
+  return paged.bench_paged(cfg, batch=batch, repeats=repeats, context=context, page_size=page_size)
 
 
 BENCHMARKS = {"decode": bench_decode, "nocache": bench_nocache, "hf": bench_hf, "paged": bench_paged,
               "matmul": bench_matmul}
-
-
-def command(args: argparse.Namespace) -> int:
-  result = BENCHMARKS[args.benchmark](args)
-  print(json.dumps(result, indent=None if args.json else 2))
-  return 0
-
-
-def add_parser(subparsers) -> None:
-  parser = subparsers.add_parser("bench", help="decoding benchmarks (JSON)", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("benchmark", choices=sorted(BENCHMARKS))
-  parser.add_argument("--set", action="append", default=[], metavar="model.KEY=VALUE",
-                      help="override a field of the benchmark model, e.g. model.num_kv_heads=8")
-  parser.add_argument("--batch", type=int, default=8)
-  parser.add_argument("--prompt", type=int, default=128)
-  parser.add_argument("--new", type=int, default=128, help="new tokens per sequence")
-  parser.add_argument("--repeats", type=int, default=5, help="timed runs after warm-up (median)")
-  parser.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[64, 128, 256, 512],
-                      help="nocache: comma-separated numbers of new tokens")
-  parser.add_argument("--concat-max", type=int, default=64,
-                      help="nocache: longest run for the concat cache (it compiles once per length)")
-  parser.add_argument("--threads", type=int, default=0, help="hf: torch threads (default: torch's)")
-  parser.add_argument("--context", type=int, default=1024, help="paged: tokens cached per row")
-  parser.add_argument("--page-size", type=int, default=16, help="paged: tokens per page")
-  parser.add_argument("--json", action="store_true", help="one line of JSON")
-  parser.set_defaults(func=command)

@@ -12,7 +12,7 @@ import argparse
 import jax
 import numpy as np
 
-from kvjax import sharding
+from kvjax.cli import options
 from kvjax.training import data
 from kvjax.training.checkpoint import load_model
 from kvjax.interop.hf import load_tokenizer
@@ -39,7 +39,7 @@ def continue_text(workdir, prompt: str, *, max_new_tokens: int, temperature: flo
 def command(args: argparse.Namespace) -> int:
   print(continue_text(args.workdir, args.prompt, max_new_tokens=args.max_new_tokens,
                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                      seed=args.seed, step=args.step, mesh=sharding.mesh_from_arg(args.mesh)))
+                      seed=args.seed, step=args.step, mesh=options.mesh(args)))
   return 0
 
 
@@ -53,5 +53,5 @@ def add_parser(subparsers) -> None:
   parser.add_argument("--top-p", type=float, help="sample within the top-p probability mass")
   parser.add_argument("--seed", type=int, default=0, help="sampling seed")
   parser.add_argument("--step", type=int, help="checkpoint step (default: latest)")
-  sharding.add_mesh_argument(parser)
+  options.add_mesh_option(parser)
   parser.set_defaults(func=command)

@@ -1,25 +1,26 @@
-"""The `kvjax` command line: one subcommand per job, each defined beside the code it runs.
+"""The `kvjax` command line: one subcommand per module of kvjax.cli.
 
-Every module in SUBCOMMANDS provides `add_parser(subparsers)`, which registers its
-subcommand and sets `func` on it; `main` dispatches to that function.
+Every module in COMMANDS provides `add_parser(subparsers)`, which registers its subcommand and
+sets `func` on it, and `command(args)`, that `func`; `main` dispatches to it. Options that several
+commands take (--set, --mesh) are defined once, in kvjax.cli.options.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 
 from kvjax import sharding
+from kvjax.cli import bench, build_kernels, evaluate, generate, import_hf, kv_size, run, uptrain
 
-SUBCOMMANDS = ("kvjax.bench.benchmarks", "kvjax.cli.run", "kvjax.training.evaluate", "kvjax.cli.generate", "kvjax.interop.hf", "kvjax.interop.kv_size", "kvjax.conversion.uptrain")
+COMMANDS = (run, evaluate, generate, uptrain, import_hf, kv_size, bench, build_kernels)
 
 
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="kvjax", description="kvjax: KV-cache-efficient decoding for decoder-only transformers in JAX/Flax.")
   subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-  for module in SUBCOMMANDS:
-    importlib.import_module(module).add_parser(subparsers)
+  for module in COMMANDS:
+    module.add_parser(subparsers)
   return parser
 
 

@@ -1,9 +1,15 @@
 """`kvjax run CONFIG.py`: load a config, apply overrides, save it in the workdir, run its job.
 
-A config file defines `get_config()` returning a nested frozen dataclass with a `job` field.
-Jobs in JOBS are library functions `run(config, workdir) -> dict`; any other job name is looked
-up as a thin driver `experiments/<job>.py` defining `main(config, workdir)`, found in the first
-folder at or above the config file's folder that has one (configs/ and experiments/ are siblings).
+A config file defines `get_config()` returning a nested frozen dataclass with a `job` field. A
+library job (JOBS) runs by that name: a function `run(config, workdir) -> dict`. Any other job
+is run by the driver the config file names in a module-level DRIVER, the path of a Python file
+defining `main(config, workdir)`; a relative DRIVER is taken from the config file's folder. The
+configs under configs/ name theirs from their own location:
+
+  DRIVER = Path(__file__).parents[2] / "experiments" / "gqa_table.py"
+
+so a config runs the same from any working directory. A config file that names a DRIVER runs it,
+whatever its job field says.
 """
 
 from __future__ import annotations
@@ -13,12 +19,14 @@ import dataclasses
 import importlib
 import importlib.util
 import json
+import os
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
 
-from kvjax.training import checkpoint
+from kvjax.cli import options
 from kvjax.config import apply_overrides, config_keys, to_dict
+from kvjax.training import checkpoint
 
 JOBS = {
     "train": "kvjax.training.train:run",
@@ -28,16 +36,12 @@ JOBS = {
 def _load_module(path: Path, name: str) -> ModuleType:
   spec = importlib.util.spec_from_file_location(name, path)
   module = importlib.util.module_from_spec(spec)
-  try:
-    spec.loader.exec_module(module)
-  except FileNotFoundError as err:
-    raise ValueError(f"no such file: {path}") from err
+  spec.loader.exec_module(module)
   return module
 
 
-def load_config(path: str | Path) -> Any:
-  """Runs `get_config()` of a Python config file and checks what it returns."""
-  path = Path(path)
+def _load(path: Path) -> tuple[Any, Path | None]:
+  """(get_config() of the config file, the DRIVER it names resolved to an absolute path, or None)."""
   if not path.is_file():
     raise ValueError(f"config file not found: {path}")
   module = _load_module(path, f"kvjax_config_{path.stem}")
@@ -46,25 +50,34 @@ def load_config(path: str | Path) -> Any:
   config = module.get_config()
   if not dataclasses.is_dataclass(config) or not isinstance(getattr(config, "job", None), str):
     raise ValueError(f"get_config() in {path} must return a config dataclass with a `job` field, got {config!r}")
-  return config
+  driver = getattr(module, "DRIVER", None)
+  if driver is None:
+    return config, None
+  if not isinstance(driver, (str, os.PathLike)):
+    raise ValueError(f"DRIVER in config file {path} must be a path, got {driver!r}")
+  return config, (path.resolve().parent / driver).resolve()
 
 
-def resolve_job(job: str, config_path: str | Path) -> Callable[[Any, Path], Any]:
-  """The function that runs `job`: a library job from JOBS, else experiments/<job>.py:main."""
+def load_config(path: str | Path) -> Any:
+  """Runs `get_config()` of a Python config file and checks what it returns."""
+  return _load(Path(path))[0]
+
+
+def resolve_job(job: str, driver: Path | None, config_path: str | Path) -> Callable[[Any, Path], Any]:
+  """The function that runs the config of `config_path`: main() of its `driver` file when it names
+  one, else the library job `job` from JOBS."""
+  if driver is not None:
+    if not driver.is_file():
+      raise ValueError(f"config file {config_path} names DRIVER {driver}, which does not exist")
+    module = _load_module(driver, f"kvjax_driver_{driver.stem}")
+    if not callable(getattr(module, "main", None)):
+      raise ValueError(f"driver {driver} (DRIVER of {config_path}) does not define main(config, workdir)")
+    return module.main
   if job in JOBS:
     module, name = JOBS[job].split(":")
     return getattr(importlib.import_module(module), name)
-  start = Path(config_path).resolve().parent
-  searched = [folder / "experiments" for folder in (start, *start.parents)]
-  for folder in searched:
-    driver = folder / f"{job}.py"
-    if driver.is_file():
-      module = _load_module(driver, f"kvjax_experiment_{job}")
-      if not callable(getattr(module, "main", None)):
-        raise ValueError(f"experiment driver {driver} does not define main(config, workdir)")
-      return module.main
-  raise ValueError(f"unknown job {job!r}: not a library job ({', '.join(sorted(JOBS))}) and no "
-                   f"experiments/{job}.py at or above {start}")
+  raise ValueError(f"unknown job {job!r}: not a library job ({', '.join(sorted(JOBS))}), and config file "
+                   f"{config_path} names no DRIVER (the path of a file defining main(config, workdir))")
 
 
 def prepare_workdir(workdir: Path, config: Any) -> None:
@@ -78,15 +91,14 @@ def prepare_workdir(workdir: Path, config: Any) -> None:
 
 
 def command(args: argparse.Namespace) -> int:
-  config = load_config(args.config)
-  overrides = list(args.overrides)
+  config, driver = _load(Path(args.config))
+  config = options.apply_set(config, args)
   if args.mesh is not None:
     if "train.mesh" not in config_keys(config):
       raise ValueError(f"--mesh shards training runs, but the {config.job!r} config of {args.config} "
                        "has no train.mesh")
-    overrides.append(f"train.mesh={args.mesh}")
-  config = apply_overrides(config, overrides)
-  job = resolve_job(config.job, args.config)
+    config = apply_overrides(config, [f"train.mesh={args.mesh}"])
+  job = resolve_job(config.job, driver, args.config)
   workdir = Path(args.workdir or Path("runs") / Path(args.config).stem)
   print(json.dumps(to_dict(config), indent=2), flush=True)
   prepare_workdir(workdir, config)
@@ -97,12 +109,10 @@ def command(args: argparse.Namespace) -> int:
 
 
 def add_parser(subparsers) -> None:
-  parser = subparsers.add_parser("run", help="run the job a config file describes (training, experiments)")
-  parser.add_argument("config", help="Python file defining get_config()")
+  parser = subparsers.add_parser("run", help="run the job a config file describes (training, experiments)",
+                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("config", help="Python file defining get_config() (and DRIVER, for an experiment)")
   parser.add_argument("--workdir", help="output folder (default: runs/<config file stem>)")
-  parser.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
-                      help="override config fields, e.g. --set train.steps=10 model.num_kv_heads=2")
-  parser.add_argument("--mesh", metavar="data=D,model=M",
-                      help="shard training over a device mesh (shorthand for --set train.mesh=...): "
-                           "batch on data, heads / kv heads / MLP on model")
+  options.add_set_option(parser)
+  options.add_mesh_option(parser)
   parser.set_defaults(func=command)

@@ -1,5 +1,5 @@
 """Uptraining (Ainslie et al. 2023): convert a trained MHA checkpoint to GQA / MQA, then continue
-pre-training for a fraction alpha of the source run's steps; the `kvjax uptrain` subcommand.
+pre-training for a fraction alpha of the source run's steps (`kvjax uptrain`).
 
 The source workdir is only read. The destination is an ordinary training workdir (resumable like
 any run) plus uptrain.json, which records held-out quality before conversion, right after it
@@ -8,7 +8,6 @@ any run) plus uptrain.json, which records held-out quality before conversion, ri
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -20,7 +19,7 @@ from kvjax import sharding
 from kvjax.training import checkpoint
 from kvjax.training import train
 from kvjax.config import ModelConfig, apply_overrides, from_dict, to_dict
-from kvjax.conversion.kv_heads import METHODS, convert_kv_heads
+from kvjax.conversion.kv_heads import convert_kv_heads
 from kvjax.training.data import load_dataset
 from kvjax.training.evaluate import evaluate
 from kvjax.model.transformer import Transformer
@@ -72,7 +71,7 @@ def uptrain(source_workdir: str | Path, workdir: str | Path, num_kv_heads: int, 
     raise ValueError(f"{dest} holds an uptraining with kv heads {record['num_kv_heads']}, method "
                      f"{record['method']!r}, fraction {record['fraction']}; use another --workdir")
   data = load_dataset(config.data)
-  mesh = sharding.mesh_from_arg(config.train.mesh)
+  mesh = sharding.mesh_from_spec(config.train.mesh)
   quality = lambda m, p: evaluate(m, p, data, batch_size=config.train.batch_size,
                                   num_batches=config.train.eval_batches, mesh=mesh)
   if record is None:
@@ -94,31 +93,3 @@ def uptrain(source_workdir: str | Path, workdir: str | Path, num_kv_heads: int, 
                        "accuracy": summary["accuracy"]}
   record_path.write_text(json.dumps(record, indent=2) + "\n")
   return record
-
-
-def command(args: argparse.Namespace) -> int:
-  overrides = args.set + ([f"train.mesh={args.mesh}"] if args.mesh is not None else [])
-  record = uptrain(args.source, args.workdir, args.kv_heads, method=args.method, fraction=args.fraction,
-                   overrides=overrides, seed=args.seed)
-  rows = [("before conversion", record["before"]), ("converted (alpha=0)", record["converted"]),
-          (f"uptrained (alpha={record['fraction']})", record["after"])]
-  for name, q in rows:
-    print(f"{name:>22}: loss {q['loss']:.4f}  bits/byte {q['bits_per_byte']:.4f}  accuracy {q['accuracy']:.4f}")
-  return 0
-
-
-def add_parser(subparsers) -> None:
-  parser = subparsers.add_parser("uptrain", help="convert an MHA checkpoint to GQA/MQA and continue training")
-  parser.add_argument("--from", dest="source", required=True, metavar="SRC_WORKDIR",
-                      help="training (or imported) workdir to convert; never modified")
-  parser.add_argument("--workdir", required=True, help="where the uptrained run is written")
-  parser.add_argument("--kv-heads", type=int, required=True, help="target number of kv heads")
-  parser.add_argument("--method", choices=METHODS, default="mean")
-  parser.add_argument("--fraction", type=float, default=0.05,
-                      help="uptraining steps as a fraction of the source's pre-training steps (alpha)")
-  parser.add_argument("--seed", type=int, default=0, help="rng seed for --method random")
-  parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                      help="override the uptraining run config, e.g. train.lr=3e-4")
-  parser.add_argument("--mesh", metavar="data=D,model=M",
-                      help="shard the uptraining over a device mesh (the run's train.mesh)")
-  parser.set_defaults(func=command)

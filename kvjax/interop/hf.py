@@ -20,7 +20,6 @@ checkpoint that eval, generate and uptrain load, and copies tokenizer.json besid
 
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 from typing import Callable
@@ -328,18 +327,3 @@ def load_tokenizer(path: str | pathlib.Path):
   except ImportError:
     raise ValueError(f"{path} needs the 'tokenizers' package: pip install tokenizers") from None
   return Tokenizer.from_file(str(path))
-
-
-def command(args: argparse.Namespace) -> int:
-  from kvjax.conversion.import_hf import import_hf
-  print(json.dumps(import_hf(args.hf_dir, args.workdir, dtype=args.dtype)))
-  return 0
-
-
-def add_parser(subparsers) -> None:
-  parser = subparsers.add_parser(
-      "import-hf", help="convert a Hugging Face Llama / Qwen2 / GPT-2 safetensors model to a kvjax checkpoint")
-  parser.add_argument("hf_dir", help="folder with config.json and *.safetensors")
-  parser.add_argument("--workdir", required=True, help="new kvjax workdir to write the checkpoint into")
-  parser.add_argument("--dtype", choices=tuple(DTYPES), help="compute dtype (default: the checkpoint's)")
-  parser.set_defaults(func=command)

@@ -1,4 +1,4 @@
-"""Held-out evaluation: next-byte loss, bits per byte and accuracy; the `kvjax eval` subcommand.
+"""Held-out evaluation: next-byte loss, bits per byte and accuracy (`kvjax eval`).
 
 With the byte tokenizer one token is one byte, so bits per byte = loss (nats per token) / ln 2.
 A model that predicts the uniform distribution scores exactly 8 bits per byte. A workdir with a
@@ -7,11 +7,9 @@ tokenizer.json (an imported model) is evaluated on the same text in that tokeniz
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 import math
-import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -54,50 +52,30 @@ def evaluate(model: Transformer, params, data: Dataset, *, batch_size: int, num_
   return {"loss": loss, "bits_per_byte": loss / math.log(2) / data.bytes_per_token, "accuracy": correct / count}
 
 
-def command(args: argparse.Namespace) -> int:
-  step = latest_step(args.workdir) if args.step is None else args.step
-  mesh = sharding.mesh_from_arg(args.mesh)
-  model, params, config = load_model(args.workdir, step, mesh=mesh)
-  meta = read_meta(args.workdir, step)
+def evaluate_checkpoint(workdir: str | Path, *, step: int | None = None, split: str = "val",
+                        batch_size: int | None = None, num_batches: int | None = None,
+                        mesh: Mesh | None = None) -> dict:
+  """`evaluate` of a workdir's checkpoint (latest unless `step`) on the corpus of its run's config.
+
+  batch_size and num_batches default to the run's train.batch_size and train.eval_batches. A
+  workdir with a tokenizer.json (an imported model) is evaluated in that tokenizer's ids.
+  Returns the metrics with the step, split, tokens evaluated, the corpus source and sha256, and
+  trained_corpus_sha256: the corpus the checkpoint was trained on, when its metadata records one.
+  """
+  step = latest_step(workdir) if step is None else step
+  model, params, config = load_model(workdir, step, mesh=mesh)
+  meta = read_meta(workdir, step)
   data_config = from_dict(DataConfig, config["data"]) if "data" in config else DataConfig(
       seq_len=min(128, model.config.max_len))
   train = config.get("train", {})
-  batch_size = args.batch_size or train.get("batch_size", 8)
-  num_batches = args.batches or train.get("eval_batches", 8)
+  batch_size = batch_size or train.get("batch_size", 8)
+  num_batches = num_batches or train.get("eval_batches", 8)
   data = load_dataset(data_config)
-  tokenizer = load_tokenizer(args.workdir)
-  saved_hash = meta.get("corpus", {}).get("sha256")
-  if saved_hash and saved_hash != data.info.sha256:
-    print(f"kvjax eval: warning: corpus {data.info.source} differs from the one this model was trained "
-          f"on (sha256 {data.info.sha256[:12]} vs {saved_hash[:12]})", file=sys.stderr)
+  tokenizer = load_tokenizer(workdir)
   if tokenizer is not None:
     data = retokenize(data, lambda text: tokenizer.encode(text, add_special_tokens=False).ids)
-  metrics = evaluate(model, params, data, batch_size=batch_size, num_batches=num_batches, split=args.split,
+  metrics = evaluate(model, params, data, batch_size=batch_size, num_batches=num_batches, split=split,
                      mesh=mesh)
-  result = {"step": step, "split": args.split, **metrics,
-            "tokens": batch_size * num_batches * data_config.seq_len, "corpus_sha256": data.info.sha256}
-  if args.json:
-    print(json.dumps(result))
-  else:
-    print(f"step {step}  {args.split} loss {metrics['loss']:.4f}  bits/byte {metrics['bits_per_byte']:.4f}  "
-          f"accuracy {metrics['accuracy']:.4f}  ({result['tokens']} tokens)")
-  return 0
-
-
-def positive_int(text: str) -> int:
-  value = int(text)
-  if value < 1:
-    raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-  return value
-
-
-def add_parser(subparsers) -> None:
-  parser = subparsers.add_parser("eval", help="evaluate a checkpoint on the held-out split")
-  parser.add_argument("--workdir", required=True, help="run directory holding checkpoints/")
-  parser.add_argument("--step", type=int, help="checkpoint step (default: latest)")
-  parser.add_argument("--split", default="val", choices=("val", "train"))
-  parser.add_argument("--batches", type=positive_int, help="number of batches (default: the run's train.eval_batches)")
-  parser.add_argument("--batch-size", type=positive_int, help="windows per batch (default: the run's train.batch_size)")
-  parser.add_argument("--json", action="store_true", help="print one JSON object")
-  sharding.add_mesh_argument(parser)
-  parser.set_defaults(func=command)
+  return {"step": step, "split": split, **metrics, "tokens": batch_size * num_batches * data_config.seq_len,
+          "corpus": data.info.source, "corpus_sha256": data.info.sha256,
+          "trained_corpus_sha256": meta.get("corpus", {}).get("sha256")}

@@ -169,7 +169,7 @@ def run(config: TrainRun, workdir: str | Path, init_params=None) -> dict:
   A fresh run starts from `init_params` (with fresh optimizer state) when given, as uptraining
   does; a resumed run always continues from its checkpoint."""
   tc, config_dict = config.train, to_dict(config)
-  mesh = sharding.mesh_from_arg(tc.mesh)  # first: a mesh this machine cannot hold stops the run here
+  mesh = sharding.mesh_from_spec(tc.mesh)  # first: a mesh this machine cannot hold stops the run here
   workdir = Path(workdir).resolve()
   workdir.mkdir(parents=True, exist_ok=True)
   data = load_dataset(config.data)

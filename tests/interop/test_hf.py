@@ -216,18 +216,14 @@ def test_tokenizer_json_is_loaded(tmp_path):
 
 
 def test_import_hf_writes_a_loadable_checkpoint(tmp_path, capsys):
-  import argparse
-
+  from kvjax.cli import main as cli
   from kvjax.conversion.import_hf import import_hf
   from kvjax.interop import hf
   from kvjax.training.checkpoint import load_model
   hf_dir, workdir = tmp_path / "hf", tmp_path / "run"
   _tiny_llama(hf_dir)
   (hf_dir / "tokenizer.json").write_text('{"version": "1.0"}')
-  parser = argparse.ArgumentParser()
-  hf.add_parser(parser.add_subparsers())
-  args = parser.parse_args(["import-hf", str(hf_dir), "--workdir", str(workdir)])
-  assert args.func(args) == 0
+  assert cli.main(["import-hf", str(hf_dir), "--workdir", str(workdir)]) == 0
   summary = json.loads(capsys.readouterr().out)
   assert summary["tokenizer"] == str(workdir / "tokenizer.json") and (workdir / "tokenizer.json").is_file()
   model, params, _ = load_model(workdir)

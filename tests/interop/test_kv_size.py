@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import jax
 import numpy as np
 import pytest
 
-from kvjax.interop import kv_size
+from kvjax.cli import main as cli
 from kvjax.cache.contiguous import ContiguousCache
 from kvjax.config import ModelConfig
+from kvjax.interop import kv_size
 from kvjax.interop.kv_size import PRESETS, Architecture, count_params, parse_bytes, plan, resolve
 from kvjax.model.params import abstract_params
 from kvjax.training import checkpoint
@@ -20,10 +20,7 @@ KIB = 1024
 
 
 def run_cli(*argv: str, capsys) -> str:
-  parser = argparse.ArgumentParser()
-  kv_size.add_parser(parser.add_subparsers())
-  args = parser.parse_args(["kv-size", *argv])
-  assert args.func(args) == 0
+  assert cli.main(["kv-size", *argv]) == 0
   return capsys.readouterr().out
 
 

@@ -1,0 +1,64 @@
+"""`kvjax bench BENCHMARK`: run one of kvjax.bench.benchmarks on the benchmark model (BENCH_MODEL,
+changed with --set model.KEY=VALUE) and print its result as JSON."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+from kvjax.bench import benchmarks
+from kvjax.cli import options
+from kvjax.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+  """What --set changes in `kvjax bench`: the benchmark model, keys model.FIELD."""
+
+  model: ModelConfig = benchmarks.BENCH_MODEL
+
+
+def _int_list(text: str) -> list[int]:
+  return [int(x) for x in text.split(",")]
+
+
+def benchmark_kwargs(args: argparse.Namespace) -> dict:
+  """The keyword arguments of benchmarks.BENCHMARKS[args.benchmark] taken from the command line."""
+  timing = {"batch": args.batch, "repeats": args.repeats}
+  generation = {**timing, "prompt": args.prompt, "new_tokens": args.new}
+  return {
+      "decode": generation,
+      "nocache": {"prompt": args.prompt, "new_token_counts": args.lengths, "concat_max": args.concat_max,
+                  "repeats": args.repeats},
+      "hf": {**generation, "threads": args.threads},
+      "paged": {**timing, "context": args.context, "page_size": args.page_size},
+      "matmul": timing,
+  }[args.benchmark]
+
+
+def command(args: argparse.Namespace) -> int:
+  model = options.apply_set(BenchConfig(), args).model
+  result = benchmarks.BENCHMARKS[args.benchmark](model, **benchmark_kwargs(args))
+  print(json.dumps(result, indent=None if args.json else 2))
+  return 0
+
+
+def add_parser(subparsers) -> None:
+  parser = subparsers.add_parser("bench", help="decoding benchmarks (JSON)", description=benchmarks.__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("benchmark", choices=sorted(benchmarks.BENCHMARKS))
+  options.add_set_option(parser)
+  parser.add_argument("--batch", type=options.positive_int, default=8, help="sequences (rows) per step")
+  parser.add_argument("--prompt", type=options.positive_int, default=128, help="prompt tokens per sequence")
+  parser.add_argument("--new", type=options.positive_int, default=128, help="new tokens per sequence")
+  parser.add_argument("--repeats", type=options.positive_int, default=5, help="timed runs after warm-up (median)")
+  parser.add_argument("--lengths", type=_int_list, default=[64, 128, 256, 512],
+                      help="nocache: comma-separated numbers of new tokens")
+  parser.add_argument("--concat-max", type=int, default=64,
+                      help="nocache: longest run for the concat cache (it compiles once per length)")
+  parser.add_argument("--threads", type=int, default=0, help="hf: torch threads (default: torch's)")
+  parser.add_argument("--context", type=int, default=1024, help="paged: tokens cached per row")
+  parser.add_argument("--page-size", type=int, default=16, help="paged: tokens per page")
+  parser.add_argument("--json", action="store_true", help="one line of JSON")
+  parser.set_defaults(func=command)

@@ -1,0 +1,41 @@
+"""`kvjax eval --workdir DIR`: held-out loss, bits per byte and accuracy of a checkpoint
+(kvjax.training.evaluate.evaluate_checkpoint)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from kvjax.cli import options
+from kvjax.training.evaluate import evaluate_checkpoint
+
+
+def command(args: argparse.Namespace) -> int:
+  result = evaluate_checkpoint(args.workdir, step=args.step, split=args.split, batch_size=args.batch_size,
+                               num_batches=args.batches, mesh=options.mesh(args))
+  trained_on = result["trained_corpus_sha256"]
+  if trained_on and trained_on != result["corpus_sha256"]:
+    print(f"kvjax eval: warning: corpus {result['corpus']} differs from the one this model was trained "
+          f"on (sha256 {result['corpus_sha256'][:12]} vs {trained_on[:12]})", file=sys.stderr)
+  if args.json:
+    print(json.dumps(result))
+  else:
+    print(f"step {result['step']}  {result['split']} loss {result['loss']:.4f}  "
+          f"bits/byte {result['bits_per_byte']:.4f}  accuracy {result['accuracy']:.4f}  "
+          f"({result['tokens']} tokens)")
+  return 0
+
+
+def add_parser(subparsers) -> None:
+  parser = subparsers.add_parser("eval", help="evaluate a checkpoint on the held-out split")
+  parser.add_argument("--workdir", required=True, help="run directory holding checkpoints/")
+  parser.add_argument("--step", type=int, help="checkpoint step (default: latest)")
+  parser.add_argument("--split", default="val", choices=("val", "train"))
+  parser.add_argument("--batches", type=options.positive_int,
+                      help="number of batches (default: the run's train.eval_batches)")
+  parser.add_argument("--batch-size", type=options.positive_int,
+                      help="windows per batch (default: the run's train.batch_size)")
+  parser.add_argument("--json", action="store_true", help="print one JSON object")
+  options.add_mesh_option(parser)
+  parser.set_defaults(func=command)

@@ -1,0 +1,31 @@
+"""`kvjax kv-size MODEL`: KV-cache bytes per token for a model and its MHA / GQA / MQA variants,
+and the batch or context that fits a device (kvjax.interop.kv_size)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from kvjax.interop.kv_size import BYTES_PER_ELEMENT, PRESETS, parse_bytes, plan, render, resolve
+
+
+def command(args: argparse.Namespace) -> int:
+  memory = None if args.device_memory is None else parse_bytes(args.device_memory)
+  result = plan(resolve(args.model), context=args.context, batch=args.batch, dtype=args.dtype,
+                weight_dtype=args.weight_dtype, device_memory=memory, devices=args.devices)
+  print(json.dumps(result) if args.json else render(result))
+  return 0
+
+
+def add_parser(subparsers) -> None:
+  parser = subparsers.add_parser("kv-size", help="KV-cache bytes per token and what fits a device")
+  parser.add_argument("model", help=f"preset ({', '.join(PRESETS)}), config file, kvjax workdir or HF directory")
+  parser.add_argument("--context", type=int, default=4096, help="tokens per sequence (default 4096)")
+  parser.add_argument("--batch", type=int, default=1, help="sequences (default 1)")
+  parser.add_argument("--dtype", default="bf16", help=f"cache element type {tuple(BYTES_PER_ELEMENT)}")
+  parser.add_argument("--weight-dtype", help="weight element type (default: --dtype)")
+  parser.add_argument("--device-memory", help="e.g. 80GB (10^9 bytes) or 80GiB (2^30)")
+  parser.add_argument("--devices", type=int, default=1,
+                      help="devices the model is split across, tensor parallel (default 1)")
+  parser.add_argument("--json", action="store_true", help="print one JSON object")
+  parser.set_defaults(func=command)
