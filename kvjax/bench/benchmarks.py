@@ -14,18 +14,17 @@ from __future__ import annotations
 
 import statistics
 import tempfile
-import time
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.model import attention
-from kvjax.decoding import baselines
-from kvjax.decoding import decode
-from kvjax.kernels import matmul
+from kvjax.cache.contiguous import ContiguousCache
 from kvjax.config import ModelConfig
+from kvjax.decoding import baselines, decode
+from kvjax.kernels import attention as attention_kernel
+from kvjax.kernels import matmul
 from kvjax.model.flops import matmul_params, peak_flops
 from kvjax.model.transformer import Transformer
 from kvjax.timing import timed, timed_alternating
@@ -65,37 +64,27 @@ def init_model(cfg: ModelConfig, seed: int = 0):
 STEP_REPEATS = 10  # timed decode steps per `time_decode_step`
 
 
-def filled_cache(model: Transformer, params, batch: int, context: int, max_len: int):
-  """A cache holding `context` random positions per row, without running a prefill."""
-  shapes = jax.eval_shape(lambda p: decode._prefill(model, p, jnp.zeros((batch, 1), jnp.int32),
-                                                    jnp.ones((batch,), jnp.int32), max_len)[1], params)
-  leaves, tree = jax.tree.flatten(shapes)
+def filled_cache(model: Transformer, params, batch: int, context: int, max_len: int) -> ContiguousCache:
+  """A contiguous cache of max_len positions whose rows hold `context` random positions, without
+  running a prefill."""
+  cache = ContiguousCache.create(model.config, batch, max_len)
+  leaves, tree = jax.tree.flatten(cache.layers)
   keys = jax.random.split(jax.random.key(1), len(leaves))
-  filled = [jnp.full(s.shape, context, s.dtype) if s.dtype == jnp.int32
-            else jax.random.normal(k, s.shape, s.dtype) for k, s in zip(keys, leaves)]
-  return jax.tree.unflatten(tree, filled)
+  layers = jax.tree.unflatten(tree, [jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)])
+  return cache.replace(layers=layers, lengths=jnp.full((batch,), context, jnp.int32))
 
 
 def time_decode_step(model, params, cache, steps: int = STEP_REPEATS) -> float:
-  """Median seconds of one jitted decode step, the cache donated from step to step.
+  """Median seconds of one `decode_step`, the cache donated from step to step. Runs steps + 1
+  steps (one warm-up); a cache without room for them is refused before the first."""
+  tokens = np.zeros((cache.lengths.shape[0],), np.int32)
+  cache.check_room(np.full(tokens.shape, steps + 1), 1)
 
-  Runs steps + 1 steps (one warm-up): the cache must have room for them (the jitted step itself
-  does not check, and a write past the end would be clamped).
-  """
-  room = decode.cache_capacity(cache) - int(jnp.max(cache["lengths"]))
-  if room < steps + 1:
-    raise ValueError(f"time_decode_step: the cache has room for {room} more positions; "
-                     f"{steps + 1} steps need {steps + 1}")
-  tokens = jnp.zeros((cache["lengths"].shape[0],), jnp.int32)
-  logits, cache = decode._decode_step(model, params, cache, tokens)
-  logits.block_until_ready()
-  times = []
-  for _ in range(steps):
-    start = time.perf_counter()
-    logits, cache = decode._decode_step(model, params, cache, tokens)
-    logits.block_until_ready()
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
+  def step():
+    nonlocal cache
+    logits, cache = decode.decode_step(model, params, cache, tokens)
+    return logits
+  return timed(step, steps)
 
 
 def random_prompts(cfg: ModelConfig, batch: int, prompt: int, seed: int = 0):
@@ -112,7 +101,7 @@ def bench_decode(cfg: ModelConfig = BENCH_MODEL, *, batch: int = 8, prompt: int 
   bandwidth, flops = memory_bandwidth(), peak_flops()[0]
   result = {"benchmark": "decode", "model": cfg.to_dict(), "batch": batch, "prompt": prompt,
             "new_tokens": new_tokens, "small_matmul_kernel": matmul.uses_kernel(batch, cfg.compute_dtype),
-            "decode_attention_kernel": attention.uses_cache_kernel(cfg.compute_dtype, cfg.kv_dtype),
+            "decode_attention_kernel": attention_kernel.uses_kernel(cfg.compute_dtype, cfg.kv_dtype),
             "memory_bandwidth_GBps": bandwidth / 1e9, "matmul_GFLOPs": flops / 1e9}
 
   cache = filled_cache(model, params, batch, prompt, prompt + STEP_REPEATS + 1)
@@ -197,7 +186,7 @@ def bench_hf(cfg: ModelConfig = BENCH_MODEL, *, batch: int = 8, prompt: int = 12
   return {"benchmark": "hf", "model": imported.to_dict(), "batch": batch, "prompt": prompt,
           "new_tokens": new_tokens, "torch_threads": torch.get_num_threads(),
           "small_matmul_kernel": matmul.uses_kernel(batch, imported.compute_dtype),
-          "decode_attention_kernel": attention.uses_cache_kernel(imported.compute_dtype, imported.kv_dtype),
+          "decode_attention_kernel": attention_kernel.uses_kernel(imported.compute_dtype, imported.kv_dtype),
           "transformers_version": transformers.__version__, "torch_version": torch.__version__,
           "kvjax_tokens_per_s": tokens / kvjax_s, "hf_tokens_per_s": tokens / hf_s,
           "kvjax_over_hf": hf_s / kvjax_s, "kvjax_over_hf_per_round": ratios,
@@ -243,15 +232,3 @@ def bench_matmul(cfg: ModelConfig = BENCH_MODEL, *, batch: int = 8, repeats: int
       results.append({"weight": name, "rows": rows, "k": k, "n": n, "xla_us": xla * 1e6, "kernel_us": kernel * 1e6,
                       "xla_over_kernel": xla / kernel, "kernel_weight_GBps": k * n * 4 / kernel / 1e9})
   return {"benchmark": "matmul", "model": cfg.to_dict(), "max_rows": matmul.MAX_ROWS, "results": results}
-
-
-def bench_paged(cfg: ModelConfig = BENCH_MODEL, *, batch: int = 8, repeats: int = 5, context: int = 1024,
-                page_size: int = 16) -> dict:
-  """The paged decode step vs the contiguous one on the same K/V (kvjax.bench.paged.bench_paged):
-  `context` tokens cached per row in pages of `page_size` tokens."""
-  from kvjax.bench import paged  # imported here: kvjax.bench.paged builds on this module's helpers
-  return paged.bench_paged(cfg, batch=batch, repeats=repeats, context=context, page_size=page_size)
-
-
-BENCHMARKS = {"decode": bench_decode, "nocache": bench_nocache, "hf": bench_hf, "paged": bench_paged,
-              "matmul": bench_matmul}

@@ -47,7 +47,7 @@ def bench_paged(cfg: ModelConfig = BENCH_MODEL, *, batch: int = 8, repeats: int 
   caches = {"contiguous": contiguous}
   for impl in impls:
     empty = PagedCache.create(cfg, 2, page_size, batch, width, attention=impl)
-    caches[impl] = empty.replace(layers=jax.tree.map(jnp.copy, pools)).with_rows(table, contiguous.lengths)
+    caches[impl] = empty.replace(layers=jax.tree.map(jnp.copy, pools)).with_rows(table, np.asarray(contiguous.lengths))
   del layers, pools
   tokens = np.zeros((batch,), np.int32)
   first = {}

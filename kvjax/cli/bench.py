@@ -7,7 +7,7 @@ import argparse
 import dataclasses
 import json
 
-from kvjax.bench import benchmarks
+from kvjax.bench import benchmarks, paged
 from kvjax.cli import options
 from kvjax.config import ModelConfig
 
@@ -19,12 +19,16 @@ class BenchConfig:
   model: ModelConfig = benchmarks.BENCH_MODEL
 
 
+BENCHMARKS = {"decode": benchmarks.bench_decode, "nocache": benchmarks.bench_nocache, "hf": benchmarks.bench_hf,
+              "paged": paged.bench_paged, "matmul": benchmarks.bench_matmul}
+
+
 def _int_list(text: str) -> list[int]:
   return [int(x) for x in text.split(",")]
 
 
 def benchmark_kwargs(args: argparse.Namespace) -> dict:
-  """The keyword arguments of benchmarks.BENCHMARKS[args.benchmark] taken from the command line."""
+  """The keyword arguments of BENCHMARKS[args.benchmark] taken from the command line."""
   timing = {"batch": args.batch, "repeats": args.repeats}
   generation = {**timing, "prompt": args.prompt, "new_tokens": args.new}
   return {
@@ -39,7 +43,7 @@ def benchmark_kwargs(args: argparse.Namespace) -> dict:
 
 def command(args: argparse.Namespace) -> int:
   model = options.apply_set(BenchConfig(), args).model
-  result = benchmarks.BENCHMARKS[args.benchmark](model, **benchmark_kwargs(args))
+  result = BENCHMARKS[args.benchmark](model, **benchmark_kwargs(args))
   print(json.dumps(result, indent=None if args.json else 2))
   return 0
 
@@ -47,7 +51,7 @@ def command(args: argparse.Namespace) -> int:
 def add_parser(subparsers) -> None:
   parser = subparsers.add_parser("bench", help="decoding benchmarks (JSON)", description=benchmarks.__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("benchmark", choices=sorted(benchmarks.BENCHMARKS))
+  parser.add_argument("benchmark", choices=sorted(BENCHMARKS))
   options.add_set_option(parser)
   parser.add_argument("--batch", type=options.positive_int, default=8, help="sequences (rows) per step")
   parser.add_argument("--prompt", type=options.positive_int, default=128, help="prompt tokens per sequence")
