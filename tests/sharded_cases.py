@@ -112,7 +112,7 @@ def test_decode_step_with_8_kv_heads_on_model_8_gathers_no_kv():
   tokens, lengths = prompts(2, 6, KV8.vocab_size)
   _, cache = decode.prefill(model, params, tokens, lengths, 16, mesh=mesh)
   params, (step_tokens,) = sharding.place(mesh, params, np.zeros(2, np.int32))
-  hlo = decode._forward.lower(model, params, cache, step_tokens[:, None], jnp.ones(2, jnp.int32)).compile().as_text()
+  hlo = decode._forward.lower(model, params, cache, step_tokens[:, None], jnp.ones(2, jnp.int32), last=True).compile().as_text()
   # Each device's cache is its own kv head: the compiled module's cache parameters are
   # [B, 1, H, S] and [B, 1, S, H] shards of the k [B, 8, H, S] and v [B, 8, S, H] caches.
   entry_inputs = re.search(r"ENTRY [^(]*\((.*?)\) ->", hlo).group(1)

@@ -163,9 +163,8 @@ def decode_step(model: Transformer, params, cache: KVCache, tokens, *, mesh=None
   ones = np.ones((batch,), np.int32)
   cache.check_room(ones, 1)
   params, cache, (tokens, ones) = _place(mesh, params, cache, tokens.astype(np.int32), ones)
-  logits, cache = _forward(for_decoding(model, mesh), params, cache, jnp.asarray(tokens)[:, None],
-                           jnp.asarray(ones))
-  return logits[:, 0], cache
+  return _forward(for_decoding(model, mesh), params, cache, jnp.asarray(tokens)[:, None], jnp.asarray(ones),
+                  last=True)
 
 
 @flax.struct.dataclass
