@@ -78,7 +78,7 @@ def time_decode_step(model, params, cache, steps: int = STEP_REPEATS) -> float:
   """Median seconds of one `decode_step`, the cache donated from step to step. Runs steps + 1
   steps (one warm-up); a cache without room for them is refused before the first."""
   tokens = np.zeros((cache.lengths.shape[0],), np.int32)
-  cache.check_room(np.full(tokens.shape, steps + 1), 1)
+  cache.check_room(np.full(tokens.shape, steps + 1))
 
   def step():
     nonlocal cache

@@ -43,13 +43,10 @@ class KVCache(flax.struct.PyTreeNode):
     """Bytes of the stored K/V (every layer's arrays; the per-row bookkeeping excluded)."""
     return sum(x.nbytes for x in jax.tree.leaves(self.layers))
 
-  def check_room(self, new_lengths: np.ndarray, width: int) -> None:
-    """Raises ValueError, naming the row, unless row b can take new_lengths[b] more tokens
-    passed in a chunk `width` columns wide. Called before compute: a write past the storage
-    must never reach the device, where it would be clamped or dropped silently."""
+  def check_room(self, new_lengths: np.ndarray) -> None:
+    """Raises ValueError, naming the row, unless row b can take new_lengths[b] more tokens.
+    Called before compute: a write past the storage must never reach the device."""
     held = np.asarray(self.lengths)
-    if width > self.capacity:
-      raise ValueError(f"a chunk of {width} columns is wider than the cache's {self.capacity} positions")
     over = held + new_lengths > self.capacity
     if over.any():
       row = int(np.argmax(over))

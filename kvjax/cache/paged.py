@@ -116,7 +116,7 @@ class PagedCache(KVCache):
     (tokens each row already holds in its pages)."""
     return self.replace(page_table=jnp.asarray(page_table, jnp.int32), lengths=jnp.asarray(lengths, jnp.int32))
 
-  def check_room(self, new_lengths: np.ndarray, width: int) -> None:
+  def check_room(self, new_lengths: np.ndarray) -> None:
     """Every row must own a real page (not the null page, inside the pool) for each position it
     will hold: gathers clamp out-of-range indices, so a bad table must never reach the device."""
     table = np.asarray(self.page_table)

@@ -126,7 +126,7 @@ def extend(model: Transformer, params, cache: KVCache, tokens, lengths, *, logit
   tokens, lengths = check_tokens(model, tokens, lengths, min_length=1 if logits == "last" else 0)
   if lengths.shape[0] != cache.lengths.shape[0]:
     raise ValueError(f"tokens have {lengths.shape[0]} rows but the cache has {cache.lengths.shape[0]}")
-  cache.check_room(lengths, tokens.shape[1])
+  cache.check_room(lengths)
   from_empty = not np.asarray(cache.lengths).any()
   params, cache, (tokens, lengths) = _place(mesh, params, cache, tokens, lengths)
   return _forward(for_decoding(model, mesh), params, cache, jnp.asarray(tokens), jnp.asarray(lengths),
@@ -161,7 +161,7 @@ def decode_step(model: Transformer, params, cache: KVCache, tokens, *, mesh=None
     row = int(np.argmax(bad))
     raise ValueError(f"token id {int(tokens[row])} at row {row} is outside [0, vocab_size={model.config.vocab_size})")
   ones = np.ones((batch,), np.int32)
-  cache.check_room(ones, 1)
+  cache.check_room(ones)
   params, cache, (tokens, ones) = _place(mesh, params, cache, tokens.astype(np.int32), ones)
   return _forward(for_decoding(model, mesh), params, cache, jnp.asarray(tokens)[:, None], jnp.asarray(ones),
                   last=True)
