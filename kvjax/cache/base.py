@@ -17,8 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 import flax.struct
 
+from kvjax.config import ModelConfig
 from kvjax.model.attention import Span, attend, new_keys_mask
 from kvjax.model.backend import Backend
+from kvjax.model.transformer import cache_layers
 
 
 class KVCache(flax.struct.PyTreeNode):
@@ -42,6 +44,29 @@ class KVCache(flax.struct.PyTreeNode):
   def nbytes(self) -> int:
     """Bytes of the stored K/V (every layer's arrays; the per-row bookkeeping excluded)."""
     return sum(x.nbytes for x in jax.tree.leaves(self.layers))
+
+  def layer_spec(self, config: ModelConfig) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """{name: (shape, dtype)} of the arrays one layer of this cache holds for a model of `config`,
+    at this cache's batch and capacity: what `check_model` compares against."""
+    raise NotImplementedError
+
+  def check_model(self, config: ModelConfig) -> None:
+    """Raises ValueError unless this cache was made for a model of `config`: its layers, kv
+    heads, head dim and dtype, and a capacity within ModelConfig.max_len. Called on the host
+    before compute: a cache of another model would otherwise give finite, wrong logits."""
+    layers = cache_layers(self.layers)
+    kind = type(self).__name__
+    if len(layers) != config.num_layers:
+      raise ValueError(f"the {kind} has {len(layers)} layers but the model has num_layers={config.num_layers}")
+    want = self.layer_spec(config)
+    for i, layer in enumerate(layers):
+      got = {name: (tuple(x.shape), np.dtype(x.dtype)) for name, x in layer.items()}
+      if got != want:
+        name = next((n for n in sorted(set(want) | set(got)) if got.get(n) != want.get(n)))
+        raise ValueError(
+            f"the {kind} does not fit the model: layer {i} {name} is {got.get(name)}, but a model with "
+            f"num_kv_heads={config.num_kv_heads}, head_dim={config.head_dim} and cache_dtype={config.cache_dtype} "
+            f"needs {want.get(name)}")
 
   def check_room(self, new_lengths: np.ndarray) -> None:
     """Raises ValueError, naming the row, unless row b can take new_lengths[b] more tokens.

@@ -47,6 +47,10 @@ class ContiguousCache(KVCache):
   def capacity(self) -> int:
     return cache_layers(self.layers)[0]["v"].shape[SEQ_AXIS["v"]]
 
+  def layer_spec(self, config: ModelConfig):
+    b, kv, h, s = self.lengths.shape[0], config.num_kv_heads, config.head_dim, self.capacity
+    return {"k": ((b, kv, h, s), config.kv_dtype), "v": ((b, kv, s, h), config.kv_dtype)}
+
   def write(self, stored, k, v, span: Span):
     starts = span.positions[:, 0]
     return {"k": write_rows(stored["k"], k.swapaxes(2, 3), starts, span.lengths, SEQ_AXIS["k"]),

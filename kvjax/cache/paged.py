@@ -111,6 +111,10 @@ class PagedCache(KVCache):
   def capacity(self) -> int:
     return self.page_table.shape[1] * self.page_size
 
+  def layer_spec(self, config: ModelConfig):
+    shape = (config.num_kv_heads, self.num_pages, self.page_size, config.head_dim)
+    return {"k": (shape, config.kv_dtype), "v": (shape, config.kv_dtype)}
+
   def with_rows(self, page_table, lengths) -> "PagedCache":
     """The same pools addressed by another batch of rows: page_table int[B', M'], lengths int[B']
     (tokens each row already holds in its pages)."""

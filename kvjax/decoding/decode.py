@@ -85,6 +85,21 @@ def check_tokens(model: Transformer, tokens, lengths, *, min_length: int = 1) ->
   return np.where(valid, tokens, 0).astype(np.int32), lengths.astype(np.int32)
 
 
+def check_cache(model: Transformer, cache, new_lengths: np.ndarray) -> None:
+  """Host-side checks before any compute: `cache` is a cache kind made for this model, every row
+  can take its new tokens, and no position passes ModelConfig.max_len."""
+  if not isinstance(cache, KVCache):
+    raise ValueError(f"cache must be a kvjax cache (ContiguousCache, PagedCache, ...), got {type(cache).__name__}")
+  if new_lengths.shape[0] != cache.lengths.shape[0]:
+    raise ValueError(f"tokens have {new_lengths.shape[0]} rows but the cache has {cache.lengths.shape[0]}")
+  cache.check_model(model.config)
+  cache.check_room(new_lengths)
+  ends = np.asarray(cache.lengths) + new_lengths
+  if (ends > model.config.max_len).any():
+    row = int(np.argmax(ends > model.config.max_len))
+    raise ValueError(f"row {row} would hold {int(ends[row])} tokens, more than ModelConfig.max_len={model.config.max_len}")
+
+
 def forward(model: Transformer, params, cache: KVCache, tokens, lengths, *, last: bool = False,
             from_empty: bool = False):
   """Traced body of every decode function: tokens int32[B, T] with lengths int32[B] written after
@@ -124,9 +139,7 @@ def extend(model: Transformer, params, cache: KVCache, tokens, lengths, *, logit
   if logits not in LOGITS:
     raise ValueError(f"logits must be one of {LOGITS}, got {logits!r}")
   tokens, lengths = check_tokens(model, tokens, lengths, min_length=1 if logits == "last" else 0)
-  if lengths.shape[0] != cache.lengths.shape[0]:
-    raise ValueError(f"tokens have {lengths.shape[0]} rows but the cache has {cache.lengths.shape[0]}")
-  cache.check_room(lengths)
+  check_cache(model, cache, lengths)
   from_empty = not np.asarray(cache.lengths).any()
   params, cache, (tokens, lengths) = _place(mesh, params, cache, tokens, lengths)
   return _forward(for_decoding(model, mesh), params, cache, jnp.asarray(tokens), jnp.asarray(lengths),
@@ -151,6 +164,8 @@ def prefill(model: Transformer, params, tokens, lengths, max_len: int, *, logits
 
 def decode_step(model: Transformer, params, cache: KVCache, tokens, *, mesh=None):
   """Feeds one token per row at position cache.lengths[b] -> (logits float32[B, V], new cache)."""
+  if not isinstance(cache, KVCache):
+    raise ValueError(f"cache must be a kvjax cache (ContiguousCache, PagedCache, ...), got {type(cache).__name__}")
   tokens = np.asarray(tokens)
   batch = cache.lengths.shape[0]
   if tokens.shape != (batch,) or not np.issubdtype(tokens.dtype, np.integer):
@@ -161,7 +176,7 @@ def decode_step(model: Transformer, params, cache: KVCache, tokens, *, mesh=None
     row = int(np.argmax(bad))
     raise ValueError(f"token id {int(tokens[row])} at row {row} is outside [0, vocab_size={model.config.vocab_size})")
   ones = np.ones((batch,), np.int32)
-  cache.check_room(ones)
+  check_cache(model, cache, ones)
   params, cache, (tokens, ones) = _place(mesh, params, cache, tokens.astype(np.int32), ones)
   return _forward(for_decoding(model, mesh), params, cache, jnp.asarray(tokens)[:, None], jnp.asarray(ones),
                   last=True)

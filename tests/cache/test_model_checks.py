@@ -1,0 +1,43 @@
+"""A cache must fit the model it is decoded with: refused before compute otherwise."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvjax
+from conftest import init_params, tiny_config
+
+
+def contiguous(config, **changes):
+  return kvjax.ContiguousCache.create(config.replace(**changes), 2, 16)
+
+
+def paged(config, **changes):
+  cache = kvjax.PagedCache.create(config.replace(**changes), 9, 4, 2, 4)
+  return cache.with_rows(np.arange(1, 9).reshape(2, 4), np.zeros(2, np.int32))
+
+
+@pytest.mark.parametrize("make", [contiguous, paged], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("changes, message", [
+    (dict(num_kv_heads=2), r"layer 0 k is \(.*\), but a model with num_kv_heads=1"),
+    (dict(num_kv_heads=1, head_dim=16), r"head_dim=8"),
+    (dict(num_kv_heads=1, cache_dtype="bfloat16"), r"cache_dtype=float32"),
+    (dict(num_kv_heads=1, num_layers=3), r"has 3 layers but the model has num_layers=2"),
+])
+def test_a_cache_of_another_model_is_refused(make, changes, message):
+  model, params = init_params(tiny_config(1))
+  cache = make(model.config, **changes)
+  with pytest.raises(ValueError, match=message):
+    kvjax.decode_step(model, params, cache, np.zeros(2, np.int32))
+  with pytest.raises(ValueError, match=message):
+    kvjax.extend(model, params, cache, np.zeros((2, 3), np.int32), np.array([3, 1]))
+
+
+def test_what_is_not_a_cache_and_rows_past_max_len_are_refused():
+  model, params = init_params(tiny_config(1, max_len=14))
+  with pytest.raises(ValueError, match="cache must be a kvjax cache .* got dict"):
+    kvjax.decode_step(model, params, {"lengths": np.zeros(2, np.int32)}, np.zeros(2, np.int32))
+  cache = kvjax.PagedCache.create(model.config, 9, 4, 2, 4).with_rows(np.arange(1, 9).reshape(2, 4), [13, 2])
+  with pytest.raises(ValueError, match="row 0 would hold 15 tokens, more than ModelConfig.max_len=14"):
+    kvjax.extend(model, params, cache, np.zeros((2, 2), np.int32), np.array([2, 2]))
