@@ -8,7 +8,11 @@ heads, so every query head keeps reading (a pool of) the heads it read before.
   mean:   each new head is the mean of the old heads in its group (the paper's choice).
   first:  each new head is the first old head of its group.
   random: new heads are freshly initialised (the paper's Figure 4 ablation).
-Q and output projections and everything else are unchanged.
+These leave Q and output projections and everything else unchanged.
+  pca:    data-aware: each group is merged by PCA of its keys (per RoPE frequency pair) and
+          values over calibration tokens, and the bases are folded into the query and output
+          projections (kvjax.conversion.pca); exact when a group's heads are such transforms
+          of one another, which mean-pooling is not.
 """
 
 from __future__ import annotations
@@ -17,10 +21,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.model.attention import kv_head_of
 from kvjax.config import ModelConfig, check_positive_int
+from kvjax.conversion import pca
+from kvjax.model.attention import kv_head_of
 
-METHODS = ("mean", "first", "random")
+METHODS = ("mean", "first", "random", "pca")
 
 
 def _pool(x: jax.Array, groups: np.ndarray, num_new: int, method: str, axis: int) -> jax.Array:
@@ -42,8 +47,24 @@ def _fresh(x: jax.Array, num_new: int, axis: int, key: jax.Array, d_model: int) 
   return (jax.random.normal(key, shape, jnp.float32) * d_model ** -0.5).astype(x.dtype)
 
 
+def _check_calibration(tokens, config: ModelConfig) -> np.ndarray:
+  if tokens is None:
+    raise ValueError("method='pca' needs calibration tokens (int[batch, seq], e.g. training windows)")
+  tokens = np.asarray(tokens)
+  if tokens.ndim != 2 or tokens.size == 0 or not np.issubdtype(tokens.dtype, np.integer):
+    raise ValueError(f"calibration must be a non-empty integer array [batch, seq], got {tokens.dtype}{list(tokens.shape)}")
+  if tokens.shape[1] > config.max_len:
+    raise ValueError(f"calibration windows of {tokens.shape[1]} tokens exceed ModelConfig.max_len={config.max_len}")
+  bad = (tokens < 0) | (tokens >= config.vocab_size)
+  if bad.any():
+    row, pos = map(int, np.argwhere(bad)[0])
+    raise ValueError(f"calibration token id {int(tokens[row, pos])} at row {row}, position {pos} is outside "
+                     f"[0, vocab_size={config.vocab_size})")
+  return tokens.astype(np.int32)
+
+
 def convert_kv_heads(params, config: ModelConfig, num_kv_heads: int, method: str = "mean",
-                     rng: jax.Array | None = None):
+                     rng: jax.Array | None = None, calibration=None):
   """Converts a checkpoint to `num_kv_heads` kv heads.
 
   Args:
@@ -51,7 +72,9 @@ def convert_kv_heads(params, config: ModelConfig, num_kv_heads: int, method: str
     config: the config params belong to.
     num_kv_heads: the target; must divide config.num_kv_heads (MHA -> GQA, MHA -> MQA,
       GQA -> fewer groups).
-    method: "mean", "first" or "random" (needs rng).
+    method: "mean", "first", "random" (needs rng) or "pca" (needs calibration).
+    calibration: int[B, T] tokens (e.g. windows of the source run's training data) whose
+      attention inputs the "pca" method fits its bases to.
   Returns:
     (params, config) for the converted model. The input is not modified.
   """
@@ -63,9 +86,24 @@ def convert_kv_heads(params, config: ModelConfig, num_kv_heads: int, method: str
                      f"must divide the current number of kv heads ({config.num_kv_heads})")
   if method == "random" and rng is None:
     raise ValueError("method='random' needs an rng key")
+  if method == "pca":
+    calibration = _check_calibration(calibration, config)
   new_config = config.replace(num_kv_heads=num_kv_heads)
   if num_kv_heads == config.num_kv_heads and method != "random":
     return params, new_config
+  for i in range(config.num_layers):
+    if f"layers_{i}" not in params:
+      raise ValueError(f"params have no 'layers_{i}' but config.num_layers={config.num_layers}")
+  if method == "pca":
+    inputs = pca.attention_inputs(params, config, calibration)
+    new_params = dict(params)
+    for i, x in enumerate(inputs):
+      attn = pca.convert_layer(params[f"layers_{i}"]["attn"], x, config, num_kv_heads)
+      attn = jax.tree.map(lambda new, old: jnp.asarray(new, old.dtype), attn,
+                          {name: {leaf: params[f"layers_{i}"]["attn"][name][leaf] for leaf in attn[name]}
+                           for name in attn})
+      new_params[f"layers_{i}"] = {**params[f"layers_{i}"], "attn": attn}
+    return new_params, new_config
 
   groups = kv_head_of(np.arange(config.num_kv_heads), config.num_kv_heads, num_kv_heads)
   keys = iter(jax.random.split(rng, 4 * config.num_layers) if rng is not None else [])

@@ -1,0 +1,122 @@
+"""Data-aware kv-head conversion: merge each group's K and V heads into one by PCA over
+calibration tokens, folding what the merge loses in basis into the query and output projections.
+
+For a group of G old kv heads read by their query heads, the new kv head is a linear map of the
+old ones, chosen so that every old head is (approximately) recovered from it by a head-specific
+linear map M_j; M_j is then folded into the projections that consume head j:
+  values:  v_j ~ v_new @ P_j^T with P [G*H, H] the top-H principal directions of the group's
+           stacked values [v_1 .. v_G] (uncentered: the map stays linear, biases included).
+           Head n's output rows become P_j^T @ W_out[n].
+  keys, learned positions: the same PCA; k_j ~ k_new @ P_j^T, so q_n . k_j = (q_n @ P_j) . k_new
+           and head n's query projection becomes W_q[n] @ P_j.
+  keys, RoPE: a map must commute with the rotation, so it acts on each frequency pair (dims p
+           and p + H/2, rotate-half convention) as one complex number. Per pair, the group's keys
+           z_j are mixed as z_new = sum_j u_j z_j with u the top eigenvector of the G x G
+           Hermitian covariance Z^H Z, and z_j ~ conj(u_j) z_new; q . k is Re sum_p q_p conj(k_p),
+           so each query head's pair is multiplied by u_j.
+Exact (logits unchanged) when a group's heads are such transforms of one another: the stacked
+values have rank H, the keys of each pair are complex multiples of one another. Mean-pooling is
+the special case u_j = 1/sqrt(G) (up to scale), P_j = I/sqrt(G).
+Calibration inputs are the source model's attention inputs (after attn_norm) on the calibration
+tokens; covariances are accumulated in float64.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import numpy as np
+
+from kvjax.config import ModelConfig
+from kvjax.model.attention import kv_head_of
+from kvjax.model.transformer import Transformer
+
+
+def attention_inputs(params, config: ModelConfig, tokens: np.ndarray) -> list[np.ndarray]:
+  """Each layer's attention input (the output of its attn_norm) on `tokens` int[B, T] -> [B*T, D] float64."""
+  is_attn_norm = lambda module, method: module.name == "attn_norm" and method == "__call__"
+  _, state = Transformer(config).apply({"params": params}, jax.numpy.asarray(tokens),
+                                       capture_intermediates=is_attn_norm, mutable=["intermediates"])
+  captured = state["intermediates"]
+  return [np.asarray(captured[f"layers_{i}"]["attn_norm"]["__call__"][0], np.float64).reshape(-1, config.d_model)
+          for i in range(config.num_layers)]
+
+
+def _project(x, kernel, bias):
+  """x [T, D], kernel [D, K, H], bias [K, H] or None -> [T, K, H]."""
+  out = np.einsum("td,dkh->tkh", x, kernel)
+  return out if bias is None else out + bias
+
+
+def _pairs(a: np.ndarray) -> np.ndarray:
+  """[..., H] real (rotate-half pairs p, p + H/2) -> [..., H/2] complex."""
+  half = a.shape[-1] // 2
+  return a[..., :half] + 1j * a[..., half:]
+
+
+def _unpairs(z: np.ndarray) -> np.ndarray:
+  return np.concatenate([z.real, z.imag], axis=-1)
+
+
+def _top_subspace(stacked: np.ndarray, rank: int) -> np.ndarray:
+  """stacked [T, F] -> the top-`rank` eigenvectors of stacked^T stacked, [F, rank]."""
+  _, vectors = np.linalg.eigh(stacked.T @ stacked)
+  return vectors[:, ::-1][:, :rank]
+
+
+def convert_layer(attn: dict, x: np.ndarray, config: ModelConfig, num_kv_heads: int) -> dict:
+  """One layer's attention params {q, k, v, out: {kernel, bias?}} converted to num_kv_heads by PCA
+  over its inputs x [T, D]. Returns new numpy param dicts."""
+  old_kv, n, h = config.num_kv_heads, config.num_heads, config.head_dim
+  size = old_kv // num_kv_heads  # old kv heads per new one
+  get = lambda proj, leaf: None if leaf not in attn[proj] else np.asarray(attn[proj][leaf], np.float64)
+  q_w, q_b, k_w, k_b = get("q", "kernel"), get("q", "bias"), get("k", "kernel"), get("k", "bias")
+  v_w, v_b, out_w = get("v", "kernel"), get("v", "bias"), get("out", "kernel")
+  reads = kv_head_of(np.arange(n), n, old_kv)  # the old kv head each query head reads
+  keys, values = _project(x, k_w, k_b), _project(x, v_w, v_b)  # [T, K_old, H]
+  new_k_w = np.zeros((config.d_model, num_kv_heads, h))
+  new_v_w = np.zeros_like(new_k_w)
+  new_k_b = None if k_b is None else np.zeros((num_kv_heads, h))
+  new_v_b = None if v_b is None else np.zeros((num_kv_heads, h))
+  q_w, out_w = q_w.copy(), out_w.copy()
+  q_b = None if q_b is None else q_b.copy()
+  for g in range(num_kv_heads):
+    heads = np.arange(g * size, (g + 1) * size)
+    # Values: top-H principal directions of the stacked [v_1 .. v_G].
+    basis = _top_subspace(values[:, heads].reshape(len(x), size * h), h).reshape(size, h, h)  # P_j [H, H]
+    new_v_w[:, g] = np.einsum("djh,jhe->de", v_w[:, heads], basis)
+    if v_b is not None:
+      new_v_b[g] = np.einsum("jh,jhe->e", v_b[heads], basis)
+    for j, head in enumerate(heads):
+      for query in np.flatnonzero(reads == head):
+        out_w[query] = basis[j].T @ out_w[query]
+    # Keys: per RoPE pair a complex mix, or a PCA like the values for learned positions.
+    if config.positions == "rope":
+      z = _pairs(keys[:, heads])  # [T, G, H/2]
+      cov = np.einsum("tgp,tjp->pgj", z.conj(), z)  # [H/2, G, G], Hermitian per pair
+      weights = np.linalg.eigh(cov)[1][:, :, -1]  # [H/2, G]: the top eigenvector of each pair
+      mix = lambda a: _unpairs(np.einsum("...jp,pj->...p", _pairs(a), weights))
+      new_k_w[:, g] = mix(k_w[:, heads])
+      if k_b is not None:
+        new_k_b[g] = mix(k_b[heads][None])[0]
+      for j, head in enumerate(heads):
+        for query in np.flatnonzero(reads == head):
+          q_w[:, query] = _unpairs(_pairs(q_w[:, query]) * weights[:, j])
+          if q_b is not None:
+            q_b[query] = _unpairs(_pairs(q_b[query]) * weights[:, j])
+    else:
+      basis = _top_subspace(keys[:, heads].reshape(len(x), size * h), h).reshape(size, h, h)
+      new_k_w[:, g] = np.einsum("djh,jhe->de", k_w[:, heads], basis)
+      if k_b is not None:
+        new_k_b[g] = np.einsum("jh,jhe->e", k_b[heads], basis)
+      for j, head in enumerate(heads):
+        for query in np.flatnonzero(reads == head):
+          q_w[:, query] = q_w[:, query] @ basis[j]
+          if q_b is not None:
+            q_b[query] = q_b[query] @ basis[j]
+  new = {name: dict(attn[name]) for name in attn}
+  new["q"]["kernel"], new["k"]["kernel"], new["v"]["kernel"], new["out"]["kernel"] = q_w, new_k_w, new_v_w, out_w
+  for name, bias in (("q", q_b), ("k", new_k_b), ("v", new_v_b)):
+    if bias is not None:
+      new[name]["bias"] = bias
+  return new
