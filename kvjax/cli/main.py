@@ -3,17 +3,23 @@
 Every module in COMMANDS provides `add_parser(subparsers)`, which registers its subcommand and
 sets `func` on it, and `command(args)`, that `func`; `main` dispatches to it. Options that several
 commands take (--set, --mesh) are defined once, in kvjax.cli.options.
+
+An anticipated error (a bad config or option, a refused or locked workdir, a missing or damaged
+checkpoint, a file that cannot be read or written: a ValueError or an OSError) prints one line,
+`kvjax COMMAND: error: ...`, on stderr and exits with status 2; any other exception is a bug and
+keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from kvjax import sharding
-from kvjax.cli import bench, build_kernels, evaluate, generate, import_hf, kv_size, run, uptrain
+from kvjax.cli import bench, build_kernels, evaluate, export_hf, generate, import_hf, kv_size, run, uptrain
 
-COMMANDS = (run, evaluate, generate, uptrain, import_hf, kv_size, bench, build_kernels)
+COMMANDS = (run, evaluate, generate, uptrain, import_hf, export_hf, kv_size, bench, build_kernels)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,14 +30,27 @@ def build_parser() -> argparse.ArgumentParser:
   return parser
 
 
+def quiet_library_logs() -> None:
+  """Orbax logs, through absl, the traceback of every failed background write (and asyncio the
+  tasks it leaves pending); the same error then reaches `main` as an exception, so on the
+  command line those logs only bury its one line."""
+  for name in ("absl", "asyncio"):
+    logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
 def main(argv: list[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
+  quiet_library_logs()
   try:
     sharding.initialize_distributed()
     return args.func(args) or 0
-  except ValueError as err:
-    print(f"kvjax {args.command}: error: {err}", file=sys.stderr)
+  except (ValueError, OSError) as err:
+    message = " ".join(line.strip() for line in str(err).splitlines() if line.strip())  # one line
+    print(f"kvjax {args.command}: error: {message}", file=sys.stderr)
     return 2
+  except KeyboardInterrupt:
+    print(f"kvjax {args.command}: interrupted", file=sys.stderr)
+    return 130
 
 
 if __name__ == "__main__":
