@@ -13,6 +13,9 @@ These leave Q and output projections and everything else unchanged.
           values over calibration tokens, and the bases are folded into the query and output
           projections (kvjax.conversion.pca); exact when a group's heads are such transforms
           of one another, which mean-pooling is not.
+  regroup: pca after reordering each layer's kv heads (with their query heads and output rows,
+          which leaves the model's function unchanged) so that the heads that merge best share
+          a group, instead of merging neighbours by index.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from kvjax.config import ModelConfig, check_positive_int
 from kvjax.conversion import pca
 from kvjax.model.attention import kv_head_of
 
-METHODS = ("mean", "first", "random", "pca")
+METHODS = ("mean", "first", "random", "pca", "regroup")
 
 
 def _pool(x: jax.Array, groups: np.ndarray, num_new: int, method: str, axis: int) -> jax.Array:
@@ -47,9 +50,9 @@ def _fresh(x: jax.Array, num_new: int, axis: int, key: jax.Array, d_model: int) 
   return (jax.random.normal(key, shape, jnp.float32) * d_model ** -0.5).astype(x.dtype)
 
 
-def _check_calibration(tokens, config: ModelConfig) -> np.ndarray:
+def _check_calibration(tokens, config: ModelConfig, method: str) -> np.ndarray:
   if tokens is None:
-    raise ValueError("method='pca' needs calibration tokens (int[batch, seq], e.g. training windows)")
+    raise ValueError(f"method={method!r} needs calibration tokens (int[batch, seq], e.g. training windows)")
   tokens = np.asarray(tokens)
   if tokens.ndim != 2 or tokens.size == 0 or not np.issubdtype(tokens.dtype, np.integer):
     raise ValueError(f"calibration must be a non-empty integer array [batch, seq], got {tokens.dtype}{list(tokens.shape)}")
@@ -72,7 +75,7 @@ def convert_kv_heads(params, config: ModelConfig, num_kv_heads: int, method: str
     config: the config params belong to.
     num_kv_heads: the target; must divide config.num_kv_heads (MHA -> GQA, MHA -> MQA,
       GQA -> fewer groups).
-    method: "mean", "first", "random" (needs rng) or "pca" (needs calibration).
+    method: "mean", "first", "random" (needs rng), "pca" or "regroup" (need calibration).
     calibration: int[B, T] tokens (e.g. windows of the source run's training data) whose
       attention inputs the "pca" method fits its bases to.
   Returns:
@@ -86,19 +89,22 @@ def convert_kv_heads(params, config: ModelConfig, num_kv_heads: int, method: str
                      f"must divide the current number of kv heads ({config.num_kv_heads})")
   if method == "random" and rng is None:
     raise ValueError("method='random' needs an rng key")
-  if method == "pca":
-    calibration = _check_calibration(calibration, config)
+  if method in ("pca", "regroup"):
+    calibration = _check_calibration(calibration, config, method)
   new_config = config.replace(num_kv_heads=num_kv_heads)
   if num_kv_heads == config.num_kv_heads and method != "random":
     return params, new_config
   for i in range(config.num_layers):
     if f"layers_{i}" not in params:
       raise ValueError(f"params have no 'layers_{i}' but config.num_layers={config.num_layers}")
-  if method == "pca":
+  if method in ("pca", "regroup"):
     inputs = pca.attention_inputs(params, config, calibration)
     new_params = dict(params)
     for i, x in enumerate(inputs):
-      attn = pca.convert_layer(params[f"layers_{i}"]["attn"], x, config, num_kv_heads)
+      attn = params[f"layers_{i}"]["attn"]
+      if method == "regroup":
+        attn = pca.permute_heads(attn, config, pca.regroup_order(x, attn, config, num_kv_heads))
+      attn = pca.convert_layer(attn, x, config, num_kv_heads)
       attn = jax.tree.map(lambda new, old: jnp.asarray(new, old.dtype), attn,
                           {name: {leaf: params[f"layers_{i}"]["attn"][name][leaf] for leaf in attn[name]}
                            for name in attn})

@@ -120,3 +120,64 @@ def convert_layer(attn: dict, x: np.ndarray, config: ModelConfig, num_kv_heads: 
     if bias is not None:
       new[name]["bias"] = bias
   return new
+
+
+def _pair_scores(x: np.ndarray, attn: dict, config: ModelConfig) -> np.ndarray:
+  """[K, K]: how well each pair of kv heads merges into one, as the fraction of their energy a
+  merged head keeps (keys: per RoPE pair, or as a subspace for learned positions; values: the top-H
+  subspace of the stacked pair), keys and values added."""
+  get = lambda proj, leaf: None if leaf not in attn[proj] else np.asarray(attn[proj][leaf], np.float64)
+  keys = _project(x, get("k", "kernel"), get("k", "bias"))
+  values = _project(x, get("v", "kernel"), get("v", "bias"))
+  k, h = config.num_kv_heads, config.head_dim
+
+  def kept(stacked, rank):
+    eig = np.linalg.eigvalsh(stacked.T @ stacked)
+    return eig[::-1][:rank].sum() / max(eig.sum(), 1e-30)
+
+  scores = np.zeros((k, k))
+  for i in range(k):
+    for j in range(i + 1, k):
+      if config.positions == "rope":
+        z = _pairs(keys[:, [i, j]])  # [T, 2, H/2]
+        cov = np.einsum("tgp,tjp->pgj", z.conj(), z)
+        eig = np.linalg.eigvalsh(cov)  # [H/2, 2]
+        key_score = eig[:, -1].sum() / max(eig.sum(), 1e-30)
+      else:
+        key_score = kept(keys[:, [i, j]].reshape(len(x), 2 * h), h)
+      scores[i, j] = scores[j, i] = key_score + kept(values[:, [i, j]].reshape(len(x), 2 * h), h)
+  return scores
+
+
+def regroup_order(x: np.ndarray, attn: dict, config: ModelConfig, num_kv_heads: int) -> np.ndarray:
+  """An order of the old kv heads whose contiguous blocks of K_old / K_new heads merge well:
+  greedily, each block starts at the first head not yet placed and takes the heads that score
+  best with its members (`_pair_scores`)."""
+  size = config.num_kv_heads // num_kv_heads
+  scores = _pair_scores(x, attn, config)
+  left, order = list(range(config.num_kv_heads)), []
+  while left:
+    block = [left.pop(0)]
+    while len(block) < size:
+      best = max(left, key=lambda j: scores[block, j].mean())
+      left.remove(best)
+      block.append(best)
+    order += block
+  return np.asarray(order)
+
+
+def permute_heads(attn: dict, config: ModelConfig, order: np.ndarray) -> dict:
+  """One layer's attention with its kv heads in `order` (new head i is old head order[i]) and each
+  kv head's query heads and output rows moved along: the same function, since attention sums over
+  heads and each query head keeps reading its kv head."""
+  per_kv = config.num_heads // config.num_kv_heads
+  queries = (order[:, None] * per_kv + np.arange(per_kv)).reshape(-1)
+  take = {"q": queries, "k": order, "v": order, "out": queries}
+  new = {name: dict(attn[name]) for name in attn}
+  for name, index in take.items():
+    for leaf, value in attn[name].items():
+      if name == "out" and leaf == "bias":
+        continue  # [D]: summed over heads already
+      axis = 0 if name == "out" or leaf == "bias" else 1  # out kernel [N, H, D], biases [heads, H], kernels [D, heads, H]
+      new[name][leaf] = np.take(np.asarray(value), index, axis=axis)
+  return new

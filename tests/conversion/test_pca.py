@@ -93,3 +93,34 @@ def test_pca_errors():
     kvjax.convert_kv_heads(params, config, 2, "pca", calibration=np.ones((2, 3)))
   with pytest.raises(ValueError, match="method must be one of"):
     kvjax.convert_kv_heads(params, config, 2, "svd")
+
+
+def test_permuting_heads_keeps_the_function():
+  from kvjax.conversion import pca
+  config = tiny_config(2, qkv_bias=True, use_bias=True)
+  params = jax.tree.map(np.asarray, init_params(config)[1])
+  permuted = dict(params)
+  for i in range(config.num_layers):
+    permuted[f"layers_{i}"] = {**params[f"layers_{i}"],
+                               "attn": pca.permute_heads(params[f"layers_{i}"]["attn"], config, np.array([1, 0]))}
+  assert not np.array_equal(permuted["layers_0"]["attn"]["k"]["kernel"], params["layers_0"]["attn"]["k"]["kernel"])
+  np.testing.assert_allclose(logits(config, permuted), logits(config, params), atol=1e-5)
+
+
+def test_regroup_finds_strided_partners_that_index_order_splits():
+  """Heads 0 and 2 (and 1 and 3) are transforms of one another: grouping by index, (0, 1) and
+  (2, 3), loses information; regroup pairs them as (0, 2), (1, 3) and converts exactly."""
+  config = tiny_config(4)
+  params = jax.tree.map(np.array, init_params(config)[1])
+  order = [0, 2, 1, 3]
+  contiguous = transformed_heads(params, config, 2)
+  strided = dict(contiguous)
+  from kvjax.conversion import pca
+  for i in range(config.num_layers):  # the tied pairs moved apart: new head order[j] = old head j
+    strided[f"layers_{i}"] = {**contiguous[f"layers_{i}"], "attn": pca.permute_heads(
+        contiguous[f"layers_{i}"]["attn"], config, np.argsort(order))}
+  want = logits(config, strided)
+  regrouped, new_config = kvjax.convert_kv_heads(strided, config, 2, "regroup", calibration=CALIBRATION)
+  np.testing.assert_allclose(logits(new_config, regrouped), want, atol=2e-4, rtol=1e-4)
+  plain, _ = kvjax.convert_kv_heads(strided, config, 2, "pca", calibration=CALIBRATION)
+  assert np.abs(logits(new_config, plain) - want).max() > 0.05
