@@ -25,7 +25,7 @@ def continue_text(workdir, prompt: str, *, max_new_tokens: int, temperature: flo
   """The continuation of `prompt` from the workdir's checkpoint (latest unless `step`), sharded
   over `mesh` (a jax.sharding.Mesh, see kvjax.sharding) when one is given."""
   model, params, _ = load_model(workdir, step)
-  tokenizer = load_tokenizer(workdir)
+  tokenizer = load_tokenizer(workdir, model.config.vocab_size)
   if tokenizer is None:
     tokens = data.encode(prompt)
   else:

@@ -3,7 +3,9 @@ pre-training for a fraction alpha of the source run's steps (`kvjax uptrain`).
 
 The source workdir is only read. The destination is an ordinary training workdir (resumable like
 any run) plus uptrain.json, which records held-out quality before conversion, right after it
-(alpha = 0) and after uptraining.
+(alpha = 0) and after uptraining. A source with a tokenizer.json (an imported model) passes it
+on: the destination gets a copy, and evaluation and training there use its token ids. What the
+job needs in memory is checked against the machine (kvjax.memory) before the source is loaded.
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ from pathlib import Path
 
 import jax
 
-from kvjax import sharding
+from kvjax import memory, sharding
 from kvjax.training import checkpoint
 from kvjax.training import train
 from kvjax.config import ModelConfig, apply_overrides, from_dict, to_dict
 from kvjax.conversion.kv_heads import convert_kv_heads
+from kvjax.interop.hf import copy_tokenizer, load_tokenizer
 from kvjax.training.data import load_dataset
 from kvjax.training.evaluate import evaluate
 from kvjax.model.transformer import Transformer
@@ -31,7 +34,7 @@ def uptrain_config(source: dict, source_steps: int, num_kv_heads: int, fraction:
   """The destination run: the source's model with fewer kv heads, its data and optimizer settings,
   and fraction x source_steps steps (warmup and cadences scaled alike, fresh optimizer state).
   The source's device mesh is not inherited: give one with the override train.mesh=..."""
-  model = from_dict(ModelConfig, source["model"]).replace(num_kv_heads=num_kv_heads)
+  model = from_dict(ModelConfig, source.get("model")).replace(num_kv_heads=num_kv_heads)
   data = from_dict(DataConfig, source["data"]) if "data" in source else DataConfig(seq_len=min(128, model.max_len))
   tc = from_dict(TrainConfig, source["train"]) if "train" in source else TrainConfig()
   steps = max(1, round(fraction * source_steps))
@@ -40,6 +43,19 @@ def uptrain_config(source: dict, source_steps: int, num_kv_heads: int, fraction:
                            eval_every=scale(tc.eval_every), checkpoint_every=scale(tc.checkpoint_every),
                            log_every=scale(tc.log_every), mesh=None)
   return apply_overrides(TrainRun(job="uptrain", model=model, data=data, train=tc), list(overrides))
+
+
+def _check_memory(source_config: dict, config: TrainRun, fraction: float, mesh) -> None:
+  """Refuses, before loading anything, an uptraining that cannot fit: the source's weights stay
+  loaded beside the converted ones and, when it trains, their gradients, AdamW moments and
+  activations."""
+  source_model = from_dict(ModelConfig, source_config.get("model"))
+  need = {"source parameters": memory.param_bytes(source_model)}
+  if fraction > 0:
+    need |= memory.train_parts(config.model, config.train.batch_size, config.data.seq_len)
+  else:
+    need["converted parameters"] = memory.param_bytes(config.model)
+  memory.check_fits("uptraining", need, devices=None if mesh is None else list(mesh.devices.flat))
 
 
 def uptrain(source_workdir: str | Path, workdir: str | Path, num_kv_heads: int, *, method: str = "mean",
@@ -57,21 +73,25 @@ def uptrain(source_workdir: str | Path, workdir: str | Path, num_kv_heads: int, 
   step = checkpoint.latest_step(source)
   if step is None:
     raise ValueError(f"no checkpoint in source workdir {checkpoint.checkpoint_dir(source)}")
-  model, params, source_config = checkpoint.load_model(source, step)
   if fraction > 0 and step == 0 and not any(o.startswith("train.steps=") for o in overrides):
     raise ValueError(f"the checkpoint in {source} records no pre-training steps (step 0); "
                      "give the uptraining length with --set train.steps=N")
+  source_config = checkpoint.read_meta(source, step)["config"]
+  config = uptrain_config(source_config, step, num_kv_heads, fraction, overrides)
+  mesh = sharding.mesh_from_spec(config.train.mesh)
+  _check_memory(source_config, config, fraction, mesh)
+  # The source model's tokenizer (an imported model's) is the one every step below uses.
+  tokenizer = load_tokenizer(source, config.model.vocab_size)
+  model, params, _ = checkpoint.load_model(source, step)
   new_params, new_model_config = convert_kv_heads(params, model.config, num_kv_heads, method,
                                                   rng=jax.random.key(seed))
-  config = uptrain_config(source_config, step, num_kv_heads, fraction, overrides)
 
   record_path = dest / "uptrain.json"
   record = json.loads(record_path.read_text()) if record_path.exists() else None
   if record is not None and (record["num_kv_heads"], record["method"], record["fraction"]) != (num_kv_heads, method, fraction):
     raise ValueError(f"{dest} holds an uptraining with kv heads {record['num_kv_heads']}, method "
                      f"{record['method']!r}, fraction {record['fraction']}; use another --workdir")
-  data = load_dataset(config.data)
-  mesh = sharding.mesh_from_spec(config.train.mesh)
+  data = load_dataset(config.data, tokenizer)
   quality = lambda m, p: evaluate(m, p, data, batch_size=config.train.batch_size,
                                   num_batches=config.train.eval_batches, mesh=mesh)
   if record is None:
@@ -81,6 +101,7 @@ def uptrain(source_workdir: str | Path, workdir: str | Path, num_kv_heads: int, 
               "converted": quality(Transformer(new_model_config), new_params)}
     dest.mkdir(parents=True, exist_ok=True)
     record_path.write_text(json.dumps(record, indent=2) + "\n")
+  copy_tokenizer(source, dest)  # before any checkpoint: training and every later eval read it there
 
   if fraction == 0:
     if checkpoint.latest_step(dest) is None:

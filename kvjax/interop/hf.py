@@ -1,4 +1,4 @@
-"""Hugging Face import: a config.json + *.safetensors directory -> (kvjax params, ModelConfig).
+"""Hugging Face import: a config.json + safetensors directory -> (kvjax params, ModelConfig).
 
 Supported families (`model_type` in config.json):
   llama  - RMSNorm, SwiGLU, rotate-half RoPE; optional attention / MLP biases.
@@ -14,42 +14,35 @@ HF's repeat_kv gives query head n the kv head n // G, the same rule as `kv_head_
 heads map one to one. Tensors are read with safetensors' numpy backend (never pickle) and
 returned as float32 numpy arrays in the tree `Transformer(config).init` would build.
 
+The directory's files are read by kvjax.interop.hf_files: only those the checkpoint declares
+(the shards model.safetensors.index.json names, or model.safetensors), each checked, and a
+tokenizer.json beside them must load and fit the model's vocabulary.
+
 `kvjax import-hf HF_DIR --workdir OUT` (kvjax.conversion.import_hf) writes them as a params
-checkpoint that eval, generate and uptrain load, and copies tokenizer.json beside it when there is one.
+checkpoint that eval, generate and uptrain load, and copies tokenizer.json beside it when there
+is one; every workdir derived from that one carries it on and tokenizes with it.
 """
 
 from __future__ import annotations
 
-import json
 import pathlib
 from typing import Callable
 
+import jax
 import numpy as np
-from safetensors import safe_open
 
+from kvjax import memory
 from kvjax.config import ModelConfig
+# The file readers are part of this module's public names (kvjax.interop.hf.load_tokenizer, ...).
+from kvjax.interop.hf_files import (TOKENIZER_FILE, TensorFiles, copy_tokenizer, load_tokenizer,  # noqa: F401
+                                    read_hf_config)
 from kvjax.model.params import abstract_params
 
 SUPPORTED = ("llama", "qwen2", "gpt2")
-INDEX_FILE = "model.safetensors.index.json"
-TOKENIZER_FILE = "tokenizer.json"
-# Names stripped from checkpoints saved from a *ForCausalLM wrapper rather than the base model.
-BASE_PREFIXES = ("model.", "transformer.")
 # Buffers some checkpoints carry that hold no weights: rotary tables and GPT-2's causal masks.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "attn.bias", "attn.masked_bias")
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
-
-
-def read_hf_config(hf_dir: str | pathlib.Path) -> dict:
-  """The parsed config.json of a Hugging Face model directory."""
-  path = pathlib.Path(hf_dir) / "config.json"
-  if not path.is_file():
-    raise ValueError(f"{hf_dir} is not a Hugging Face model directory: {path} does not exist")
-  try:
-    return json.loads(path.read_text())
-  except json.JSONDecodeError as err:
-    raise ValueError(f"{path} is not valid JSON: {err}") from None
 
 
 def _require(hf: dict, *keys: str):
@@ -140,46 +133,6 @@ def _gpt2_config(hf: dict, dtype: str) -> ModelConfig:
       max_len=max_len, dtype=dtype)
 
 
-class TensorFiles:
-  """The tensors of a directory's *.safetensors (one file or a sharded index), read on demand.
-
-  Names are normalised by dropping the base-model prefix ('model.', 'transformer.').
-  """
-
-  def __init__(self, hf_dir: str | pathlib.Path):
-    root = pathlib.Path(hf_dir)
-    index = root / INDEX_FILE
-    if index.is_file():
-      weight_map = json.loads(index.read_text()).get("weight_map")
-      if not isinstance(weight_map, dict):
-        raise ValueError(f"{index} has no 'weight_map'")
-      files = {root / f for f in weight_map.values()}
-      absent = sorted(str(f.name) for f in files if not f.is_file())
-      if absent:
-        raise ValueError(f"{index} lists shard files that do not exist: {absent}")
-      located = {name: root / f for name, f in weight_map.items()}
-    else:
-      files = sorted(root.glob("*.safetensors"))
-      if not files:
-        raise ValueError(f"no *.safetensors in {root} (pickled .bin checkpoints are not read)")
-      located = {}
-      for f in files:
-        with safe_open(f, framework="numpy") as st:
-          located.update({name: f for name in st.keys()})
-    self.files: dict[str, pathlib.Path] = {}
-    self.original: dict[str, str] = {}
-    for name, f in located.items():
-      short = next((name[len(p):] for p in BASE_PREFIXES if name.startswith(p)), name)
-      self.files[short], self.original[short] = f, name
-
-  def names(self) -> set[str]:
-    return set(self.files)
-
-  def get(self, name: str) -> np.ndarray:
-    with safe_open(self.files[name], framework="numpy") as st:
-      return np.asarray(st.get_tensor(self.original[name]), dtype=np.float32)
-
-
 # A plan entry: kvjax parameter path, HF tensor name (None: zeros), conversion of that tensor.
 Entry = tuple[tuple[str, ...], str | None, Callable[[np.ndarray], np.ndarray]]
 
@@ -253,6 +206,14 @@ def _flatten(tree: dict, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], 
   return flat
 
 
+def _converted_shape(convert: Callable[[np.ndarray], np.ndarray], shape: tuple[int, ...]):
+  """The shape `convert` makes of a tensor of `shape` (traced, nothing read), or None when it cannot apply."""
+  try:
+    return jax.eval_shape(convert, jax.ShapeDtypeStruct(shape, np.float32)).shape
+  except (TypeError, ValueError):  # a reshape or slice that does not fit
+    return None
+
+
 def _check_coverage(plan: list[Entry], tensors: TensorFiles, cfg: ModelConfig, kind: str) -> None:
   names = tensors.names()
   wanted = {name for _, name, _ in plan if name is not None}
@@ -279,12 +240,18 @@ def from_hf(hf_dir: str | pathlib.Path, *, dtype: str | None = None) -> tuple[di
     (params, config): params is the {'embed': ..., 'layers_0': ...} tree of float32 numpy
     arrays for `Transformer(config).apply({'params': params}, ...)`.
   Raises:
-    ValueError naming the unsupported architecture or feature, or the missing, unexpected or
-    misshapen tensors.
+    ValueError naming the unsupported architecture or feature; the missing, unexpected or
+    misshapen tensors; a missing or damaged file (each named); a tokenizer.json that does not
+    load or has ids past vocab_size; a model too large for host memory.
   """
   hf = read_hf_config(hf_dir)
   cfg = config_from_hf(hf, dtype=dtype)
   kind = hf["model_type"]
+  # The weights become float32 numpy arrays in host memory; refuse a model that cannot fit there
+  # (or whose config.json claims absurd sizes) before tracing or reading anything.
+  memory.check_fits(f"importing {hf_dir}", {"float32 parameters": memory.param_bytes(cfg)},
+                    limit=memory.host_limit())
+  load_tokenizer(hf_dir, cfg.vocab_size)  # a tokenizer.json that cannot serve this model is refused
   tensors = TensorFiles(hf_dir)
   plan = (_gpt2_plan if kind == "gpt2" else _llama_plan)(cfg, tensors.names())
   _check_coverage(plan, tensors, cfg, kind)
@@ -293,37 +260,15 @@ def from_hf(hf_dir: str | pathlib.Path, *, dtype: str | None = None) -> tuple[di
   if planned != set(shapes):
     # A plan that misses a kvjax parameter is a bug in this module, not in the checkpoint.
     raise AssertionError(f"import plan and kvjax tree differ: {sorted(planned ^ set(shapes))}")
+  for path, name, convert in plan:  # every dtype and shape from the file headers, before reading data
+    if name is not None and _converted_shape(convert, tensors.shape(name)) != shapes[path].shape:
+      raise ValueError(f"tensor {name} of shape {tensors.shape(name)} in {tensors.where(name)} does not fit "
+                       f"kvjax parameter {'/'.join(path)} of shape {shapes[path].shape} implied by config.json")
   params: dict = {}
   for path, name, convert in plan:
-    want = shapes[path].shape
-    if name is None:
-      value = np.zeros(want, np.float32)
-    else:
-      raw = tensors.get(name)
-      try:
-        value = convert(raw)
-        fits = value.shape == want
-      except ValueError:  # a reshape that cannot apply
-        fits = False
-      if not fits:
-        raise ValueError(f"tensor {name} of shape {raw.shape} does not fit kvjax parameter "
-                         f"{'/'.join(path)} of shape {want} implied by config.json")
+    value = np.zeros(shapes[path].shape, np.float32) if name is None else convert(tensors.get(name))
     node = params
     for key in path[:-1]:
       node = node.setdefault(key, {})
     node[path[-1]] = np.ascontiguousarray(value, dtype=np.float32)
   return params, cfg
-
-
-def load_tokenizer(path: str | pathlib.Path):
-  """A `tokenizers.Tokenizer` from tokenizer.json (a file or a directory holding one), or None if absent."""
-  path = pathlib.Path(path)
-  if path.is_dir():
-    path = path / TOKENIZER_FILE
-  if not path.is_file():
-    return None
-  try:
-    from tokenizers import Tokenizer
-  except ImportError:
-    raise ValueError(f"{path} needs the 'tokenizers' package: pip install tokenizers") from None
-  return Tokenizer.from_file(str(path))

@@ -6,7 +6,9 @@ Python's standard-library .py sources, which need no download. Files are read in
 concatenated up to DataConfig.max_bytes; the corpus sha256 and size are recorded with the run.
 
 Batches are int32 [B, T] inputs and the same windows shifted by one as targets, T = seq_len.
-`retokenize` re-expresses a byte dataset in another tokenizer's ids for imported models.
+`retokenize` re-expresses a byte dataset in another tokenizer's ids: an imported model's
+tokenizer.json, which every workdir derived from it carries, so that training, uptraining and
+evaluation all see the corpus in that model's own token ids.
 """
 
 from __future__ import annotations
@@ -132,7 +134,9 @@ def held_out_mask(num_bytes: int, val_fraction: float, rule: str = "spread") -> 
   return np.repeat(held, block)[:num_bytes]
 
 
-def load_dataset(config: DataConfig) -> Dataset:
+def load_dataset(config: DataConfig, tokenizer=None) -> Dataset:
+  """The corpus of `config` split into train and held-out bytes, or, given a `tokenizers.Tokenizer`
+  (a workdir's tokenizer.json, kvjax.interop.hf.load_tokenizer), that tokenizer's ids of them."""
   corpus, info = load_corpus(config)
   held = held_out_mask(len(corpus), config.val_fraction, config.held_out)
   num_val = int(held.sum())
@@ -142,7 +146,10 @@ def load_dataset(config: DataConfig) -> Dataset:
         f"corpus {info.source} has {len(corpus)} bytes: too small for windows of seq_len + 1 = "
         f"{need} bytes in both the train split and the held-out split (val_fraction="
         f"{config.val_fraction}); use a larger corpus, max_bytes or val_fraction, or a smaller seq_len")
-  return Dataset(train=corpus[~held], val=corpus[held], seq_len=config.seq_len, info=info)
+  dataset = Dataset(train=corpus[~held], val=corpus[held], seq_len=config.seq_len, info=info)
+  if tokenizer is None:
+    return dataset
+  return retokenize(dataset, lambda text: tokenizer.encode(text, add_special_tokens=False).ids)
 
 
 def retokenize(dataset: Dataset, encode: Callable[[str], Sequence[int]]) -> Dataset:

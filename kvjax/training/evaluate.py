@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 from kvjax import sharding
 from kvjax.training.checkpoint import latest_step, load_model, read_meta
 from kvjax.config import from_dict
-from kvjax.training.data import Dataset, eval_batches, load_dataset, retokenize
+from kvjax.training.data import Dataset, eval_batches, load_dataset
 from kvjax.interop.hf import load_tokenizer
 from kvjax.model.transformer import Transformer
 from kvjax.training.config import DataConfig
@@ -70,10 +70,7 @@ def evaluate_checkpoint(workdir: str | Path, *, step: int | None = None, split: 
   train = config.get("train", {})
   batch_size = batch_size or train.get("batch_size", 8)
   num_batches = num_batches or train.get("eval_batches", 8)
-  data = load_dataset(data_config)
-  tokenizer = load_tokenizer(workdir)
-  if tokenizer is not None:
-    data = retokenize(data, lambda text: tokenizer.encode(text, add_special_tokens=False).ids)
+  data = load_dataset(data_config, load_tokenizer(workdir, model.config.vocab_size))
   metrics = evaluate(model, params, data, batch_size=batch_size, num_batches=num_batches, split=split,
                      mesh=mesh)
   return {"step": step, "split": split, **metrics, "tokens": batch_size * num_batches * data_config.seq_len,

@@ -1,11 +1,13 @@
 """Training: AdamW with warmup and cosine decay, a jitted train step, periodic held-out eval and
 orbax checkpoints from which a run resumes exactly.
 
-Batches are int32 [B, T] inputs and targets (the inputs shifted by one byte). The train state
-(step, float32 params, optimizer state) is donated to every step. A checkpoint holds the state,
-the data sampler's position and generator state, the run config and the corpus hash, so a run
-killed at any point and started again ends with bitwise the parameters of an uninterrupted run
-(on the same machine and backend).
+Batches are int32 [B, T] inputs and targets (the inputs shifted by one token: a byte, or an id of
+the workdir's tokenizer.json when it holds one, as an imported model's uptraining does). The
+run's memory need is checked against the machine's (kvjax.memory) before anything is allocated.
+The train state (step, float32 params, optimizer state) is donated to every step. A checkpoint
+holds the state, the data sampler's position and generator state, the run config and the corpus
+hash, so a run killed at any point and started again ends with bitwise the parameters of an
+uninterrupted run (on the same machine and backend).
 
 With TrainConfig.mesh the state is sharded by kvjax.sharding's rules (initialised, or restored
 from a checkpoint, straight onto the mesh) and every batch is split over `data`; jit then
@@ -29,7 +31,8 @@ import optax
 from jax.sharding import Mesh
 from tqdm import tqdm
 
-from kvjax import sharding
+from kvjax import memory, sharding
+from kvjax.interop.hf import load_tokenizer
 from kvjax.training import checkpoint
 from kvjax.training.data import Dataset, WindowSampler, load_dataset
 from kvjax.training.evaluate import evaluate
@@ -168,11 +171,12 @@ def run(config: TrainRun, workdir: str | Path, init_params=None) -> dict:
   """Trains (or resumes) the run in `workdir`; returns a summary of the final step.
   A fresh run starts from `init_params` (with fresh optimizer state) when given, as uptraining
   does; a resumed run always continues from its checkpoint."""
+  check_memory(config, init_params)  # before the workdir is made: a refusal writes nothing
   tc, config_dict = config.train, to_dict(config)
   mesh = sharding.mesh_from_spec(tc.mesh)  # first: a mesh this machine cannot hold stops the run here
   workdir = Path(workdir).resolve()
   workdir.mkdir(parents=True, exist_ok=True)
-  data = load_dataset(config.data)
+  data = load_dataset(config.data, load_tokenizer(workdir, config.model.vocab_size))
   model = Transformer(config.model)
   compute_model = Transformer(config.model.replace(dtype="bfloat16")) if tc.bf16 else model
   optimizer = make_optimizer(tc)
@@ -196,6 +200,15 @@ def run(config: TrainRun, workdir: str | Path, init_params=None) -> dict:
     return trainer.loop(state, start) | {"params": num_params}
   finally:
     manager.close()
+
+
+def check_memory(config: TrainRun, init_params=None) -> None:
+  """Refuses, from the config alone (nothing traced or allocated), a run that the memory of this
+  machine, or of the run's mesh, cannot hold (kvjax.memory.check_training)."""
+  mesh = sharding.mesh_from_spec(config.train.mesh)
+  resident = sum(x.nbytes for x in jax.tree.leaves(init_params) if isinstance(x, jax.Array))
+  memory.check_training(config.model, config.train.batch_size, config.data.seq_len, resident=resident,
+                        devices=None if mesh is None else list(mesh.devices.flat))
 
 
 class _Trainer:

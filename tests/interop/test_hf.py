@@ -8,9 +8,12 @@ full forward logits, cached prefill + decode logits, and greedy generations.
 from __future__ import annotations
 
 import json
+import math
+import re
 
 import numpy as np
 import pytest
+from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from kvjax import Transformer, decode_step, generate, prefill
@@ -197,7 +200,7 @@ def test_missing_files_are_named(tmp_path):
     from_hf(tmp_path)
   _tiny_llama(tmp_path)
   (tmp_path / "model.safetensors").unlink()
-  with pytest.raises(ValueError, match=r"no \*\.safetensors"):
+  with pytest.raises(ValueError, match=r"no model\.safetensors or model\.safetensors\.index\.json"):
     from_hf(tmp_path)
   index = {"weight_map": {"model.norm.weight": "model-00001-of-00002.safetensors"}}
   (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
@@ -205,14 +208,22 @@ def test_missing_files_are_named(tmp_path):
     from_hf(tmp_path)
 
 
-def test_tokenizer_json_is_loaded(tmp_path):
+def _word_tokenizer(words):
+  """A word-level tokenizer: [UNK] is id 0, then `words` in order."""
   tokenizers = pytest.importorskip("tokenizers", reason="needs the tokenizers package")
-  assert load_tokenizer(tmp_path) is None
-  vocab = {"[UNK]": 0, "hello": 1, "world": 2}
+  vocab = {"[UNK]": 0} | {w: i + 1 for i, w in enumerate(words)}
   tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
   tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-  tok.save(str(tmp_path / "tokenizer.json"))
+  return tok
+
+
+def test_tokenizer_json_is_loaded(tmp_path):
+  assert load_tokenizer(tmp_path) is None
+  _word_tokenizer(["hello", "world"]).save(str(tmp_path / "tokenizer.json"))
   assert load_tokenizer(tmp_path).encode("hello world again").ids == [1, 2, 0]
+  assert load_tokenizer(tmp_path, vocab_size=3) is not None
+  with pytest.raises(ValueError, match=r"tokenizer\.json has token ids up to 2, past the model's vocab_size=2"):
+    load_tokenizer(tmp_path, vocab_size=2)
 
 
 def test_import_hf_writes_a_loadable_checkpoint(tmp_path, capsys):
@@ -222,7 +233,7 @@ def test_import_hf_writes_a_loadable_checkpoint(tmp_path, capsys):
   from kvjax.training.checkpoint import load_model
   hf_dir, workdir = tmp_path / "hf", tmp_path / "run"
   _tiny_llama(hf_dir)
-  (hf_dir / "tokenizer.json").write_text('{"version": "1.0"}')
+  _word_tokenizer(["hello", "world"]).save(str(hf_dir / "tokenizer.json"))
   assert cli.main(["import-hf", str(hf_dir), "--workdir", str(workdir)]) == 0
   summary = json.loads(capsys.readouterr().out)
   assert summary["tokenizer"] == str(workdir / "tokenizer.json") and (workdir / "tokenizer.json").is_file()
@@ -259,3 +270,149 @@ def test_imported_gpt2_converts_to_gqa_and_uptrains(tmp_path):
   assert (model.config.num_heads, model.config.num_kv_heads) == (4, 2)
   assert (model.config.positions, model.config.norm, model.config.use_bias) == ("learned", "layernorm", True)
   assert record["after"]["loss"] < record["converted"]["loss"]
+
+
+def _flat_params(params) -> dict:
+  from kvjax.interop import hf
+  return {k: np.asarray(v) for k, v in hf._flatten(params).items()}
+
+
+def _assert_same_params(got, want):
+  got, want = _flat_params(got), _flat_params(want)
+  assert got.keys() == want.keys()
+  for key, value in want.items():
+    np.testing.assert_array_equal(got[key], value, err_msg="/".join(key))
+
+
+def _shape(path, name):
+  with safe_open(path, framework="numpy") as st:
+    return tuple(st.get_slice(name).get_shape())
+
+
+def test_stray_safetensors_beside_a_single_file_model_is_ignored(tmp_path):
+  _save_random("llama_bias_tied", tmp_path)
+  want, _ = from_hf(tmp_path)
+  # Were it read, the first would replace the final norm's scale; the second is not even safetensors.
+  save_file({"model.norm.weight": np.full(32, 7.0, np.float32)}, str(tmp_path / "extra.safetensors"))
+  (tmp_path / "notes.safetensors").write_text("not a tensor file")
+  got, _ = from_hf(tmp_path)
+  _assert_same_params(got, want)
+
+
+def test_sharded_checkpoint_reads_exactly_what_its_index_declares(tmp_path):
+  _save_random("llama_gqa_14_2", tmp_path, shard=True)
+  index_path = tmp_path / "model.safetensors.index.json"
+  index = json.loads(index_path.read_text())
+  shards = sorted(set(index["weight_map"].values()))
+  assert len(shards) > 2
+  want, _ = from_hf(tmp_path)
+  held = {f: sorted(n for n, g in index["weight_map"].items() if g == f) for f in shards}
+  shard = next(f for f in shards if len(held[f]) > 1)  # still declared when one tensor moves away
+  other = next(f for f in shards if f != shard)
+  name = held[shard][0]
+  # A stray single file beside the index, holding one of its tensors, is not read.
+  save_file({name: np.zeros(_shape(tmp_path / shard, name), np.float32)}, str(tmp_path / "model.safetensors"))
+  _assert_same_params(from_hf(tmp_path)[0], want)
+
+  def refused(weight_map, message):
+    index_path.write_text(json.dumps({**index, "weight_map": weight_map}))
+    with pytest.raises(ValueError, match=message):
+      from_hf(tmp_path)
+
+  # The index places a tensor in a shard that does not hold it.
+  refused({**index["weight_map"], name: other},
+          rf"places tensor {re.escape(name)} in {other}, which does not hold it \(it is in {shard}\)")
+  # A shard holds a tensor the index does not place there.
+  refused({k: v for k, v in index["weight_map"].items() if k != name},
+          rf"{shard} holds 1 tensor\(s\) that model.safetensors.index.json does not place there: \['{re.escape(name)}'\]")
+  refused({**index["weight_map"], name: f"../{shard}"}, "which is not a file in")
+  # A declared shard that is missing.
+  index_path.write_text(json.dumps(index))
+  (tmp_path / other).unlink()
+  with pytest.raises(ValueError, match=rf"lists shard files that do not exist: \['{other}'\]"):
+    from_hf(tmp_path)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "header", "empty", "truncated shard"])
+def test_damaged_safetensors_file_is_refused_naming_it(tmp_path, damage):
+  _save_random("qwen2_gqa_6_2" if damage != "truncated shard" else "llama_gqa_14_2", tmp_path,
+               shard=damage == "truncated shard")
+  if damage == "truncated shard":
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    path = tmp_path / sorted(set(index["weight_map"].values()))[1]
+  else:
+    path = tmp_path / "model.safetensors"
+  data = path.read_bytes()
+  header = int.from_bytes(data[:8], "little")
+  damaged = {"truncated": data[:len(data) - 100], "truncated shard": data[:len(data) - 100],
+             "header": data[:8] + b"x" * header + data[8 + header:], "empty": b""}[damage]
+  path.write_bytes(damaged)
+  with pytest.raises(ValueError, match=rf"^{re.escape(str(path))} is not a readable safetensors file"):
+    from_hf(tmp_path)
+
+
+def test_tensor_of_the_wrong_dtype_or_shape_is_named_with_its_file(tmp_path):
+  tensors = _tiny_llama(tmp_path)
+  path = tmp_path / "model.safetensors"
+  save_file({**tensors, "model.norm.weight": np.arange(8, dtype=np.int32)}, str(path))
+  with pytest.raises(ValueError, match=rf"tensor model\.norm\.weight in {re.escape(str(path))} has dtype I32"):
+    from_hf(tmp_path)
+  save_file({**tensors, "model.layers.0.self_attn.k_proj.weight": np.zeros((5, 8), np.float32)}, str(path))
+  with pytest.raises(ValueError, match=rf"tensor layers\.0\.self_attn\.k_proj\.weight of shape \(5, 8\) in "
+                                       rf"{re.escape(str(path))} does not fit kvjax parameter layers_0/attn/k/kernel"):
+    from_hf(tmp_path)
+
+
+@pytest.mark.parametrize("tokenizer, message", [
+    ('{"version": "1.0"}', "is not a valid tokenizer.json"),
+    ("{not json", "is not a valid tokenizer.json"),
+    ([f"w{i}" for i in range(20)], r"has token ids up to 20, past the model's vocab_size=16"),
+], ids=["no_model", "not_json", "ids_past_vocab"])
+def test_bad_tokenizer_json_is_refused_at_import(tmp_path, tokenizer, message):
+  from kvjax.conversion.import_hf import import_hf
+  hf_dir, workdir = tmp_path / "hf", tmp_path / "run"
+  _tiny_llama(hf_dir)  # vocab_size 16
+  path = hf_dir / "tokenizer.json"
+  if isinstance(tokenizer, str):
+    path.write_text(tokenizer)
+  else:
+    _word_tokenizer(tokenizer).save(str(path))
+  with pytest.raises(ValueError, match=rf"^{re.escape(str(path))} {message}"):
+    import_hf(hf_dir, workdir)
+  assert not workdir.exists()
+
+
+def test_tokenizer_travels_to_the_uptrained_workdir_and_is_used(tmp_path):
+  import jax
+  import torch
+
+  from kvjax.cli.generate import continue_text
+  from kvjax.conversion.import_hf import import_hf
+  from kvjax.conversion.uptrain import uptrain
+  from kvjax.training.checkpoint import load_model
+  from kvjax.training.evaluate import evaluate_checkpoint
+  tf = _transformers()
+  torch.manual_seed(0)
+  config = tf.GPT2Config(vocab_size=256, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                         bos_token_id=None, eos_token_id=None)
+  tf.GPT2LMHeadModel(config).save_pretrained(tmp_path / "hf", safe_serialization=True)
+  tokenizer = _word_tokenizer("the quick brown fox jumps over lazy dog .".split())
+  tokenizer.save(str(tmp_path / "hf" / "tokenizer.json"))
+  import_hf(tmp_path / "hf", tmp_path / "imported")
+  corpus = tmp_path / "corpus.txt"
+  corpus.write_text("the quick brown fox jumps over the lazy dog. " * 400)
+  record = uptrain(tmp_path / "imported", tmp_path / "gqa", 2, method="mean", overrides=[
+      f"data.source={corpus}", "data.seq_len=16", "train.steps=4", "train.batch_size=4",
+      "train.lr=3e-3", "train.warmup_steps=1", "train.eval_batches=2"])
+  copied = tmp_path / "gqa" / "tokenizer.json"
+  assert copied.read_bytes() == (tmp_path / "hf" / "tokenizer.json").read_bytes()
+  # Each sentence is 45 bytes in 10 tokens; on byte ids, loss / bits per byte would be ln 2 exactly.
+  # "after" is the training run's own evaluation, so training read token ids too.
+  for quality in (record["before"], record["converted"], record["after"]):
+    assert quality["loss"] / (quality["bits_per_byte"] * math.log(2)) == pytest.approx(4.5, rel=0.05)
+  assert evaluate_checkpoint(tmp_path / "gqa")["loss"] == pytest.approx(record["after"]["loss"], rel=1e-5)
+  model, params, _ = load_model(tmp_path / "gqa")
+  prompt = np.array([tokenizer.encode("the quick").ids], np.int32)  # [[1, 2]]
+  ids = generate(model, params, prompt, [2], 6, rng=jax.random.key(0))
+  assert continue_text(tmp_path / "gqa", "the quick", max_new_tokens=6, temperature=0.0) == \
+      tokenizer.decode(np.asarray(ids[0]).tolist())

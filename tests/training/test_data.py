@@ -147,3 +147,17 @@ def test_retokenize_keeps_splits_and_measures_bytes_per_token(tmp_path):
   assert re.info == ds.info and re.seq_len == 8
   with pytest.raises(ValueError, match="too few for windows"):
     data.retokenize(ds, lambda text: [1] * 5)
+
+
+def test_load_dataset_with_a_tokenizer_gives_its_ids(tmp_path):
+  tokenizers = pytest.importorskip("tokenizers", reason="needs the tokenizers package")
+  path = tmp_path / "c.txt"
+  path.write_text("hello world " * 200)
+  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+  config = DataConfig(source=str(path), seq_len=8, val_fraction=0.25)
+  ids = data.load_dataset(config, tok)
+  want = data.retokenize(data.load_dataset(config), lambda text: tok.encode(text, add_special_tokens=False).ids)
+  np.testing.assert_array_equal(ids.train, want.train)
+  np.testing.assert_array_equal(ids.val, want.val)
+  assert set(np.unique(ids.train).tolist()) <= {0, 1, 2} and ids.bytes_per_token > 5

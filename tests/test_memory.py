@@ -1,0 +1,183 @@
+"""Memory budgets: the estimates against known numbers and XLA's own plan, and refusals that come
+before anything is traced or allocated, with the estimate and the limit in the message."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from kvjax import memory
+from kvjax.cache.contiguous import ContiguousCache
+from kvjax.cache.paged import PagedCache
+from kvjax.config import ModelConfig
+from kvjax.model.params import abstract_params
+from kvjax.model.transformer import Transformer
+from kvjax.training import train
+from kvjax.training.config import DataConfig, TrainConfig, TrainRun
+
+ROOT = Path(__file__).resolve().parents[1]
+# configs/train/tiny.py's model.
+TINY = ModelConfig(vocab_size=256, d_model=64, num_layers=2, num_heads=4, num_kv_heads=4, mlp_dim=192,
+                   max_len=128)
+
+
+def test_param_count_is_the_size_of_the_parameter_tree():
+  for activation, norm, positions, qkv_bias, use_bias, tie in itertools.product(
+      ("swiglu", "gelu"), ("rmsnorm", "layernorm"), ("rope", "learned"), *[(False, True)] * 3):
+    config = ModelConfig(vocab_size=50, d_model=24, num_layers=3, num_heads=6, num_kv_heads=2, head_dim=6,
+                         mlp_dim=40, activation=activation, norm=norm, positions=positions, qkv_bias=qkv_bias,
+                         use_bias=use_bias, tie_embeddings=tie, max_len=17)
+    want = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_params(config)))
+    assert memory.param_count(config) == want, config
+
+
+def test_training_estimate_of_the_tiny_config():
+  # embed 256*64 + 2 layers * (norms 2*64 + q,k,v,out 4*64*64 + MLP 3*64*192) + final norm 64 + lm_head 64*256
+  assert memory.param_count(TINY) == 16384 + 2 * (128 + 16384 + 36864) + 64 + 16384 == 139_584
+  # Per token: 2 layers * (4D + 3NH + 4KH + 6F + 4NT) + 2D + 3V floats, for 16 x 64 tokens.
+  activations = 4 * 16 * 64 * (2 * (256 + 192 + 256 + 1152 + 4 * 4 * 64) + 128 + 768)
+  assert memory.train_parts(TINY, 16, 64) == {
+      "parameters": 558_336, "gradients": 558_336, "AdamW moments": 1_116_672,
+      "activations for 16 x 64 tokens": activations}
+  assert memory.train_bytes(TINY, 16, 64) == 2_233_344 + activations == 29_496_320
+
+
+@pytest.mark.parametrize("config, batch, seq_len", [
+    (TINY, 16, 64),
+    (ModelConfig(vocab_size=1000, d_model=128, num_layers=4, num_heads=8, num_kv_heads=2, max_len=256), 8, 256),
+    (ModelConfig(vocab_size=256, d_model=256, num_layers=2, num_heads=4, num_kv_heads=1, activation="gelu",
+                 norm="layernorm", positions="learned", use_bias=True, qkv_bias=True, max_len=512), 4, 512),
+], ids=["tiny", "gqa", "gpt2_like"])
+def test_training_estimate_bounds_what_xla_plans(config, batch, seq_len):
+  model, optimizer = Transformer(config), train.make_optimizer(TrainConfig())
+  state = jax.eval_shape(functools.partial(train.init_state, model, optimizer), jax.random.key(0))
+  tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
+  plan = train.make_train_step(model, optimizer).lower(state, tokens, tokens).compile().memory_analysis()
+  if plan is None:
+    pytest.skip("this backend gives no memory analysis")
+  used = (plan.argument_size_in_bytes + plan.output_size_in_bytes - plan.alias_size_in_bytes
+          + plan.temp_size_in_bytes)
+  assert used <= memory.train_bytes(config, batch, seq_len) <= 2 * used
+
+
+def test_cache_estimates_are_the_caches_sizes():
+  config = ModelConfig(vocab_size=64, d_model=32, num_layers=3, num_heads=4, num_kv_heads=2, max_len=64,
+                       cache_dtype="bfloat16")
+  nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+  contiguous = jax.eval_shape(lambda: ContiguousCache.create(config, 5, 48))
+  assert memory.contiguous_cache_bytes(config, 5, 48) == nbytes(contiguous)
+  paged = jax.eval_shape(lambda: PagedCache.create(config, num_pages=9, page_size=8, batch=3, max_pages=4))
+  assert memory.paged_cache_bytes(config, 9, 8, 3, 4) == nbytes(paged)
+
+
+def test_check_fits_gives_the_estimate_and_the_limit():
+  memory.check_fits("a job", 1000, limit=1000)
+  with pytest.raises(ValueError, match=r"^a job needs about 1\.5 KB, more than the 1\.0 KB of the given "
+                                       r"limit; refused before allocating$"):
+    memory.check_fits("a job", 1500, limit=1000)
+  with pytest.raises(ValueError, match=r"training \(139,584 parameters\) needs about 29\.5 MB \(parameters "
+                                       r"558\.3 KB \+ gradients 558\.3 KB \+ AdamW moments 1\.1 MB \+ "
+                                       r"activations for 16 x 64 tokens 27\.3 MB\), more than the 10\.0 MB"):
+    memory.check_training(TINY, 16, 64, limit=10**7)
+  memory.check_training(TINY, 16, 64, limit=memory.train_bytes(TINY, 16, 64))
+  # Weights already in memory are not counted twice.
+  memory.check_training(TINY, 16, 64, limit=memory.train_bytes(TINY, 16, 64) - 1000, resident=1000)
+
+
+class FakeAccelerator:
+  platform, device_kind = "gpu", "H200"
+
+  def __init__(self, stats):
+    self.stats = stats
+
+  def memory_stats(self):
+    return self.stats
+
+
+def test_the_memory_a_job_has():
+  host = memory.device_limit()  # the CPU backend: host RAM
+  assert host is not None and host.bytes > 0 and "host RAM" in host.source
+  assert memory.available_bytes() > 0
+  two = [FakeAccelerator({"bytes_limit": 100, "bytes_in_use": 30}), FakeAccelerator({"bytes_limit": 100})]
+  assert memory.available_bytes(two) == 170
+  assert "H200 x 2" in memory.device_limit(two).source
+  assert memory.available_bytes([FakeAccelerator(None)]) is None
+  with pytest.raises(ValueError, match="170 bytes of free memory of H200 x 2"):
+    memory.check_fits("a job", 171, devices=two)
+  # Unknown limits still refuse what XLA cannot address (which would abort the process).
+  memory.check_fits("a job", 10**15, devices=[FakeAccelerator(None)])
+  with pytest.raises(ValueError, match="largest size XLA can address"):
+    memory.check_fits("a job", 2**63, devices=[FakeAccelerator(None)])
+
+
+def _too_big(d_model: int) -> TrainRun:
+  return TrainRun(model=TINY.replace(d_model=d_model, mlp_dim=None),
+                  data=DataConfig(source="stdlib", max_bytes=100_000, seq_len=64),
+                  train=TrainConfig(steps=2, batch_size=16))
+
+
+@pytest.mark.parametrize("d_model", [32768, 10**9])
+def test_training_that_cannot_fit_is_refused_before_anything_is_written(d_model, tmp_path):
+  config = _too_big(d_model)
+  if memory.train_bytes(config.model, 16, 64) <= memory.available_bytes():
+    pytest.skip("this machine could hold it")
+  with pytest.raises(ValueError, match=r"training \([\d,]+ parameters\) needs about [\d.,]+ [EPTG]B .*"
+                                       r"more than the [\d.,]+ [KMGT]?B of host RAM"):
+    train.run(config, tmp_path / "run")
+  assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("d_model", ["32768", "1000000000"])
+def test_kvjax_run_refuses_in_one_line(d_model, tmp_path):
+  if memory.train_bytes(_too_big(32768).model, 16, 64) <= memory.available_bytes():
+    pytest.skip("this machine could hold it")
+  done = subprocess.run([sys.executable, "-m", "kvjax.cli.main", "run", str(ROOT / "configs/train/tiny.py"),
+                         "--workdir", str(tmp_path / "run"), "--set", f"model.d_model={d_model}"],
+                        capture_output=True, text=True, timeout=300)
+  assert done.returncode == 2, done.stderr
+  lines = done.stderr.strip().splitlines()
+  assert len(lines) == 1 and re.match(r"kvjax run: error: training \([\d,]+ parameters\) needs about", lines[0])
+  assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_uptraining_that_cannot_fit_is_refused_before_loading(tmp_path, monkeypatch):
+  from kvjax.conversion import uptrain as uptraining
+  from kvjax.training.checkpoint import save_params
+  source = tmp_path / "source"
+  params = jax.jit(lambda: Transformer(TINY).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))()
+  save_params(source, params["params"], TINY)
+  monkeypatch.setattr(uptraining.checkpoint, "load_model", lambda *a, **k: pytest.fail("loaded the source"))
+  with pytest.raises(ValueError, match=r"uptraining needs about .*\(source parameters 558\.3 KB \+ parameters "
+                                       r".* activations for 1000000 x 64 tokens"):
+    uptraining.uptrain(source, tmp_path / "gqa", 2, overrides=["train.steps=1", "train.batch_size=1000000",
+                                                               "data.seq_len=64"])
+  assert not (tmp_path / "gqa").exists()
+
+
+def test_import_of_a_model_too_large_for_host_memory_is_refused_before_reading(tmp_path):
+  from kvjax.interop.hf import from_hf
+  config = dict(model_type="llama", vocab_size=32000, hidden_size=2**20, intermediate_size=2**22,
+                num_hidden_layers=80, num_attention_heads=64, max_position_embeddings=4096)
+  (tmp_path / "config.json").write_text(json.dumps(config))  # and no weights at all
+  with pytest.raises(ValueError, match=rf"importing {re.escape(str(tmp_path))} needs about [\d.,]+ PB "
+                                       r"\(float32 parameters"):
+    from_hf(tmp_path)
+
+
+def test_forward_estimate_bounds_what_xla_plans():
+  config = ModelConfig(vocab_size=1000, d_model=128, num_layers=4, num_heads=8, num_kv_heads=2, max_len=256)
+  forward = jax.jit(lambda p, x: Transformer(config).apply({"params": p}, x))
+  plan = forward.lower(abstract_params(config), jax.ShapeDtypeStruct((8, 256), jnp.int32)).compile().memory_analysis()
+  if plan is None:
+    pytest.skip("this backend gives no memory analysis")
+  assert plan.temp_size_in_bytes + plan.output_size_in_bytes <= memory.forward_bytes(config, 8, 256)
