@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kvjax import memory
 from kvjax.cache.base import KVCache, write_rows
 from kvjax.config import ModelConfig, check_positive_int
 from kvjax.model.attention import Span, attend
@@ -38,6 +39,8 @@ class ContiguousCache(KVCache):
     check_positive_int(max_len, "max_len")
     if max_len > config.max_len:
       raise ValueError(f"cache length max_len={max_len} exceeds ModelConfig.max_len={config.max_len}")
+    memory.check_fits(f"a contiguous cache of {batch} rows x {max_len} positions",
+                      memory.contiguous_cache_bytes(config, batch, max_len))
     kv, h = config.num_kv_heads, config.head_dim
     layer = lambda i: {"k": jnp.zeros((batch, kv, h, max_len), config.kv_dtype),
                        "v": jnp.zeros((batch, kv, max_len, h), config.kv_dtype)}

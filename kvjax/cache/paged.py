@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import memory
 from kvjax.cache.base import KVCache
 from kvjax.cache.pages import NULL_PAGE
 from kvjax.config import ModelConfig, check_positive_int
@@ -94,6 +95,8 @@ class PagedCache(KVCache):
                        f"the backend is {jax.default_backend()!r}")
     if attention == "pallas_interpret" and pallas_kernel() is None:
       raise ValueError("attention='pallas_interpret' needs JAX's Pallas paged-attention kernel, which this JAX lacks")
+    memory.check_fits(f"a paged cache of {num_pages} pages x {page_size} tokens",
+                      memory.paged_cache_bytes(config, num_pages, page_size, batch, max_pages))
     shape = (config.num_kv_heads, num_pages, page_size, config.head_dim)
     layer = lambda i: {"k": jnp.zeros(shape, config.kv_dtype), "v": jnp.zeros(shape, config.kv_dtype)}
     return cls(layers=cache_collection(config, layer), lengths=jnp.zeros((batch,), jnp.int32),

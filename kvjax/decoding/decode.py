@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from kvjax import sharding
+from kvjax import memory, sharding
 from kvjax.cache.base import KVCache
 from kvjax.cache.contiguous import ContiguousCache
 from kvjax.config import check_positive_int
@@ -254,6 +254,9 @@ def generate(model: Transformer, params, prompts, lengths, max_new_tokens: int, 
   padded = np.zeros((prompts.shape[0], bucket), np.int32)
   padded[:, :longest] = prompts[:, :longest]
   max_len = bucket + max_new_tokens - 1
+  memory.check_fits("generation", {"KV cache": memory.contiguous_cache_bytes(cfg, prompts.shape[0], max_len),
+                                   "prefill": memory.forward_bytes(cfg, prompts.shape[0], bucket)},
+                    devices=None if mesh is None else list(mesh.devices.flat))
   rng = jax.random.key(0) if rng is None else rng
   params, (padded, lengths) = sharding.place(mesh, params, padded, lengths)
   return _generate(for_decoding(model, mesh), params, padded, lengths, rng, sampling,

@@ -41,3 +41,11 @@ def test_what_is_not_a_cache_and_rows_past_max_len_are_refused():
   cache = kvjax.PagedCache.create(model.config, 9, 4, 2, 4).with_rows(np.arange(1, 9).reshape(2, 4), [13, 2])
   with pytest.raises(ValueError, match="row 0 would hold 15 tokens, more than ModelConfig.max_len=14"):
     kvjax.extend(model, params, cache, np.zeros((2, 2), np.int32), np.array([2, 2]))
+
+
+def test_a_cache_larger_than_memory_is_refused_before_allocating():
+  config = tiny_config(1)
+  with pytest.raises(ValueError, match="a contiguous cache of 100000000 rows x 64 positions needs about"):
+    kvjax.ContiguousCache.create(config, 10**8, 64)
+  with pytest.raises(ValueError, match="a paged cache of 100000000 pages x 64 tokens needs about"):
+    kvjax.PagedCache.create(config, 10**8, 64, 2, 1)
