@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from kvjax import sharding
@@ -33,9 +34,22 @@ def build_parser() -> argparse.ArgumentParser:
 def quiet_library_logs() -> None:
   """Orbax logs, through absl, the traceback of every failed background write (and asyncio the
   tasks it leaves pending); the same error then reaches `main` as an exception, so on the
-  command line those logs only bury its one line."""
+  command line those logs only bury its one line. So do the reads a failed restore of a damaged
+  checkpoint leaves behind: they end later as unraisable exceptions (orbax's read coroutines,
+  asyncio's "Event loop is closed"), which are dropped."""
   for name in ("absl", "asyncio"):
     logging.getLogger(name).setLevel(logging.CRITICAL)
+  if sys.unraisablehook is not _drop_abandoned_reads:
+    _drop_abandoned_reads.previous = sys.unraisablehook
+    sys.unraisablehook = _drop_abandoned_reads
+
+
+def _drop_abandoned_reads(unraisable) -> None:
+  code = getattr(unraisable.object, "cr_code", None)
+  abandoned = ((code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename)
+               or (isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"))
+  if not abandoned:
+    _drop_abandoned_reads.previous(unraisable)
 
 
 def main(argv: list[str] | None = None) -> int:

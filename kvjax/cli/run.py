@@ -81,11 +81,11 @@ def resolve_job(job: str, driver: Path | None, config_path: str | Path) -> Calla
 
 
 def prepare_workdir(workdir: Path, config: Any) -> None:
-  """Writes config.json, unless the workdir holds checkpoints written under an incompatible config
-  (the config in the latest checkpoint's metadata is the reference)."""
+  """Writes config.json, unless the workdir holds checkpoints this config may not resume
+  (checkpoint.check_resume against the latest checkpoint's metadata)."""
   new = to_dict(config)
   if checkpoint.latest_step(workdir) is not None:
-    checkpoint.check_compatible(checkpoint.read_meta(workdir)["config"], new, workdir)
+    checkpoint.check_resume(checkpoint.read_meta(workdir), new, workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   (workdir / "config.json").write_text(json.dumps(new, indent=2) + "\n")
 

@@ -100,7 +100,7 @@ def uptrain(source_workdir: str | Path, workdir: str | Path, num_kv_heads: int, 
               "before": quality(model, params),
               "converted": quality(Transformer(new_model_config), new_params)}
     dest.mkdir(parents=True, exist_ok=True)
-    record_path.write_text(json.dumps(record, indent=2) + "\n")
+    checkpoint.write_atomically(record_path, json.dumps(record, indent=2) + "\n")
   copy_tokenizer(source, dest)  # before any checkpoint: training and every later eval read it there
 
   if fraction == 0:
@@ -108,9 +108,9 @@ def uptrain(source_workdir: str | Path, workdir: str | Path, num_kv_heads: int, 
       checkpoint.save_params(dest, new_params, new_model_config, run_config=to_dict(config))
     record["after"] = record["converted"]
   else:
-    (dest / "config.json").write_text(json.dumps(to_dict(config), indent=2) + "\n")
+    checkpoint.write_atomically(dest / "config.json", json.dumps(to_dict(config), indent=2) + "\n")
     summary = train.run(config, dest, init_params=new_params)
     record["after"] = {"loss": summary["val_loss"], "bits_per_byte": summary["bits_per_byte"],
                        "accuracy": summary["accuracy"]}
-  record_path.write_text(json.dumps(record, indent=2) + "\n")
+  checkpoint.write_atomically(record_path, json.dumps(record, indent=2) + "\n")
   return record

@@ -120,8 +120,9 @@ def make_train_step(model: Transformer, optimizer: optax.GradientTransformation,
 
 
 class Logger:
-  """Appends JSON lines to WORKDIR/metrics.jsonl; on resume, drops lines past the resumed step
-  (written by the interrupted run after its last checkpoint) so the file reads as one run."""
+  """Appends JSON lines to WORKDIR/metrics.jsonl. A run resumed at step S first drops the lines
+  past S (written by the interrupted run after its last checkpoint, or cut short by the kill),
+  rewriting the file atomically, so that it reads as one run; a fresh run starts it empty."""
 
   def __init__(self, workdir: Path, resume_step: int):
     self.path = workdir / "metrics.jsonl"
@@ -133,18 +134,20 @@ class Logger:
             kept.append(line)
         except (ValueError, KeyError, TypeError):
           pass  # a line cut short by the interruption
-    self.path.write_text("".join(f"{line}\n" for line in kept))
+    if kept or self.path.exists():
+      checkpoint.write_atomically(self.path, "".join(f"{line}\n" for line in kept))
 
   def write(self, record: dict) -> None:
     with self.path.open("a") as f:
       f.write(json.dumps(record) + "\n")
 
 
-def _resume(manager, workdir: Path, config: dict, data: Dataset, like: TrainState, sampler: WindowSampler,
+def _resume(workdir: Path, config: dict, data: Dataset, like: TrainState, sampler: WindowSampler,
             mesh: Mesh | None):
   """Restores the latest checkpoint into (state, sampler) -> (state, step); (None, 0) when none.
-  `like` gives the state's structure, shapes and dtypes; the state is restored onto `mesh`."""
-  step = manager.latest_step()
+  `like` gives the state's structure, shapes and dtypes; the state is restored onto `mesh`.
+  Only reads: a refused resume leaves the workdir as it was."""
+  step = checkpoint.latest_step(workdir)
   if step is None:
     return None, 0
   where = checkpoint.step_dir(workdir, step)
@@ -152,14 +155,15 @@ def _resume(manager, workdir: Path, config: dict, data: Dataset, like: TrainStat
   if meta.get("kind") != "train":
     raise ValueError(f"checkpoint {where} holds {meta.get('kind')!r} weights without optimizer state "
                      "and cannot be resumed; train in a new --workdir")
-  checkpoint.check_compatible(meta["config"], config, checkpoint.checkpoint_dir(workdir))
+  checkpoint.check_resume(meta, config, workdir)
   saved_hash = meta.get("corpus", {}).get("sha256")
   if saved_hash != data.info.sha256:
     raise ValueError(f"checkpoint {where} was trained on a corpus with sha256 {saved_hash}, but "
                      f"{data.info.source} now has sha256 {data.info.sha256}; resuming would not be "
                      "exact - train in another --workdir")
-  params, opt_state = checkpoint.restore_train_state(manager, workdir, step, like.params, like.opt_state,
-                                                     mesh)
+  with checkpoint.open_manager(workdir) as manager:
+    params, opt_state = checkpoint.restore_train_state(manager, workdir, step, like.params, like.opt_state,
+                                                       mesh)
   try:
     sampler.restore(meta["data"])
   except (KeyError, TypeError, ValueError) as err:
@@ -170,7 +174,13 @@ def _resume(manager, workdir: Path, config: dict, data: Dataset, like: TrainStat
 def run(config: TrainRun, workdir: str | Path, init_params=None) -> dict:
   """Trains (or resumes) the run in `workdir`; returns a summary of the final step.
   A fresh run starts from `init_params` (with fresh optimizer state) when given, as uptraining
-  does; a resumed run always continues from its checkpoint."""
+  does; a resumed run always continues from its checkpoint.
+
+  Resuming: the latest checkpoint is verified (checkpoint.check_resume, its checksums) before
+  anything is written. train.steps may not fall below the steps taken, nor change once they pass
+  the warmup (the cosine decay spans train.steps; extend by a new run, or by uptraining the
+  weights); a finished run is evaluated and nothing is written. The first metrics line after a
+  resume averages only the steps since the checkpoint, as its "steps_averaged" says."""
   check_memory(config, init_params)  # before the workdir is made: a refusal writes nothing
   tc, config_dict = config.train, to_dict(config)
   mesh = sharding.mesh_from_spec(tc.mesh)  # first: a mesh this machine cannot hold stops the run here
@@ -185,18 +195,26 @@ def run(config: TrainRun, workdir: str | Path, init_params=None) -> dict:
   like = jax.eval_shape(functools.partial(init_state, model, optimizer), key)
   num_params = sum(x.size for x in jax.tree.leaves(like.params))
 
+  state, start = _resume(workdir, config_dict, data, like, sampler, mesh)
+  about = (f"kvjax train: {num_params:,} parameters, corpus {data.info.source} ({data.info.num_bytes:,} bytes, "
+           f"{data.info.num_files} files), ")
+  if start == tc.steps:  # finished: evaluated again, nothing written
+    print(about + f"finished at step {start}; nothing to train", flush=True)
+    val = evaluate(compute_model, state.params, data, batch_size=tc.batch_size, num_batches=tc.eval_batches,
+                   mesh=mesh)
+    return {"step": start, "val_loss": val["loss"], "bits_per_byte": val["bits_per_byte"],
+            "accuracy": val["accuracy"], "tokens_per_s": None, "mfu": None, "peak_flops_source": None,
+            "params": num_params}
   manager = checkpoint.open_manager(workdir, keep=tc.keep_checkpoints, writing=True)
   try:
-    state, start = _resume(manager, workdir, config_dict, data, like, sampler, mesh)
     if state is None:
       state = init_state(model, optimizer, key, init_params, mesh)
-    (workdir / "corpus.json").write_text(json.dumps(data.info.to_dict(), indent=2) + "\n")
-    print(f"kvjax train: {num_params:,} parameters, corpus {data.info.source} ({data.info.num_bytes:,} bytes, "
-          f"{data.info.num_files} files), " + (f"resuming at step {start}" if start else "starting at step 0")
+    checkpoint.write_atomically(workdir / "corpus.json", json.dumps(data.info.to_dict(), indent=2) + "\n")
+    print(about + (f"resuming at step {start}" if start else "starting at step 0")
           + (f", on a mesh of {dict(mesh.shape)}" if mesh is not None else ""), flush=True)
     state_sharding = sharding.param_sharding(like, mesh) if mesh is not None else None
     trainer = _Trainer(config, workdir, manager, compute_model, optimizer, data, sampler, start, mesh,
-                       state_sharding)
+                       state_sharding, like)
     return trainer.loop(state, start) | {"params": num_params}
   finally:
     manager.close()
@@ -215,8 +233,9 @@ class _Trainer:
   """The training loop's bookkeeping: logging windows, throughput, eval and checkpoint cadence."""
 
   def __init__(self, config: TrainRun, workdir: Path, manager, model, optimizer, data, sampler, start, mesh,
-               state_sharding):
+               state_sharding, like: TrainState):
     self.config, self.tc, self.workdir, self.manager = config, config.train, workdir, manager
+    self.like = like  # the state's structure, for reading a checkpoint back
     self.model, self.data, self.sampler, self.mesh = model, data, sampler, mesh
     self.train_step = make_train_step(model, optimizer, state_sharding)
     self.schedule = jax.jit(learning_rate_schedule(self.tc))
@@ -229,7 +248,6 @@ class _Trainer:
     self.pending: list[tuple[int, dict]] = []  # device metrics not yet checked
     self.window = self._new_window()
     self.timed_steps, self.timed_seconds = 0, 0.0
-    self.last_good = manager.latest_step()
     self.val: dict = {}
 
   def loop(self, state: TrainState, start: int) -> dict:
@@ -260,8 +278,6 @@ class _Trainer:
         clock = time.perf_counter()
     finally:
       bar.close()
-    if not self.val:
-      self._eval(int(state.step), state)
     tokens_per_s = self.timed_steps * self.tokens_per_step / self.timed_seconds if self.timed_seconds else None
     return {"step": int(state.step), "val_loss": self.val["loss"], "bits_per_byte": self.val["bits_per_byte"],
             "accuracy": self.val["accuracy"], "tokens_per_s": tokens_per_s, "mfu": self._mfu(tokens_per_s),
@@ -282,22 +298,36 @@ class _Trainer:
     for step, metrics in self.pending:
       loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
       if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-        good = (f"the last good checkpoint is {checkpoint.step_dir(self.workdir, self.last_good)}"
-                if self.last_good is not None else "no checkpoint was written")
         raise TrainingDiverged(f"training diverged at step {step}: loss {loss}, gradient norm {grad_norm}; "
-                               f"stopped, {good}. Lower train.lr or raise train.warmup_steps.")
+                               f"stopped, {self._last_good()}. Lower train.lr or raise train.warmup_steps.")
       self.window["steps"] += 1
       self.window["loss"] += loss
       self.window["grad_norm"] += grad_norm
     checked, self.pending = len(self.pending), []
     return checked
 
+  def _last_good(self) -> str:
+    """Names the newest checkpoint if it reads back verified and finite, else says why none is good."""
+    step = self.manager.latest_step()
+    if step is None:
+      return "no checkpoint was written"
+    try:
+      params, opt_state = checkpoint.restore_train_state(self.manager, self.workdir, step, self.like.params,
+                                                         self.like.opt_state, self.mesh)
+    except ValueError as err:
+      return f"and no checkpoint is good: {err}"
+    if not all(np.isfinite(x).all() for x in jax.tree.leaves((params, opt_state))):
+      return f"and no checkpoint is good: {checkpoint.step_dir(self.workdir, step)} holds non-finite values"
+    return f"the last good checkpoint (verified) is {checkpoint.step_dir(self.workdir, step)}"
+
   def _log(self, step: int, bar: tqdm) -> None:
     w = self.window
     if not w["steps"]:
       return
     tokens_per_s = w["timed_steps"] * self.tokens_per_step / w["seconds"] if w["seconds"] else None
-    record = {"step": step, "kind": "train", "loss": w["loss"] / w["steps"],
+    # steps_averaged is log_every but in a window cut short: the first after a resume from a
+    # checkpoint between log steps, or the last, at a train.steps that is not a multiple of it.
+    record = {"step": step, "kind": "train", "loss": w["loss"] / w["steps"], "steps_averaged": w["steps"],
               "grad_norm": w["grad_norm"] / w["steps"], "lr": float(self.schedule(step - 1)),
               "tokens_per_s": tokens_per_s, "mfu": self._mfu(tokens_per_s)}
     self.logger.write(record)
@@ -320,4 +350,3 @@ class _Trainer:
     meta = {"kind": "train", "step": step, "config": to_dict(self.config), "data": self.sampler.state(),
             "corpus": self.data.info.to_dict()}
     checkpoint.save_train_state(self.manager, step, state.params, state.opt_state, meta)
-    self.last_good = step

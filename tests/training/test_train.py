@@ -169,13 +169,14 @@ def test_corrupt_checkpoint_errors_name_the_path(trained, tmp_path):
   for path in (latest / "params").rglob("*"):
     if path.is_file():
       path.write_bytes(b"not a checkpoint")
-  with pytest.raises(ValueError, match=f"cannot read checkpoint {latest}"):
+  damaged = f"checkpoint step 60 of {copy} is damaged: params/_METADATA is not valid JSON"
+  with pytest.raises(ValueError, match=damaged):
     checkpoint.load_model(copy)
-  with pytest.raises(ValueError, match=f"cannot read checkpoint {latest}"):
+  with pytest.raises(ValueError, match=damaged):
     train.run(config, copy)
   assert (latest / "params").is_dir() and checkpoint.latest_step(copy) == 60
   (latest / "meta" / "metadata").write_text("{ truncated")
-  with pytest.raises(ValueError, match=f"cannot read checkpoint {latest}"):
+  with pytest.raises(ValueError, match=f"checkpoint step 60 of {copy} is damaged: meta/metadata is not valid"):
     checkpoint.read_meta(copy)
   with pytest.raises(ValueError, match="no checkpoint found in"):
     checkpoint.load_model(tmp_path / "empty")
@@ -254,3 +255,48 @@ def test_init_params_must_match_the_model():
   wrong = {**params, "lm_head": {"kernel": jnp.zeros((32, 300))}}
   with pytest.raises(ValueError, match="init_params do not match the model config"):
     train.init_state(model, optimizer, jax.random.key(1), wrong)
+
+
+def _files(folder: Path) -> dict:
+  return {p.relative_to(folder): p.read_bytes() if p.is_file() else None for p in folder.rglob("*")}
+
+
+def test_resume_rules_for_train_steps(corpus, tmp_path, capsys):
+  """train.steps may change on resume only while the steps taken lie in the warmup, and the run
+  is then bitwise the longer one; past the warmup, or below the steps taken, the resume is
+  refused before anything is written; rerunning a finished run writes nothing."""
+  schedule = dict(warmup_steps=20, checkpoint_every=10)
+  train.run(tiny_run(str(corpus), steps=30, log_every=1, **schedule), tmp_path / "full")
+  grown = tmp_path / "grown"
+  train.run(tiny_run(str(corpus), steps=10, log_every=4, **schedule), grown)
+  config = tiny_run(str(corpus), steps=30, log_every=4, **schedule)
+  config_file = tmp_path / "grown.py"
+  config_file.write_text(
+      "from kvjax.config import ModelConfig\nfrom kvjax.training.config import DataConfig, TrainConfig, TrainRun\n"
+      f"def get_config():\n  return {config!r}\n")
+  assert cli.main(["run", str(config_file), "--workdir", str(grown)]) == 0
+  assert "resuming at step 10" in capsys.readouterr().out
+  assert checkpoint.read_meta(grown)["checksums"] == checkpoint.read_meta(tmp_path / "full")["checksums"]
+
+  # The first line after the resume at step 10 averages steps 11 and 12 only, and says so.
+  per_step = {r["step"]: r["loss"] for r in records(tmp_path / "full", "train")}
+  logged = {r["step"]: r for r in records(grown, "train")}
+  assert {s: r["steps_averaged"] for s, r in logged.items()} == {4: 4, 8: 4, 10: 2, 12: 2, 16: 4, 20: 4, 24: 4,
+                                                                  28: 4, 30: 2}
+  assert logged[12]["loss"] == (per_step[11] + per_step[12]) / 2
+  assert logged[16]["loss"] == (per_step[13] + per_step[14] + per_step[15] + per_step[16]) / 4
+
+  before = _files(grown)
+  with pytest.raises(ValueError, match=r"train.steps=30 at step 30, past its 20 warmup steps.*"
+                                       r"train.steps=40 in another --workdir.*kvjax uptrain --from"):
+    train.run(apply_overrides(config, ["train.steps=40"]), grown)
+  with pytest.raises(ValueError, match="holds a checkpoint at step 30, past train.steps=20"):
+    train.run(apply_overrides(config, ["train.steps=20"]), grown)
+  assert cli.main(["run", str(config_file), "--workdir", str(grown), "--set", "train.steps=40"]) == 2
+  assert "past its 20 warmup steps" in capsys.readouterr().err
+  assert _files(grown) == before
+  summary = train.run(config, grown)
+  assert summary["step"] == 30 and summary["val_loss"] == records(grown, "eval")[-1]["val_loss"]
+  assert cli.main(["run", str(config_file), "--workdir", str(grown)]) == 0
+  assert "finished at step 30; nothing to train" in capsys.readouterr().out
+  assert _files(grown) == before
