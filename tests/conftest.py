@@ -1,6 +1,9 @@
-"""Shared fixtures: tiny MHA / GQA / MQA models with random weights."""
+"""Shared fixtures: tiny MHA / GQA / MQA models with random weights; snapshots of directories."""
 
 from __future__ import annotations
+
+import hashlib
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -28,3 +31,17 @@ def variant(request):
   """(name, model, params) for each attention variant."""
   model, params = init_params(tiny_config(VARIANTS[request.param]))
   return request.param, model, params
+
+
+def tree_state(path: Path) -> dict:
+  """{relative path: (sha256 of the bytes, or None for a folder, mtime in ns)} of everything
+  under `path`, itself included: equal before and after means 0 bytes changed, nothing added."""
+  entries = [path, *path.rglob("*")]
+  return {str(p.relative_to(path)): (hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else None,
+                                     p.stat().st_mtime_ns) for p in entries}
+
+
+@pytest.fixture
+def snapshot():
+  """tree_state, for tests that check a directory was left alone."""
+  return tree_state

@@ -29,7 +29,7 @@ def command(args: argparse.Namespace) -> int:
 
 def add_parser(subparsers) -> None:
   parser = subparsers.add_parser("eval", help="evaluate a checkpoint on the held-out split")
-  parser.add_argument("--workdir", required=True, help="run directory holding checkpoints/")
+  parser.add_argument("--workdir", required=True, type=options.workdir_text, help="run directory holding checkpoints/")
   parser.add_argument("--step", type=int, help="checkpoint step (default: latest)")
   parser.add_argument("--split", default="val", choices=("val", "train"))
   parser.add_argument("--batches", type=options.positive_int,

@@ -45,7 +45,7 @@ def command(args: argparse.Namespace) -> int:
 
 def add_parser(subparsers) -> None:
   parser = subparsers.add_parser("generate", help="continue a prompt with a trained checkpoint")
-  parser.add_argument("--workdir", required=True, help="run directory holding checkpoints/")
+  parser.add_argument("--workdir", required=True, type=options.workdir_text, help="run directory holding checkpoints/")
   parser.add_argument("--prompt", required=True, help="text to continue")
   parser.add_argument("--max-new-tokens", type=int, default=200, help="bytes to generate")
   parser.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from kvjax.cli import options
 from kvjax.conversion.import_hf import import_hf
 from kvjax.interop.hf import DTYPES
 
@@ -19,6 +20,7 @@ def add_parser(subparsers) -> None:
   parser = subparsers.add_parser(
       "import-hf", help="convert a Hugging Face Llama / Qwen2 / GPT-2 safetensors model to a kvjax checkpoint")
   parser.add_argument("hf_dir", help="folder with config.json and *.safetensors")
-  parser.add_argument("--workdir", required=True, help="new kvjax workdir to write the checkpoint into")
+  parser.add_argument("--workdir", required=True, type=options.workdir_text,
+                      help="new kvjax workdir to write the checkpoint into")
   parser.add_argument("--dtype", choices=tuple(DTYPES), help="compute dtype (default: the checkpoint's)")
   parser.set_defaults(func=command)

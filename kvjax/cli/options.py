@@ -54,6 +54,14 @@ def mesh(args: argparse.Namespace) -> Mesh | None:
   return sharding.mesh_from_spec(args.mesh)
 
 
+def workdir_text(text: str) -> str:
+  """The argparse type of --workdir: a path that names a directory (an empty one would be the
+  current directory)."""
+  if not text.strip():
+    raise argparse.ArgumentTypeError("must name a directory; an empty path would be the current directory")
+  return text
+
+
 def positive_int(text: str) -> int:
   """The argparse type of options that count something: an integer >= 1."""
   value = int(text)

@@ -10,6 +10,11 @@ configs under configs/ name theirs from their own location:
 
 so a config runs the same from any working directory. A config file that names a DRIVER runs it,
 whatever its job field says.
+
+The workdir is claimed (kvjax.training.workdir) before anything is written into it and held
+until the job ends: a library job's workdir by that job's rule (a training run's: empty, or
+holding a run this config may resume), a driver's as a study's (empty, or holding a study of
+the same config class).
 """
 
 from __future__ import annotations
@@ -22,15 +27,25 @@ import json
 import os
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 
 from kvjax.cli import options
 from kvjax.config import apply_overrides, config_keys, to_dict
 from kvjax.training import checkpoint
+from kvjax.training import workdir as workdirs
 
 JOBS = {
     "train": "kvjax.training.train:run",
 }
+# How a library job claims its workdir: claim(config, workdir) -> a context manager.
+CLAIMS = {
+    "train": "kvjax.training.train:claim_workdir",
+}
+
+
+def _function(spec: str) -> Callable:
+  module, name = spec.split(":")
+  return getattr(importlib.import_module(module), name)
 
 
 def _load_module(path: Path, name: str) -> ModuleType:
@@ -74,20 +89,22 @@ def resolve_job(job: str, driver: Path | None, config_path: str | Path) -> Calla
       raise ValueError(f"driver {driver} (DRIVER of {config_path}) does not define main(config, workdir)")
     return module.main
   if job in JOBS:
-    module, name = JOBS[job].split(":")
-    return getattr(importlib.import_module(module), name)
+    return _function(JOBS[job])
   raise ValueError(f"unknown job {job!r}: not a library job ({', '.join(sorted(JOBS))}), and config file "
                    f"{config_path} names no DRIVER (the path of a file defining main(config, workdir))")
 
 
+def claim_workdir(workdir: Path, config: Any, driver: Path | None) -> ContextManager[Path]:
+  """The claim of `workdir` for the job of `config` (see the module docstring)."""
+  if driver is None and config.job in CLAIMS:
+    return _function(CLAIMS[config.job])(config, workdir)
+  return workdirs.claim_study(workdir, config)
+
+
 def prepare_workdir(workdir: Path, config: Any) -> None:
-  """Writes config.json, unless the workdir holds checkpoints this config may not resume
-  (checkpoint.check_resume against the latest checkpoint's metadata)."""
-  new = to_dict(config)
-  if checkpoint.latest_step(workdir) is not None:
-    checkpoint.check_resume(checkpoint.read_meta(workdir), new, workdir)
-  workdir.mkdir(parents=True, exist_ok=True)
-  (workdir / "config.json").write_text(json.dumps(new, indent=2) + "\n")
+  """Writes the resolved config to config.json in the claimed workdir (the claim has checked that
+  this config may run there: a training run's, against the config of its latest checkpoint)."""
+  checkpoint.write_atomically(workdir / "config.json", json.dumps(to_dict(config), indent=2) + "\n")
 
 
 def command(args: argparse.Namespace) -> int:
@@ -99,10 +116,11 @@ def command(args: argparse.Namespace) -> int:
                        "has no train.mesh")
     config = apply_overrides(config, [f"train.mesh={args.mesh}"])
   job = resolve_job(config.job, driver, args.config)
-  workdir = Path(args.workdir or Path("runs") / Path(args.config).stem)
+  workdir = Path(args.workdir) if args.workdir is not None else Path("runs") / Path(args.config).stem
   print(json.dumps(to_dict(config), indent=2), flush=True)
-  prepare_workdir(workdir, config)
-  result = job(config, workdir)
+  with claim_workdir(workdir, config, driver):
+    prepare_workdir(workdir, config)
+    result = job(config, workdir)
   if result is not None:
     print(json.dumps(result), flush=True)
   return 0
@@ -112,7 +130,8 @@ def add_parser(subparsers) -> None:
   parser = subparsers.add_parser("run", help="run the job a config file describes (training, experiments)",
                                  description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("config", help="Python file defining get_config() (and DRIVER, for an experiment)")
-  parser.add_argument("--workdir", help="output folder (default: runs/<config file stem>)")
+  parser.add_argument("--workdir", type=options.workdir_text,
+                      help="output folder: new, empty or a kvjax workdir of this job (default: runs/<config stem>)")
   options.add_set_option(parser)
   options.add_mesh_option(parser)
   parser.set_defaults(func=command)

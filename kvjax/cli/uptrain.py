@@ -25,7 +25,7 @@ def add_parser(subparsers) -> None:
   parser = subparsers.add_parser("uptrain", help="convert an MHA checkpoint to GQA/MQA and continue training")
   parser.add_argument("--from", dest="source", required=True, metavar="SRC_WORKDIR",
                       help="training (or imported) workdir to convert; never modified")
-  parser.add_argument("--workdir", required=True, help="where the uptrained run is written")
+  parser.add_argument("--workdir", required=True, type=options.workdir_text, help="where the uptrained run is written")
   parser.add_argument("--kv-heads", type=int, required=True, help="target number of kv heads")
   parser.add_argument("--method", choices=METHODS, default="mean")
   parser.add_argument("--fraction", type=float, default=0.05,

@@ -6,6 +6,9 @@ any run) plus uptrain.json, which records held-out quality before conversion, ri
 (alpha = 0) and after uptraining. A source with a tokenizer.json (an imported model) passes it
 on: the destination gets a copy, and evaluation and training there use its token ids. What the
 job needs in memory is checked against the machine (kvjax.memory) before the source is loaded.
+The destination is claimed as an "uptrain" workdir (claim_workdir) whose marker records the
+source: its path, step and fingerprint (kvjax.training.workdir.fingerprint of its config and
+params); it resumes from that source only, unchanged.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import jax
 from kvjax import memory, sharding
 from kvjax.training import checkpoint
 from kvjax.training import train
+from kvjax.training import workdir as workdirs
 from kvjax.config import ModelConfig, apply_overrides, from_dict, to_dict
 from kvjax.conversion.kv_heads import convert_kv_heads
 from kvjax.interop.hf import copy_tokenizer, load_tokenizer
@@ -58,6 +62,57 @@ def _check_memory(source_config: dict, config: TrainRun, fraction: float, mesh) 
   memory.check_fits("uptraining", need, devices=None if mesh is None else list(mesh.devices.flat))
 
 
+def claim_workdir(dest: Path, source: dict, settings: dict, config: dict):
+  """kvjax.training.workdir.claim of an uptraining's workdir, a context manager: new or empty, or
+  holding an uptraining of the same source (path, step and fingerprint of its config and params)
+  with the same settings, whose latest checkpoint's config this run may resume. An uptraining
+  written before workdirs were marked is recognised by its uptrain.json, whose source is checked
+  by path and step (it records no fingerprint)."""
+  def same_job(recorded: dict) -> None:
+    if recorded.get("source") != source:
+      was = recorded.get("source") or {}
+      if was.get("path") != source["path"]:
+        raise workdirs.WorkdirRefused(f"{dest} holds an uptraining of {_describe(was)}, not of {_describe(source)}; "
+                                      f"uptrain {source['path']} in another --workdir")
+      if was.get("fingerprint") is not None or was.get("step") != source["step"]:
+        raise workdirs.WorkdirRefused(f"{dest} holds an uptraining of {_describe(was)}, and that source has changed "
+                                      f"since: it is now {_describe(source)}; uptrain it in another --workdir")
+    shown = {k: recorded.get(k) for k in settings}
+    if shown != settings:
+      raise workdirs.WorkdirRefused(f"{dest} holds an uptraining with {_settings(shown)}, not {_settings(settings)}; "
+                                    "use another --workdir")
+    if checkpoint.latest_step(dest) is not None:
+      checkpoint.check_resume(checkpoint.read_meta(dest), config, dest)
+
+  def legacy(path: Path) -> bool:
+    try:
+      record = json.loads((path / "uptrain.json").read_text())
+    except (OSError, ValueError):
+      return False
+    if not isinstance(record, dict) or not isinstance(record.get("source"), str):
+      return False
+    # It records neither a fingerprint nor the seed of --method random.
+    source_then = {"path": record["source"], "step": record.get("source_step"), "fingerprint": None}
+    same_job({"seed": settings.get("seed"), **record, "source": source_then})
+    return True
+
+  job = {"source": source, **settings, "config": config}
+  return workdirs.claim(dest, workdirs.UPTRAIN, job, same_job=same_job, legacy=legacy)
+
+
+def _describe(source: dict) -> str:
+  fingerprint = source.get("fingerprint")
+  return (f"{source.get('path')} at step {source.get('step')}"
+          + (f" (fingerprint {fingerprint[:12]})" if fingerprint else ""))
+
+
+def _settings(settings: dict) -> str:
+  return ", ".join(f"{k.replace('num_', '').replace('_', ' ')} {v!r}" for k, v in settings.items())
+
+
+CALIBRATION_WINDOWS = 64  # training windows whose activations the data-aware conversions fit
+
+
 def uptrain(source_workdir: str | Path, workdir: str | Path, num_kv_heads: int, *, method: str = "mean",
             fraction: float = 0.05, overrides=(), seed: int = 0) -> dict:
   """Converts the latest checkpoint of `source_workdir` and uptrains it in `workdir`.
@@ -65,7 +120,7 @@ def uptrain(source_workdir: str | Path, workdir: str | Path, num_kv_heads: int, 
   fraction = 0 stores the converted weights without training (the paper's alpha = 0).
   Returns the record written to workdir/uptrain.json.
   """
-  source, dest = Path(source_workdir).resolve(), Path(workdir).resolve()
+  source, dest = Path(source_workdir).resolve(), workdirs.resolve(workdir)
   if source == dest or source in dest.parents:
     raise ValueError(f"--workdir {dest} must be outside the source workdir {source}, which is never modified")
   if not 0 <= fraction <= 1:
@@ -86,31 +141,31 @@ def uptrain(source_workdir: str | Path, workdir: str | Path, num_kv_heads: int, 
   new_params, new_model_config = convert_kv_heads(params, model.config, num_kv_heads, method,
                                                   rng=jax.random.key(seed))
 
-  record_path = dest / "uptrain.json"
-  record = json.loads(record_path.read_text()) if record_path.exists() else None
-  if record is not None and (record["num_kv_heads"], record["method"], record["fraction"]) != (num_kv_heads, method, fraction):
-    raise ValueError(f"{dest} holds an uptraining with kv heads {record['num_kv_heads']}, method "
-                     f"{record['method']!r}, fraction {record['fraction']}; use another --workdir")
-  data = load_dataset(config.data, tokenizer)
-  quality = lambda m, p: evaluate(m, p, data, batch_size=config.train.batch_size,
-                                  num_batches=config.train.eval_batches, mesh=mesh)
-  if record is None:
-    record = {"source": str(source), "source_step": step, "num_kv_heads": num_kv_heads,
-              "method": method, "fraction": fraction, "steps": config.train.steps if fraction else 0,
-              "before": quality(model, params),
-              "converted": quality(Transformer(new_model_config), new_params)}
-    dest.mkdir(parents=True, exist_ok=True)
-    checkpoint.write_atomically(record_path, json.dumps(record, indent=2) + "\n")
-  copy_tokenizer(source, dest)  # before any checkpoint: training and every later eval read it there
+  settings = {"num_kv_heads": num_kv_heads, "method": method, "fraction": fraction} | (
+      {"seed": seed} if method == "random" else {})
+  source_id = {"path": str(source), "step": step, "fingerprint": workdirs.fingerprint(source_config, params)}
+  with claim_workdir(dest, source_id, settings, to_dict(config)):
+    record_path = dest / "uptrain.json"
+    record = json.loads(record_path.read_text()) if record_path.exists() else None
+    data = load_dataset(config.data, tokenizer)
+    quality = lambda m, p: evaluate(m, p, data, batch_size=config.train.batch_size,
+                                    num_batches=config.train.eval_batches, mesh=mesh)
+    if record is None:
+      record = {"source": str(source), "source_step": step, "num_kv_heads": num_kv_heads,
+                "method": method, "fraction": fraction, "steps": config.train.steps if fraction else 0,
+                "before": quality(model, params),
+                "converted": quality(Transformer(new_model_config), new_params)}
+      checkpoint.write_atomically(record_path, json.dumps(record, indent=2) + "\n")
+    copy_tokenizer(source, dest)  # before any checkpoint: training and every later eval read it there
 
-  if fraction == 0:
-    if checkpoint.latest_step(dest) is None:
-      checkpoint.save_params(dest, new_params, new_model_config, run_config=to_dict(config))
-    record["after"] = record["converted"]
-  else:
-    checkpoint.write_atomically(dest / "config.json", json.dumps(to_dict(config), indent=2) + "\n")
-    summary = train.run(config, dest, init_params=new_params)
-    record["after"] = {"loss": summary["val_loss"], "bits_per_byte": summary["bits_per_byte"],
-                       "accuracy": summary["accuracy"]}
-  checkpoint.write_atomically(record_path, json.dumps(record, indent=2) + "\n")
+    if fraction == 0:
+      if checkpoint.latest_step(dest) is None:
+        checkpoint.save_params(dest, new_params, new_model_config, run_config=to_dict(config))
+      record["after"] = record["converted"]
+    else:
+      checkpoint.write_atomically(dest / "config.json", json.dumps(to_dict(config), indent=2) + "\n")
+      summary = train.run(config, dest, init_params=new_params)
+      record["after"] = {"loss": summary["val_loss"], "bits_per_byte": summary["bits_per_byte"],
+                         "accuracy": summary["accuracy"]}
+    checkpoint.write_atomically(record_path, json.dumps(record, indent=2) + "\n")
   return record

@@ -21,6 +21,7 @@ import numpy as np
 from kvjax.training import checkpoint
 from kvjax.decoding import decode
 from kvjax.training import train
+from kvjax.training import workdir as workdirs
 from kvjax.timing import timed_alternating
 from kvjax.config import ModelConfig, check_positive, check_real, to_dict
 from kvjax.training.data import load_dataset
@@ -96,10 +97,15 @@ class Stages:
   """Results of finished stages in WORKDIR/stages.json; `run` computes a stage once.
 
   The file records the study it belongs to: a rerun with other models, data, training or timing
-  settings stops with an error instead of reusing results computed under the old ones.
+  settings stops with an error instead of reusing results computed under the old ones. The
+  workdir must be claimed as a study's (kvjax.training.workdir.claim_study: `kvjax run` does);
+  each pre-training and uptraining claims its own workdir inside it.
   """
 
   def __init__(self, workdir: Path, study: GqaStudy):
+    if workdirs.held(workdir) != workdirs.STUDY:
+      raise ValueError(f"{workdir} is not claimed as a study's workdir: run the study with `kvjax run`, "
+                       "or inside kvjax.training.workdir.claim_study")
     self.path = workdir / "stages.json"
     self.done = json.loads(self.path.read_text()) if self.path.exists() else {}
     current = {k: v for k, v in to_dict(study).items() if k not in STAGE_SELECTORS}

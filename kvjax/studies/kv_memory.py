@@ -28,6 +28,7 @@ from kvjax.config import ModelConfig, check_nonnegative, check_positive, check_p
 from kvjax.serving.engine import Engine, EngineConfig
 from kvjax.model.transformer import Transformer
 from kvjax.studies.report import figure, markdown_table, write_table
+from kvjax.training.workdir import claim_study
 
 CSV_FIELDS = ("policy", "page_size", "budget_tokens", "budget_bytes", "utilisation", "peak_concurrent",
               "mean_concurrent", "preemptions", "decode_steps", "generated_tokens", "seconds",
@@ -147,29 +148,28 @@ def serve(model: Transformer, params, workload, config: EngineConfig) -> tuple[d
 
 
 def run_study(study: KVMemoryStudy, workdir: str | Path) -> list[dict]:
-  """Serves the workload under every policy; writes kv_memory.{csv,json,md,png} to workdir; returns
-  the rows."""
-  workdir = Path(workdir)
-  workdir.mkdir(parents=True, exist_ok=True)
-  cfg = study.model
-  model = Transformer(cfg)
-  params = model.init(jax.random.key(study.seed), jnp.zeros((1, 1), jnp.int32))["params"]
-  workload = make_workload(study.workload, cfg.max_len, cfg.vocab_size)
-  rows, reference = [], None
-  for allocation, page_size in study.policies():
-    engine_config = EngineConfig(num_slots=study.num_slots, num_pages=study.budget_tokens // page_size + 1,
-                                 page_size=page_size, allocation=allocation, seed=study.seed)
-    row, outputs = serve(model, params, workload, engine_config)
-    reference = outputs if reference is None else reference
-    row["identical_outputs"] = sum(np.array_equal(reference[i], outputs[i]) for i in reference)
-    rows.append(row)
-    print(f"kv_memory: {row['policy']}: utilisation {row['utilisation']:.3f}, peak concurrent "
-          f"{row['peak_concurrent']}, {row['tokens_per_s']:.0f} tokens/s", flush=True)
-  write_table([{k: r[k] for k in CSV_FIELDS} for r in rows], workdir / "kv_memory",
-              [(k, k, "") for k in CSV_FIELDS])
-  (workdir / "kv_memory.md").write_text(report(study, workload, rows))
-  plot(rows, workdir / "kv_memory.png")
-  return rows
+  """Serves the workload under every policy; writes kv_memory.{csv,json,md,png} to workdir, claimed
+  as a study's for the whole run (kvjax.training.workdir.claim_study); returns the rows."""
+  with claim_study(workdir, study) as workdir:
+    cfg = study.model
+    model = Transformer(cfg)
+    params = model.init(jax.random.key(study.seed), jnp.zeros((1, 1), jnp.int32))["params"]
+    workload = make_workload(study.workload, cfg.max_len, cfg.vocab_size)
+    rows, reference = [], None
+    for allocation, page_size in study.policies():
+      engine_config = EngineConfig(num_slots=study.num_slots, num_pages=study.budget_tokens // page_size + 1,
+                                   page_size=page_size, allocation=allocation, seed=study.seed)
+      row, outputs = serve(model, params, workload, engine_config)
+      reference = outputs if reference is None else reference
+      row["identical_outputs"] = sum(np.array_equal(reference[i], outputs[i]) for i in reference)
+      rows.append(row)
+      print(f"kv_memory: {row['policy']}: utilisation {row['utilisation']:.3f}, peak concurrent "
+            f"{row['peak_concurrent']}, {row['tokens_per_s']:.0f} tokens/s", flush=True)
+    write_table([{k: r[k] for k in CSV_FIELDS} for r in rows], workdir / "kv_memory",
+                [(k, k, "") for k in CSV_FIELDS])
+    (workdir / "kv_memory.md").write_text(report(study, workload, rows))
+    plot(rows, workdir / "kv_memory.png")
+    return rows
 
 
 def summary(rows: list[dict]) -> dict:

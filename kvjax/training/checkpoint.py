@@ -37,6 +37,7 @@ from kvjax import sharding
 from kvjax.config import ModelConfig, from_dict
 from kvjax.model.params import abstract_params, check_params
 from kvjax.model.transformer import Transformer
+from kvjax.training import workdir as workdirs
 
 ITEMS = ("params", "opt_state", "meta")
 # Run-config keys that may change when a run is resumed: they extend or re-pace the run, or place
@@ -336,7 +337,8 @@ def save_params(workdir: str | Path, params, model_config: ModelConfig, *, step:
   run_config defaults to {"job": "import", "model": model_config.to_dict()} and is also written to
   WORKDIR/config.json (first, so that a checkpoint never lacks it), so that every workdir names
   its model in plain JSON (the kv-size planner reads it without orbax). Refuses a workdir that
-  already holds checkpoints. Returns the checkpoint's path.
+  already holds checkpoints; claims the workdir (kvjax.training.workdir) as one of run_config's
+  job, so it writes only into a new or empty one, or one of that job. Returns the checkpoint's path.
   """
   if latest_step(workdir) is not None:
     raise ValueError(f"{checkpoint_dir(workdir)} already holds checkpoints; "
@@ -345,10 +347,10 @@ def save_params(workdir: str | Path, params, model_config: ModelConfig, *, step:
   config = dict(run_config) if run_config is not None else {"job": "import"}
   config["model"] = model_config.to_dict()
   meta = with_checksums({"kind": "params", "step": step, "config": config}, params=params)
-  Path(workdir).mkdir(parents=True, exist_ok=True)
-  write_atomically(Path(workdir) / "config.json", json.dumps(config, indent=2) + "\n")
-  with open_manager(workdir, writing=True) as manager:
-    manager.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
-                                               meta=ocp.args.JsonSave(meta)))
-    manager.wait_until_finished()
+  with workdirs.claim(workdir, config["job"], {"config": config}):  # a workdir of its job's kind
+    write_atomically(Path(workdir) / "config.json", json.dumps(config, indent=2) + "\n")
+    with open_manager(workdir, writing=True) as manager:
+      manager.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
+                                                 meta=ocp.args.JsonSave(meta)))
+      manager.wait_until_finished()
   return step_dir(workdir, step)

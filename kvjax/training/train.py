@@ -34,6 +34,7 @@ from tqdm import tqdm
 from kvjax import memory, sharding
 from kvjax.interop.hf import load_tokenizer
 from kvjax.training import checkpoint
+from kvjax.training import workdir as workdirs
 from kvjax.training.data import Dataset, WindowSampler, load_dataset
 from kvjax.training.evaluate import evaluate
 from kvjax.model.flops import peak_flops, train_flops_per_token
@@ -171,21 +172,51 @@ def _resume(workdir: Path, config: dict, data: Dataset, like: TrainState, sample
   return place_state(TrainState(step=np.int32(step), params=params, opt_state=opt_state), mesh), step
 
 
+def claim_workdir(config: TrainRun, workdir: str | Path):
+  """kvjax.training.workdir.claim of `workdir` for the run `config`, a context manager. Its kind is
+  the config's job ("train"; "uptrain" for kvjax uptrain). A marked workdir of that kind is taken
+  when it holds no checkpoint yet or its latest checkpoint's config is one this run may resume
+  (checkpoint.check_resume); so is a run written before workdirs were marked, by the same
+  rule, when its latest checkpoint is a training checkpoint of that job."""
+  config_dict = to_dict(config)
+
+  def same_job(_recorded: dict) -> None:
+    if checkpoint.latest_step(workdir) is not None:
+      checkpoint.check_resume(checkpoint.read_meta(workdir), config_dict, Path(workdir).resolve())
+
+  def legacy(path: Path) -> bool:
+    if not checkpoint.checkpoint_dir(path).is_dir():
+      return False
+    try:
+      meta = checkpoint.read_meta(path)
+    except ValueError:
+      return False  # no kvjax checkpoint: an unknown folder
+    if meta.get("kind") != "train" or meta["config"].get("job", "train") != config.job:
+      return False
+    checkpoint.check_resume(meta, config_dict, path)
+    return True
+
+  return workdirs.claim(workdir, config.job, {"config": config_dict}, same_job=same_job, legacy=legacy)
+
+
 def run(config: TrainRun, workdir: str | Path, init_params=None) -> dict:
-  """Trains (or resumes) the run in `workdir`; returns a summary of the final step.
-  A fresh run starts from `init_params` (with fresh optimizer state) when given, as uptraining
-  does; a resumed run always continues from its checkpoint.
+  """Trains (or resumes) the run in `workdir`, claimed (claim_workdir) for the whole run; returns
+  a summary of the final step. A fresh run starts from `init_params` (with fresh optimizer state)
+  when given, as uptraining does; a resumed run always continues from its checkpoint.
 
   Resuming: the latest checkpoint is verified (checkpoint.check_resume, its checksums) before
   anything is written. train.steps may not fall below the steps taken, nor change once they pass
   the warmup (the cosine decay spans train.steps; extend by a new run, or by uptraining the
   weights); a finished run is evaluated and nothing is written. The first metrics line after a
   resume averages only the steps since the checkpoint, as its "steps_averaged" says."""
-  check_memory(config, init_params)  # before the workdir is made: a refusal writes nothing
+  check_memory(config, init_params)  # before the workdir is claimed: a refusal writes nothing
+  with claim_workdir(config, workdir) as path:
+    return _run(config, path, init_params)
+
+
+def _run(config: TrainRun, workdir: Path, init_params) -> dict:
   tc, config_dict = config.train, to_dict(config)
   mesh = sharding.mesh_from_spec(tc.mesh)  # first: a mesh this machine cannot hold stops the run here
-  workdir = Path(workdir).resolve()
-  workdir.mkdir(parents=True, exist_ok=True)
   data = load_dataset(config.data, load_tokenizer(workdir, config.model.vocab_size))
   model = Transformer(config.model)
   compute_model = Transformer(config.model.replace(dtype="bfloat16")) if tc.bf16 else model

@@ -1,0 +1,96 @@
+"""Uptraining's provenance: its workdir records the source (path, step, fingerprint of config and
+params) and refuses to be resumed from another source, or from its own source once that has
+changed, naming both and leaving every byte of the workdir as it was."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+
+from kvjax.config import ModelConfig
+from kvjax.conversion.uptrain import uptrain
+from kvjax.training import checkpoint, train
+from kvjax.training import workdir as workdirs
+from kvjax.training.config import DataConfig, TrainConfig, TrainRun
+
+MODEL = ModelConfig(d_model=32, num_layers=1, num_heads=2, num_kv_heads=2, mlp_dim=64, max_len=64)
+
+
+def tiny_run(corpus: Path, seed: int) -> TrainRun:
+  return TrainRun(model=MODEL, data=DataConfig(source=str(corpus), seq_len=32, val_fraction=0.1),
+                  train=TrainConfig(steps=4, batch_size=4, warmup_steps=1, log_every=2, eval_every=4,
+                                    eval_batches=1, checkpoint_every=4, keep_checkpoints=1, seed=seed))
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory) -> tuple[Path, Path]:
+  """Two 4-step MHA runs of one config, from different seeds: other weights, the same settings."""
+  root = tmp_path_factory.mktemp("sources")
+  rng = random.Random(0)
+  corpus = root / "words.txt"
+  corpus.write_text("\n".join(" ".join(rng.choice(["ab", "cd", "efg", "h"]) for _ in range(12)) for _ in range(300)))
+  for seed, name in enumerate("ab"):
+    train.run(tiny_run(corpus, seed), root / name)
+  return root / "a", root / "b"
+
+
+def source_id(path: Path) -> dict:
+  _, params, config = checkpoint.load_model(path)
+  return {"path": str(path), "step": 4, "fingerprint": workdirs.fingerprint(config, params)}
+
+
+def marker(path: Path) -> dict:
+  return json.loads((path / workdirs.MARKER).read_text())
+
+
+def test_an_uptraining_records_its_source_and_refuses_another(sources, tmp_path, snapshot):
+  a, b = sources
+  dest = tmp_path / "mqa"
+  record = uptrain(a, dest, 1, fraction=0.5)
+  assert record["source"] == str(a) and checkpoint.latest_step(dest) == 2
+  recorded = marker(dest)
+  assert recorded["kind"] == "uptrain" and recorded["job"]["source"] == source_id(a)
+  assert source_id(a)["fingerprint"] != source_id(b)["fingerprint"]
+  before = snapshot(dest)
+  fp_a, fp_b = source_id(a)["fingerprint"][:12], source_id(b)["fingerprint"][:12]
+  with pytest.raises(workdirs.WorkdirRefused, match=rf"{dest} holds an uptraining of {a} at step 4 \(fingerprint "
+                     rf"{fp_a}\), not of {b} at step 4 \(fingerprint {fp_b}\)"):
+    uptrain(b, dest, 1, fraction=0.5)
+  with pytest.raises(workdirs.WorkdirRefused, match=r"holds an uptraining with kv heads 1, method 'mean', "
+                     r"fraction 0.5, not kv heads 1, method 'first', fraction 0.5"):
+    uptrain(a, dest, 1, method="first", fraction=0.5)
+  assert snapshot(dest) == before
+  assert uptrain(a, dest, 1, fraction=0.5)["after"] == record["after"]  # its own source: resumed, finished
+
+
+def test_a_source_changed_in_place_is_refused(sources, tmp_path, snapshot):
+  a, b = sources
+  source, dest = tmp_path / "source", tmp_path / "mqa"
+  shutil.copytree(a, source)
+  uptrain(source, dest, 1, fraction=0)
+  shutil.rmtree(source)
+  shutil.copytree(b, source)  # the same path, other weights
+  before = snapshot(dest)
+  fp_a, fp_b = source_id(a)["fingerprint"][:12], source_id(b)["fingerprint"][:12]
+  with pytest.raises(workdirs.WorkdirRefused, match=rf"holds an uptraining of {source} at step 4 \(fingerprint "
+                     rf"{fp_a}\), and that source has changed since: it is now {source} at step 4 "
+                     rf"\(fingerprint {fp_b}\)"):
+    uptrain(source, dest, 1, fraction=0)
+  assert snapshot(dest) == before
+
+
+def test_an_uptraining_from_before_markers_is_checked_by_its_record(sources, tmp_path, snapshot):
+  a, b = sources
+  dest = tmp_path / "mqa"
+  uptrain(a, dest, 1, fraction=0)
+  (dest / workdirs.MARKER).unlink()  # as kvjax wrote it before it marked workdirs
+  before = snapshot(dest)
+  with pytest.raises(workdirs.WorkdirRefused, match=rf"holds an uptraining of {a} at step 4, not of {b} at step 4"):
+    uptrain(b, dest, 1, fraction=0)
+  assert snapshot(dest) == before
+  uptrain(a, dest, 1, fraction=0)
+  assert marker(dest)["job"]["source"] == source_id(a)  # adopted: marked now
