@@ -163,8 +163,8 @@ def test_kvjax_run_on_a_mesh_matches_one_device(tmp_path, monkeypatch, capsys):
   steps, layouts = [], []  # each run's jitted train step; (q kernel, inputs) mesh specs at each call
   make = train.make_train_step
 
-  def recording(*args):
-    compiled = make(*args)
+  def recording(*args, **kwargs):
+    compiled = make(*args, **kwargs)
     steps.append(compiled)
     def step(state, inputs, targets):
       layouts.append((layout(state.params["layers_0"]["attn"]["q"]["kernel"]), layout(inputs)))
@@ -192,7 +192,7 @@ def test_kvjax_run_on_a_mesh_matches_one_device(tmp_path, monkeypatch, capsys):
   sharded, out = run("mesh", "--mesh", "data=2,model=4")
   assert "on a mesh of {'data': 2, 'model': 4}" in out
   assert layouts == [on_mesh] * 4
-  assert steps[-1]._cache_size() == 1  # one compiled step for the whole sharded run
+  assert steps[-1].jitted._cache_size() == 1  # one compiled step for the whole sharded run
   assert_close(sharded, ref)
   np.testing.assert_allclose(json.loads(out.splitlines()[-1])["val_loss"], ref_val, rtol=1e-5)
 

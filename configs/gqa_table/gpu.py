@@ -8,6 +8,7 @@ from pathlib import Path
 
 from kvjax.config import ModelConfig
 from kvjax.studies.gqa import GqaStudy, TimingConfig
+from kvjax.studies.tasks import TaskConfig
 from kvjax.training.config import DataConfig, TrainConfig
 
 DRIVER = Path(__file__).parents[2] / "experiments" / "gqa_table.py"
@@ -25,4 +26,5 @@ def get_config() -> GqaStudy:
                         eval_every=500, eval_batches=16, checkpoint_every=500, keep_checkpoints=2),
       timing=TimingConfig(batch=128, prompt=128, new_tokens=896, repeats=5),
       fraction=0.05,
+      tasks=TaskConfig(steps=100, batch_size=16, eval_examples=128),
   )

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from kvjax.config import ModelConfig
 from kvjax.studies.gqa import GqaStudy, TimingConfig
+from kvjax.studies.tasks import TaskConfig
 from kvjax.training.config import DataConfig, TrainConfig
 
 DRIVER = Path(__file__).parents[2] / "experiments" / "gqa_table.py"
@@ -25,4 +26,5 @@ def get_config() -> GqaStudy:
                         eval_every=60, eval_batches=2, checkpoint_every=60, keep_checkpoints=1),
       timing=TimingConfig(batch=8, prompt=8, new_tokens=24, repeats=5),
       fraction=0.1,
+      tasks=TaskConfig(steps=3, batch_size=4, eval_examples=4, seq_len=64),
   )

@@ -13,7 +13,7 @@ from kvjax.conversion.uptrain import uptrain
 def command(args: argparse.Namespace) -> int:
   overrides = args.overrides + ([f"train.mesh={args.mesh}"] if args.mesh is not None else [])
   record = uptrain(args.source, args.workdir, args.kv_heads, method=args.method, fraction=args.fraction,
-                   overrides=overrides, seed=args.seed)
+                   distill=args.distill, overrides=overrides, seed=args.seed)
   rows = [("before conversion", record["before"]), ("converted (alpha=0)", record["converted"]),
           (f"uptrained (alpha={record['fraction']})", record["after"])]
   for name, q in rows:
@@ -27,9 +27,12 @@ def add_parser(subparsers) -> None:
                       help="training (or imported) workdir to convert; never modified")
   parser.add_argument("--workdir", required=True, type=options.workdir_text, help="where the uptrained run is written")
   parser.add_argument("--kv-heads", type=int, required=True, help="target number of kv heads")
-  parser.add_argument("--method", choices=METHODS, default="mean")
+  parser.add_argument("--method", choices=METHODS, default="mean",
+                      help="mean (the paper's), first, random, or the data-aware pca / regroup")
   parser.add_argument("--fraction", type=float, default=0.05,
                       help="uptraining steps as a fraction of the source's pre-training steps (alpha)")
+  parser.add_argument("--distill", type=float, default=0.0, metavar="W",
+                      help="add W x KL to the source model's next-token distribution to the loss (distillation)")
   parser.add_argument("--seed", type=int, default=0, help="rng seed for --method random")
   options.add_set_option(parser)
   options.add_mesh_option(parser)

@@ -24,10 +24,10 @@ from kvjax import memory, sharding
 from kvjax.training import checkpoint
 from kvjax.training import train
 from kvjax.training import workdir as workdirs
-from kvjax.config import ModelConfig, apply_overrides, from_dict, to_dict
+from kvjax.config import ModelConfig, apply_overrides, check_positive_int, from_dict, to_dict
 from kvjax.conversion.kv_heads import convert_kv_heads
 from kvjax.interop.hf import copy_tokenizer, load_tokenizer
-from kvjax.training.data import load_dataset
+from kvjax.training.data import WindowSampler, load_dataset
 from kvjax.training.evaluate import evaluate
 from kvjax.model.transformer import Transformer
 from kvjax.training.config import DataConfig, TrainConfig, TrainRun
@@ -114,10 +114,13 @@ CALIBRATION_WINDOWS = 64  # training windows whose activations the data-aware co
 
 
 def uptrain(source_workdir: str | Path, workdir: str | Path, num_kv_heads: int, *, method: str = "mean",
-            fraction: float = 0.05, overrides=(), seed: int = 0) -> dict:
+            fraction: float = 0.05, distill: float = 0.0, overrides=(), seed: int = 0) -> dict:
   """Converts the latest checkpoint of `source_workdir` and uptrains it in `workdir`.
 
-  fraction = 0 stores the converted weights without training (the paper's alpha = 0).
+  fraction = 0 stores the converted weights without training (the paper's alpha = 0). The
+  data-aware methods ("pca", "regroup") fit their bases to CALIBRATION_WINDOWS windows of the
+  source run's training data. distill > 0 adds distill x KL to the source model's next-token
+  distribution to the uptraining loss (TrainConfig.distill).
   Returns the record written to workdir/uptrain.json.
   """
   source, dest = Path(source_workdir).resolve(), workdirs.resolve(workdir)
@@ -132,27 +135,33 @@ def uptrain(source_workdir: str | Path, workdir: str | Path, num_kv_heads: int, 
     raise ValueError(f"the checkpoint in {source} records no pre-training steps (step 0); "
                      "give the uptraining length with --set train.steps=N")
   source_config = checkpoint.read_meta(source, step)["config"]
-  config = uptrain_config(source_config, step, num_kv_heads, fraction, overrides)
+  source_kv = from_dict(ModelConfig, source_config["model"]).num_kv_heads
+  check_positive_int(num_kv_heads, "num_kv_heads")
+  if source_kv % num_kv_heads:
+    raise ValueError(f"cannot convert {source_kv} kv heads to {num_kv_heads}: the target must divide "
+                     f"the source's number of kv heads ({source_kv})")
+  config = uptrain_config(source_config, step, num_kv_heads, fraction, (f"train.distill={distill!r}", *overrides))
   mesh = sharding.mesh_from_spec(config.train.mesh)
   _check_memory(source_config, config, fraction, mesh)
   # The source model's tokenizer (an imported model's) is the one every step below uses.
   tokenizer = load_tokenizer(source, config.model.vocab_size)
   model, params, _ = checkpoint.load_model(source, step)
+  data = load_dataset(config.data, tokenizer)
+  calibration = WindowSampler(data.train, data.seq_len, CALIBRATION_WINDOWS, config.data.seed + 1).next()[0]
   new_params, new_model_config = convert_kv_heads(params, model.config, num_kv_heads, method,
-                                                  rng=jax.random.key(seed))
+                                                  rng=jax.random.key(seed), calibration=calibration)
 
   settings = {"num_kv_heads": num_kv_heads, "method": method, "fraction": fraction} | (
-      {"seed": seed} if method == "random" else {})
+      {"seed": seed} if method == "random" else {}) | ({"distill": distill} if distill else {})
   source_id = {"path": str(source), "step": step, "fingerprint": workdirs.fingerprint(source_config, params)}
   with claim_workdir(dest, source_id, settings, to_dict(config)):
     record_path = dest / "uptrain.json"
     record = json.loads(record_path.read_text()) if record_path.exists() else None
-    data = load_dataset(config.data, tokenizer)
     quality = lambda m, p: evaluate(m, p, data, batch_size=config.train.batch_size,
                                     num_batches=config.train.eval_batches, mesh=mesh)
     if record is None:
       record = {"source": str(source), "source_step": step, "num_kv_heads": num_kv_heads,
-                "method": method, "fraction": fraction, "steps": config.train.steps if fraction else 0,
+                "method": method, "fraction": fraction, "distill": distill, "steps": config.train.steps if fraction else 0,
                 "before": quality(model, params),
                 "converted": quality(Transformer(new_model_config), new_params)}
       checkpoint.write_atomically(record_path, json.dumps(record, indent=2) + "\n")
@@ -164,7 +173,7 @@ def uptrain(source_workdir: str | Path, workdir: str | Path, num_kv_heads: int, 
       record["after"] = record["converted"]
     else:
       checkpoint.write_atomically(dest / "config.json", json.dumps(to_dict(config), indent=2) + "\n")
-      summary = train.run(config, dest, init_params=new_params)
+      summary = train.run(config, dest, init_params=new_params, teacher=(model, params))
       record["after"] = {"loss": summary["val_loss"], "bits_per_byte": summary["bits_per_byte"],
                          "accuracy": summary["accuracy"]}
     checkpoint.write_atomically(record_path, json.dumps(record, indent=2) + "\n")

@@ -23,12 +23,14 @@ from kvjax.decoding import decode
 from kvjax.training import train
 from kvjax.training import workdir as workdirs
 from kvjax.timing import timed_alternating
-from kvjax.config import ModelConfig, check_positive, check_real, to_dict
+from kvjax.config import ModelConfig, check_choice, check_positive, check_real, to_dict
+from kvjax.conversion.kv_heads import METHODS
 from kvjax.training.data import load_dataset
 from kvjax.training.evaluate import evaluate
 from kvjax.training.config import DataConfig, TrainConfig, TrainRun
 from kvjax.conversion.uptrain import uptrain
-from kvjax.studies import report
+from kvjax.studies import report, tasks
+from kvjax.studies.tasks import TaskConfig
 
 # Table 1 of the paper: inference time per sample (s) and average score over its tasks.
 PAPER_TABLE = (
@@ -55,7 +57,9 @@ class TimingConfig:
 @dataclasses.dataclass(frozen=True)
 class GqaStudy:
   """Shared by the table and the figures. `gqa_kv_heads` defaults to big.num_heads // 8, the
-  paper's 8 query heads per kv head; `fractions` and `methods` drive Figures 5 and 4."""
+  paper's 8 query heads per kv head; `fractions` and `methods` drive Figures 5 and 4.
+  `best_method` with `distill` (kvjax uptrain --method --distill) makes the table's rows beyond
+  the paper's mean-pooled ones; `tasks` is the fine-tune protocol every row is scored by."""
 
   job: str = "gqa_table"
   small: ModelConfig = dataclasses.field(default_factory=lambda: ModelConfig(num_heads=4, num_kv_heads=4))
@@ -66,7 +70,10 @@ class GqaStudy:
   gqa_kv_heads: int = 0
   fraction: float = 0.05
   fractions: tuple[float, ...] = (0.0, 0.05, 0.1)
-  methods: tuple[str, ...] = ("mean", "first", "random")
+  methods: tuple[str, ...] = ("mean", "first", "random", "pca", "regroup")
+  best_method: str = "pca"
+  distill: float = 1.0
+  tasks: TaskConfig = dataclasses.field(default_factory=TaskConfig)
 
   def __post_init__(self):
     for name in ("small", "big"):
@@ -82,6 +89,10 @@ class GqaStudy:
     check_real(self, "fraction", 0.0, 1.0)
     if any(not 0 <= f <= 1 for f in self.fractions):
       raise ValueError(f"GqaStudy.fractions must lie in [0, 1], got {self.fractions!r}")
+    check_choice(self, "best_method", METHODS)
+    if unknown := set(self.methods) - set(METHODS):
+      raise ValueError(f"GqaStudy.methods has unknown methods {sorted(unknown)}; choose from {METHODS}")
+    check_real(self, "distill", 0.0, 1e6)
 
   def row_name(self, num_kv_heads: int) -> str:
     if num_kv_heads == self.big.num_heads:
@@ -130,14 +141,28 @@ def pretrain(study: GqaStudy, stages: Stages, workdir: Path, which: str) -> dict
 
 
 def uptrained(study: GqaStudy, stages: Stages, workdir: Path, num_kv_heads: int,
-              method: str = "mean", fraction: float | None = None) -> Path:
+              method: str = "mean", fraction: float | None = None, distill: float = 0.0) -> Path:
   """Uptrains MHA-big to `num_kv_heads` in its own workdir; returns that workdir."""
   fraction = study.fraction if fraction is None else fraction
-  dest = workdir / f"kv{num_kv_heads}_{method}_alpha{fraction:g}"
+  dest = workdir / (f"kv{num_kv_heads}_{method}_alpha{fraction:g}" + (f"_distill{distill:g}" if distill else ""))
   mesh = [f"train.mesh={study.train.mesh}"] if study.train.mesh else []
   stages.run(dest.name, lambda: uptrain(workdir / "mha_big", dest, num_kv_heads, method=method,
-                                        fraction=fraction, overrides=mesh))
+                                        fraction=fraction, distill=distill, overrides=mesh))
   return dest
+
+
+def task_scores(study: GqaStudy, stages: Stages, workdirs_by_name: dict[str, Path]) -> dict[str, dict]:
+  """The paper's protocol (a stage per model): each model fine-tuned on each downstream task for
+  the same study.tasks.steps and scored on that task's held-out split (kvjax.studies.tasks);
+  {name: {task: score, ..., "avg_score": mean over tasks}}."""
+  out = {}
+  for name, path in workdirs_by_name.items():
+    def run(path=path):
+      model, params, _ = checkpoint.load_model(path)
+      results = tasks.score_all(model, params, study.tasks)
+      return {**{task: r["score"] for task, r in results.items()}, "avg_score": tasks.average_score(results)}
+    out[name] = stages.run(f"tasks_{name}", run)
+  return out
 
 
 def time_per_sample(models: dict, timing: TimingConfig) -> dict:
@@ -160,15 +185,21 @@ def time_per_sample(models: dict, timing: TimingConfig) -> dict:
           for name, (model, params) in models.items()}
 
 
+def measure_quality(study: GqaStudy, stages: Stages, workdirs: dict[str, Path]) -> dict[str, dict]:
+  """Held-out quality (a stage per model) of the latest checkpoint in each of {name: workdir}."""
+  data = load_dataset(study.data)
+  def quality(path):
+    model, params, _ = checkpoint.load_model(path)
+    return evaluate(model, params, data, batch_size=study.train.batch_size, num_batches=study.train.eval_batches)
+  return {name: stages.run(f"quality_{name}", lambda path=path: quality(path)) for name, path in workdirs.items()}
+
+
 def measure(study: GqaStudy, stages: Stages, workdirs: dict[str, Path]) -> dict[str, dict]:
   """Held-out quality (a stage per model) and time per sample (one stage, timed together) of the
   latest checkpoint in each of {name: workdir}."""
-  loaded = {name: checkpoint.load_model(path)[:2] for name, path in workdirs.items()}
-  data = load_dataset(study.data)
-  quality = {name: stages.run(f"quality_{name}", lambda m=model, p=params: evaluate(
-      m, p, data, batch_size=study.train.batch_size, num_batches=study.train.eval_batches))
-      for name, (model, params) in loaded.items()}
-  timing = stages.run("timing_" + "_".join(workdirs), lambda: time_per_sample(loaded, study.timing))
+  quality = measure_quality(study, stages, workdirs)
+  timing = stages.run("timing_" + "_".join(workdirs), lambda: time_per_sample(
+      {name: checkpoint.load_model(path)[:2] for name, path in workdirs.items()}, study.timing))
   return {name: {**timing[name], **quality[name]} for name in workdirs}
 
 

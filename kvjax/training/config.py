@@ -66,6 +66,7 @@ class TrainConfig:
   b1: float = 0.9
   b2: float = 0.95
   bf16: bool = False  # compute in bfloat16; parameters and optimizer state stay float32
+  distill: float = 0.0  # weight of KL(teacher || model) on next-token distributions; needs a teacher
   log_every: int = 10
   eval_every: int = 200
   eval_batches: int = 8
@@ -86,6 +87,7 @@ class TrainConfig:
     check_real(self, "b2", 0.0, 1.0, open_high=True)
     if not isinstance(self.bf16, bool):
       raise ValueError(f"TrainConfig.bf16 must be True or False, got {self.bf16!r}")
+    check_real(self, "distill", 0.0, math.inf, open_high=True)
     if self.mesh is not None:
       self._check_mesh()
 

@@ -25,8 +25,9 @@ import numpy as np
 from kvjax.training.config import HELD_OUT_RULES, DataConfig
 
 VOCAB_SIZE = 256
-# Directories of the standard library that are not the library itself.
-STDLIB_SKIP = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"})
+# Directories of the standard library that are not the library itself, and pydoc_data, whose
+# documentation text is held out of pre-training for the GQA table's prose task (kvjax.studies.tasks).
+STDLIB_SKIP = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__", "pydoc_data"})
 
 
 def encode(text: str) -> np.ndarray:

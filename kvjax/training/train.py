@@ -102,22 +102,38 @@ def init_state(model: Transformer, optimizer: optax.GradientTransformation, key:
   return place_state(state, mesh)
 
 
-def make_train_step(model: Transformer, optimizer: optax.GradientTransformation, state_sharding=None):
-  """-> jitted step(state, inputs, targets) -> (state, {"loss", "grad_norm"}); donates `state`.
-  `state_sharding` (kvjax.sharding.param_sharding of the state) pins the new state to the layout
-  the step was given, so that feeding it back hits the one compiled step."""
-  def step(state: TrainState, inputs: jax.Array, targets: jax.Array):
+def make_train_step(model: Transformer, optimizer: optax.GradientTransformation, state_sharding=None, *,
+                    teacher: tuple[Transformer, Any] | None = None, distill: float = 0.0):
+  """-> jitted step(state, inputs, targets) -> (state, {"loss", "grad_norm"[, "distill_kl"]});
+  donates `state`. `state_sharding` (kvjax.sharding.param_sharding of the state) pins the new state
+  to the layout the step was given, so that feeding it back hits the one compiled step.
+
+  With a teacher (model, params) and distill > 0 the objective adds distill x KL(teacher || model)
+  of the next-token distributions, averaged over tokens (knowledge distillation); "loss" stays the
+  data's cross-entropy and "distill_kl" is the KL term."""
+  def step(state: TrainState, inputs: jax.Array, targets: jax.Array, teacher_params):
     def loss_fn(params):
       logits = model.apply({"params": params}, inputs)  # [B, T, V] float32
-      return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+      loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+      if teacher_params is None:
+        return loss, {}
+      target = jax.lax.stop_gradient(teacher[0].apply({"params": teacher_params}, inputs))
+      kl = (jax.nn.softmax(target) * (jax.nn.log_softmax(target) - jax.nn.log_softmax(logits))).sum(-1).mean()
+      return loss + distill * kl, {"loss": loss, "distill_kl": kl}
 
-    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    (objective, parts), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     new = TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),
                      opt_state=opt_state)
-    return new, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+    return new, {"loss": objective, **parts, "grad_norm": optax.tree.norm(grads)}
 
-  return jax.jit(step, donate_argnums=0, out_shardings=(state_sharding, None))
+  jitted = jax.jit(step, donate_argnums=0, out_shardings=(state_sharding, None))
+  # The teacher's own buffers: a student made from it (uptraining) shares arrays it would donate.
+  teacher_params = jax.tree.map(jnp.copy, teacher[1]) if teacher is not None and distill > 0 else None
+  def run_step(state: TrainState, inputs: jax.Array, targets: jax.Array):
+    return jitted(state, inputs, targets, teacher_params)
+  run_step.jitted = jitted  # the one compiled step, e.g. to count its compilations
+  return run_step
 
 
 class Logger:
@@ -199,7 +215,7 @@ def claim_workdir(config: TrainRun, workdir: str | Path):
   return workdirs.claim(workdir, config.job, {"config": config_dict}, same_job=same_job, legacy=legacy)
 
 
-def run(config: TrainRun, workdir: str | Path, init_params=None) -> dict:
+def run(config: TrainRun, workdir: str | Path, init_params=None, teacher=None) -> dict:
   """Trains (or resumes) the run in `workdir`, claimed (claim_workdir) for the whole run; returns
   a summary of the final step. A fresh run starts from `init_params` (with fresh optimizer state)
   when given, as uptraining does; a resumed run always continues from its checkpoint.
@@ -208,13 +224,28 @@ def run(config: TrainRun, workdir: str | Path, init_params=None) -> dict:
   anything is written. train.steps may not fall below the steps taken, nor change once they pass
   the warmup (the cosine decay spans train.steps; extend by a new run, or by uptraining the
   weights); a finished run is evaluated and nothing is written. The first metrics line after a
-  resume averages only the steps since the checkpoint, as its "steps_averaged" says."""
+  resume averages only the steps since the checkpoint, as its "steps_averaged" says.
+
+  TrainConfig.distill > 0 needs `teacher`, a (model, params) pair whose next-token distributions
+  the run learns from besides the data (kvjax uptrain passes its source)."""
+  if config.train.distill > 0 and teacher is None:
+    raise ValueError(f"TrainConfig.distill={config.train.distill} needs a teacher model "
+                     "(kvjax uptrain --distill uses the source model)")
   check_memory(config, init_params)  # before the workdir is claimed: a refusal writes nothing
   with claim_workdir(config, workdir) as path:
-    return _run(config, path, init_params)
+    return _run(config, path, init_params, teacher)
 
 
-def _run(config: TrainRun, workdir: Path, init_params) -> dict:
+def check_memory(config: TrainRun, init_params=None) -> None:
+  """Refuses, from the config alone (nothing traced or allocated), a run that the memory of this
+  machine, or of the run's mesh, cannot hold (kvjax.memory.check_training)."""
+  mesh = sharding.mesh_from_spec(config.train.mesh)
+  resident = sum(x.nbytes for x in jax.tree.leaves(init_params) if isinstance(x, jax.Array))
+  memory.check_training(config.model, config.train.batch_size, config.data.seq_len, resident=resident,
+                        devices=None if mesh is None else list(mesh.devices.flat))
+
+
+def _run(config: TrainRun, workdir: Path, init_params, teacher=None) -> dict:
   tc, config_dict = config.train, to_dict(config)
   mesh = sharding.mesh_from_spec(tc.mesh)  # first: a mesh this machine cannot hold stops the run here
   data = load_dataset(config.data, load_tokenizer(workdir, config.model.vocab_size))
@@ -245,30 +276,21 @@ def _run(config: TrainRun, workdir: Path, init_params) -> dict:
           + (f", on a mesh of {dict(mesh.shape)}" if mesh is not None else ""), flush=True)
     state_sharding = sharding.param_sharding(like, mesh) if mesh is not None else None
     trainer = _Trainer(config, workdir, manager, compute_model, optimizer, data, sampler, start, mesh,
-                       state_sharding, like)
+                       state_sharding, like, teacher)
     return trainer.loop(state, start) | {"params": num_params}
   finally:
     manager.close()
-
-
-def check_memory(config: TrainRun, init_params=None) -> None:
-  """Refuses, from the config alone (nothing traced or allocated), a run that the memory of this
-  machine, or of the run's mesh, cannot hold (kvjax.memory.check_training)."""
-  mesh = sharding.mesh_from_spec(config.train.mesh)
-  resident = sum(x.nbytes for x in jax.tree.leaves(init_params) if isinstance(x, jax.Array))
-  memory.check_training(config.model, config.train.batch_size, config.data.seq_len, resident=resident,
-                        devices=None if mesh is None else list(mesh.devices.flat))
 
 
 class _Trainer:
   """The training loop's bookkeeping: logging windows, throughput, eval and checkpoint cadence."""
 
   def __init__(self, config: TrainRun, workdir: Path, manager, model, optimizer, data, sampler, start, mesh,
-               state_sharding, like: TrainState):
+               state_sharding, like: TrainState, teacher=None):
     self.config, self.tc, self.workdir, self.manager = config, config.train, workdir, manager
     self.like = like  # the state's structure, for reading a checkpoint back
     self.model, self.data, self.sampler, self.mesh = model, data, sampler, mesh
-    self.train_step = make_train_step(model, optimizer, state_sharding)
+    self.train_step = make_train_step(model, optimizer, state_sharding, teacher=teacher, distill=self.tc.distill)
     self.schedule = jax.jit(learning_rate_schedule(self.tc))
     self.logger = Logger(workdir, start)
     self.tokens_per_step = self.tc.batch_size * data.seq_len

@@ -30,15 +30,23 @@ def test_tiny_table_writes_every_file_with_the_paper_rows(table):
     assert (table / f"gqa_table.{suffix}").stat().st_size > 0
   rows = json.loads((table / "gqa_table.json").read_text())
   assert [(r["model"], r["num_kv_heads"]) for r in rows] == [
-      ("MHA-small", 4), ("MHA-big", 16), ("GQA-2-big", 2), ("MQA-big", 1)]
-  big = rows[1]
+      ("MHA-small", 4), ("MHA-big", 16), ("GQA-2-big", 2), ("MQA-big", 1),
+      ("GQA-2-big (pca + distill)", 2), ("MQA-big (pca + distill)", 1)]
+  small, big = rows[0], rows[1]
   for row in rows[2:]:
     assert row["kv_bytes_per_token"] * 16 == big["kv_bytes_per_token"] * row["num_kv_heads"]
     assert row["converted_bits_per_byte"] > 0 and row["params"] < big["params"]
   for row in rows:
     assert row["time_per_sample_s"] > 0 and 0 < row["bits_per_byte"] < 8 and len(row["times_s"]) == 5
+    # The paper's protocol: a score per task, their mean, and the gap closed on both metrics.
+    assert all(0 <= row[task] <= 100 for task in ("prose", "rot13", "recall"))
+    assert row["avg_score"] == pytest.approx((row["prose"] + row["rot13"] + row["recall"]) / 3)
+    want = (small["bits_per_byte"] - row["bits_per_byte"]) / (small["bits_per_byte"] - big["bits_per_byte"])
+    assert row["gap_closed_bits"] == pytest.approx(want)
+  assert rows[4]["time_per_sample_s"] == rows[2]["time_per_sample_s"]  # same architecture, same timing
   text = (table / "gqa_table.md").read_text()
   assert "GQA-8-XXL" in text and "| GQA-2-big | 2 |" in text
+  assert "fine-tuned for 3 steps" in text and "gap closed" in text
 
 
 def test_rerun_skips_finished_stages(table, capsys):

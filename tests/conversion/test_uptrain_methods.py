@@ -1,0 +1,45 @@
+"""Uptraining with the data-aware conversions and distillation, end to end on a tiny source run."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from kvjax.config import ModelConfig
+from kvjax.conversion.uptrain import uptrain
+from kvjax.training import train
+from kvjax.training.config import DataConfig, TrainConfig, TrainRun
+
+MODEL = ModelConfig(d_model=32, num_layers=1, num_heads=4, num_kv_heads=4, mlp_dim=64, max_len=64)
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+  root = tmp_path_factory.mktemp("source")
+  rng = random.Random(1)
+  corpus = root / "words.txt"
+  corpus.write_text("\n".join(" ".join(rng.choice(["ab", "cd", "efg", "h"]) for _ in range(12)) for _ in range(300)))
+  run = TrainRun(model=MODEL, data=DataConfig(source=str(corpus), seq_len=32, val_fraction=0.1),
+                 train=TrainConfig(steps=8, batch_size=4, warmup_steps=1, log_every=4, eval_every=8,
+                                   eval_batches=1, checkpoint_every=8, keep_checkpoints=1))
+  train.run(run, root / "mha")
+  return root / "mha"
+
+
+def test_pca_with_distillation_uptrains_and_records_its_settings(source, tmp_path):
+  record = uptrain(source, tmp_path / "gqa", 2, method="pca", fraction=0.5, distill=0.5)
+  assert record["method"] == "pca" and record["distill"] == 0.5 and record["steps"] == 4
+  saved = json.loads((tmp_path / "gqa" / "config.json").read_text())
+  assert saved["train"]["distill"] == 0.5 and saved["model"]["num_kv_heads"] == 2
+  assert record["converted"]["loss"] < record["before"]["loss"] + 5  # finite and measured
+  # The same workdir with another distillation weight is another job: refused.
+  with pytest.raises(ValueError, match="distill"):
+    uptrain(source, tmp_path / "gqa", 2, method="pca", fraction=0.5, distill=1.0)
+
+
+def test_regroup_at_alpha_zero(source, tmp_path):
+  record = uptrain(source, tmp_path / "mqa", 1, method="regroup", fraction=0.0)
+  assert record["method"] == "regroup" and record["after"] == record["converted"]
