@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import hashlib
 from pathlib import Path
 
@@ -18,6 +20,13 @@ def tiny_config(num_kv_heads: int = 2, **changes) -> kvjax.ModelConfig:
   base = dict(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=num_kv_heads,
               mlp_dim=64, max_len=64)
   return kvjax.ModelConfig(**{**base, **changes})
+
+
+def word_corpus(path: Path, seed: int = 0) -> Path:
+  """A small text corpus of random words at `path`, for runs that must train in seconds."""
+  rng = random.Random(seed)
+  path.write_text("\n".join(" ".join(rng.choice(["ab", "cd", "efg", "h"]) for _ in range(12)) for _ in range(300)))
+  return path
 
 
 def init_params(config: kvjax.ModelConfig, seed: int = 0):

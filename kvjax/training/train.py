@@ -133,6 +133,7 @@ def make_train_step(model: Transformer, optimizer: optax.GradientTransformation,
   def run_step(state: TrainState, inputs: jax.Array, targets: jax.Array):
     return jitted(state, inputs, targets, teacher_params)
   run_step.jitted = jitted  # the one compiled step, e.g. to count its compilations
+  run_step.lower = lambda state, inputs, targets: jitted.lower(state, inputs, targets, teacher_params)
   return run_step
 
 

@@ -25,6 +25,7 @@ from kvjax.model.transformer import Transformer
 from kvjax.training import checkpoint, train
 from kvjax.training import workdir as workdirs
 from kvjax.training.config import DataConfig, TrainConfig, TrainRun
+from conftest import word_corpus
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ModelConfig(d_model=32, num_layers=1, num_heads=2, num_kv_heads=2, mlp_dim=64, max_len=64)
@@ -42,9 +43,7 @@ with train.claim_workdir(load_config(sys.argv[1]), sys.argv[2]):
 def setup(tmp_path_factory) -> dict[str, Path]:
   """A config file of a 4-step run, a finished run of it, and a Hugging Face-like model folder."""
   root = tmp_path_factory.mktemp("cli")
-  rng = random.Random(0)
-  corpus = root / "words.txt"
-  corpus.write_text("\n".join(" ".join(rng.choice(["ab", "cd", "efg", "h"]) for _ in range(12)) for _ in range(300)))
+  corpus = word_corpus(root / "words.txt", 0)
   config = TrainRun(model=MODEL, data=DataConfig(source=str(corpus), seq_len=32, val_fraction=0.1),
                     train=TrainConfig(steps=4, batch_size=4, warmup_steps=1, log_every=2, eval_every=4,
                                       eval_batches=1, checkpoint_every=2, keep_checkpoints=1))

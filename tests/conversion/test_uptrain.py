@@ -5,7 +5,6 @@ changed, naming both and leaving every byte of the workdir as it was."""
 from __future__ import annotations
 
 import json
-import random
 import shutil
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from kvjax.conversion.uptrain import uptrain
 from kvjax.training import checkpoint, train
 from kvjax.training import workdir as workdirs
 from kvjax.training.config import DataConfig, TrainConfig, TrainRun
+from conftest import word_corpus
 
 MODEL = ModelConfig(d_model=32, num_layers=1, num_heads=2, num_kv_heads=2, mlp_dim=64, max_len=64)
 
@@ -30,9 +30,7 @@ def tiny_run(corpus: Path, seed: int) -> TrainRun:
 def sources(tmp_path_factory) -> tuple[Path, Path]:
   """Two 4-step MHA runs of one config, from different seeds: other weights, the same settings."""
   root = tmp_path_factory.mktemp("sources")
-  rng = random.Random(0)
-  corpus = root / "words.txt"
-  corpus.write_text("\n".join(" ".join(rng.choice(["ab", "cd", "efg", "h"]) for _ in range(12)) for _ in range(300)))
+  corpus = word_corpus(root / "words.txt", 0)
   for seed, name in enumerate("ab"):
     train.run(tiny_run(corpus, seed), root / name)
   return root / "a", root / "b"
