@@ -147,7 +147,7 @@ def test_kvjax_run_refuses_in_one_line(d_model, tmp_path):
   assert done.returncode == 2, done.stderr
   lines = done.stderr.strip().splitlines()
   assert len(lines) == 1 and re.match(r"kvjax run: error: training \([\d,]+ parameters\) needs about", lines[0])
-  assert not (tmp_path / "run" / "checkpoints").exists()
+  assert not (tmp_path / "run").exists()  # refused before the workdir is claimed
 
 
 def test_uptraining_that_cannot_fit_is_refused_before_loading(tmp_path, monkeypatch):

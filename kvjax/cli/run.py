@@ -31,7 +31,8 @@ from typing import Any, Callable, ContextManager
 
 from kvjax.cli import options
 from kvjax.config import apply_overrides, config_keys, to_dict
-from kvjax.training import checkpoint
+from kvjax.training import checkpoint, train
+from kvjax.training.config import TrainRun
 from kvjax.training import workdir as workdirs
 
 JOBS = {
@@ -118,6 +119,8 @@ def command(args: argparse.Namespace) -> int:
   job = resolve_job(config.job, driver, args.config)
   workdir = Path(args.workdir) if args.workdir is not None else Path("runs") / Path(args.config).stem
   print(json.dumps(to_dict(config), indent=2), flush=True)
+  if isinstance(config, TrainRun):  # a run the memory cannot hold is refused before its workdir is touched
+    train.check_memory(config)
   with claim_workdir(workdir, config, driver):
     prepare_workdir(workdir, config)
     result = job(config, workdir)
