@@ -3,7 +3,6 @@ a child process (tests/sharded_cases.py), since the device count is fixed when J
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
