@@ -48,6 +48,16 @@ def _project(x, kernel, bias):
   return out if bias is None else out + bias
 
 
+def _leaf(attn: dict, proj: str, leaf: str) -> np.ndarray | None:
+  """attn[proj][leaf] as float64 numpy, or None when the layer has no such leaf (no bias)."""
+  return None if leaf not in attn[proj] else np.asarray(attn[proj][leaf], np.float64)
+
+
+def _keys_values(x: np.ndarray, attn: dict) -> tuple[np.ndarray, np.ndarray]:
+  """The layer's keys and values (before RoPE) on its inputs x [T, D] -> two [T, K, H]."""
+  return tuple(_project(x, _leaf(attn, proj, "kernel"), _leaf(attn, proj, "bias")) for proj in ("k", "v"))
+
+
 def _pairs(a: np.ndarray) -> np.ndarray:
   """[..., H] real (rotate-half pairs p, p + H/2) -> [..., H/2] complex."""
   half = a.shape[-1] // 2
@@ -69,11 +79,11 @@ def convert_layer(attn: dict, x: np.ndarray, config: ModelConfig, num_kv_heads: 
   over its inputs x [T, D]. Returns new numpy param dicts."""
   old_kv, n, h = config.num_kv_heads, config.num_heads, config.head_dim
   size = old_kv // num_kv_heads  # old kv heads per new one
-  get = lambda proj, leaf: None if leaf not in attn[proj] else np.asarray(attn[proj][leaf], np.float64)
+  get = lambda proj, leaf: _leaf(attn, proj, leaf)
   q_w, q_b, k_w, k_b = get("q", "kernel"), get("q", "bias"), get("k", "kernel"), get("k", "bias")
   v_w, v_b, out_w = get("v", "kernel"), get("v", "bias"), get("out", "kernel")
   reads = kv_head_of(np.arange(n), n, old_kv)  # the old kv head each query head reads
-  keys, values = _project(x, k_w, k_b), _project(x, v_w, v_b)  # [T, K_old, H]
+  keys, values = _keys_values(x, attn)  # [T, K_old, H]
   new_k_w = np.zeros((config.d_model, num_kv_heads, h))
   new_v_w = np.zeros_like(new_k_w)
   new_k_b = None if k_b is None else np.zeros((num_kv_heads, h))
@@ -126,9 +136,7 @@ def _pair_scores(x: np.ndarray, attn: dict, config: ModelConfig) -> np.ndarray:
   """[K, K]: how well each pair of kv heads merges into one, as the fraction of their energy a
   merged head keeps (keys: per RoPE pair, or as a subspace for learned positions; values: the top-H
   subspace of the stacked pair), keys and values added."""
-  get = lambda proj, leaf: None if leaf not in attn[proj] else np.asarray(attn[proj][leaf], np.float64)
-  keys = _project(x, get("k", "kernel"), get("k", "bias"))
-  values = _project(x, get("v", "kernel"), get("v", "bias"))
+  keys, values = _keys_values(x, attn)
   k, h = config.num_kv_heads, config.head_dim
 
   def kept(stacked, rank):
