@@ -25,14 +25,14 @@ def uses_kernel(*dtypes) -> bool:
 
 
 def cache_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array,
-                    xla: Callable) -> jax.Array:
+                    xla: Callable, **addressing) -> jax.Array:
   """q [B, 1, N, H] (rotated), k_cache [B, K, H, S], v_cache [B, K, S, H], lengths int32[B]: row b
   reads positions [0, lengths[b]] -> [B, 1, N, H]. `xla(q, k_cache, v_cache, lengths)` is the
   same computation in XLA."""
   if q.shape[1] != 1:
     raise ValueError(f"cache_attention takes one query token per row, got q of shape {q.shape}")
-  if not uses_kernel(q.dtype, k_cache.dtype, v_cache.dtype):
-    return xla(q, k_cache, v_cache, lengths)
+  if addressing or not uses_kernel(q.dtype, k_cache.dtype, v_cache.dtype):
+    return xla(q, k_cache, v_cache, lengths, **addressing)
 
   @jax.custom_jvp
   def kernel(q, k_cache, v_cache, lengths):

@@ -15,9 +15,9 @@ from typing import Callable
 from jax import lax
 
 
-def xla_cache_attention(q, k_cache, v_cache, lengths, xla: Callable):
+def xla_cache_attention(q, k_cache, v_cache, lengths, xla: Callable, **addressing):
   """The default route of one-token attention over a cache: XLA's computation, `xla`, as it is."""
-  return xla(q, k_cache, v_cache, lengths)
+  return xla(q, k_cache, v_cache, lengths, **addressing)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,9 +26,12 @@ class Backend:
 
   dot_general: every Dense layer's product (lax.dot_general's signature).
   cache_attention: (q [B, 1, N, H], k_cache [B, K, H, S], v_cache [B, K, S, H], lengths int32[B],
-    xla) -> [B, 1, N, H], one query token per row reading positions [0, lengths[b]]; `xla` is the
-    reference computation with the same signature, which a route may fall back to (at lowering
-    time, on another platform, or for dtypes it does not take).
+    xla, **addressing) -> [B, 1, N, H], one query token per row reading positions [0, lengths[b]];
+    `xla` is the reference computation with the same signature, which a route may fall back to
+    (at lowering time, on another platform, or for dtypes or addressing it does not take).
+    Keyword arrays a cache kind may add: page_table int32[B, M] (then k_cache and v_cache are
+    page pools [K, P, Z, H], kvjax.cache.paged), k_scale and v_scale float32 (a quantized
+    cache's scales: k_cache's and v_cache's shapes without the head axis H).
   """
 
   dot_general: Callable = lax.dot_general
