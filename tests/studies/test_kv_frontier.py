@@ -46,11 +46,12 @@ def tree_state(path: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def frontier(tmp_path_factory):
+  """`kvjax run configs/kv_frontier/tiny.py`, its variants narrowed by --set to those this kvjax runs."""
   study = runnable(load_config(TINY))
   workdir = tmp_path_factory.mktemp("kv_frontier_tiny")
-  with claim_study(workdir, study):
-    rows = driver()(study, workdir)
-  return study, workdir, rows
+  variants = f"variants={[dataclasses.asdict(v) for v in study.variants]!r}"
+  assert kvjax_main(["run", str(TINY), "--workdir", str(workdir), "--set", variants]) == 0
+  return study, workdir, json.loads((workdir / "kv_frontier.json").read_text())
 
 
 def test_tiny_study_writes_a_row_per_variant_and_the_columns_asked_for(frontier):
@@ -62,7 +63,8 @@ def test_tiny_study_writes_a_row_per_variant_and_the_columns_asked_for(frontier)
   assert [r["variant"] for r in table] == names
   assert list(table[0]) == [key for key, _, _ in kvf.csv_columns(study)]
   assert {"recall_24", "recall_40", "recall_bytes_24", "recall_bytes_40"} <= set(table[0])
-  assert [r["variant"] for r in json.loads((workdir / "kv_frontier.json").read_text())] == names
+  assert [r["variant"] for r in rows] == names
+  assert json.loads((workdir / "config.json").read_text())["variants"][0]["name"] == names[0]
   text = (workdir / "kv_frontier.md").read_text()
   assert all(f"| {name} |" in text for name in names) and "recall @40" in text
   assert (workdir / "kv_frontier.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
