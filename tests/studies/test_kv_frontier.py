@@ -108,6 +108,8 @@ def test_kvjax_eval_recall_scores_as_the_study_does(frontier, capsys):
     assert result["recall"][str(d)]["byte_accuracy"] == fp32[f"recall_bytes_{d}"]
   assert kvjax_main(["eval", "--workdir", str(workdir / "mha_big"), "--recall", "4"]) == 2
   assert "below 24" in capsys.readouterr().err
+  assert kvjax_main(["eval", "--workdir", str(workdir / "mha_big"), "--recall", "24", "--batches", "2"]) == 2
+  assert "--batches" in capsys.readouterr().err
 
 
 def test_a_finished_study_is_reused_read_only(frontier, tmp_path):
