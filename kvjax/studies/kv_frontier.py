@@ -378,4 +378,5 @@ def plot(study: KVFrontierStudy, rows: list[dict], path: Path) -> None:
     quality.invert_yaxis()
     quality.legend(fontsize=8)
     quality.set_title("quality against KV memory")
+    recall.set_ylim(-0.05, 1.05)
     recall.set_title("long-range recall against KV memory")
