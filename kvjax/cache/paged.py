@@ -118,7 +118,7 @@ class PagedCache(KVCache):
   def capacity(self) -> int:
     return self.page_table.shape[1] * self.page_size
 
-  def layer_spec(self, config: ModelConfig):
+  def layer_spec(self, config: ModelConfig, layer: int = 0):
     shape = (config.num_kv_heads, self.num_pages, self.page_size, config.head_dim)
     return {"k": (shape, config.kv_dtype), "v": (shape, config.kv_dtype)}
 
