@@ -121,9 +121,6 @@ class ModelConfig:
       raise ValueError(f"ModelConfig.window must be a tuple of per-layer window widths (0 = global), "
                        f"got {self.window!r}")
     object.__setattr__(self, "window", tuple(self.window))  # hashable: the config is a jit static
-    if len(self.window) > self.num_layers:
-      raise ValueError(f"ModelConfig.window={self.window} has {len(self.window)} entries, more than "
-                       f"num_layers={self.num_layers}")
     for i, width in enumerate(self.window):
       if isinstance(width, bool) or not isinstance(width, int) or width < 0:
         raise ValueError(f"ModelConfig.window[{i}] must be a non-negative integer (0 = global), got {width!r}")

@@ -44,11 +44,13 @@ def test_windowed_forward_reads_only_the_window():
   windowed, params = init_params(tiny_config(2, num_layers=1, window=(5,)))
   plain = kvjax.Transformer(windowed.config.replace(window=()))
   tokens = random_tokens((2, 16), seed=3)
-  full = np.asarray(windowed.apply({"params": params}, tokens))
-  for t in (0, 3, 4, 9, 15):
-    alone = np.asarray(plain.apply({"params": params}, tokens[:, max(0, t - 4):t + 1]))[:, -1]
-    np.testing.assert_allclose(full[:, t], alone, atol=1e-4)
-  assert not np.allclose(full[:, 15], np.asarray(plain.apply({"params": params}, tokens))[:, 15], atol=1e-3)
+  full = np.asarray(jax.jit(windowed.apply)({"params": params}, tokens))
+  run_plain = jax.jit(plain.apply)
+  for t in (4, 9, 15):
+    alone = np.asarray(run_plain({"params": params}, tokens[:, t - 4:t + 1]))
+    np.testing.assert_allclose(full[:, t], alone[:, -1], atol=1e-4)
+  np.testing.assert_allclose(full[:, :5], np.asarray(run_plain({"params": params}, tokens[:, :5])), atol=1e-5)
+  assert not np.allclose(full[:, 15], np.asarray(run_plain({"params": params}, tokens))[:, 15], atol=1e-3)
 
 
 def empty_cache(kind, config, batch=3):
@@ -86,9 +88,8 @@ def decode_against_forward(model, params, kind, seqs):
   return np.stack(steps)
 
 
-@pytest.mark.parametrize("num_kv_heads", [2, 1], ids=["gqa", "mqa"])
-def test_cached_decode_matches_windowed_forward_and_paged_matches_contiguous(num_kv_heads):
-  model, params = init_params(tiny_config(num_kv_heads, **LOCAL_GLOBAL))
+def test_cached_decode_matches_windowed_forward_and_paged_matches_contiguous():
+  model, params = init_params(tiny_config(2, **LOCAL_GLOBAL))
   ring = kvjax.ContiguousCache.create(model.config, 3, 40).layers
   assert ring["layers_0"]["attn"]["v"].shape[2] == 8 and ring["layers_1"]["attn"]["v"].shape[2] == 40
   seqs = random_tokens((3, 40), seed=1)  # rows reach 27, 21, 26 positions: the 8-slot ring wraps
@@ -165,7 +166,6 @@ def test_bad_windows_are_refused():
       (dict(window=(65,)), r"window\[0\]=65 is larger than max_len=64"),
       (dict(window=(4, -1)), r"window\[1\] must be a non-negative integer"),
       (dict(window=(4, True)), r"window\[1\] must be a non-negative integer"),
-      (dict(window=(4, 0, 4)), "has 3 entries, more than num_layers=2"),
       (dict(window=4), "must be a tuple of per-layer window widths"),
       (dict(sink_tokens=2), r"sink_tokens=2 needs a windowed layer, but window=\(\)"),
       (dict(window=(0, 0), sink_tokens=1), "sink_tokens=1 needs a windowed layer"),
