@@ -25,7 +25,7 @@ from kvjax import memory
 from kvjax.cache.base import KVCache
 from kvjax.cache.pages import NULL_PAGE
 from kvjax.config import ModelConfig, check_positive_int
-from kvjax.model.attention import Span, attend
+from kvjax.model.attention import Span, attend, visible
 from kvjax.model.backend import Backend
 from kvjax.model.transformer import cache_collection, cache_layers
 
@@ -72,7 +72,11 @@ class PagedCache(KVCache):
 
   attention (static): how a decode step reads the pages: "gather" (jnp, any backend), "pallas"
   (JAX's Pallas GPU kernel; see `pallas_available`) or "pallas_interpret" (that kernel
-  interpreted, for checking it on the CPU). Longer queries always gather.
+  interpreted, for checking it on the CPU). Longer queries, and the queries of a sliding-window
+  layer, always gather.
+
+  A windowed layer (ModelConfig.window) keeps every position in its pages, as a global one does;
+  its reads mask to the window and sinks (kvjax.model.attention.visible).
   """
 
   page_table: jax.Array
@@ -114,7 +118,7 @@ class PagedCache(KVCache):
   def capacity(self) -> int:
     return self.page_table.shape[1] * self.page_size
 
-  def layer_spec(self, config: ModelConfig):
+  def layer_spec(self, config: ModelConfig, layer: int = 0):
     shape = (config.num_kv_heads, self.num_pages, self.page_size, config.head_dim)
     return {"k": (shape, config.kv_dtype), "v": (shape, config.kv_dtype)}
 
@@ -151,11 +155,11 @@ class PagedCache(KVCache):
     return {"k": store(stored["k"], k), "v": store(stored["v"], v)}
 
   def read(self, stored, q, q_positions, span: Span, backend: Backend):
-    if q.shape[1] == 1 and self.attention != "gather":
+    if q.shape[1] == 1 and self.attention != "gather" and not span.window.size:
       return pallas_attend(q, stored["k"], stored["v"], self.page_table, q_positions[:, 0] + 1,
                            interpret=self.attention == "pallas_interpret")
     k, v = gather(stored["k"], self.page_table), gather(stored["v"], self.page_table)
-    mask = jnp.arange(k.shape[2])[None, None, :] <= q_positions[:, :, None]  # [B, Tq, M*Z]
+    mask = visible(q_positions, jnp.arange(k.shape[2])[None, :], span.window)  # [B, Tq, M*Z]
     return attend(q, k, v, mask)
 
   def copy_pages(self, src, dst) -> "PagedCache":
