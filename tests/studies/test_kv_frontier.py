@@ -57,7 +57,8 @@ def frontier(tmp_path_factory):
 def test_tiny_study_writes_a_row_per_variant_and_the_columns_asked_for(frontier):
   study, workdir, rows = frontier
   names = [v.name for v in study.variants]
-  assert {"fp32", "bf16", "GQA-2 mean", "GQA-2 pca+distill1", "MQA mean", "MQA pca+distill1"} <= set(names)
+  assert {"fp32", "bf16", "GQA-2 mean", "GQA-2 pca+distill1", "MQA mean", "MQA pca+distill1",
+          "window 16", "window 16 + 2 sinks"} <= set(names)
   with open(workdir / "kv_frontier.csv") as f:
     table = list(csv.DictReader(f))
   assert [r["variant"] for r in table] == names
@@ -77,7 +78,7 @@ def test_tiny_study_writes_a_row_per_variant_and_the_columns_asked_for(frontier)
 def test_float32_cache_matches_the_plain_evaluation_and_bytes_are_exact(frontier):
   study, workdir, rows = frontier
   by_name = {r["variant"]: r for r in rows}
-  fp32 = by_name["fp32"]
+  fp32, big = by_name["fp32"], study.gqa.big
   plain = evaluate_checkpoint(workdir / "mha_big", batch_size=study.eval_batch_size, num_batches=study.eval_batches)
   # Oracle: a float32 cache stores the values as computed, so through it (prefill, and decode
   # step by step) the held-out bits per byte are kvjax eval's.
@@ -85,10 +86,15 @@ def test_float32_cache_matches_the_plain_evaluation_and_bytes_are_exact(frontier
   assert fp32["decode_bits_per_byte"] == pytest.approx(plain["bits_per_byte"], rel=1e-4)
   assert fp32["plain_bits_per_byte"] == pytest.approx(plain["bits_per_byte"], rel=1e-6)
   for row in rows:
-    if row["cache_dtype"] == "float32":
+    if row["cache_dtype"] == "float32" and row["family"] != "window":
       assert row["bits_per_byte"] == pytest.approx(row["plain_bits_per_byte"], rel=1e-5)
+    if row["family"] == "window":
+      # Oracle: decoding through the ring buffer sees what one prefill under the window's mask sees.
+      assert row["decode_bits_per_byte"] == pytest.approx(row["bits_per_byte"], rel=1e-4)
+      config = kvf.apply_changes(big, next(v for v in study.variants if v.name == row["variant"]))
+      slots = min(study.context, config.window[0] + config.sink_tokens)
+      assert row["kv_bytes_per_token"] == big.kv_bytes_per_token * slots / study.context
   assert by_name["bf16"]["decode_bits_per_byte"] == pytest.approx(fp32["decode_bits_per_byte"], rel=1e-2)
-  big = study.gqa.big
   assert fp32["kv_bytes_per_token"] == big.kv_bytes_per_token
   assert by_name["bf16"]["kv_bytes_per_token"] == big.kv_bytes_per_token / 2
   assert by_name["GQA-2 mean"]["kv_bytes_per_token"] == big.kv_bytes_per_token * 2 / big.num_heads
