@@ -15,8 +15,8 @@
 // weights (values), so it reads a quarter of float32's bytes.
 //
 // Each (row, kv head) pair is cut into chunks of positions; a task reads a chunk's keys once for
-// up to 8 query heads (scores as [G, H] x [H, chunk] with positions in vector lanes: contiguous
-// keys are loaded along their transposed rows, paged keys gathered from their pages' rows),
+// up to 8 query heads (contiguous keys, transposed: scores as [G, H] x [H, chunk] with positions in
+// vector lanes; paged keys: dot products along their rows, for one query head at a time),
 // takes the softmax in a per-thread buffer that stays in cache, and reads the chunk's value rows
 // once; the chunks of a pair are merged afterwards (the split softmax of flash decoding). Only
 // positions below valid[b] are read: XLA's masked attention reads the whole preallocated cache,
@@ -41,11 +41,11 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-using kvjax::Gather;
 using kvjax::IVec;
 using kvjax::kLanes;
 using kvjax::Load;
 using kvjax::LoadAs;
+using kvjax::LoadPart;
 using kvjax::LoadPartAs;
 using kvjax::Store;
 using kvjax::StorePart;
@@ -63,6 +63,7 @@ constexpr int64_t kTasksPerThread = 4;
 constexpr int64_t kKeyPrefetch = 64;      // along each key row: 1-2 score tiles at 16 lanes (256 B in float32)
 constexpr int64_t kValuePrefetch = 1024;  // down the contiguous values: 16 rows of 64 (4 KB in float32)
 constexpr int64_t kRowsAhead = 16;        // down the paged values, in rows
+constexpr int64_t kKeyRowsAhead = 2 * kLanes;  // down the paged keys, in rows (two tiles)
 
 inline float Max(Vec v) {
   float m = v[0];
@@ -105,10 +106,10 @@ inline void WithConstant(int64_t n, Fn fn) {
   fn(std::integral_constant<int, kMax>{});
 }
 
-// How a key tile is read: Load(h, kv) sets kv[j], j < NV, to entry h of the tile's kLanes * NV
-// keys, vector j holding positions kLanes * j onwards.
+// Contiguous keys are stored transposed, so that positions lie in vector lanes.
 
-// Contiguous keys, stored transposed: [H, S] with row stride max_len, the tile from position s.
+// How a key tile is read: Load(h, kv) sets kv[j], j < NV, to entry h of the tile's kLanes * NV
+// keys, vector j holding positions kLanes * j onwards. Contiguous keys, stored transposed: [H, S] with row stride max_len, the tile from position s.
 // kEdge: the tile reaches past max_len, whose positions read as zero. (Whether a load is partial
 // is decided at compile time: a choice made in the loop keeps the accumulators out of registers.)
 template <typename T, int NV, bool kEdge>
@@ -122,17 +123,6 @@ struct TransposedKeys {
       const int64_t left = max_len - s - kLanes * j;
       kv[j] = !kEdge || left >= kLanes ? LoadAs(row + kLanes * j) : left > 0 ? LoadPartAs(row + kLanes * j, left) : Vec{};
     }
-  }
-};
-
-// Paged keys, stored by position: lane i of vector j reads the row at pool + rows[kLanes * j + i].
-template <typename T, int NV>
-struct GatheredKeys {
-  const T* pool;
-  IVec rows[NV];
-  GatheredKeys(const T* pool, const int32_t* offsets) : pool(pool) { std::memcpy(rows, offsets, sizeof(rows)); }
-  void Load(int64_t h, Vec* kv) const {
-    for (int j = 0; j < NV; ++j) kv[j] = Gather(pool + h, rows[j]);
   }
 };
 
@@ -150,6 +140,59 @@ void ScoreTile(const float* q, const Keys& keys, float* scores, int64_t head_dim
   }
   for (int g = 0; g < GB; ++g)
     for (int j = 0; j < NV; ++j) Store(scores + g * scores_stride + kLanes * j, acc[g][j]);
+}
+
+// Paged keys are stored by position, a row of head_dim entries each: their scores are dot
+// products along the rows, kLanes rows at a time, whose kLanes vector sums are then folded into
+// one vector of kLanes scores (lane i: position i).
+
+// Lane i of the result: the sum of a's block (of 2 * kHalf lanes) holding lane i folded in half
+// if i is in its block's lower half, else b's.
+template <int kHalf>
+inline Vec Fold(Vec a, Vec b) {
+  IVec x, y;  // constants once inlined: each shuffle is one instruction
+#pragma GCC unroll 16
+  for (int i = 0; i < kLanes; ++i) {
+    const bool low = i % (2 * kHalf) < kHalf;
+    x[i] = low ? i : kLanes + i;
+    y[i] = low ? i + kHalf : kLanes + i - kHalf;
+  }
+  return __builtin_shuffle(a, b, x) + __builtin_shuffle(a, b, y);
+}
+
+// Lane i of the result: the sum of the lanes of v[kBitReversed[i]] (v is overwritten). Folding
+// pairs of vectors, then pairs of those, ... leaves the sums in bit-reversed order.
+template <int kHalf = kLanes / 2>
+inline Vec SumEach(Vec* v) {
+  constexpr int n = 2 * kHalf;  // vectors left at this level
+#pragma GCC unroll 16
+  for (int i = 0; i < n / 2; ++i) v[i] = Fold<kHalf>(v[2 * i], v[2 * i + 1]);
+  if constexpr (kHalf > 1) return SumEach<kHalf / 2>(v);
+  else return v[0];
+}
+
+constexpr int BitReversed(int i) {
+  int r = 0;
+  for (int bit = 1; bit < kLanes; bit <<= 1) r = (r << 1) | ((i & bit) ? 1 : 0);
+  return r;
+}
+
+// scores[0:kLanes] = q . (the rows at pool + offsets[0:kLanes]), each of head_dim entries.
+template <typename T>
+void RowScores(const float* q, const T* pool, const int32_t* offsets, float* scores, int64_t head_dim) {
+  Vec acc[kLanes] = {};
+  const int64_t full = head_dim / kLanes * kLanes, rest = head_dim - full;
+  for (int64_t h = 0; h < full; h += kLanes) {
+    const Vec qv = Load(q + h);
+#pragma GCC unroll 16
+    for (int i = 0; i < kLanes; ++i) acc[BitReversed(i)] += qv * LoadAs(pool + offsets[i] + h);
+  }
+  if (rest) {
+    const Vec qv = LoadPart(q + full, rest);
+#pragma GCC unroll 16
+    for (int i = 0; i < kLanes; ++i) acc[BitReversed(i)] += qv * LoadPartAs(pool + offsets[i] + full, rest);
+  }
+  Store(scores, SumEach(acc));
 }
 
 // How a chunk's value rows are found: Row(s) is position s's row of head_dim entries, Ahead(s)
@@ -224,6 +267,7 @@ struct Scratch {
 template <typename T, bool kPaged>
 struct Problem {
   static constexpr bool kQuantized = std::is_same_v<T, int8_t>;
+  static constexpr int64_t kPadding = std::max(kRowsAhead, kKeyRowsAhead + kLanes);  // offsets past the chunk
 
   const float* q;
   const T* k;
@@ -251,7 +295,7 @@ struct Problem {
   }
   void Prepare(Scratch& scratch) const {
     scratch.scores.resize(groups * score_stride());
-    if constexpr (kPaged) scratch.offsets.resize(score_stride() + kRowsAhead);
+    if constexpr (kPaged) scratch.offsets.resize(score_stride() + kPadding);
     if constexpr (kPaged && kQuantized) scratch.scales.resize(2 * score_stride());
   }
   void RunTask(int64_t task, Scratch& scratch) const;
@@ -280,8 +324,11 @@ void Problem<T, kPaged>::RunTask(int64_t task, Scratch& scratch) const {
   const float* k_scales = nullptr;
   const float* v_scales = nullptr;
   if constexpr (kPaged) {
-    for (int64_t i = 0; i < len; ++i) offsets[i] = static_cast<int32_t>(PoolRow(b, kv, s0 + i) * head_dim);
-    std::fill(offsets + len, offsets + stride + kRowsAhead, offsets[len - 1]);
+    for (int64_t i = 0; i < len;) {  // a page at a time
+      const int64_t row = PoolRow(b, kv, s0 + i), end = std::min(len, i + page_size - (s0 + i) % page_size);
+      for (int64_t first = i; i < end; ++i) offsets[i] = static_cast<int32_t>((row + i - first) * head_dim);
+    }
+    std::fill(offsets + len, offsets + stride + kPadding, offsets[len - 1]);
     if constexpr (kQuantized) {
       float* scales = scratch.scales.data();
       for (int64_t i = 0; i < len; ++i) {
@@ -294,30 +341,35 @@ void Problem<T, kPaged>::RunTask(int64_t task, Scratch& scratch) const {
     k_scales = k_scale + pair * max_len + s0, v_scales = v_scale + pair * max_len + s0;
   }
 
-  // Scores, a tile of positions at a time (positions past len are computed and ignored), for up
-  // to 8 query heads per pass over the chunk's keys.
-  const T* keys = kPaged ? k : k + pair * head_dim * max_len;
-  for (int64_t g = 0; g < groups; g += kScoreGroups) {
-    const float* qg = qp + g * head_dim;
-    float* sg = scores + g * stride;
-    WithConstant<kScoreGroups>(std::min(kScoreGroups, groups - g), [&](auto block) {
-      constexpr int GB = decltype(block)::value;
-      constexpr int NV = GB > 4 ? kScoreVectors / 2 : kScoreVectors;  // GB x NV accumulators
-      auto tile = [&](auto vectors, int64_t s) {  // the tile of `vectors` vectors from chunk position s
-        constexpr int W = decltype(vectors)::value;
-        if constexpr (kPaged) {
-          ScoreTile<GB, W>(qg, GatheredKeys<T, W>(keys, offsets + s), sg + s, head_dim, stride);
-        } else if (s0 + s + W * kLanes <= max_len) {
-          ScoreTile<GB, W>(qg, TransposedKeys<T, W, false>{keys, max_len, s0 + s}, sg + s, head_dim, stride);
-        } else {
-          ScoreTile<GB, W>(qg, TransposedKeys<T, W, true>{keys, max_len, s0 + s}, sg + s, head_dim, stride);
+  // Scores, a tile of positions at a time (positions past len are computed and ignored).
+  if constexpr (kPaged) {  // a tile's rows, prefetched two tiles ahead, for every query head while in L1
+    for (int64_t s = 0; s < len; s += kLanes) {
+      for (int64_t i = 0; i < kLanes; ++i)
+        for (int64_t h = 0; h < head_dim; h += 64 / sizeof(T)) __builtin_prefetch(k + offsets[s + kKeyRowsAhead + i] + h);
+      for (int64_t g = 0; g < groups; ++g)
+        RowScores(qp + g * head_dim, k, offsets + s, scores + g * stride + s, head_dim);
+    }
+  } else {  // up to 8 query heads per pass over the chunk's keys
+    const T* keys = k + pair * head_dim * max_len;
+    for (int64_t g = 0; g < groups; g += kScoreGroups) {
+      const float* qg = qp + g * head_dim;
+      float* sg = scores + g * stride;
+      WithConstant<kScoreGroups>(std::min(kScoreGroups, groups - g), [&](auto block) {
+        constexpr int GB = decltype(block)::value;
+        constexpr int NV = GB > 4 ? kScoreVectors / 2 : kScoreVectors;  // GB x NV accumulators
+        auto tile = [&](auto vectors, int64_t s) {  // the tile of `vectors` vectors from chunk position s
+          constexpr int W = decltype(vectors)::value;
+          if (s0 + s + W * kLanes <= max_len)
+            ScoreTile<GB, W>(qg, TransposedKeys<T, W, false>{keys, max_len, s0 + s}, sg + s, head_dim, stride);
+          else
+            ScoreTile<GB, W>(qg, TransposedKeys<T, W, true>{keys, max_len, s0 + s}, sg + s, head_dim, stride);
+        };
+        for (int64_t s = 0; s < len; s += NV * kLanes) {
+          if (len - s > (NV - 1) * kLanes) tile(std::integral_constant<int, NV>{}, s);
+          else for (int64_t t = s; t < len; t += kLanes) tile(std::integral_constant<int, 1>{}, t);
         }
-      };
-      for (int64_t s = 0; s < len; s += NV * kLanes) {
-        if (len - s > (NV - 1) * kLanes) tile(std::integral_constant<int, NV>{}, s);
-        else for (int64_t t = s; t < len; t += kLanes) tile(std::integral_constant<int, 1>{}, t);
-      }
-    });
+      });
+    }
   }
 
   // Softmax numerators in place, with each query head's max and sum kept for the merge. int8:

@@ -1,6 +1,6 @@
 // Float vectors for kvjax's CPU kernels: 16 lanes with AVX-512, else 8 (AVX2 and others), as
-// GCC vector extensions, with loads and stores of the first n < kLanes lanes, loads of int8 data
-// as floats, and gathers.
+// GCC vector extensions, with loads and stores of the first n < kLanes lanes, and loads of int8
+// data as floats.
 
 #ifndef KVJAX_CSRC_SIMD_H_
 #define KVJAX_CSRC_SIMD_H_
@@ -22,7 +22,6 @@ constexpr int64_t kLanes = 8;
 
 typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
 typedef int32_t IVec __attribute__((vector_size(kLanes * sizeof(float))));
-typedef int8_t Bytes __attribute__((vector_size(kLanes)));
 
 inline Vec Load(const float* p) { Vec v; std::memcpy(&v, p, sizeof(v)); return v; }
 inline void Store(float* p, Vec v) { std::memcpy(p, &v, sizeof(v)); }
@@ -55,49 +54,22 @@ inline void StorePart(float* p, Vec v, int64_t n) {
 // zeros after (LoadPartAs, never touching memory past p + n).
 inline Vec LoadAs(const float* p) { return Load(p); }
 inline Vec LoadPartAs(const float* p, int64_t n) { return LoadPart(p, n); }
+// (GCC's __builtin_convertvector from int8 lanes runs one lane at a time: the widening is spelled out.)
 inline Vec LoadAs(const int8_t* p) {
-  Bytes b;
-  std::memcpy(&b, p, sizeof(b));
-  return __builtin_convertvector(b, Vec);
+#if defined(__AVX512F__)
+  return (Vec)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(__AVX2__)
+  return (Vec)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  Vec v;
+  for (int i = 0; i < kLanes; ++i) v[i] = p[i];
+  return v;
+#endif
 }
 inline Vec LoadPartAs(const int8_t* p, int64_t n) {
-  Bytes b = {};
-  std::memcpy(&b, p, n);
-  return __builtin_convertvector(b, Vec);
-}
-
-// Lane i is base[offsets[i]], as a float.
-inline Vec Gather(const float* base, IVec offsets) {
-#if defined(__AVX512F__)
-  return (Vec)_mm512_i32gather_ps((__m512i)offsets, base, 4);
-#elif defined(__AVX2__)
-  return (Vec)_mm256_i32gather_ps(base, (__m256i)offsets, 4);
-#else
-  Vec v;
-  for (int i = 0; i < kLanes; ++i) v[i] = base[offsets[i]];
-  return v;
-#endif
-}
-
-// int8: each lane reads the aligned 4-byte word that holds its byte (so never memory past the
-// buffer's last word), then shifts the byte out, sign-extended (little-endian).
-inline Vec Gather(const int8_t* base, IVec offsets) {
-#if defined(__AVX512F__) || defined(__AVX2__)
-  const uintptr_t address = reinterpret_cast<uintptr_t>(base);
-  const void* words = reinterpret_cast<const void*>(address & ~uintptr_t{3});
-  const IVec at = offsets + static_cast<int32_t>(address & 3);
-#if defined(__AVX512F__)
-  IVec w = (IVec)_mm512_i32gather_epi32((__m512i)(at & ~3), words, 1);
-#else
-  IVec w = (IVec)_mm256_i32gather_epi32(static_cast<const int*>(words), (__m256i)(at & ~3), 1);
-#endif
-  w = (w << ((3 - (at & 3)) * 8)) >> 24;
-  return __builtin_convertvector(w, Vec);
-#else
-  Vec v;
-  for (int i = 0; i < kLanes; ++i) v[i] = base[offsets[i]];
-  return v;
-#endif
+  int8_t bytes[kLanes] = {};
+  std::memcpy(bytes, p, n);
+  return LoadAs(bytes);
 }
 
 }  // namespace kvjax
