@@ -13,8 +13,8 @@ arrays the kind passes (its addressing):
 
 (int8: a stored value is int8 * scale, one scale per (position, kv head); the kernel reads the
 int8 data, a quarter of float32's bytes.) Float32 queries over these, on a single CPU device, go
-to the kernel; everything else (other dtypes or addressing, accelerators, meshes) to the XLA
-computation it is given. The choice between the two is made when lowering, so a function traced
+to the kernel; everything else (other dtypes, addressing or scale shapes, such as a kind's
+grouped scales, accelerators, meshes) to the XLA computation it is given. The choice between the two is made when lowering, so a function traced
 here may still be compiled for an accelerator. Gradients are XLA's: the kernel only runs forward.
 """
 
@@ -31,7 +31,7 @@ from kvjax.kernels import build
 TARGETS = {(False, False): "kvjax_decode_attention", (False, True): "kvjax_decode_attention_int8",
            (True, False): "kvjax_paged_attention", (True, True): "kvjax_paged_attention_int8"}
 TARGET = TARGETS[False, False]
-# The kernel addresses a page pool with int32 offsets: larger pools stay with XLA.
+# The kernel addresses a page pool with int32 offsets: pools of this many entries or more stay with XLA.
 MAX_POOL_ENTRIES = 2 ** 31 - 4
 # The addressing arrays in the kernel's operand order (after q, k_cache, v_cache).
 ADDRESSING = ("k_scale", "v_scale", "page_table")
@@ -42,43 +42,41 @@ def uses_kernel(*dtypes) -> bool:
   return all(d == jnp.float32 for d in dtypes) and build.single_cpu() and build.available("attention")
 
 
-def check_addressing(q, k_cache, v_cache, addressing: dict) -> None:
-  """Raises ValueError, naming the array, unless the addressing arrays fit the cache's shapes
-  (see the module docstring)."""
-  if unknown := set(addressing) - set(ADDRESSING):
-    raise ValueError(f"cache_attention takes the addressing arrays {ADDRESSING}, got {sorted(unknown)}")
-  if ("k_scale" in addressing) != ("v_scale" in addressing):
-    raise ValueError("an int8 cache needs both k_scale and v_scale")
-  paged = "page_table" in addressing
+def kernel_layout(q, k_cache, v_cache, addressing: dict) -> tuple[bool, bool] | None:
+  """(paged, int8) when the operands are one of the kernel's storages (names, dtypes and shapes
+  as in the module docstring), else None."""
+  names = set(addressing)
+  if names not in (set(), {"k_scale", "v_scale"}, {"page_table"}, {"k_scale", "v_scale", "page_table"}):
+    return None
+  paged, int8 = "page_table" in names, "k_scale" in names
+  stored = jnp.int8 if int8 else jnp.float32
+  if q.dtype != jnp.float32 or k_cache.dtype != stored or v_cache.dtype != stored or q.ndim != 4 or k_cache.ndim != 4:
+    return None
+  b, _, n, h = q.shape
   if paged:
+    kv, pages, size, _ = k_cache.shape
     table = addressing["page_table"]
-    if table.ndim != 2 or table.shape[0] != q.shape[0]:
-      raise ValueError(f"page_table must be [B, M] with B={q.shape[0]} rows, got shape {table.shape}")
-    if k_cache.ndim != 4 or v_cache.shape != k_cache.shape or k_cache.shape[3] != q.shape[3]:
-      raise ValueError(f"paged k_cache and v_cache must both be [K, P, Z, H] with H={q.shape[3]}, "
-                       f"got {k_cache.shape} and {v_cache.shape}")
-  for name, data in (("k_scale", k_cache), ("v_scale", v_cache)):
-    if name in addressing:
-      # The data's shape without the head axis H: k [B, K, H, S] (axis 2), v [B, K, S, H] and pools (axis 3).
-      want = tuple(d for i, d in enumerate(data.shape) if i != (2 if name == "k_scale" and not paged else 3))
-      if addressing[name].shape != want:
-        raise ValueError(f"{name} must have the shape {want} (the cache's {data.shape} without its head axis), "
-                         f"got {addressing[name].shape}")
+    if (k_cache.shape != (kv, pages, size, h) or v_cache.shape != k_cache.shape or table.dtype != jnp.int32
+        or table.ndim != 2 or table.shape[0] != b or k_cache.size >= MAX_POOL_ENTRIES):
+      return None
+    scale_shape = (kv, pages, size)
+  else:
+    kv, s = k_cache.shape[1], k_cache.shape[3]
+    if k_cache.shape != (b, kv, h, s) or v_cache.shape != (b, kv, s, h):
+      return None
+    scale_shape = (b, kv, s)
+  if n % kv or int8 and any(addressing[name].dtype != jnp.float32 or addressing[name].shape != scale_shape
+                            for name in ("k_scale", "v_scale")):
+    return None
+  return paged, int8
 
 
 def kernel_target(q, k_cache, v_cache, addressing: dict) -> str | None:
   """The kernel's FFI target for these operands, or None where they stay with XLA."""
-  paged, quantized = "page_table" in addressing, "k_scale" in addressing
-  stored = jnp.int8 if quantized else jnp.float32
-  if q.dtype != jnp.float32 or k_cache.dtype != stored or v_cache.dtype != stored:
+  layout = kernel_layout(q, k_cache, v_cache, addressing)
+  if layout is None or not (build.single_cpu() and build.available("attention")):
     return None
-  if quantized and not addressing["k_scale"].dtype == addressing["v_scale"].dtype == jnp.float32:
-    return None
-  if paged and (addressing["page_table"].dtype != jnp.int32 or k_cache.size > MAX_POOL_ENTRIES):
-    return None
-  if not (build.single_cpu() and build.available("attention")):
-    return None
-  return TARGETS[paged, quantized]
+  return TARGETS[layout]
 
 
 def cache_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array,
@@ -88,7 +86,6 @@ def cache_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, length
   `xla(q, k_cache, v_cache, lengths, **addressing)` is the same computation in XLA."""
   if q.shape[1] != 1:
     raise ValueError(f"cache_attention takes one query token per row, got q of shape {q.shape}")
-  check_addressing(q, k_cache, v_cache, addressing)
   target = kernel_target(q, k_cache, v_cache, addressing)
   if target is None:
     return xla(q, k_cache, v_cache, lengths, **addressing)

@@ -119,12 +119,12 @@ def test_gradients_are_xla(paged, int8):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
-def test_bad_addressing_is_refused():
+def test_other_layouts_stay_with_xla():
+  # Only the four storages go to the kernel; another kind's addressing (grouped scales, another
+  # keyword) is XLA's business.
   q, k, v, lengths, addressing, _ = storage(2, 1, 2, 8, 4, 2, [3, 7], paged=True, int8=True)
-  call = lambda **kw: attention_kernel.cache_attention(q, k, v, lengths, attend_pages_int8, **{**addressing, **kw})
-  with pytest.raises(ValueError, match="k_scale must have the shape"):
-    call(k_scale=addressing["k_scale"][:, :, :2])
-  with pytest.raises(ValueError, match="page_table must be"):
-    call(page_table=addressing["page_table"][:1])
-  with pytest.raises(ValueError, match="addressing arrays"):
-    call(window=np.zeros(2))
+  grouped = {**addressing, "k_scale": np.repeat(addressing["k_scale"][..., None], 2, -1)}
+  assert attention_kernel.kernel_target(q, k, v, addressing) == "kvjax_paged_attention_int8"
+  assert attention_kernel.kernel_target(q, k, v, grouped) is None
+  assert attention_kernel.kernel_target(q, k, v, {**addressing, "window": np.zeros(2)}) is None
+  assert attention_kernel.kernel_target(q, k, v, {"page_table": addressing["page_table"]}) is None  # int8 without scales
