@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from kvjax.cache.contiguous import attend_one
 from kvjax.cache.paged import attend_pages
@@ -94,6 +95,17 @@ def test_kernel_matches_xla(paged, int8, batch, kv_heads, groups, head_dim, page
     expected = xla(q, np.nan_to_num(k) if not int8 else k, np.nan_to_num(v) if not int8 else v, lengths,
                    **{n: np.nan_to_num(a) for n, a in clean.items()})
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=2e-6)
+
+
+@settings(max_examples=8, deadline=None)
+@given(variant=st.sampled_from(VARIANTS), batch=st.integers(1, 3), kv_heads=st.integers(1, 2), groups=st.integers(1, 10),
+       head_dim=st.integers(1, 80), page_size=st.integers(1, 20), pages=st.integers(1, 12), data=st.data())
+def test_kernel_matches_xla_any_shape(variant, batch, kv_heads, groups, head_dim, page_size, pages, data):
+  lengths = data.draw(st.lists(st.integers(0, page_size * pages - 1), min_size=batch, max_size=batch))
+  q, k, v, lengths, addressing, (k_float, v_float) = storage(batch, kv_heads, groups, head_dim, page_size, pages,
+                                                              lengths, *variant)
+  out = attention_kernel.cache_attention(q, k, v, lengths, XLA[variant], **addressing)
+  np.testing.assert_allclose(out, attend_one(q, k_float, v_float, lengths), rtol=1e-5, atol=2e-6)
 
 
 def test_bf16_and_unknown_storage_stay_with_xla():
