@@ -106,11 +106,10 @@ inline void WithConstant(int64_t n, Fn fn) {
   fn(std::integral_constant<int, kMax>{});
 }
 
-// Contiguous keys are stored transposed, so that positions lie in vector lanes.
-
-// How a key tile is read: Load(h, kv) sets kv[j], j < NV, to entry h of the tile's kLanes * NV
-// keys, vector j holding positions kLanes * j onwards. Contiguous keys, stored transposed: [H, S] with row stride max_len, the tile from position s.
-// kEdge: the tile reaches past max_len, whose positions read as zero. (Whether a load is partial
+// Contiguous keys are stored transposed ([H, S] with row stride max_len), so that positions lie in
+// vector lanes. Load(h, kv) sets kv[j], j < NV, to entry h of the kLanes * NV keys from position
+// s, vector j holding positions s + kLanes * j onwards. kEdge: the tile reaches past max_len,
+// whose positions read as zero. (Whether a load is partial
 // is decided at compile time: a choice made in the loop keeps the accumulators out of registers.)
 template <typename T, int NV, bool kEdge>
 struct TransposedKeys {
