@@ -40,6 +40,14 @@ def gather(pool: jax.Array, page_table: jax.Array) -> jax.Array:
   return jnp.swapaxes(pages, 0, 1).reshape(batch, num_kv_heads, width * page_size, head_dim)
 
 
+def attend_pages(q, k_pool, v_pool, lengths, page_table):
+  """XLA's one-token attention over the pools: q [B, 1, N, H] reads each row's positions
+  [0, lengths[b]], its pages gathered into a copy first."""
+  k, v = gather(k_pool, page_table), gather(v_pool, page_table)
+  mask = (jnp.arange(k.shape[2])[None, :] <= lengths[:, None])[:, None, :]  # [B, 1, M*Z]
+  return attend(q, k, v, mask)
+
+
 def pallas_kernel():
   """JAX's Pallas GPU paged-attention kernel, or None where this JAX does not ship it."""
   try:
@@ -70,7 +78,8 @@ def pallas_attend(q, k_pool, v_pool, page_table, lengths, interpret: bool):
 class PagedCache(KVCache):
   """Page pools shared by all rows, a page table and lengths per row.
 
-  attention (static): how a decode step reads the pages: "gather" (jnp, any backend), "pallas"
+  attention (static): how a decode step reads the pages: "gather" (the backend's cache_attention:
+  kvjax's CPU kernel reads the pages in place, XLA gathers them), "pallas"
   (JAX's Pallas GPU kernel; see `pallas_available`) or "pallas_interpret" (that kernel
   interpreted, for checking it on the CPU). Longer queries, and the queries of a sliding-window
   layer, always gather.
@@ -155,7 +164,10 @@ class PagedCache(KVCache):
     return {"k": store(stored["k"], k), "v": store(stored["v"], v)}
 
   def read(self, stored, q, q_positions, span: Span, backend: Backend):
-    if q.shape[1] == 1 and self.attention != "gather" and not span.window.size:
+    if q.shape[1] == 1 and not span.window.size:
+      if self.attention == "gather":
+        return backend.cache_attention(q, stored["k"], stored["v"], q_positions[:, 0], attend_pages,
+                                       page_table=self.page_table)
       return pallas_attend(q, stored["k"], stored["v"], self.page_table, q_positions[:, 0] + 1,
                            interpret=self.attention == "pallas_interpret")
     k, v = gather(stored["k"], self.page_table), gather(stored["v"], self.page_table)
