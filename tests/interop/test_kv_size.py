@@ -52,7 +52,7 @@ def test_dense_presets_match_their_published_parameter_counts(name):
   arch = PRESETS[name]
   config = _kvjax_equivalent(arch)
   assert count_params(config) == arch.params
-  assert arch.bytes_per_token(2) == config.replace(cache_dtype="bfloat16").kv_bytes_per_token
+  assert arch.bytes_per_token("bf16") == config.replace(cache_dtype="bfloat16").kv_bytes_per_token
 
 
 def test_bytes_per_token_matches_an_allocated_cache():
@@ -106,7 +106,7 @@ def test_models_from_config_file_workdir_and_hf_dir(tmp_path):
       max_position_embeddings=1024, tie_word_embeddings=False)))
   for spec in (tmp_path / "cfg.py", workdir, hf_dir):
     arch = resolve(str(spec))
-    assert arch.bytes_per_token(4) == config.kv_bytes_per_token == 2 * 2 * 2 * 8 * 4
+    assert arch.bytes_per_token("fp32") == config.kv_bytes_per_token == 2 * 2 * 2 * 8 * 4
   assert resolve(str(workdir)).params == count_params(config)
   assert resolve(str(hf_dir)).params == count_params(config.replace(qkv_bias=True))
 
