@@ -125,14 +125,14 @@ class PagedCache(KVCache):
       raise ValueError(f"num_pages={num_pages} leaves no page besides the reserved null page")
     if attention not in ATTENTION_IMPLS:
       raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {attention!r}")
+    if attention != "gather" and config.cache_quantized:
+      raise ValueError(f"attention={attention!r} reads float pools only; a cache_dtype={config.cache_dtype!r} "
+                       "cache takes attention='gather'")
     if attention == "pallas" and not pallas_available():
       raise ValueError(f"attention='pallas' needs a GPU backend and JAX's Pallas paged-attention kernel; "
                        f"the backend is {jax.default_backend()!r}")
     if attention == "pallas_interpret" and pallas_kernel() is None:
       raise ValueError("attention='pallas_interpret' needs JAX's Pallas paged-attention kernel, which this JAX lacks")
-    if attention != "gather" and config.cache_quantized:
-      raise ValueError(f"attention={attention!r} reads float pools only; a cache_dtype={config.cache_dtype!r} "
-                       "cache takes attention='gather'")
     memory.check_fits(f"a paged cache of {num_pages} pages x {page_size} tokens",
                       memory.paged_cache_bytes(config, num_pages, page_size, batch, max_pages))
     spec = layer_spec(config, num_pages, page_size)
