@@ -71,7 +71,7 @@ class WorkloadConfig:
 class KVMemoryStudy:
   """The study run by `kvjax run` for job "kv_memory". Contexts are capped at model.max_len.
   budget_tokens counts token slots in model.cache_dtype; cache_dtypes are further cache formats
-  served within the same bytes (`policies`)."""
+  served within the same bytes (`policies`); baselines=False leaves out max_len and doubling."""
 
   job: str = "kv_memory"
   model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
@@ -81,6 +81,7 @@ class KVMemoryStudy:
   baseline_page_size: int = 16
   num_slots: int = 64
   cache_dtypes: tuple[str, ...] = ()
+  baselines: bool = True
   seed: int = 0
 
   def __post_init__(self):
@@ -102,6 +103,8 @@ class KVMemoryStudy:
     if self.budget_tokens < self.model.max_len:
       raise ValueError(f"KVMemoryStudy.budget_tokens={self.budget_tokens} cannot hold one request of "
                        f"ModelConfig.max_len={self.model.max_len} positions")
+    if not isinstance(self.baselines, bool):
+      raise ValueError(f"KVMemoryStudy.baselines must be a bool, got {self.baselines!r}")
     for i, name in enumerate(self.cache_dtypes):
       if name not in CACHE_DTYPES:
         raise ValueError(f"KVMemoryStudy.cache_dtypes[{i}] must be one of {CACHE_DTYPES}, got {name!r}")
@@ -116,8 +119,8 @@ class KVMemoryStudy:
   def policies(self) -> list[tuple[str, int, str]]:
     """(allocation, page size, cache dtype) triples, baselines first, then the other cache formats."""
     own = self.model.cache_dtype
-    return ([("max_len", self.baseline_page_size, own), ("doubling", self.baseline_page_size, own)]
-            + [("paged", size, own) for size in self.page_sizes]
+    baselines = [("max_len", self.baseline_page_size, own), ("doubling", self.baseline_page_size, own)]
+    return ((baselines if self.baselines else []) + [("paged", size, own) for size in self.page_sizes]
             + [("paged", self.headline_page_size, name) for name in self.cache_dtypes])
 
 
@@ -196,13 +199,16 @@ def summary(rows: list[dict]) -> dict:
   """The rows without their traces, and the headline numbers: paged utilisation at page size 16
   (or the first paged run) and its concurrency over contiguous max_len preallocation; per further
   cache format, its peak and mean concurrency over the model's own format at that page size."""
-  contiguous = next(r for r in rows if r["policy"] == "max_len")
-  own = contiguous["cache_dtype"]
+  own = rows[0]["cache_dtype"]
   paged = next((r for r in rows if r["policy"] == "paged16" and r["cache_dtype"] == own),
                next(r for r in rows if r["policy"].startswith("paged")))
   formats = {r["cache_dtype"]: {"peak_concurrent_over_" + own: r["peak_concurrent"] / paged["peak_concurrent"],
                                 "mean_concurrent_over_" + own: r["mean_concurrent"] / paged["mean_concurrent"]}
              for r in rows if r["cache_dtype"] != own}
+  contiguous = next((r for r in rows if r["policy"] == "max_len"), None)
+  if contiguous is None:
+    return {"rows": [{k: r[k] for k in CSV_FIELDS} for r in rows], "cache_dtypes": formats,
+            "paged_policy": paged["policy"], "paged_utilisation": paged["utilisation"]}
   return {
       "cache_dtypes": formats,
       "rows": [{k: r[k] for k in CSV_FIELDS} for r in rows],
@@ -217,7 +223,8 @@ def summary(rows: list[dict]) -> dict:
 def report(study: KVMemoryStudy, workload, rows: list[dict]) -> str:
   prompts = np.array([p.size for p, _ in workload])
   outputs = np.array([n for _, n in workload])
-  contiguous = next(r for r in rows if r["policy"] == "max_len")
+  contiguous = next((r for r in rows if r["policy"] == "max_len"), None)
+  columns = TABLE_COLUMNS if contiguous else [c for c in TABLE_COLUMNS if c[0] != "peak_over_max_len"]
   lines = [
       "# KV-memory study", "",
       f"Workload: {len(workload)} requests queued at once; prompt length median {int(np.median(prompts))}, "
@@ -231,7 +238,7 @@ def report(study: KVMemoryStudy, workload, rows: list[dict]) -> str:
       + ", ".join(f"{r['policy']} {r['cache_dtype']} {r['identical_outputs']}/{len(workload)}" for r in rows)
       + " (an allocation policy must not change what a request generates; a quantized cache may).", "",
       markdown_table([{**r, "peak_over_max_len": r["peak_concurrent"] / contiguous["peak_concurrent"]}
-                      for r in rows], TABLE_COLUMNS),
+                      if contiguous else r for r in rows], columns),
   ]
   lines += ["", "Utilisation: tokens cached / token slots allocated, summed over decode steps. "
             "Baselines are allocated in multiples of their page size. tokens/s: generated tokens over "
