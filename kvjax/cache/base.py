@@ -93,14 +93,12 @@ class KVCache(flax.struct.PyTreeNode):
 
   def attend(self, stored: dict, q, q_positions, k, v, span: Span, backend: Backend):
     """What the layer loop calls: write this call's K/V, then attend -> (new arrays, [B, Tq, N, H]).
-    From an empty cache the new K/V are all there is, so they are read as they are; a quantized
-    format reads them as stored (dequantize(quantize(.))), so a prefill's logits are those a later
-    read of the same cache gives."""
+    From an empty cache the new K/V are all there is, so they are read without touching the
+    storage, but as it holds them (`as_stored`: rounded to a narrower float dtype, or
+    dequantize(quantize(.))), so a prefill's logits are those a later read of the same cache gives."""
     stored = self.write(stored, k, v, span)
     if span.from_empty:
-      fmt = stored_format(stored)
-      if fmt is not None:
-        k, v = quant.roundtrip(k, fmt), quant.roundtrip(v, fmt)
+      k, v = as_stored(k, stored), as_stored(v, stored)
       return stored, attend(q, k, v, new_keys_mask(q_positions, span))
     return stored, self.read(stored, q, q_positions, span, backend)
 
@@ -108,6 +106,14 @@ class KVCache(flax.struct.PyTreeNode):
 def stored_format(stored: dict) -> str | None:
   """The quantized format (kvjax.cache.quant) of one layer's arrays, or None for a float cache."""
   return quant.format_of(stored["k"].dtype)
+
+
+def as_stored(x: jax.Array, stored: dict) -> jax.Array:
+  """New K or V [B, K, T, H] as a read of one layer's arrays `stored` would see them, in x's dtype."""
+  fmt = stored_format(stored)
+  if fmt is not None:
+    return quant.roundtrip(x, fmt)
+  return x.astype(stored["k"].dtype).astype(x.dtype)
 
 
 def scales(stored: dict) -> dict:

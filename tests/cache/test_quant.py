@@ -101,19 +101,14 @@ def float_layers(config, cache) -> dict:
 def test_decode_equals_float_cache_of_the_dequantized_values(fmt):
   """Ragged prefill, then STEPS decode steps. Over the quantized cache the logits equal (to 1e-5,
   float rounding) those over a float32 cache holding its dequantized values whose writes store
-  what the format reads back, and both caches end up holding the same values. A prefill
-  attends to its K/V as a later read of the cache sees them. Within FLOAT_TOLERANCE of the float
-  cache."""
+  what the format reads back, and both caches end up holding the same values. Within
+  FLOAT_TOLERANCE of the float cache."""
   model, params = model_params(fmt)
   float_model, _ = model_params()
   seqs, prompts = sequences()
   logits, cache = kvjax.prefill(model, params, prompts, LENGTHS, max_len=32)
   float_logits, float_cache = kvjax.prefill(float_model, params, prompts, LENGTHS, max_len=32)
   worst = float(np.abs(logits - float_logits)[np.arange(10)[None] < LENGTHS[:, None]].max())
-  # Prefill's last position == the same token decoded after prefilling the rest.
-  _, shorter = kvjax.prefill(model, params, prompts, LENGTHS - 1, max_len=32)
-  last, _ = kvjax.decode_step(model, params, shorter, prompts[np.arange(3), LENGTHS - 1])
-  np.testing.assert_allclose(last, logits[np.arange(3), LENGTHS - 1], atol=1e-5, rtol=0)
 
   reference = RoundtripCache(layers=float_layers(model.config, cache), lengths=jnp.array(cache.lengths), fmt=fmt)
   for step in range(STEPS):
@@ -130,6 +125,18 @@ def test_decode_equals_float_cache_of_the_dequantized_values(fmt):
     np.testing.assert_array_equal(ours[0][name], theirs[0][name])
     np.testing.assert_allclose(ours[-1][name], theirs[-1][name], atol=1e-5, rtol=0)
   assert worst <= FLOAT_TOLERANCE[fmt], worst
+
+
+@pytest.mark.parametrize("fmt", FORMATS + ("bfloat16",))
+def test_prefill_attends_to_its_keys_as_the_cache_stores_them(fmt):
+  """A prefill's last position gives the logits of the same token decoded after prefilling the
+  rest, which reads the stored (quantized, or rounded to bfloat16) K/V of the earlier tokens."""
+  model, params = model_params(fmt)
+  _, prompts = sequences()
+  logits, _ = kvjax.prefill(model, params, prompts, LENGTHS, max_len=32)
+  _, shorter = kvjax.prefill(model, params, prompts, LENGTHS - 1, max_len=32)
+  last, _ = kvjax.decode_step(model, params, shorter, prompts[np.arange(3), LENGTHS - 1])
+  np.testing.assert_allclose(last, logits[np.arange(3), LENGTHS - 1], atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
