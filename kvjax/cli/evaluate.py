@@ -22,7 +22,7 @@ def command(args: argparse.Namespace) -> int:
   if args.json:
     print(json.dumps(result))
   else:
-    through = f" through a {result['cache_dtype']} cache" if result["cache_dtype"] else ""
+    through = f" through the {result['cache_dtype']} cache" if result["cache_dtype"] else ""
     print(f"step {result['step']}  {result['split']}{through} loss {result['loss']:.4f}  "
           f"bits/byte {result['bits_per_byte']:.4f}  accuracy {result['accuracy']:.4f}  "
           f"({result['tokens']} tokens)")
