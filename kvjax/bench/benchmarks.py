@@ -8,6 +8,7 @@ in one run.
            Llama-style weights (needs the `bench` extra: torch, transformers).
   paged    paged vs contiguous decode step at equal batch and context.
   matmul   kvjax's CPU small-matmul kernel vs XLA's dot on the decode step's weight shapes.
+  quant    one decode step's attention over an int8 cache vs a float32 cache (kvjax.bench.quant).
 """
 
 from __future__ import annotations
@@ -49,7 +50,9 @@ def weight_bytes(cfg: ModelConfig) -> int:
 
 
 def decode_step_bytes(cfg: ModelConfig, batch: int, context: int) -> int:
-  return weight_bytes(cfg) + batch * context * cfg.kv_bytes_per_token
+  """Bytes one decode step at `context` positions per row reads: the weights and each row's
+  cache (values and scales, a windowed layer's window and sinks only: ModelConfig.kv_bytes)."""
+  return weight_bytes(cfg) + batch * cfg.kv_bytes(context)
 
 
 def prefill_flops(cfg: ModelConfig, batch: int, prompt: int) -> float:

@@ -28,7 +28,7 @@ from kvjax.cache import quant
 from kvjax.cache.base import KVCache, layer_arrays, scales, stored_format
 from kvjax.cache.pages import NULL_PAGE
 from kvjax.config import ModelConfig, cache_scale_groups, check_positive_int
-from kvjax.model.attention import Span, attend
+from kvjax.model.attention import Span, attend, visible
 from kvjax.model.backend import Backend
 from kvjax.model.transformer import cache_collection, cache_layers
 
@@ -67,7 +67,7 @@ def gathered(k_pool, v_pool, page_table, k_scale=None, v_scale=None):
           quant.dequantize(v, gather(v_scale, page_table), fmt))
 
 
-def attend_one(q, k_pool, v_pool, lengths, page_table, k_scale=None, v_scale=None):
+def attend_pages(q, k_pool, v_pool, lengths, page_table, k_scale=None, v_scale=None):
   """XLA's one-token attention over the pages: q [B, 1, N, H] reads positions [0, lengths[b]] of
   its row's pages (page_table int[B, M]) -> [B, 1, N, H]. The gather copies each row's pages."""
   k, v = gathered(k_pool, v_pool, page_table, k_scale, v_scale)
@@ -105,9 +105,14 @@ def pallas_attend(q, k_pool, v_pool, page_table, lengths, interpret: bool):
 class PagedCache(KVCache):
   """Page pools shared by all rows, a page table and lengths per row.
 
-  attention (static): how a decode step reads the pages: "gather" (jnp, any backend), "pallas"
+  attention (static): how a decode step reads the pages: "gather" (the backend's cache_attention:
+  kvjax's CPU kernel reads the pages in place, XLA gathers them), "pallas"
   (JAX's Pallas GPU kernel; see `pallas_available`) or "pallas_interpret" (that kernel
-  interpreted, for checking it on the CPU). Longer queries always gather.
+  interpreted, for checking it on the CPU). Longer queries, and the queries of a sliding-window
+  layer, always gather.
+
+  A windowed layer (ModelConfig.window) keeps every position in its pages, as a global one does;
+  its reads mask to the window and sinks (kvjax.model.attention.visible).
   """
 
   page_table: jax.Array
@@ -151,7 +156,7 @@ class PagedCache(KVCache):
   def capacity(self) -> int:
     return self.page_table.shape[1] * self.page_size
 
-  def layer_spec(self, config: ModelConfig):
+  def layer_spec(self, config: ModelConfig, layer: int = 0):
     return layer_spec(config, self.num_pages, self.page_size)
 
   def with_rows(self, page_table, lengths) -> "PagedCache":
@@ -188,14 +193,14 @@ class PagedCache(KVCache):
     return {name: store(stored[name], x) for name, x in new.items()}
 
   def read(self, stored, q, q_positions, span: Span, backend: Backend):
-    if q.shape[1] == 1:
+    if q.shape[1] == 1 and not span.window.size:
       if self.attention != "gather":
         return pallas_attend(q, stored["k"], stored["v"], self.page_table, q_positions[:, 0] + 1,
                              interpret=self.attention == "pallas_interpret")
-      return backend.cache_attention(q, stored["k"], stored["v"], q_positions[:, 0], attend_one,
+      return backend.cache_attention(q, stored["k"], stored["v"], q_positions[:, 0], attend_pages,
                                      page_table=self.page_table, **scales(stored))
     k, v = gathered(stored["k"], stored["v"], self.page_table, **scales(stored))
-    mask = jnp.arange(k.shape[2])[None, None, :] <= q_positions[:, :, None]  # [B, Tq, M*Z]
+    mask = visible(q_positions, jnp.arange(k.shape[2])[None, :], span.window)  # [B, Tq, M*Z]
     return attend(q, k, v, mask)
 
   def copy_pages(self, src, dst) -> "PagedCache":

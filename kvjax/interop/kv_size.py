@@ -4,7 +4,10 @@ A cache holds K and V for every layer, kv head and position, so one token costs
   2 x num_layers x num_kv_heads x bytes per head,
 where a head's K (or V) takes head_dim x bytes per element in a float cache and, in a quantized
 one (kvjax.cache.quant), its values and float32 scales: head_dim + 4 bytes in int8 or fp8,
-head_dim / 2 + 4 x head_dim / group in int4 (kvjax.config.cache_bytes_per_head). A batch of B sequences of N tokens costs B x N times that. The planner prints this for
+head_dim / 2 + 4 x head_dim / group in int4 (kvjax.config.cache_bytes_per_head). A batch of B
+sequences of N tokens costs B x N times that, except that a sliding-window layer keeps at most
+window + sinks positions (kvjax.config.cached_positions), so its share stops growing there and a
+model whose every layer is windowed fits any context. The planner prints this for
 the model as built and for its MHA / GQA / MQA variants (every kv-head count that divides
 the query heads), and how large a batch or context fits the device memory once the weights
 are loaded, optionally split across several devices. Activations and framework overhead are
@@ -23,7 +26,8 @@ import math
 import re
 from pathlib import Path
 
-from kvjax.config import CACHE_DTYPES, ModelConfig, cache_bytes_per_head, check_positive, check_positive_int, from_dict
+from kvjax.config import (CACHE_DTYPES, ModelConfig, cache_bytes_per_head, cached_positions, check_nonnegative,
+                          check_positive, check_positive_int, from_dict)
 from kvjax.interop.hf import config_from_hf, read_hf_config
 from kvjax.model.params import abstract_params
 
@@ -39,7 +43,8 @@ UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 
 @dataclasses.dataclass(frozen=True)
 class Architecture:
-  """What the KV cache and the weights' size depend on. params counts every weight."""
+  """What the KV cache and the weights' size depend on. params counts every weight; window and
+  sink_tokens are ModelConfig's (a per-layer pattern of sliding-window widths, 0 = global)."""
 
   name: str
   num_layers: int
@@ -51,18 +56,49 @@ class Architecture:
   vocab_size: int
   params: int
   note: str = ""
+  window: tuple[int, ...] = ()
+  sink_tokens: int = 0
 
   def __post_init__(self):
     check_positive(self, "num_layers", "num_heads", "num_kv_heads", "head_dim", "d_model",
                    "mlp_dim", "vocab_size", "params")
+    check_nonnegative(self, "sink_tokens")
+    if any(isinstance(w, bool) or not isinstance(w, int) or w < 0 for w in self.window):
+      raise ValueError(f"Architecture.window must hold non-negative integers, got {self.window!r}")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"Architecture.num_heads={self.num_heads} is not divisible by "
                        f"num_kv_heads={self.num_kv_heads}")
 
   def bytes_per_token(self, cache_dtype: str, num_kv_heads: int | None = None) -> int:
-    """Cache bytes of one token in `cache_dtype` (a CACHE_DTYPE_NAMES key), scales included."""
+    """Cache bytes of one token at every layer in `cache_dtype` (a CACHE_DTYPE_NAMES key), scales
+    included (what a cache without sliding windows pays per token)."""
     kv = self.num_kv_heads if num_kv_heads is None else num_kv_heads
     return 2 * self.num_layers * kv * cache_bytes_per_head(CACHE_DTYPE_NAMES[cache_dtype], self.head_dim)
+
+  def layer_window(self, layer: int) -> int:
+    return self.window[layer % len(self.window)] if self.window else 0
+
+  def sequence_bytes(self, context: int, cache_dtype: str, num_kv_heads: int | None = None) -> int:
+    """Cache bytes of one sequence of `context` tokens in `cache_dtype`, scales included, each
+    windowed layer at most window + sinks positions."""
+    kv = self.num_kv_heads if num_kv_heads is None else num_kv_heads
+    positions = sum(cached_positions(self.layer_window(i), self.sink_tokens, context) for i in range(self.num_layers))
+    return 2 * kv * cache_bytes_per_head(CACHE_DTYPE_NAMES[cache_dtype], self.head_dim) * positions
+
+  def max_context(self, free: int, batch: int, cache_dtype: str, num_kv_heads: int | None = None) -> int | None:
+    """The longest context whose cache for `batch` sequences fits `free` bytes; None when every
+    layer is windowed and the cache's largest size fits (any context does)."""
+    fits = lambda n: batch * self.sequence_bytes(n, cache_dtype, num_kv_heads) <= free
+    if all(self.layer_window(i) for i in range(self.num_layers)):
+      if fits(max(self.window) + self.sink_tokens):
+        return None
+    low, high = 0, 1  # fits(low); grow high until it does not, then bisect
+    while fits(high):
+      low, high = high, 2 * high
+    while high - low > 1:
+      middle = (low + high) // 2
+      low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
 
 
 # Published architectures (config.json of each release; params as reported for the checkpoint).
@@ -77,6 +113,11 @@ PRESETS = {p.name: p for p in (
     Architecture("Llama-2-70B", 80, 64, 8, 128, 8192, 28672, 32000, 68_976_648_192),
     Architecture("Llama-3-70B", 80, 64, 8, 128, 8192, 28672, 128256, 70_553_706_496),
     Architecture("GPT-2", 12, 12, 12, 64, 768, 3072, 50257, 124_439_808),
+    Architecture("Mistral-7B-v0.1", 32, 32, 8, 128, 4096, 14336, 32000, 7_241_732_096,
+                 note="sliding window of 4096 on every layer (v0.1; later versions attend globally)",
+                 window=(4096,)),
+    Architecture("Gemma-2-9B", 42, 16, 8, 256, 3584, 14336, 256000, 9_241_705_984,
+                 note="local layers (window 4096) alternate with global ones", window=(4096, 0)),
     Architecture("T5.1.1-XXL-decoder", 24, 64, 64, 64, 4096, 10240, 32128, 11_135_332_352,
                  note="cache of the decoder's self-attention; cross-attention adds as much per "
                       "encoder token. Weights count encoder and decoder"),
@@ -99,7 +140,7 @@ def _leaves(tree):
 def from_model_config(name: str, config: ModelConfig) -> Architecture:
   return Architecture(name, config.num_layers, config.num_heads, config.num_kv_heads,
                       config.head_dim, config.d_model, config.mlp_dim, config.vocab_size,
-                      count_params(config))
+                      count_params(config), window=config.window, sink_tokens=config.sink_tokens)
 
 
 def _model_config_from_file(path: Path) -> ModelConfig:
@@ -167,6 +208,9 @@ def plan(arch: Architecture, *, context: int, batch: int, dtype: str = "bf16",
          weight_dtype: str | None = None, device_memory: int | None = None, devices: int = 1) -> dict:
   """Bytes per token, cache size and what fits, for the model and each kv-head variant.
 
+  bytes_per_token counts every layer; cache_bytes and what fits count each windowed layer at
+  most window + sinks positions. max_context is None where any context fits (every layer windowed).
+
   With devices > 1 the weights and kv heads are split across them (tensor parallel); a model
   with fewer kv heads than devices keeps one kv head per device, replicated (vLLM's rule),
   so each device stores ceil(kv_heads / devices) heads of every token.
@@ -182,18 +226,18 @@ def plan(arch: Architecture, *, context: int, batch: int, dtype: str = "bf16",
   free = None if device_memory is None else max(device_memory - -(-weights // devices), 0)
   rows = []
   for kv in kv_head_counts(arch):
-    per_token = arch.bytes_per_token(dtype, kv)
     row = {"variant": variant_name(arch, kv), "kv_heads": kv, "as_built": kv == arch.num_kv_heads,
-           "bytes_per_token": per_token, "cache_bytes": per_token * context * batch}
+           "bytes_per_token": arch.bytes_per_token(dtype, kv),
+           "cache_bytes": arch.sequence_bytes(context, dtype, kv) * batch}
     if free is not None:
-      per_device = arch.bytes_per_token(dtype, -(-kv // devices))
-      row["max_batch"] = free // (per_device * context)
-      row["max_context"] = free // (per_device * batch)
+      per_device = -(-kv // devices)
+      row["max_batch"] = free // arch.sequence_bytes(context, dtype, per_device)
+      row["max_context"] = arch.max_context(free, batch, dtype, per_device)
     rows.append(row)
   result = {"model": arch.name, "architecture": dataclasses.asdict(arch), "dtype": dtype,
             "weight_dtype": weight_dtype, "context": context, "batch": batch,
             "bytes_per_token": arch.bytes_per_token(dtype),
-            "cache_bytes": arch.bytes_per_token(dtype) * context * batch,
+            "cache_bytes": arch.sequence_bytes(context, dtype) * batch,
             "weights_bytes": weights, "variants": rows}
   if device_memory is not None:
     built = next(r for r in rows if r["as_built"])
@@ -220,6 +264,9 @@ def render(result: dict) -> str:
            f"{_count(a['params'])} params"]
   if a["note"]:
     lines.append(f"  ({a['note']})")
+  if any(a["window"]):
+    lines.append(f"sliding windows {tuple(a['window'])} repeated over the layers (0 = global), "
+                 f"{a['sink_tokens']} sink tokens: windowed layers keep at most window + sinks positions")
   lines.append(f"weights ({result['weight_dtype']}): {human(result['weights_bytes'])}")
   fits = "device_memory_bytes" in result
   if fits:
@@ -236,6 +283,7 @@ def render(result: dict) -> str:
     line = (f"{'*' if row['as_built'] else ' '} {row['variant']:<9}{row['kv_heads']:>9}"
             f"{human(row['bytes_per_token']):>12}{human(row['cache_bytes']):>12}")
     if fits:
-      line += f"{row['max_batch']:>11,}{row['max_context']:>13,}"
+      most = "unbounded" if row["max_context"] is None else f"{row['max_context']:,}"
+      line += f"{row['max_batch']:>11,}{most:>13}"
     lines.append(line)
   return "\n".join(lines)

@@ -61,14 +61,15 @@ class Mlp(nn.Module):
 
 
 class Block(nn.Module):
-  """Pre-norm residual block."""
+  """Pre-norm residual block; `layer` is its index (its attention's sliding window)."""
 
   config: ModelConfig
   backend: Backend = XLA
+  layer: int = 0
 
   def setup(self):
     self.attn_norm = make_norm(self.config, "attn_norm")
-    self.attn = Attention(self.config, self.backend)
+    self.attn = Attention(self.config, self.backend, self.layer)
     self.mlp_norm = make_norm(self.config, "mlp_norm")
     self.mlp = Mlp(self.config, self.backend)
 
@@ -95,7 +96,7 @@ class Transformer(nn.Module):
     if cfg.positions == "learned":
       self.pos_embed = nn.Embed(cfg.max_len, cfg.d_model, dtype=cfg.compute_dtype,
                                 embedding_init=nn.initializers.normal(0.02), name="pos_embed")
-    self.layers = [Block(cfg, self.backend, name=f"layers_{i}") for i in range(cfg.num_layers)]
+    self.layers = [Block(cfg, self.backend, i, name=f"layers_{i}") for i in range(cfg.num_layers)]
     self.final_norm = make_norm(cfg, "final_norm")
     if not cfg.tie_embeddings:
       self.lm_head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=cfg.compute_dtype, name="lm_head",

@@ -165,9 +165,13 @@ def test_paged_matches_contiguous(fmt):
       np.testing.assert_array_equal(after[name][:, spare], before[name][:, table[0, 0]])
 
 
-def test_engine_and_generate_agree_on_a_quantized_cache():
-  """The engine (paged, continuous batching) gives generate's greedy tokens with an int8 cache."""
+@pytest.mark.parametrize("window", [(), (4, 0)], ids=["global", "windowed"])
+def test_engine_and_generate_agree_on_a_quantized_cache(window):
+  """The engine (paged, continuous batching) gives generate's greedy tokens (the contiguous
+  cache, a ring in a windowed layer) with an int8 cache, with and without a sliding-window layer
+  whose window the rows pass."""
   model, params = model_params("int8")
+  model = kvjax.Transformer(model.config.replace(window=window, sink_tokens=1 if window else 0))
   _, prompts = sequences()
   engine = kvjax.Engine(model, params, kvjax.EngineConfig(num_slots=2, num_pages=24, page_size=4, max_len=32))
   for row in range(3):
