@@ -1,10 +1,13 @@
 """KV-cache size planner: `kvjax kv-size MODEL [--context N] [--batch B] [--dtype bf16] ...`.
 
 A cache holds K and V for every layer, kv head and position, so one token costs
-  2 x num_layers x num_kv_heads x head_dim x bytes per element,
-and a batch of B sequences of N tokens costs B x N times that, except that a sliding-window layer
-keeps at most window + sinks positions (kvjax.config.cached_positions), so its share stops growing
-there and a model whose every layer is windowed fits any context. The planner prints this for
+  2 x num_layers x num_kv_heads x bytes per head,
+where a head's K (or V) takes head_dim x bytes per element in a float cache and, in a quantized
+one (kvjax.cache.quant), its values and float32 scales: head_dim + 4 bytes in int8 or fp8,
+head_dim / 2 + 4 x head_dim / group in int4 (kvjax.config.cache_bytes_per_head). A batch of B
+sequences of N tokens costs B x N times that, except that a sliding-window layer keeps at most
+window + sinks positions (kvjax.config.cached_positions), so its share stops growing there and a
+model whose every layer is windowed fits any context. The planner prints this for
 the model as built and for its MHA / GQA / MQA variants (every kv-head count that divides
 the query heads), and how large a batch or context fits the device memory once the weights
 are loaded, optionally split across several devices. Activations and framework overhead are
@@ -23,12 +26,17 @@ import math
 import re
 from pathlib import Path
 
-from kvjax.config import ModelConfig, cached_positions, check_nonnegative, check_positive, check_positive_int, from_dict
+from kvjax.config import (CACHE_DTYPES, ModelConfig, cache_bytes_per_head, cached_positions, check_nonnegative,
+                          check_positive, check_positive_int, from_dict)
 from kvjax.interop.hf import config_from_hf, read_hf_config
 from kvjax.model.params import abstract_params
 
+# Weight element types.
 BYTES_PER_ELEMENT = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2,
                      "fp8": 1, "int8": 1}
+# Cache formats: ModelConfig.cache_dtype's names and their short forms.
+CACHE_DTYPE_NAMES = {**{name: name for name in CACHE_DTYPES}, "fp32": "float32", "bf16": "bfloat16",
+                     "fp16": "float16", "fp8": "float8_e4m3fn"}
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -61,24 +69,26 @@ class Architecture:
       raise ValueError(f"Architecture.num_heads={self.num_heads} is not divisible by "
                        f"num_kv_heads={self.num_kv_heads}")
 
-  def bytes_per_token(self, bytes_per_element: int, num_kv_heads: int | None = None) -> int:
-    """Bytes of one token at every layer (what a cache without sliding windows pays per token)."""
+  def bytes_per_token(self, cache_dtype: str, num_kv_heads: int | None = None) -> int:
+    """Cache bytes of one token at every layer in `cache_dtype` (a CACHE_DTYPE_NAMES key), scales
+    included (what a cache without sliding windows pays per token)."""
     kv = self.num_kv_heads if num_kv_heads is None else num_kv_heads
-    return 2 * self.num_layers * kv * self.head_dim * bytes_per_element
+    return 2 * self.num_layers * kv * cache_bytes_per_head(CACHE_DTYPE_NAMES[cache_dtype], self.head_dim)
 
   def layer_window(self, layer: int) -> int:
     return self.window[layer % len(self.window)] if self.window else 0
 
-  def sequence_bytes(self, context: int, bytes_per_element: int, num_kv_heads: int | None = None) -> int:
-    """Cache bytes of one sequence of `context` tokens, each windowed layer at most window + sinks."""
+  def sequence_bytes(self, context: int, cache_dtype: str, num_kv_heads: int | None = None) -> int:
+    """Cache bytes of one sequence of `context` tokens in `cache_dtype`, scales included, each
+    windowed layer at most window + sinks positions."""
     kv = self.num_kv_heads if num_kv_heads is None else num_kv_heads
     positions = sum(cached_positions(self.layer_window(i), self.sink_tokens, context) for i in range(self.num_layers))
-    return 2 * kv * self.head_dim * bytes_per_element * positions
+    return 2 * kv * cache_bytes_per_head(CACHE_DTYPE_NAMES[cache_dtype], self.head_dim) * positions
 
-  def max_context(self, free: int, batch: int, bytes_per_element: int, num_kv_heads: int | None = None) -> int | None:
+  def max_context(self, free: int, batch: int, cache_dtype: str, num_kv_heads: int | None = None) -> int | None:
     """The longest context whose cache for `batch` sequences fits `free` bytes; None when every
     layer is windowed and the cache's largest size fits (any context does)."""
-    fits = lambda n: batch * self.sequence_bytes(n, bytes_per_element, num_kv_heads) <= free
+    fits = lambda n: batch * self.sequence_bytes(n, cache_dtype, num_kv_heads) <= free
     if all(self.layer_window(i) for i in range(self.num_layers)):
       if fits(max(self.window) + self.sink_tokens):
         return None
@@ -207,27 +217,27 @@ def plan(arch: Architecture, *, context: int, batch: int, dtype: str = "bf16",
   """
   for name, value in (("context", context), ("batch", batch), ("devices", devices)):
     check_positive_int(value, name)
-  weight_dtype = weight_dtype or dtype
-  for name, value in (("dtype", dtype), ("weight dtype", weight_dtype)):
-    if value not in BYTES_PER_ELEMENT:
-      raise ValueError(f"{name} {value!r} is not one of {tuple(BYTES_PER_ELEMENT)}")
-  element = BYTES_PER_ELEMENT[dtype]
+  if dtype not in CACHE_DTYPE_NAMES:
+    raise ValueError(f"dtype {dtype!r} is not one of {tuple(CACHE_DTYPE_NAMES)}")
+  weight_dtype = weight_dtype or (dtype if dtype in BYTES_PER_ELEMENT else "bf16")
+  if weight_dtype not in BYTES_PER_ELEMENT:
+    raise ValueError(f"weight dtype {weight_dtype!r} is not one of {tuple(BYTES_PER_ELEMENT)}")
   weights = arch.params * BYTES_PER_ELEMENT[weight_dtype]
   free = None if device_memory is None else max(device_memory - -(-weights // devices), 0)
   rows = []
   for kv in kv_head_counts(arch):
     row = {"variant": variant_name(arch, kv), "kv_heads": kv, "as_built": kv == arch.num_kv_heads,
-           "bytes_per_token": arch.bytes_per_token(element, kv),
-           "cache_bytes": arch.sequence_bytes(context, element, kv) * batch}
+           "bytes_per_token": arch.bytes_per_token(dtype, kv),
+           "cache_bytes": arch.sequence_bytes(context, dtype, kv) * batch}
     if free is not None:
       per_device = -(-kv // devices)
-      row["max_batch"] = free // arch.sequence_bytes(context, element, per_device)
-      row["max_context"] = arch.max_context(free, batch, element, per_device)
+      row["max_batch"] = free // arch.sequence_bytes(context, dtype, per_device)
+      row["max_context"] = arch.max_context(free, batch, dtype, per_device)
     rows.append(row)
   result = {"model": arch.name, "architecture": dataclasses.asdict(arch), "dtype": dtype,
             "weight_dtype": weight_dtype, "context": context, "batch": batch,
-            "bytes_per_token": arch.bytes_per_token(element),
-            "cache_bytes": arch.sequence_bytes(context, element) * batch,
+            "bytes_per_token": arch.bytes_per_token(dtype),
+            "cache_bytes": arch.sequence_bytes(context, dtype) * batch,
             "weights_bytes": weights, "variants": rows}
   if device_memory is not None:
     built = next(r for r in rows if r["as_built"])
