@@ -2,6 +2,7 @@
 
 from kvjax.cache.base import KVCache
 from kvjax.cache.contiguous import ContiguousCache
+from kvjax.cache.latent import LatentCache, PagedLatentCache
 from kvjax.cache.paged import PagedCache
 from kvjax.config import ModelConfig, apply_overrides, from_dict, to_dict
 from kvjax.conversion.kv_heads import convert_kv_heads

@@ -47,6 +47,14 @@ class ModelConfig:
   head_dim defaults to d_model // num_heads; mlp_dim to 4 * d_model (GELU) or the
   Llama rule 8/3 * d_model rounded up to a multiple of 64 (SwiGLU). cache_dtype defaults
   to dtype.
+
+  Multi-head latent attention (MLA, kvjax.model.mla) when kv_latent_rank r > 0: each token
+  caches one latent [r], from which every head's position-free key and value are up-projected,
+  and one rotary key [rope_dims] shared by the heads; num_kv_heads then counts the rotary key's
+  groups (query head n reads group kv_head_of(n), each rope_dims // num_kv_heads wide, the last
+  dims of its head_dim). rope_pairs records, per layer, the source frequency index (in
+  [0, head_dim / 2)) of each of the rope_dims / 2 rotary pairs of a converted model; None
+  rotates each group as an ordinary RoPE head of its width.
   """
 
   vocab_size: int = 256
@@ -67,6 +75,9 @@ class ModelConfig:
   max_len: int = 1024
   dtype: str = "float32"
   cache_dtype: str | None = None
+  kv_latent_rank: int = 0
+  rope_dims: int = 0
+  rope_pairs: tuple[tuple[int, ...], ...] | None = None
 
   def __post_init__(self):
     check_positive(self, "vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "max_len")
@@ -97,6 +108,38 @@ class ModelConfig:
       raise ValueError(f"ModelConfig.norm_eps must be a positive float, got {self.norm_eps!r}")
     if not (isinstance(self.rope_theta, (int, float)) and self.rope_theta > 0):
       raise ValueError(f"ModelConfig.rope_theta must be positive, got {self.rope_theta!r}")
+    self._check_latent()
+
+  def _check_latent(self) -> None:
+    check_nonnegative(self, "kv_latent_rank", "rope_dims")
+    r, d_rope, name = self.kv_latent_rank, self.rope_dims, "ModelConfig"
+    if not r:
+      if d_rope or self.rope_pairs is not None:
+        raise ValueError(f"{name}.rope_dims={d_rope} and rope_pairs need an MLA model (kv_latent_rank > 0)")
+      return
+    if d_rope and self.positions != "rope":
+      raise ValueError(f"{name}.rope_dims={d_rope} asks for rotary dims of a model with positions="
+                       f"{self.positions!r}; use rope_dims=0")
+    if self.positions == "rope" and not d_rope:
+      raise ValueError(f"{name}.rope_dims must be positive for an MLA model with RoPE (the shared rotary key)")
+    if d_rope % (2 * self.num_kv_heads):
+      raise ValueError(f"{name}.rope_dims={d_rope} must split into num_kv_heads={self.num_kv_heads} groups "
+                       "of an even number of dims (rotary pairs)")
+    if self.rope_group_dims > self.head_dim:
+      raise ValueError(f"{name}.rope_dims={d_rope} gives each of the num_kv_heads={self.num_kv_heads} groups "
+                       f"{self.rope_group_dims} rotary dims, more than head_dim={self.head_dim}")
+    limit = self.num_kv_heads * (2 * self.head_dim - self.rope_group_dims)
+    if r > limit:
+      raise ValueError(f"{name}.kv_latent_rank={r} is larger than possible: the position-free keys and the "
+                       f"values span num_kv_heads x (2 x head_dim - rotary dims per group) = {limit} dims")
+    if self.rope_pairs is not None:
+      if len(self.rope_pairs) != self.num_layers or any(len(p) != d_rope // 2 for p in self.rope_pairs):
+        raise ValueError(f"{name}.rope_pairs must hold num_layers={self.num_layers} tuples of rope_dims / 2 = "
+                         f"{d_rope // 2} frequency indices")
+      bad = [i for p in self.rope_pairs for i in p if not 0 <= i < self.head_dim // 2]
+      if bad:
+        raise ValueError(f"{name}.rope_pairs holds frequency index {bad[0]}, outside [0, head_dim / 2 = "
+                         f"{self.head_dim // 2})")
 
   @property
   def q_per_kv(self) -> int:
@@ -112,8 +155,21 @@ class ModelConfig:
     return jnp.dtype(self.cache_dtype)
 
   @property
+  def is_latent(self) -> bool:
+    """True for multi-head latent attention (kv_latent_rank > 0)."""
+    return self.kv_latent_rank > 0
+
+  @property
+  def rope_group_dims(self) -> int:
+    """MLA: rotary dims each query head reads, rope_dims / num_kv_heads (its head's last dims)."""
+    return self.rope_dims // self.num_kv_heads
+
+  @property
   def kv_bytes_per_token(self) -> int:
-    """KV-cache bytes one token occupies: 2 (K and V) x layers x kv heads x head dim x bytes."""
+    """KV-cache bytes one token occupies: 2 (K and V) x layers x kv heads x head dim x bytes;
+    for MLA layers x (kv_latent_rank + rope_dims) x bytes, whatever the number of heads."""
+    if self.is_latent:
+      return self.num_layers * (self.kv_latent_rank + self.rope_dims) * self.kv_dtype.itemsize
     return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_dtype.itemsize
 
   def replace(self, **changes) -> "ModelConfig":

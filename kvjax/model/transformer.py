@@ -6,7 +6,8 @@ contiguous, paged, ...; see kvjax.cache) and which columns' logits are asked for
 
 Parameter tree (kernels in float32, computation in config.dtype):
   embed/embedding [V, D]; pos_embed/embedding [max_len, D] (learned positions)
-  layers_{i}/attn_norm, attn/{q,k,v,out}, mlp_norm, mlp/{gate,up,down}
+  layers_{i}/attn_norm, attn/{q,k,v,out} (MLA: attn/{q,kv_down,k_rope,k_up,v_up,out},
+  kvjax.model.mla), mlp_norm, mlp/{gate,up,down}
   final_norm; lm_head/kernel [D, V] unless tie_embeddings.
 The 'cache' collection mirrors it: layers_{i}/attn/{name: array} as the cache kind lays it out
 (`cache_collection`).
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 from kvjax.config import ModelConfig
 from kvjax.model.attention import NO_CACHE, Attention, Span, take_rows
 from kvjax.model.backend import XLA, Backend
+from kvjax.model.mla import LatentAttention
 
 
 def make_norm(cfg: ModelConfig, name: str) -> nn.Module:
@@ -65,10 +67,12 @@ class Block(nn.Module):
 
   config: ModelConfig
   backend: Backend = XLA
+  layer: int = 0
 
   def setup(self):
     self.attn_norm = make_norm(self.config, "attn_norm")
-    self.attn = Attention(self.config, self.backend)
+    self.attn = (LatentAttention(self.config, self.layer, self.backend) if self.config.is_latent
+                 else Attention(self.config, self.backend))
     self.mlp_norm = make_norm(self.config, "mlp_norm")
     self.mlp = Mlp(self.config, self.backend)
 
@@ -95,7 +99,7 @@ class Transformer(nn.Module):
     if cfg.positions == "learned":
       self.pos_embed = nn.Embed(cfg.max_len, cfg.d_model, dtype=cfg.compute_dtype,
                                 embedding_init=nn.initializers.normal(0.02), name="pos_embed")
-    self.layers = [Block(cfg, self.backend, name=f"layers_{i}") for i in range(cfg.num_layers)]
+    self.layers = [Block(cfg, self.backend, i, name=f"layers_{i}") for i in range(cfg.num_layers)]
     self.final_norm = make_norm(cfg, "final_norm")
     if not cfg.tie_embeddings:
       self.lm_head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=cfg.compute_dtype, name="lm_head",
