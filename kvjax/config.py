@@ -128,10 +128,11 @@ class ModelConfig:
     if self.rope_group_dims > self.head_dim:
       raise ValueError(f"{name}.rope_dims={d_rope} gives each of the num_kv_heads={self.num_kv_heads} groups "
                        f"{self.rope_group_dims} rotary dims, more than head_dim={self.head_dim}")
-    limit = self.num_kv_heads * (2 * self.head_dim - self.rope_group_dims)
-    if r > limit:
-      raise ValueError(f"{name}.kv_latent_rank={r} is larger than possible: the position-free keys and the "
-                       f"values span num_kv_heads x (2 x head_dim - rotary dims per group) = {limit} dims")
+    spanned = self.num_heads * (2 * self.head_dim - self.rope_group_dims)
+    if r > min(self.d_model, spanned):
+      raise ValueError(f"{name}.kv_latent_rank={r} is larger than possible: the latent projects the d_model="
+                       f"{self.d_model} input to the position-free keys and values of num_heads x (2 x head_dim - "
+                       f"rotary dims per group) = {spanned} dims")
     if self.rope_pairs is not None:
       if len(self.rope_pairs) != self.num_layers or any(len(p) != d_rope // 2 for p in self.rope_pairs):
         raise ValueError(f"{name}.rope_pairs must hold num_layers={self.num_layers} tuples of rope_dims / 2 = "

@@ -1,0 +1,44 @@
+"""MLA configs: clear errors for impossible shapes, and the parameter count the memory budgets use."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import pytest
+
+import kvjax
+from kvjax import memory
+from kvjax.model.params import abstract_params
+from conftest import tiny_config
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(kv_latent_rank=33, rope_dims=8), "kv_latent_rank=33 is larger than possible"),
+    (dict(kv_latent_rank=8, rope_dims=20), "more than head_dim=8"),
+    (dict(kv_latent_rank=8, rope_dims=6), "rope_dims=6 must split"),
+    (dict(kv_latent_rank=8, rope_dims=4, positions="learned"), "positions='learned'"),
+    (dict(kv_latent_rank=8), "rope_dims must be positive"),
+    (dict(rope_dims=4), "need an MLA model"),
+    (dict(kv_latent_rank=-1), "kv_latent_rank must be a non-negative"),
+    (dict(kv_latent_rank=8, rope_dims=4, rope_pairs=((0,), (1,))), "rope_pairs must hold"),
+    (dict(kv_latent_rank=8, rope_dims=4, rope_pairs=((0, 4), (1, 2))), "frequency index 4"),
+])
+def test_config_errors(changes, match):
+  with pytest.raises(ValueError, match=match):
+    tiny_config(2, **changes)
+
+
+@pytest.mark.parametrize("changes", [dict(), dict(qkv_bias=True, use_bias=True, num_kv_heads=1, rope_dims=4),
+                                     dict(positions="learned", rope_dims=0)])
+def test_param_count(changes):
+  changes = {"num_kv_heads": 2, "kv_latent_rank": 12, "rope_dims": 8, **changes}
+  config = tiny_config(changes.pop("num_kv_heads"), **changes)
+  leaves = jax.tree.leaves(abstract_params(config))
+  assert memory.param_count(config) == sum(math.prod(x.shape) for x in leaves)
+
+
+def test_round_trip_and_overrides():
+  config = tiny_config(2, kv_latent_rank=12, rope_dims=8, rope_pairs=((0, 1, 2, 3), (3, 2, 1, 0)))
+  assert kvjax.from_dict(kvjax.ModelConfig, kvjax.to_dict(config)) == config
+  assert kvjax.apply_overrides(config, ["kv_latent_rank=10"]).kv_latent_rank == 10
