@@ -33,6 +33,8 @@ from kvjax.config import ModelConfig
 from kvjax.model.attention import NEG_INF, NO_CACHE, Span, take_rows
 from kvjax.model.backend import XLA, Backend
 
+ABSORB_ROWS = 2  # rows per step of the absorbed read's loop (LatentQuery.absorbed)
+
 
 def rope_frequencies(config: ModelConfig, layer: int) -> np.ndarray:
   """float32 [K, W/2]: the rotation frequency of each rotary pair of each group of `layer`."""
@@ -66,18 +68,18 @@ class LatentQuery:
   k_up: jax.Array
   v_up: jax.Array
 
-  def _rope_scores(self, rope_key: jax.Array) -> jax.Array:
-    """rope_key [B, S, K*W] -> [B, N, Tq, S] (query head n against its group's rotary key)."""
-    b, t, n, w = self.rope.shape
+  def _rope_scores(self, rope: jax.Array, rope_key: jax.Array) -> jax.Array:
+    """One row: rope [Tq, N, W] against rope_key [S, K*W] -> [N, Tq, S] (query head n against
+    its group's rotary key)."""
+    t, n, w = rope.shape
     k = rope_key.shape[-1] // w if w else 1
-    q = self.rope.reshape(b, t, k, n // k, w)
-    keys = rope_key.reshape(b, rope_key.shape[1], k, w).astype(q.dtype)
-    scores = jnp.einsum("btkgw,bskw->bkgts", q, keys, preferred_element_type=jnp.float32)
-    return scores.reshape(b, n, t, -1)
+    keys = rope_key.reshape(rope_key.shape[0], k, w).astype(rope.dtype)
+    scores = jnp.einsum("tkgw,skw->kgts", rope.reshape(t, k, n // k, w), keys, preferred_element_type=jnp.float32)
+    return scores.reshape(n, t, -1)
 
-  def _softmax(self, scores: jax.Array, mask: jax.Array) -> jax.Array:
-    h = self.v_up.shape[-1]
-    scores = jnp.where(mask[:, None], scores * h ** -0.5, NEG_INF)
+  def _probs(self, scores: jax.Array, mask: jax.Array) -> jax.Array:
+    """One row: scores [N, Tq, S] (unscaled), mask bool [Tq, S] -> probabilities [N, Tq, S]."""
+    scores = jnp.where(mask[None], scores * self.v_up.shape[-1] ** -0.5, NEG_INF)
     return jax.nn.softmax(scores, axis=-1).astype(self.nope.dtype)
 
   def expanded(self, latent: jax.Array, rope_key: jax.Array, mask: jax.Array) -> jax.Array:
@@ -88,19 +90,32 @@ class LatentQuery:
     k_nope = jnp.einsum("bsr,rne->bsne", latent, self.k_up.astype(dtype))
     v = jnp.einsum("bsr,rnh->bsnh", latent, self.v_up.astype(dtype))
     scores = jnp.einsum("btne,bsne->bnts", self.nope, k_nope, preferred_element_type=jnp.float32)
-    probs = self._softmax(scores + self._rope_scores(rope_key), mask)
+    probs = jax.vmap(lambda s, q, k, m: self._probs(s + self._rope_scores(q, k), m))(scores, self.rope, rope_key, mask)
     return jnp.einsum("bnts,bsnh->btnh", probs, v)
 
   def absorbed(self, latent: jax.Array, rope_key: jax.Array, mask: jax.Array) -> jax.Array:
     """The same attention read in the latent space (see the module docstring): latent [B, S, R],
-    rope_key [B, S, K*W], mask bool [B, Tq, S] -> [B, Tq, N, H]."""
+    rope_key [B, S, K*W], mask bool [B, Tq, S] -> [B, Tq, N, H].
+
+    Rows are taken ABSORB_ROWS at a time (lax.map): a row's latents are read twice, by the scores
+    and by the weighted sum, and between the two they are still in the CPU's cache; the batched
+    products would stream the whole batch's latents from memory twice.
+    """
     dtype = self.nope.dtype
-    latent = latent.astype(dtype)
-    q_latent = jnp.einsum("btne,rne->bntr", self.nope, self.k_up.astype(dtype))  # [B, N, Tq, R]
-    scores = jnp.einsum("bntr,bsr->bnts", q_latent, latent, preferred_element_type=jnp.float32)
-    probs = self._softmax(scores + self._rope_scores(rope_key), mask)
-    o_latent = jnp.einsum("bnts,bsr->bntr", probs, latent)  # [B, N, Tq, R]
-    return jnp.einsum("bntr,rnh->btnh", o_latent, self.v_up.astype(dtype))
+    q_latent = jnp.einsum("btne,rne->btnr", self.nope, self.k_up.astype(dtype))  # [B, Tq, N, R]
+
+    def row(args):
+      c, k_rope, q, q_rope, m = args  # [S, R], [S, K*W], [Tq, N, R], [Tq, N, W], [Tq, S]
+      t, n, r = q.shape
+      c = c.astype(dtype)
+      # Plain [Tq*N, R] x [R, S] and [Tq*N, S] x [S, R] products: einsum's orderings of the
+      # same contractions run several times slower on XLA's CPU backend.
+      scores = (q.reshape(t * n, r) @ c.T).reshape(t, n, -1).swapaxes(0, 1)  # [N, Tq, S]
+      probs = self._probs(scores + self._rope_scores(q_rope, k_rope), m)
+      return (probs.swapaxes(0, 1).reshape(t * n, -1) @ c).reshape(t, n, r)  # [Tq, N, R]
+
+    o_latent = jax.lax.map(row, (latent, rope_key, q_latent, self.rope, mask), batch_size=ABSORB_ROWS)
+    return jnp.einsum("btnr,rnh->btnh", o_latent, self.v_up.astype(dtype))
 
 
 class LatentAttention(nn.Module):
