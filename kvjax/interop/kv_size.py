@@ -2,7 +2,10 @@
 
 A cache holds K and V for every layer, kv head and position, so one token costs
   2 x num_layers x num_kv_heads x head_dim x bytes per element,
-and a batch of B sequences of N tokens costs B x N times that. The planner prints this for
+and a batch of B sequences of N tokens costs B x N times that. A multi-head latent attention
+(MLA) model caches a latent of kv_latent_rank and a rotary key of rope_dims per layer instead:
+  num_layers x (kv_latent_rank + rope_dims) x bytes per element, whatever the number of heads;
+`--mla RANK:ROPE_DIMS` adds such a variant of any model to the table. The planner prints this for
 the model as built and for its MHA / GQA / MQA variants (every kv-head count that divides
 the query heads), and how large a batch or context fits the device memory once the weights
 are loaded, optionally split across several devices. Activations and framework overhead are
@@ -45,6 +48,8 @@ class Architecture:
   vocab_size: int
   params: int
   note: str = ""
+  kv_latent_rank: int = 0  # > 0: multi-head latent attention (ModelConfig.kv_latent_rank)
+  rope_dims: int = 0
 
   def __post_init__(self):
     check_positive(self, "num_layers", "num_heads", "num_kv_heads", "head_dim", "d_model",
@@ -54,8 +59,16 @@ class Architecture:
                        f"num_kv_heads={self.num_kv_heads}")
 
   def bytes_per_token(self, bytes_per_element: int, num_kv_heads: int | None = None) -> int:
+    """Of the model as built, or of its variant with num_kv_heads kv heads (a K/V cache)."""
+    if self.kv_latent_rank and num_kv_heads is None:
+      return latent_bytes_per_token(self, self.kv_latent_rank, self.rope_dims, bytes_per_element)
     kv = self.num_kv_heads if num_kv_heads is None else num_kv_heads
     return 2 * self.num_layers * kv * self.head_dim * bytes_per_element
+
+
+def latent_bytes_per_token(arch: Architecture, rank: int, rope_dims: int, bytes_per_element: int) -> int:
+  """An MLA cache's bytes per token: layers x (latent rank + rotary dims) x bytes per element."""
+  return arch.num_layers * (rank + rope_dims) * bytes_per_element
 
 
 # Published architectures (config.json of each release; params as reported for the checkpoint).
@@ -92,7 +105,7 @@ def _leaves(tree):
 def from_model_config(name: str, config: ModelConfig) -> Architecture:
   return Architecture(name, config.num_layers, config.num_heads, config.num_kv_heads,
                       config.head_dim, config.d_model, config.mlp_dim, config.vocab_size,
-                      count_params(config))
+                      count_params(config), kv_latent_rank=config.kv_latent_rank, rope_dims=config.rope_dims)
 
 
 def _model_config_from_file(path: Path) -> ModelConfig:
@@ -157,8 +170,13 @@ def variant_name(arch: Architecture, num_kv_heads: int) -> str:
 
 
 def plan(arch: Architecture, *, context: int, batch: int, dtype: str = "bf16",
-         weight_dtype: str | None = None, device_memory: int | None = None, devices: int = 1) -> dict:
-  """Bytes per token, cache size and what fits, for the model and each kv-head variant.
+         weight_dtype: str | None = None, device_memory: int | None = None, devices: int = 1,
+         mla: tuple[tuple[int, int], ...] = ()) -> dict:
+  """Bytes per token, cache size and what fits, for the model, each kv-head variant and the MLA
+  variants `mla` ((kv_latent_rank, rope_dims) pairs).
+
+  An MLA cache is not split across devices (its latent is shared by all heads): each device
+  holds all of it.
 
   With devices > 1 the weights and kv heads are split across them (tensor parallel); a model
   with fewer kv heads than devices keeps one kv head per device, replicated (vLLM's rule),
@@ -173,16 +191,28 @@ def plan(arch: Architecture, *, context: int, batch: int, dtype: str = "bf16",
   element = BYTES_PER_ELEMENT[dtype]
   weights = arch.params * BYTES_PER_ELEMENT[weight_dtype]
   free = None if device_memory is None else max(device_memory - -(-weights // devices), 0)
+  for rank, rope_dims in mla:
+    check_positive_int(rank, "MLA latent rank")
+    if rope_dims < 0:
+      raise ValueError(f"MLA rope dims must be non-negative, got {rope_dims}")
   rows = []
-  for kv in kv_head_counts(arch):
-    per_token = arch.bytes_per_token(element, kv)
-    row = {"variant": variant_name(arch, kv), "kv_heads": kv, "as_built": kv == arch.num_kv_heads,
-           "bytes_per_token": per_token, "cache_bytes": per_token * context * batch}
+
+  def add(row, per_device):
+    row["cache_bytes"] = row["bytes_per_token"] * context * batch
     if free is not None:
-      per_device = arch.bytes_per_token(element, -(-kv // devices))
       row["max_batch"] = free // (per_device * context)
       row["max_context"] = free // (per_device * batch)
     rows.append(row)
+
+  latents = ([(arch.kv_latent_rank, arch.rope_dims)] if arch.kv_latent_rank else []) + list(mla)
+  for i, (rank, rope_dims) in enumerate(latents):
+    per_token = latent_bytes_per_token(arch, rank, rope_dims, element)
+    add({"variant": f"MLA {rank}+{rope_dims}", "kv_heads": arch.num_kv_heads, "kv_latent_rank": rank,
+         "rope_dims": rope_dims, "as_built": i == 0 and bool(arch.kv_latent_rank), "bytes_per_token": per_token},
+        per_token)
+  for kv in kv_head_counts(arch):
+    add({"variant": variant_name(arch, kv), "kv_heads": kv, "as_built": kv == arch.num_kv_heads and not arch.kv_latent_rank,
+         "bytes_per_token": arch.bytes_per_token(element, kv)}, arch.bytes_per_token(element, -(-kv // devices)))
   result = {"model": arch.name, "architecture": dataclasses.asdict(arch), "dtype": dtype,
             "weight_dtype": weight_dtype, "context": context, "batch": batch,
             "bytes_per_token": arch.bytes_per_token(element),
@@ -221,12 +251,12 @@ def render(result: dict) -> str:
                  f"{human(result['free_bytes_per_device'])} free per device after weights")
     if not result["free_bytes_per_device"]:
       lines.append("  the weights alone do not fit: add devices or use a smaller --weight-dtype")
-  header = f"  {'variant':<9}{'kv heads':>9}{'per token':>12}{'cache':>12}"
+  header = f"  {'variant':<13}{'kv heads':>9}{'per token':>12}{'cache':>12}"
   header += f"{'max batch':>11}{'max context':>13}" if fits else ""
   lines += [f"KV cache in {result['dtype']}, context {result['context']:,} x batch {result['batch']:,} "
             "(* = as built):", header]
   for row in result["variants"]:
-    line = (f"{'*' if row['as_built'] else ' '} {row['variant']:<9}{row['kv_heads']:>9}"
+    line = (f"{'*' if row['as_built'] else ' '} {row['variant']:<13}{row['kv_heads']:>9}"
             f"{human(row['bytes_per_token']):>12}{human(row['cache_bytes']):>12}")
     if fits:
       line += f"{row['max_batch']:>11,}{row['max_context']:>13,}"

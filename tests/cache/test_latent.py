@@ -106,6 +106,7 @@ def test_bytes_per_token_formula():
   """(kv_latent_rank + rope_dims) x dtype bytes per layer and token, whatever the head count; the
   caches' nbytes and the memory estimates equal it exactly."""
   from kvjax import memory
+  from kvjax.interop import kv_size
   for config in (mla_config(), mla_config(num_heads=8, head_dim=8, cache_dtype="bfloat16")):
     per_token = config.num_layers * (12 + 8) * config.kv_dtype.itemsize
     assert config.kv_bytes_per_token == per_token
@@ -115,6 +116,11 @@ def test_bytes_per_token_formula():
     paged = kinds.paged(config).create(config, 5, 4, 3, 2)
     assert paged.nbytes == 5 * 4 * per_token
     assert memory.paged_cache_bytes(config, 5, 4, 3, 2) == paged.nbytes + 4 * 3 * 3
+    dtype = "fp32" if config.kv_dtype.itemsize == 4 else "bf16"
+    planned = kv_size.plan(kv_size.from_model_config("mla", config), context=16, batch=3, dtype=dtype,
+                           mla=((20, 4),))
+    assert planned["bytes_per_token"] == per_token and planned["cache_bytes"] == contiguous.nbytes
+    assert planned["variants"][1]["bytes_per_token"] == config.num_layers * 24 * config.kv_dtype.itemsize
 
 
 def test_wrong_cache_kind_is_refused():
