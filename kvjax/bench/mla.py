@@ -5,7 +5,8 @@ The MLA model is the benchmark model with kv_latent_rank + rope_dims = 2 x num_k
 (its num_kv_heads groups of rotary dims, as a conversion of that GQA model keeps them), so both
 caches hold the same bytes per token and a decode step reads the same bytes of cache. Each cache
 holds random contents; steps alternate between the models so that they see the same machine load.
-The MLA cache read expanded (per-head K/V formed from the latents every step) is timed beside them.
+The MLA cache read expanded (per-head K/V formed from the latents every step) is timed beside them;
+it holds the same latents as the absorbed one, so their first steps' logits are compared too.
 """
 
 from __future__ import annotations
@@ -49,11 +50,13 @@ def bench_mla(cfg: ModelConfig = BENCH_MODEL, *, batch: int = 32, repeats: int =
     models["mla_expanded"] = models["mla"]
     caches["mla_expanded"] = filled(models["mla"][0], batch, held, context, absorb=False)
   tokens = np.zeros((batch,), np.int32)
+  first = {}
 
   def stepper(name):
     model, params = models[name]
     def step():
       logits, caches[name] = decode_step(model, params, caches[name], tokens)
+      first.setdefault(name, logits)
       return logits
     return step
 
@@ -65,5 +68,6 @@ def bench_mla(cfg: ModelConfig = BENCH_MODEL, *, batch: int = 32, repeats: int =
             "gqa_step_ms": ms["gqa"], "mla_step_ms": ms["mla"], "mla_over_gqa": ms["mla"] / ms["gqa"],
             "mla_over_gqa_per_round": [m / g for m, g in zip(times["mla"], times["gqa"])]}
   if expanded:
-    result.update(mla_expanded_step_ms=ms["mla_expanded"], expanded_over_absorbed=ms["mla_expanded"] / ms["mla"])
+    result.update(mla_expanded_step_ms=ms["mla_expanded"], expanded_over_absorbed=ms["mla_expanded"] / ms["mla"],
+                  first_step_max_logit_diff=float(np.abs(first["mla_expanded"] - first["mla"]).max()))
   return result
