@@ -16,6 +16,11 @@ from typing import Any, Sequence
 
 import jax.numpy as jnp
 
+# Field metadata: to_dict leaves the field out while it holds its default. For fields added to a
+# config after runs were recorded, so that those runs' saved configs (resume checks, workdir
+# jobs, fingerprints) still equal the configs that read them.
+OMIT_DEFAULT = {"omit_default": True}
+
 ACTIVATIONS = ("swiglu", "gelu")
 NORMS = ("rmsnorm", "layernorm")
 POSITIONS = ("rope", "learned")
@@ -75,9 +80,10 @@ class ModelConfig:
   max_len: int = 1024
   dtype: str = "float32"
   cache_dtype: str | None = None
-  kv_latent_rank: int = 0
-  rope_dims: int = 0
-  rope_pairs: tuple[tuple[int, ...], ...] | None = None
+  # Written out only when set (OMIT_DEFAULT), so the configs of other models read as before.
+  kv_latent_rank: int = dataclasses.field(default=0, metadata=OMIT_DEFAULT)
+  rope_dims: int = dataclasses.field(default=0, metadata=OMIT_DEFAULT)
+  rope_pairs: tuple[tuple[int, ...], ...] | None = dataclasses.field(default=None, metadata=OMIT_DEFAULT)
 
   def __post_init__(self):
     check_positive(self, "vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "max_len")
@@ -177,7 +183,7 @@ class ModelConfig:
     return dataclasses.replace(self, **changes)
 
   def to_dict(self) -> dict:
-    return dataclasses.asdict(self)
+    return to_dict(self)
 
 
 def check_nonnegative(obj: Any, *names: str) -> None:
@@ -202,14 +208,17 @@ def check_real(obj: Any, name: str, low: float, high: float, *, open_low: bool =
 # Generic machinery for any nested frozen-dataclass config (TrainRun and other jobs' run configs).
 
 def to_dict(config: Any) -> dict:
-  """Nested dataclass -> dict of JSON types (tuples become lists)."""
+  """Nested dataclass -> dict of JSON types (tuples become lists); OMIT_DEFAULT fields only when set."""
   def plain(value):
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+      return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)
+              if not (f.metadata.get("omit_default") and getattr(value, f.name) == f.default)}
     if isinstance(value, dict):
       return {k: plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
       return [plain(v) for v in value]
     return value
-  return plain(dataclasses.asdict(config))
+  return plain(config)
 
 
 def from_dict(cls: type, data: dict) -> Any:

@@ -42,3 +42,16 @@ def test_round_trip_and_overrides():
   config = tiny_config(2, kv_latent_rank=12, rope_dims=8, rope_pairs=((0, 1, 2, 3), (3, 2, 1, 0)))
   assert kvjax.from_dict(kvjax.ModelConfig, kvjax.to_dict(config)) == config
   assert kvjax.apply_overrides(config, ["kv_latent_rank=10"]).kv_latent_rank == 10
+
+
+def test_other_models_serialise_as_before():
+  """The MLA fields are written only when set: a GQA model's config dict (and so the saved configs
+  of runs recorded before MLA, their resume checks and fingerprints) is unchanged."""
+  from kvjax.training import checkpoint
+  from kvjax.training.config import TrainRun
+  gqa = kvjax.to_dict(TrainRun(model=tiny_config(2, vocab_size=256, max_len=128)))
+  assert not {"kv_latent_rank", "rope_dims", "rope_pairs"} & set(gqa["model"])
+  assert kvjax.from_dict(TrainRun, gqa).model == tiny_config(2, vocab_size=256, max_len=128)
+  assert checkpoint.config_diffs(gqa, kvjax.to_dict(TrainRun(model=tiny_config(2, vocab_size=256, max_len=128)))) == []
+  mla = kvjax.to_dict(TrainRun(model=tiny_config(2, vocab_size=256, max_len=128, kv_latent_rank=8, rope_dims=4)))
+  assert mla["model"]["kv_latent_rank"] == 8 and "rope_pairs" not in mla["model"]
