@@ -30,9 +30,11 @@ def family(config: ModelConfig) -> str:
                                                          ("norm", config.norm, "rmsnorm"),
                                                          ("activation", config.activation, "swiglu"))
             if value != want]
+  if config.is_latent:
+    unlike.append(f"kv_latent_rank={config.kv_latent_rank}")
   if unlike:
     raise ValueError(f"a model with {', '.join(unlike)} has no Hugging Face Llama / Qwen2 equivalent "
-                     "(export needs positions='rope', norm='rmsnorm', activation='swiglu')")
+                     "(export needs positions='rope', norm='rmsnorm', activation='swiglu' and K/V attention)")
   return "qwen2" if config.qkv_bias and not config.use_bias else "llama"
 
 

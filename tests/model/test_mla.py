@@ -55,3 +55,9 @@ def test_other_models_serialise_as_before():
   assert checkpoint.config_diffs(gqa, kvjax.to_dict(TrainRun(model=tiny_config(2, vocab_size=256, max_len=128)))) == []
   mla = kvjax.to_dict(TrainRun(model=tiny_config(2, vocab_size=256, max_len=128, kv_latent_rank=8, rope_dims=4)))
   assert mla["model"]["kv_latent_rank"] == 8 and "rope_pairs" not in mla["model"]
+
+
+def test_hf_export_refuses_mla():
+  from kvjax.interop.hf_export import family
+  with pytest.raises(ValueError, match="kv_latent_rank=8 has no Hugging Face Llama / Qwen2 equivalent"):
+    family(tiny_config(2, kv_latent_rank=8, rope_dims=4))
