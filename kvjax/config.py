@@ -25,6 +25,15 @@ ACTIVATIONS = ("swiglu", "gelu")
 NORMS = ("rmsnorm", "layernorm")
 POSITIONS = ("rope", "learned")
 DTYPES = ("float32", "bfloat16", "float16")
+# The furthest position a model whose every layer is windowed may reach: RoPE turns positions
+# into float32 angles, which hold integers exactly up to 2**24.
+MAX_WINDOWED_POSITIONS = 2**24
+
+
+def cached_positions(window: int, sinks: int, length: int) -> int:
+  """Positions one layer keeps for a sequence of `length`: all of them for a global layer
+  (window 0), at most window + sinks for a sliding-window layer."""
+  return length if window == 0 else min(length, window + sinks)
 
 
 def check_positive_int(value: Any, name: str) -> None:
@@ -60,6 +69,13 @@ class ModelConfig:
   dims of its head_dim). rope_pairs records, per layer, the source frequency index (in
   [0, head_dim / 2)) of each of the rope_dims / 2 rotary pairs of a converted model; None
   rotates each group as an ordinary RoPE head of its width.
+
+  Sliding windows: `window` is a pattern of per-layer widths repeated over the layers, 0 for a
+  global (full-attention) layer: (128, 0) alternates local and global layers as Gemma does,
+  (64,) windows every layer, () (the default) keeps every layer global. A query at position t of
+  a windowed layer reads key s iff s <= t and (t - s < window or s < sink_tokens): the first
+  sink_tokens positions stay visible to every query (StreamingLLM's attention sinks).
+  An MLA model's layers are all global: window must be () (the latent caches keep no ring).
   """
 
   vocab_size: int = 256
@@ -80,6 +96,8 @@ class ModelConfig:
   max_len: int = 1024
   dtype: str = "float32"
   cache_dtype: str | None = None
+  window: tuple[int, ...] = ()
+  sink_tokens: int = 0
   # Written out only when set (OMIT_DEFAULT), so the configs of other models read as before.
   kv_latent_rank: int = dataclasses.field(default=0, metadata=OMIT_DEFAULT)
   rope_dims: int = dataclasses.field(default=0, metadata=OMIT_DEFAULT)
@@ -114,7 +132,27 @@ class ModelConfig:
       raise ValueError(f"ModelConfig.norm_eps must be a positive float, got {self.norm_eps!r}")
     if not (isinstance(self.rope_theta, (int, float)) and self.rope_theta > 0):
       raise ValueError(f"ModelConfig.rope_theta must be positive, got {self.rope_theta!r}")
+    self._check_window()
     self._check_latent()
+
+  def _check_window(self):
+    if not isinstance(self.window, (tuple, list)):
+      raise ValueError(f"ModelConfig.window must be a tuple of per-layer window widths (0 = global), "
+                       f"got {self.window!r}")
+    object.__setattr__(self, "window", tuple(self.window))  # hashable: the config is a jit static
+    for i, width in enumerate(self.window):
+      if isinstance(width, bool) or not isinstance(width, int) or width < 0:
+        raise ValueError(f"ModelConfig.window[{i}] must be a non-negative integer (0 = global), got {width!r}")
+      if width > self.max_len:
+        raise ValueError(f"ModelConfig.window[{i}]={width} is larger than max_len={self.max_len}")
+    check_nonnegative(self, "sink_tokens")
+    if self.sink_tokens and not any(self.window):
+      raise ValueError(f"ModelConfig.sink_tokens={self.sink_tokens} needs a windowed layer, but "
+                       f"window={self.window} keeps every layer global")
+    widest = max(self.window, default=0)
+    if self.sink_tokens + widest > self.max_len:
+      raise ValueError(f"ModelConfig.sink_tokens={self.sink_tokens} + window {widest} is more than "
+                       f"max_len={self.max_len}")
 
   def _check_latent(self) -> None:
     check_nonnegative(self, "kv_latent_rank", "rope_dims")
@@ -123,6 +161,9 @@ class ModelConfig:
       if d_rope or self.rope_pairs is not None:
         raise ValueError(f"{name}.rope_dims={d_rope} and rope_pairs need an MLA model (kv_latent_rank > 0)")
       return
+    if any(self.window):
+      raise ValueError(f"{name}.window={self.window} asks for sliding-window layers in an MLA model "
+                       f"(kv_latent_rank={r}); the latent caches keep every position, so use window=()")
     if d_rope and self.positions != "rope":
       raise ValueError(f"{name}.rope_dims={d_rope} asks for rotary dims of a model with positions="
                        f"{self.positions!r}; use rope_dims=0")
@@ -153,6 +194,41 @@ class ModelConfig:
     """G: query heads that share one kv head."""
     return self.num_heads // self.num_kv_heads
 
+  def layer_window(self, layer: int) -> int:
+    """Layer `layer`'s sliding-window width, 0 when it attends globally."""
+    return self.window[layer % len(self.window)] if self.window else 0
+
+  def cached_positions(self, layer: int, length: int) -> int:
+    """Positions layer `layer`'s cache keeps for a sequence of `length` (`cached_positions`)."""
+    return cached_positions(self.layer_window(layer), self.sink_tokens, length)
+
+  @property
+  def all_windowed(self) -> bool:
+    """Every layer is windowed: no layer's cache grows past window + sink_tokens."""
+    return all(self.layer_window(i) for i in range(self.num_layers))
+
+  @property
+  def max_positions(self) -> int:
+    """The longest sequence the model takes: max_len, except for a RoPE model whose every layer
+    is windowed (no layer reads further back than its window and sinks, and no table ends at
+    max_len), which goes on to MAX_WINDOWED_POSITIONS."""
+    return MAX_WINDOWED_POSITIONS if self.all_windowed and self.positions == "rope" else self.max_len
+
+  def check_length(self, length: int, what: str) -> None:
+    """Raises ValueError unless a sequence of `length` positions fits the model (`max_positions`).
+    `what` is the message's subject, e.g. "row 0 would hold 70 tokens"."""
+    if length <= self.max_positions:
+      return
+    if self.max_positions > self.max_len:
+      raise ValueError(f"{what}, more than the {self.max_positions} positions a windowed RoPE model's "
+                       "float32 angles hold exactly")
+    reason = ""
+    if self.all_windowed:
+      reason = "; learned positions end at max_len even when every layer is windowed"
+    elif any(self.window):
+      reason = "; only a model whose every layer is windowed (with RoPE) goes past it"
+    raise ValueError(f"{what}, more than ModelConfig.max_len={self.max_len}{reason}")
+
   @property
   def compute_dtype(self) -> jnp.dtype:
     return jnp.dtype(self.dtype)
@@ -178,6 +254,12 @@ class ModelConfig:
     if self.is_latent:
       return self.num_layers * (self.kv_latent_rank + self.rope_dims) * self.kv_dtype.itemsize
     return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_dtype.itemsize
+
+  def kv_bytes(self, length: int) -> int:
+    """KV-cache bytes one sequence of `length` tokens occupies, each windowed layer keeping at most
+    window + sink_tokens positions (kv_bytes_per_token counts every layer at every position)."""
+    per_position = self.kv_bytes_per_token // self.num_layers
+    return per_position * sum(self.cached_positions(i, length) for i in range(self.num_layers))
 
   def replace(self, **changes) -> "ModelConfig":
     return dataclasses.replace(self, **changes)

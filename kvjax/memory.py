@@ -14,8 +14,9 @@ int64 sizes is refused rather than aborting the process) and errs high. In bytes
                  (coefficients fitted to XLA's memory plan of the train step, and rounded up:
                  the tests check that the estimate bounds that plan within a factor of two)
   forward        one layer's intermediates at a time plus the logits (prefill, extend, eval)
-  KV cache       contiguous: batch x max_len x kv_bytes_per_token (+ lengths), for MLA the latent
-                 and rotary key (ModelConfig.kv_bytes_per_token);
+  KV cache       contiguous: batch x kv_bytes(max_len) (+ lengths): max_len positions per global
+                   layer, at most window + sinks per sliding-window layer; for MLA the latent and
+                   rotary key (ModelConfig.kv_bytes_per_token);
                  paged: num_pages x page_size x kv_bytes_per_token (+ page table and lengths)
 
 The corpus, compiled programs and XLA's scratch space are not counted. The memory a job has is
@@ -111,8 +112,9 @@ def forward_bytes(config: ModelConfig, batch: int, seq_len: int) -> int:
 
 
 def contiguous_cache_bytes(config: ModelConfig, batch: int, max_len: int) -> int:
-  """Bytes of ContiguousCache.create(config, batch, max_len): K and V of every row and position."""
-  return batch * max_len * config.kv_bytes_per_token + 4 * batch
+  """Bytes of ContiguousCache.create(config, batch, max_len): K and V of every row and of the
+  positions each layer keeps (ModelConfig.kv_bytes), and the lengths."""
+  return batch * config.kv_bytes(max_len) + 4 * batch
 
 
 def paged_cache_bytes(config: ModelConfig, num_pages: int, page_size: int, batch: int, max_pages: int) -> int:

@@ -8,6 +8,7 @@ in one run.
            Llama-style weights (needs the `bench` extra: torch, transformers).
   paged    paged vs contiguous decode step at equal batch and context.
   matmul   kvjax's CPU small-matmul kernel vs XLA's dot on the decode step's weight shapes.
+  quant    one decode step's attention over an int8 cache vs a float32 cache (kvjax.bench.quant).
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ import numpy as np
 from kvjax.bench.benchmarks import BENCH_MODEL, filled_cache, init_model
 from kvjax.cache.paged import PagedCache, pallas_available
 from kvjax.config import ModelConfig
+from kvjax.kernels import attention as attention_kernel
 from kvjax.decoding.decode import decode_step
 from kvjax.model.transformer import cache_collection, cache_layers
 from kvjax.timing import timed_alternating
@@ -63,6 +64,7 @@ def bench_paged(cfg: ModelConfig = BENCH_MODEL, *, batch: int = 8, repeats: int 
   ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
   result = {"benchmark": "paged", "backend": jax.default_backend(), "model": cfg.to_dict(), "batch": batch,
             "context": context, "page_size": page_size, "steps": steps,
+            "decode_attention_kernel": attention_kernel.uses_kernel(cfg.compute_dtype, cfg.kv_dtype),
             "contiguous_step_ms": ms["contiguous"], "paged_step_ms": ms["gather"],
             "paged_over_contiguous": ms["gather"] / ms["contiguous"],
             "paged_over_contiguous_per_round": [p / c for p, c in zip(times["gather"], times["contiguous"])],

@@ -46,9 +46,9 @@ class KVCache(flax.struct.PyTreeNode):
     """Bytes of the stored K/V (every layer's arrays; the per-row bookkeeping excluded)."""
     return sum(x.nbytes for x in jax.tree.leaves(self.layers))
 
-  def layer_spec(self, config: ModelConfig) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-    """{name: (shape, dtype)} of the arrays one layer of this cache holds for a model of `config`,
-    at this cache's batch and capacity: what `check_model` compares against."""
+  def layer_spec(self, config: ModelConfig, layer: int = 0) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """{name: (shape, dtype)} of the arrays layer `layer` of this cache holds for a model of
+    `config`, at this cache's batch and capacity: what `check_model` compares against."""
     raise NotImplementedError
 
   def check_model(self, config: ModelConfig) -> None:
@@ -62,15 +62,15 @@ class KVCache(flax.struct.PyTreeNode):
                        f"needs {'a latent cache (LatentCache, PagedLatentCache)' if config.is_latent else 'a K/V cache'}")
     if len(layers) != config.num_layers:
       raise ValueError(f"the {kind} has {len(layers)} layers but the model has num_layers={config.num_layers}")
-    want = self.layer_spec(config)
     for i, layer in enumerate(layers):
+      want = self.layer_spec(config, i)
       got = {name: (tuple(x.shape), np.dtype(x.dtype)) for name, x in layer.items()}
       if got != want:
         name = next((n for n in sorted(set(want) | set(got)) if got.get(n) != want.get(n)))
         raise ValueError(
             f"the {kind} does not fit the model: layer {i} {name} is {got.get(name)}, but a model with "
-            f"num_kv_heads={config.num_kv_heads}, head_dim={config.head_dim} and cache_dtype={config.cache_dtype} "
-            f"needs {want.get(name)}")
+            f"num_kv_heads={config.num_kv_heads}, head_dim={config.head_dim}, cache_dtype={config.cache_dtype} "
+            f"and window={config.window} needs {want.get(name)}")
 
   def check_room(self, new_lengths: np.ndarray) -> None:
     """Raises ValueError, naming the row, unless row b can take new_lengths[b] more tokens.
@@ -111,11 +111,18 @@ def write_rows(buffer: jax.Array, new: jax.Array, starts: jax.Array, counts: jax
   nothing it holds is overwritten. (A per-row lax.dynamic_update_slice would instead clamp such
   a write back over the row's last tokens.) Callers check starts + counts <= S beforehand.
   """
-  batch, width, size = new.shape[0], new.shape[axis], buffer.shape[axis]
+  width, size = new.shape[axis], buffer.shape[axis]
   columns = jnp.arange(width)[None, :]
   positions = jnp.where(columns < counts[:, None], starts[:, None] + columns, size)  # [B, T]
-  index = [jnp.arange(batch)[:, None]] + [slice(None)] * (buffer.ndim - 1)
-  index[axis] = positions
-  # The two advanced indices (rows, positions) broadcast to [B, T] and lead the update's axes.
+  return scatter_rows(buffer, new, positions, axis)
+
+
+def scatter_rows(buffer: jax.Array, new: jax.Array, slots: jax.Array, axis: int) -> jax.Array:
+  """Writes new[b]'s column j along `axis` into buffer[b] at slots[b, j] (int[B, T]); slots at
+  buffer.shape[axis] or past it are dropped. One scatter for all rows; the kept slots of a row
+  must be distinct (which of two writes to one slot lands is unspecified)."""
+  index = [jnp.arange(new.shape[0])[:, None]] + [slice(None)] * (buffer.ndim - 1)
+  index[axis] = slots
+  # The two advanced indices (rows, slots) broadcast to [B, T] and lead the update's axes.
   update = jnp.moveaxis(new, axis, 1).astype(buffer.dtype)  # [B, T, ...]
   return buffer.at[tuple(index)].set(update, mode="drop")

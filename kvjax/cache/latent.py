@@ -67,8 +67,7 @@ class LatentCache(LatentAttend, KVCache):
     _check_latent_model(config, cls.__name__)
     check_positive_int(batch, "batch")
     check_positive_int(max_len, "max_len")
-    if max_len > config.max_len:
-      raise ValueError(f"cache length max_len={max_len} exceeds ModelConfig.max_len={config.max_len}")
+    config.check_length(max_len, f"a cache of max_len={max_len} positions")
     memory.check_fits(f"a latent cache of {batch} rows x {max_len} positions",
                       memory.contiguous_cache_bytes(config, batch, max_len))
     layer = lambda i: {name: jnp.zeros((batch, max_len, width), config.kv_dtype)
@@ -79,7 +78,7 @@ class LatentCache(LatentAttend, KVCache):
   def capacity(self) -> int:
     return cache_layers(self.layers)[0]["latent"].shape[1]
 
-  def layer_spec(self, config: ModelConfig):
+  def layer_spec(self, config: ModelConfig, layer: int = 0):
     b, s = self.lengths.shape[0], self.capacity
     return {name: ((b, s, width), config.kv_dtype) for name, width in _widths(config).items()}
 
@@ -127,7 +126,7 @@ class PagedLatentCache(LatentAttend, PagedCache):
   def page_size(self) -> int:
     return cache_layers(self.layers)[0]["latent"].shape[2]
 
-  def layer_spec(self, config: ModelConfig):
+  def layer_spec(self, config: ModelConfig, layer: int = 0):
     return {name: ((1, self.num_pages, self.page_size, width), config.kv_dtype)
             for name, width in _widths(config).items()}
 

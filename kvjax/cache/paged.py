@@ -25,7 +25,7 @@ from kvjax import memory
 from kvjax.cache.base import KVCache
 from kvjax.cache.pages import NULL_PAGE
 from kvjax.config import ModelConfig, check_positive_int
-from kvjax.model.attention import Span, attend
+from kvjax.model.attention import Span, attend, visible
 from kvjax.model.backend import Backend
 from kvjax.model.transformer import cache_collection, cache_layers
 
@@ -38,6 +38,14 @@ def gather(pool: jax.Array, page_table: jax.Array) -> jax.Array:
   batch, width = page_table.shape
   pages = pool[:, page_table]  # [K, B, M, Z, H]
   return jnp.swapaxes(pages, 0, 1).reshape(batch, num_kv_heads, width * page_size, head_dim)
+
+
+def attend_pages(q, k_pool, v_pool, lengths, page_table):
+  """XLA's one-token attention over the pools: q [B, 1, N, H] reads each row's positions
+  [0, lengths[b]], its pages gathered into a copy first."""
+  k, v = gather(k_pool, page_table), gather(v_pool, page_table)
+  mask = (jnp.arange(k.shape[2])[None, :] <= lengths[:, None])[:, None, :]  # [B, 1, M*Z]
+  return attend(q, k, v, mask)
 
 
 def pallas_kernel():
@@ -70,9 +78,14 @@ def pallas_attend(q, k_pool, v_pool, page_table, lengths, interpret: bool):
 class PagedCache(KVCache):
   """Page pools shared by all rows, a page table and lengths per row.
 
-  attention (static): how a decode step reads the pages: "gather" (jnp, any backend), "pallas"
+  attention (static): how a decode step reads the pages: "gather" (the backend's cache_attention:
+  kvjax's CPU kernel reads the pages in place, XLA gathers them), "pallas"
   (JAX's Pallas GPU kernel; see `pallas_available`) or "pallas_interpret" (that kernel
-  interpreted, for checking it on the CPU). Longer queries always gather.
+  interpreted, for checking it on the CPU). Longer queries, and the queries of a sliding-window
+  layer, always gather.
+
+  A windowed layer (ModelConfig.window) keeps every position in its pages, as a global one does;
+  its reads mask to the window and sinks (kvjax.model.attention.visible).
   """
 
   page_table: jax.Array
@@ -114,7 +127,7 @@ class PagedCache(KVCache):
   def capacity(self) -> int:
     return self.page_table.shape[1] * self.page_size
 
-  def layer_spec(self, config: ModelConfig):
+  def layer_spec(self, config: ModelConfig, layer: int = 0):
     shape = (config.num_kv_heads, self.num_pages, self.page_size, config.head_dim)
     return {"k": (shape, config.kv_dtype), "v": (shape, config.kv_dtype)}
 
@@ -151,11 +164,14 @@ class PagedCache(KVCache):
     return {"k": store(stored["k"], k), "v": store(stored["v"], v)}
 
   def read(self, stored, q, q_positions, span: Span, backend: Backend):
-    if q.shape[1] == 1 and self.attention != "gather":
+    if q.shape[1] == 1 and not span.window.size:
+      if self.attention == "gather":
+        return backend.cache_attention(q, stored["k"], stored["v"], q_positions[:, 0], attend_pages,
+                                       page_table=self.page_table)
       return pallas_attend(q, stored["k"], stored["v"], self.page_table, q_positions[:, 0] + 1,
                            interpret=self.attention == "pallas_interpret")
     k, v = gather(stored["k"], self.page_table), gather(stored["v"], self.page_table)
-    mask = jnp.arange(k.shape[2])[None, None, :] <= q_positions[:, :, None]  # [B, Tq, M*Z]
+    mask = visible(q_positions, jnp.arange(k.shape[2])[None, :], span.window)  # [B, Tq, M*Z]
     return attend(q, k, v, mask)
 
   def copy_pages(self, src, dst) -> "PagedCache":

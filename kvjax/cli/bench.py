@@ -7,7 +7,7 @@ import argparse
 import dataclasses
 import json
 
-from kvjax.bench import benchmarks, mla, paged
+from kvjax.bench import benchmarks, mla, paged, quant
 from kvjax.cli import options
 from kvjax.config import ModelConfig
 
@@ -20,7 +20,8 @@ class BenchConfig:
 
 
 BENCHMARKS = {"decode": benchmarks.bench_decode, "nocache": benchmarks.bench_nocache, "hf": benchmarks.bench_hf,
-              "paged": paged.bench_paged, "matmul": benchmarks.bench_matmul, "mla": mla.bench_mla}
+              "paged": paged.bench_paged, "matmul": benchmarks.bench_matmul, "quant": quant.bench_quant,
+              "mla": mla.bench_mla}
 
 
 def _int_list(text: str) -> list[int]:
@@ -29,7 +30,7 @@ def _int_list(text: str) -> list[int]:
 
 def benchmark_kwargs(args: argparse.Namespace) -> dict:
   """The keyword arguments of BENCHMARKS[args.benchmark] taken from the command line."""
-  timing = {"batch": args.batch, "repeats": args.repeats}
+  timing = {"repeats": args.repeats} if args.batch is None else {"batch": args.batch, "repeats": args.repeats}
   generation = {**timing, "prompt": args.prompt, "new_tokens": args.new}
   return {
       "decode": generation,
@@ -38,6 +39,7 @@ def benchmark_kwargs(args: argparse.Namespace) -> dict:
       "hf": {**generation, "threads": args.threads},
       "paged": {**timing, "context": args.context, "page_size": args.page_size},
       "matmul": timing,
+      "quant": {**timing, "context": args.context},
       "mla": {**timing, "context": args.context, "rope_dims": args.rope_dims},
   }[args.benchmark]
 
@@ -54,7 +56,8 @@ def add_parser(subparsers) -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("benchmark", choices=sorted(BENCHMARKS))
   options.add_set_option(parser)
-  parser.add_argument("--batch", type=options.positive_int, default=8, help="sequences (rows) per step")
+  parser.add_argument("--batch", type=options.positive_int, default=None,
+                      help="sequences (rows) per step (default: 8; quant: 32)")
   parser.add_argument("--prompt", type=options.positive_int, default=128, help="prompt tokens per sequence")
   parser.add_argument("--new", type=options.positive_int, default=128, help="new tokens per sequence")
   parser.add_argument("--repeats", type=options.positive_int, default=5, help="timed runs after warm-up (median)")
@@ -63,7 +66,7 @@ def add_parser(subparsers) -> None:
   parser.add_argument("--concat-max", type=int, default=64,
                       help="nocache: longest run for the concat cache (it compiles once per length)")
   parser.add_argument("--threads", type=int, default=0, help="hf: torch threads (default: torch's)")
-  parser.add_argument("--context", type=int, default=1024, help="paged: tokens cached per row")
+  parser.add_argument("--context", type=int, default=1024, help="paged, quant, mla: tokens cached per row")
   parser.add_argument("--page-size", type=int, default=16, help="paged: tokens per page")
   parser.add_argument("--rope-dims", type=int, help="mla: rotary dims of the MLA model (default 16 per kv head)")
   parser.add_argument("--json", action="store_true", help="one line of JSON")

@@ -1,5 +1,9 @@
 """`kvjax eval --workdir DIR`: held-out loss, bits per byte and accuracy of a checkpoint
-(kvjax.training.evaluate.evaluate_checkpoint)."""
+(kvjax.training.evaluate.evaluate_checkpoint).
+
+`kvjax eval --workdir DIR --recall 32,64,128`: instead, the long-range recall test
+(kvjax.studies.recall): greedy copies through the KV cache of needles planted that many bytes
+back, printed as one JSON object."""
 
 from __future__ import annotations
 
@@ -8,10 +12,29 @@ import json
 import sys
 
 from kvjax.cli import options
+from kvjax.studies.recall import RecallConfig, recall_checkpoint
 from kvjax.training.evaluate import evaluate_checkpoint
 
 
+def distances(text: str) -> tuple[int, ...]:
+  """The argparse type of --recall: comma-separated positive integers."""
+  try:
+    values = tuple(int(part) for part in text.split(","))
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"must be comma-separated distances in bytes, e.g. 32,64, got {text!r}") from None
+  if any(v < 1 for v in values):
+    raise argparse.ArgumentTypeError(f"distances must be positive, got {text!r}")
+  return values
+
+
 def command(args: argparse.Namespace) -> int:
+  if args.recall is not None:
+    if args.mesh is not None or args.split != "val" or args.batches or args.batch_size:
+      raise ValueError("--recall runs the recall test alone: --mesh, --split, --batches and --batch-size do not apply")
+    config = RecallConfig(distances=args.recall, needles=args.needles, needle_bytes=args.needle_bytes,
+                          seed=args.seed)
+    print(json.dumps(recall_checkpoint(args.workdir, config, step=args.step)))
+    return 0
   result = evaluate_checkpoint(args.workdir, step=args.step, split=args.split, batch_size=args.batch_size,
                                num_batches=args.batches, mesh=options.mesh(args))
   trained_on = result["trained_corpus_sha256"]
@@ -38,4 +61,12 @@ def add_parser(subparsers) -> None:
                       help="windows per batch (default: the run's train.batch_size)")
   parser.add_argument("--json", action="store_true", help="print one JSON object")
   options.add_mesh_option(parser)
+  recall = parser.add_argument_group("long-range recall (kvjax.studies.recall)")
+  recall.add_argument("--recall", type=distances, metavar="D1,D2,...",
+                      help="run the recall test at these distances (bytes) instead, and print JSON")
+  recall.add_argument("--needles", type=options.positive_int, default=RecallConfig.needles,
+                      help="needles per distance")
+  recall.add_argument("--needle-bytes", type=options.positive_int, default=RecallConfig.needle_bytes,
+                      help="bytes per needle")
+  recall.add_argument("--seed", type=int, default=RecallConfig.seed, help="seed of needles and filler")
   parser.set_defaults(func=command)

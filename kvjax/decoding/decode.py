@@ -87,7 +87,7 @@ def check_tokens(model: Transformer, tokens, lengths, *, min_length: int = 1) ->
 
 def check_cache(model: Transformer, cache, new_lengths: np.ndarray) -> None:
   """Host-side checks before any compute: `cache` is a cache kind made for this model, every row
-  can take its new tokens, and no position passes ModelConfig.max_len."""
+  can take its new tokens, and no position passes ModelConfig.max_positions."""
   if not isinstance(cache, KVCache):
     raise ValueError(f"cache must be a kvjax cache (ContiguousCache, PagedCache, ...), got {type(cache).__name__}")
   if new_lengths.shape[0] != cache.lengths.shape[0]:
@@ -95,9 +95,8 @@ def check_cache(model: Transformer, cache, new_lengths: np.ndarray) -> None:
   cache.check_model(model.config)
   cache.check_room(new_lengths)
   ends = np.asarray(cache.lengths) + new_lengths
-  if (ends > model.config.max_len).any():
-    row = int(np.argmax(ends > model.config.max_len))
-    raise ValueError(f"row {row} would hold {int(ends[row])} tokens, more than ModelConfig.max_len={model.config.max_len}")
+  row = int(np.argmax(ends))
+  model.config.check_length(int(ends[row]), f"row {row} would hold {int(ends[row])} tokens")
 
 
 def forward(model: Transformer, params, cache: KVCache, tokens, lengths, *, last: bool = False,
@@ -148,15 +147,14 @@ def extend(model: Transformer, params, cache: KVCache, tokens, lengths, *, logit
 
 def prefill(model: Transformer, params, tokens, lengths, max_len: int, *, logits: str = "all", mesh=None):
   """Runs right-padded prompts through the model into a new contiguous cache of max_len positions
-  per row (at most ModelConfig.max_len): `extend` on an empty ContiguousCache (a LatentCache for
-  an MLA model, kvjax.cache.kinds).
+  per row (at most ModelConfig.max_positions): `extend` on an empty ContiguousCache (a LatentCache
+  for an MLA model, kvjax.cache.kinds).
 
   tokens int[B, T], lengths int[B] each in [1, T]; see `extend` for `logits`.
   """
   check_positive_int(max_len, "max_len")
   tokens, lengths = check_tokens(model, tokens, lengths)
-  if not max_len <= model.config.max_len:
-    raise ValueError(f"cache length max_len={max_len} must be in [1, ModelConfig.max_len={model.config.max_len}]")
+  model.config.check_length(max_len, f"cache length max_len={max_len}")
   if tokens.shape[1] > max_len:
     raise ValueError(f"prompt of {tokens.shape[1]} tokens does not fit the cache length max_len={max_len}")
   cache = kinds.contiguous(model.config).create(model.config, tokens.shape[0], max_len)
@@ -245,13 +243,12 @@ def generate(model: Transformer, params, prompts, lengths, max_new_tokens: int, 
   check_positive_int(max_new_tokens, "max_new_tokens")
   prompts, lengths = check_tokens(model, prompts, lengths)
   longest = int(lengths.max())
-  if longest + max_new_tokens - 1 > cfg.max_len:
-    raise ValueError(f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} needs "
-                     f"{longest + max_new_tokens - 1} cache positions, more than ModelConfig.max_len={cfg.max_len}")
+  cfg.check_length(longest + max_new_tokens - 1, f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} "
+                   f"needs {longest + max_new_tokens - 1} cache positions")
   if eos_id is not None and not 0 <= eos_id < cfg.vocab_size:
     raise ValueError(f"eos_id={eos_id} is outside [0, vocab_size={cfg.vocab_size})")
   sampling = Sampling.create(temperature, top_k, top_p)
-  bucket = size_bucket(longest, cfg.max_len - max_new_tokens + 1)
+  bucket = size_bucket(longest, cfg.max_positions - max_new_tokens + 1)
   padded = np.zeros((prompts.shape[0], bucket), np.int32)
   padded[:, :longest] = prompts[:, :longest]
   max_len = bucket + max_new_tokens - 1

@@ -28,13 +28,15 @@ def family(config: ModelConfig) -> str:
   """"llama" or "qwen2" for a Llama-shaped config; ValueError naming what has no equivalent."""
   unlike = [f"{name}={value!r}" for name, value, want in (("positions", config.positions, "rope"),
                                                          ("norm", config.norm, "rmsnorm"),
-                                                         ("activation", config.activation, "swiglu"))
+                                                         ("activation", config.activation, "swiglu"),
+                                                         ("window", config.window if any(config.window) else (), ()))
             if value != want]
   if config.is_latent:
     unlike.append(f"kv_latent_rank={config.kv_latent_rank}")
   if unlike:
     raise ValueError(f"a model with {', '.join(unlike)} has no Hugging Face Llama / Qwen2 equivalent "
-                     "(export needs positions='rope', norm='rmsnorm', activation='swiglu' and K/V attention)")
+                     "(export needs positions='rope', norm='rmsnorm', activation='swiglu', K/V attention "
+                     "and no sliding window)")
   return "qwen2" if config.qkv_bias and not config.use_bias else "llama"
 
 

@@ -2,7 +2,9 @@
 
 A cache holds K and V for every layer, kv head and position, so one token costs
   2 x num_layers x num_kv_heads x head_dim x bytes per element,
-and a batch of B sequences of N tokens costs B x N times that. A multi-head latent attention
+and a batch of B sequences of N tokens costs B x N times that, except that a sliding-window layer
+keeps at most window + sinks positions (kvjax.config.cached_positions), so its share stops growing
+there and a model whose every layer is windowed fits any context. A multi-head latent attention
 (MLA) model caches a latent of kv_latent_rank and a rotary key of rope_dims per layer instead:
   num_layers x (kv_latent_rank + rope_dims) x bytes per element, whatever the number of heads;
 `--mla RANK:ROPE_DIMS` adds such a variant of any model to the table. The planner prints this for
@@ -24,7 +26,7 @@ import math
 import re
 from pathlib import Path
 
-from kvjax.config import ModelConfig, check_positive, check_positive_int, from_dict
+from kvjax.config import ModelConfig, cached_positions, check_nonnegative, check_positive, check_positive_int, from_dict
 from kvjax.interop.hf import config_from_hf, read_hf_config
 from kvjax.model.params import abstract_params
 
@@ -36,7 +38,8 @@ UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 
 @dataclasses.dataclass(frozen=True)
 class Architecture:
-  """What the KV cache and the weights' size depend on. params counts every weight."""
+  """What the KV cache and the weights' size depend on. params counts every weight; window and
+  sink_tokens are ModelConfig's (a per-layer pattern of sliding-window widths, 0 = global)."""
 
   name: str
   num_layers: int
@@ -48,27 +51,66 @@ class Architecture:
   vocab_size: int
   params: int
   note: str = ""
+  window: tuple[int, ...] = ()
+  sink_tokens: int = 0
   kv_latent_rank: int = 0  # > 0: multi-head latent attention (ModelConfig.kv_latent_rank)
   rope_dims: int = 0
 
   def __post_init__(self):
     check_positive(self, "num_layers", "num_heads", "num_kv_heads", "head_dim", "d_model",
                    "mlp_dim", "vocab_size", "params")
+    check_nonnegative(self, "sink_tokens")
+    if any(isinstance(w, bool) or not isinstance(w, int) or w < 0 for w in self.window):
+      raise ValueError(f"Architecture.window must hold non-negative integers, got {self.window!r}")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"Architecture.num_heads={self.num_heads} is not divisible by "
                        f"num_kv_heads={self.num_kv_heads}")
 
-  def bytes_per_token(self, bytes_per_element: int, num_kv_heads: int | None = None) -> int:
-    """Of the model as built, or of its variant with num_kv_heads kv heads (a K/V cache)."""
-    if self.kv_latent_rank and num_kv_heads is None:
-      return latent_bytes_per_token(self, self.kv_latent_rank, self.rope_dims, bytes_per_element)
+  def bytes_per_token(self, bytes_per_element: int, num_kv_heads: int | None = None,
+                      latent: tuple[int, int] | None = None) -> int:
+    """Bytes of one token at every layer (what a cache without sliding windows pays per token), of
+    the model as built, of its variant with num_kv_heads kv heads (a K/V cache), or of its MLA
+    variant latent=(kv_latent_rank, rope_dims)."""
+    return self.num_layers * self.position_bytes(bytes_per_element, num_kv_heads, latent)
+
+  def position_bytes(self, bytes_per_element: int, num_kv_heads: int | None = None,
+                     latent: tuple[int, int] | None = None) -> int:
+    """Bytes one layer keeps per cached position (see bytes_per_token for the arguments): an MLA
+    layer's latent and rotary key, or a K/V layer's kv heads."""
+    if latent is None and num_kv_heads is None and self.kv_latent_rank:
+      latent = (self.kv_latent_rank, self.rope_dims)
+    if latent is not None:
+      return sum(latent) * bytes_per_element
     kv = self.num_kv_heads if num_kv_heads is None else num_kv_heads
-    return 2 * self.num_layers * kv * self.head_dim * bytes_per_element
+    return 2 * kv * self.head_dim * bytes_per_element
 
+  def layer_window(self, layer: int) -> int:
+    return self.window[layer % len(self.window)] if self.window else 0
 
-def latent_bytes_per_token(arch: Architecture, rank: int, rope_dims: int, bytes_per_element: int) -> int:
-  """An MLA cache's bytes per token: layers x (latent rank + rotary dims) x bytes per element."""
-  return arch.num_layers * (rank + rope_dims) * bytes_per_element
+  def cached_positions(self, context: int) -> int:
+    """Positions of one sequence of `context` tokens the cache keeps, summed over the layers."""
+    return sum(cached_positions(self.layer_window(i), self.sink_tokens, context) for i in range(self.num_layers))
+
+  def sequence_bytes(self, context: int, bytes_per_element: int, num_kv_heads: int | None = None,
+                     latent: tuple[int, int] | None = None) -> int:
+    """Cache bytes of one sequence of `context` tokens, each windowed layer at most window + sinks."""
+    return self.position_bytes(bytes_per_element, num_kv_heads, latent) * self.cached_positions(context)
+
+  def max_context(self, free: int, batch: int, bytes_per_element: int, num_kv_heads: int | None = None,
+                  latent: tuple[int, int] | None = None) -> int | None:
+    """The longest context whose cache for `batch` sequences fits `free` bytes; None when every
+    layer is windowed and the cache's largest size fits (any context does)."""
+    fits = lambda n: batch * self.sequence_bytes(n, bytes_per_element, num_kv_heads, latent) <= free
+    if all(self.layer_window(i) for i in range(self.num_layers)):
+      if fits(max(self.window) + self.sink_tokens):
+        return None
+    low, high = 0, 1  # fits(low); grow high until it does not, then bisect
+    while fits(high):
+      low, high = high, 2 * high
+    while high - low > 1:
+      middle = (low + high) // 2
+      low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
 
 
 # Published architectures (config.json of each release; params as reported for the checkpoint).
@@ -83,6 +125,11 @@ PRESETS = {p.name: p for p in (
     Architecture("Llama-2-70B", 80, 64, 8, 128, 8192, 28672, 32000, 68_976_648_192),
     Architecture("Llama-3-70B", 80, 64, 8, 128, 8192, 28672, 128256, 70_553_706_496),
     Architecture("GPT-2", 12, 12, 12, 64, 768, 3072, 50257, 124_439_808),
+    Architecture("Mistral-7B-v0.1", 32, 32, 8, 128, 4096, 14336, 32000, 7_241_732_096,
+                 note="sliding window of 4096 on every layer (v0.1; later versions attend globally)",
+                 window=(4096,)),
+    Architecture("Gemma-2-9B", 42, 16, 8, 256, 3584, 14336, 256000, 9_241_705_984,
+                 note="local layers (window 4096) alternate with global ones", window=(4096, 0)),
     Architecture("T5.1.1-XXL-decoder", 24, 64, 64, 64, 4096, 10240, 32128, 11_135_332_352,
                  note="cache of the decoder's self-attention; cross-attention adds as much per "
                       "encoder token. Weights count encoder and decoder"),
@@ -105,7 +152,8 @@ def _leaves(tree):
 def from_model_config(name: str, config: ModelConfig) -> Architecture:
   return Architecture(name, config.num_layers, config.num_heads, config.num_kv_heads,
                       config.head_dim, config.d_model, config.mlp_dim, config.vocab_size,
-                      count_params(config), kv_latent_rank=config.kv_latent_rank, rope_dims=config.rope_dims)
+                      count_params(config), window=config.window, sink_tokens=config.sink_tokens,
+                      kv_latent_rank=config.kv_latent_rank, rope_dims=config.rope_dims)
 
 
 def _model_config_from_file(path: Path) -> ModelConfig:
@@ -178,6 +226,9 @@ def plan(arch: Architecture, *, context: int, batch: int, dtype: str = "bf16",
   An MLA cache is not split across devices (its latent is shared by all heads): each device
   holds all of it.
 
+  bytes_per_token counts every layer; cache_bytes and what fits count each windowed layer at
+  most window + sinks positions. max_context is None where any context fits (every layer windowed).
+
   With devices > 1 the weights and kv heads are split across them (tensor parallel); a model
   with fewer kv heads than devices keeps one kv head per device, replicated (vLLM's rule),
   so each device stores ceil(kv_heads / devices) heads of every token.
@@ -197,26 +248,26 @@ def plan(arch: Architecture, *, context: int, batch: int, dtype: str = "bf16",
       raise ValueError(f"MLA rope dims must be non-negative, got {rope_dims}")
   rows = []
 
-  def add(row, per_device):
-    row["cache_bytes"] = row["bytes_per_token"] * context * batch
+  def add(row, per_device_kv, latent=None):
+    row["cache_bytes"] = arch.sequence_bytes(context, element, row["kv_heads"], latent) * batch
     if free is not None:
-      row["max_batch"] = free // (per_device * context)
-      row["max_context"] = free // (per_device * batch)
+      row["max_batch"] = free // arch.sequence_bytes(context, element, per_device_kv, latent)
+      row["max_context"] = arch.max_context(free, batch, element, per_device_kv, latent)
     rows.append(row)
 
   latents = ([(arch.kv_latent_rank, arch.rope_dims)] if arch.kv_latent_rank else []) + list(mla)
   for i, (rank, rope_dims) in enumerate(latents):
-    per_token = latent_bytes_per_token(arch, rank, rope_dims, element)
     add({"variant": f"MLA {rank}+{rope_dims}", "kv_heads": arch.num_kv_heads, "kv_latent_rank": rank,
-         "rope_dims": rope_dims, "as_built": i == 0 and bool(arch.kv_latent_rank), "bytes_per_token": per_token},
-        per_token)
+         "rope_dims": rope_dims, "as_built": i == 0 and bool(arch.kv_latent_rank),
+         "bytes_per_token": arch.bytes_per_token(element, latent=(rank, rope_dims))},
+        None, (rank, rope_dims))
   for kv in kv_head_counts(arch):
     add({"variant": variant_name(arch, kv), "kv_heads": kv, "as_built": kv == arch.num_kv_heads and not arch.kv_latent_rank,
-         "bytes_per_token": arch.bytes_per_token(element, kv)}, arch.bytes_per_token(element, -(-kv // devices)))
+         "bytes_per_token": arch.bytes_per_token(element, kv)}, -(-kv // devices))
   result = {"model": arch.name, "architecture": dataclasses.asdict(arch), "dtype": dtype,
             "weight_dtype": weight_dtype, "context": context, "batch": batch,
             "bytes_per_token": arch.bytes_per_token(element),
-            "cache_bytes": arch.bytes_per_token(element) * context * batch,
+            "cache_bytes": arch.sequence_bytes(context, element) * batch,
             "weights_bytes": weights, "variants": rows}
   if device_memory is not None:
     built = next(r for r in rows if r["as_built"])
@@ -243,6 +294,9 @@ def render(result: dict) -> str:
            f"{_count(a['params'])} params"]
   if a["note"]:
     lines.append(f"  ({a['note']})")
+  if any(a["window"]):
+    lines.append(f"sliding windows {tuple(a['window'])} repeated over the layers (0 = global), "
+                 f"{a['sink_tokens']} sink tokens: windowed layers keep at most window + sinks positions")
   lines.append(f"weights ({result['weight_dtype']}): {human(result['weights_bytes'])}")
   fits = "device_memory_bytes" in result
   if fits:
@@ -259,6 +313,7 @@ def render(result: dict) -> str:
     line = (f"{'*' if row['as_built'] else ' '} {row['variant']:<13}{row['kv_heads']:>9}"
             f"{human(row['bytes_per_token']):>12}{human(row['cache_bytes']):>12}")
     if fits:
-      line += f"{row['max_batch']:>11,}{row['max_context']:>13,}"
+      most = "unbounded" if row["max_context"] is None else f"{row['max_context']:,}"
+      line += f"{row['max_batch']:>11,}{most:>13}"
     lines.append(line)
   return "\n".join(lines)

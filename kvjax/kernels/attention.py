@@ -1,10 +1,21 @@
-"""One query token per row against a contiguous cache, in kvjax's CPU kernel (csrc/decode_attention.cc).
+"""One query token per row against a cache, in kvjax's CPU kernel (csrc/decode_attention.cc).
 
-The kernel reads only each row's valid positions, where XLA's masked attention reads the whole
-buffer. `cache_attention` is the route a decode backend plugs in (kvjax.model.backend): float32
-operands on a single CPU device go to the kernel, everything else to the XLA computation it is
-given; the choice between the two is made when lowering, so a function traced here may still be
-compiled for an accelerator. Gradients are XLA's: the kernel only runs forward.
+The kernel reads only each row's valid positions, in place, where XLA's masked attention reads
+the whole buffer (and over pages, a gathered copy of it). `cache_attention` is the route a decode
+backend plugs in (kvjax.model.backend); it takes a cache kind's storage as it is, by the keyword
+arrays the kind passes (its addressing):
+
+  storage              k_cache, v_cache                                   addressing
+  contiguous float32   [B, K, H, S], [B, K, S, H]                          none
+  contiguous int8      the same in int8                                    k_scale, v_scale float32[B, K, S]
+  paged float32        page pools [K, P, Z, H]                             page_table int32[B, M]
+  paged int8           int8 page pools [K, P, Z, H]                        k_scale, v_scale float32[K, P, Z], page_table
+
+(int8: a stored value is int8 * scale, one scale per (position, kv head); the kernel reads the
+int8 data, a quarter of float32's bytes.) Float32 queries over these, on a single CPU device, go
+to the kernel; everything else (other dtypes, addressing or scale shapes, such as a kind's
+grouped scales, accelerators, meshes) to the XLA computation it is given. The choice between the two is made when lowering, so a function traced
+here may still be compiled for an accelerator. Gradients are XLA's: the kernel only runs forward.
 """
 
 from __future__ import annotations
@@ -16,32 +27,82 @@ import jax.numpy as jnp
 
 from kvjax.kernels import build
 
-TARGET = build.KERNELS["attention"][0]
+# (paged, int8) -> the kernel's FFI target.
+TARGETS = {(False, False): "kvjax_decode_attention", (False, True): "kvjax_decode_attention_int8",
+           (True, False): "kvjax_paged_attention", (True, True): "kvjax_paged_attention_int8"}
+TARGET = TARGETS[False, False]
+# The kernel addresses a page pool with int32 offsets: pools of this many entries or more stay with XLA.
+MAX_POOL_ENTRIES = 2 ** 31 - 4
+# The addressing arrays in the kernel's operand order (after q, k_cache, v_cache).
+ADDRESSING = ("k_scale", "v_scale", "page_table")
 
 
 def uses_kernel(*dtypes) -> bool:
-  """Whether `cache_attention` with operands of these dtypes runs in the CPU kernel."""
+  """Whether `cache_attention` over a float32 cache with operands of these dtypes runs in the CPU kernel."""
   return all(d == jnp.float32 for d in dtypes) and build.single_cpu() and build.available("attention")
+
+
+def kernel_layout(q, k_cache, v_cache, addressing: dict) -> tuple[bool, bool] | None:
+  """(paged, int8) when the operands are one of the kernel's storages (names, dtypes and shapes
+  as in the module docstring), else None."""
+  names = set(addressing)
+  if names not in (set(), {"k_scale", "v_scale"}, {"page_table"}, {"k_scale", "v_scale", "page_table"}):
+    return None
+  paged, int8 = "page_table" in names, "k_scale" in names
+  stored = jnp.int8 if int8 else jnp.float32
+  if q.dtype != jnp.float32 or k_cache.dtype != stored or v_cache.dtype != stored or q.ndim != 4 or k_cache.ndim != 4:
+    return None
+  b, _, n, h = q.shape
+  if paged:
+    kv, pages, size, _ = k_cache.shape
+    table = addressing["page_table"]
+    if (k_cache.shape != (kv, pages, size, h) or v_cache.shape != k_cache.shape or table.dtype != jnp.int32
+        or table.ndim != 2 or table.shape[0] != b or k_cache.size >= MAX_POOL_ENTRIES):
+      return None
+    scale_shape = (kv, pages, size)
+  else:
+    kv, s = k_cache.shape[1], k_cache.shape[3]
+    if k_cache.shape != (b, kv, h, s) or v_cache.shape != (b, kv, s, h):
+      return None
+    scale_shape = (b, kv, s)
+  if n % kv or int8 and any(addressing[name].dtype != jnp.float32 or addressing[name].shape != scale_shape
+                            for name in ("k_scale", "v_scale")):
+    return None
+  return paged, int8
+
+
+def kernel_target(q, k_cache, v_cache, addressing: dict) -> str | None:
+  """The kernel's FFI target for these operands, or None where they stay with XLA."""
+  layout = kernel_layout(q, k_cache, v_cache, addressing)
+  if layout is None or not (build.single_cpu() and build.available("attention")):
+    return None
+  return TARGETS[layout]
 
 
 def cache_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array,
                     xla: Callable, **addressing) -> jax.Array:
-  """q [B, 1, N, H] (rotated), k_cache [B, K, H, S], v_cache [B, K, S, H], lengths int32[B]: row b
-  reads positions [0, lengths[b]] -> [B, 1, N, H]. `xla(q, k_cache, v_cache, lengths)` is the
-  same computation in XLA."""
+  """q [B, 1, N, H] (rotated), a cache's k_cache and v_cache and its addressing arrays (see the
+  module docstring), lengths int32[B]: row b reads positions [0, lengths[b]] -> [B, 1, N, H].
+  `xla(q, k_cache, v_cache, lengths, **addressing)` is the same computation in XLA."""
   if q.shape[1] != 1:
     raise ValueError(f"cache_attention takes one query token per row, got q of shape {q.shape}")
-  if addressing or not uses_kernel(q.dtype, k_cache.dtype, v_cache.dtype):
+  target = kernel_target(q, k_cache, v_cache, addressing)
+  if target is None:
     return xla(q, k_cache, v_cache, lengths, **addressing)
+  names = [n for n in ADDRESSING if n in addressing]
+  extra = [addressing[n] for n in names]
+  kv_heads = k_cache.shape[0 if "page_table" in addressing else 1]
+
+  def reference(q, k_cache, v_cache, lengths, *extra):
+    return xla(q, k_cache, v_cache, lengths, **dict(zip(names, extra)))
 
   @jax.custom_jvp
-  def kernel(q, k_cache, v_cache, lengths):
+  def kernel(q, k_cache, v_cache, lengths, *extra):
     b, _, n, h = q.shape
-    kv = k_cache.shape[1]
-    grouped = q.reshape(b, kv, n // kv, h) * (h ** -0.5)  # [B, K, G, H]: query head n reads kv head n // G
-    out = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(grouped.shape, q.dtype), vmap_method="sequential")(
-        grouped, k_cache, v_cache, lengths.astype(jnp.int32) + 1)
+    grouped = q.reshape(b, kv_heads, n // kv_heads, h) * (h ** -0.5)  # [B, K, G, H]: query head n reads kv head n // G
+    out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(grouped.shape, q.dtype), vmap_method="sequential")(
+        grouped, k_cache, v_cache, *extra, lengths.astype(jnp.int32) + 1)
     return out.reshape(b, 1, n, h)
 
-  kernel.defjvp(lambda primals, tangents: (kernel(*primals), jax.jvp(xla, primals, tangents)[1]))
-  return jax.lax.platform_dependent(q, k_cache, v_cache, lengths, cpu=kernel, default=xla)
+  kernel.defjvp(lambda primals, tangents: (kernel(*primals), jax.jvp(reference, primals, tangents)[1]))
+  return jax.lax.platform_dependent(q, k_cache, v_cache, lengths, *extra, cpu=kernel, default=reference)

@@ -30,10 +30,13 @@ import jaxlib
 CSRC = pathlib.Path(__file__).parent / "csrc"
 SOURCES = sorted(CSRC.glob("*.cc"))
 COMPILE_FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC"]
-# name -> (XLA target, exported handler symbol)
+# name -> {XLA target: exported handler symbol}
 KERNELS = {
-    "matmul": ("kvjax_small_matmul", "KvjaxSmallMatmul"),
-    "attention": ("kvjax_decode_attention", "KvjaxDecodeAttention"),
+    "matmul": {"kvjax_small_matmul": "KvjaxSmallMatmul"},
+    "attention": {"kvjax_decode_attention": "KvjaxDecodeAttention",
+                  "kvjax_decode_attention_int8": "KvjaxDecodeAttentionInt8",
+                  "kvjax_paged_attention": "KvjaxPagedAttention",
+                  "kvjax_paged_attention_int8": "KvjaxPagedAttentionInt8"},
 }
 
 
@@ -109,8 +112,8 @@ def _library(selected: frozenset[str]) -> pathlib.Path:
   """Builds (or loads) the library and registers the selected kernels with XLA, once per process."""
   library, path = _load(_compiler())
   for name in selected:
-    target, symbol = KERNELS[name]
-    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
+    for target, symbol in KERNELS[name].items():
+      jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
   return path
 
 

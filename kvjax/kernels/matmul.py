@@ -28,7 +28,7 @@ from jax import lax
 
 from kvjax.kernels import build as cpu_kernels
 
-TARGET = cpu_kernels.KERNELS["matmul"][0]
+TARGET = "kvjax_small_matmul"
 # The rows for which the kernel beats XLA's dot on the development machine (`kvjax bench
 # matmul`, see above).
 MIN_ROWS, MAX_ROWS = 2, 16

@@ -11,9 +11,15 @@ Attention projects queries and this call's keys and values, then hands them to t
 it is given (kvjax.cache): the kind stores what it keeps of the new K/V in the Flax 'cache'
 collection and decides how the queries read it. `NoCache`, the kind of a plain forward pass
 (training, evaluation), keeps nothing.
+
+Which keys a query reads is decided in one place, `visible`: causal, and within a windowed
+layer's sliding window and sinks (`Window`). Each Attention knows its layer's window and hands it
+to the cache kind on the Span (`span.window`), so every kind masks as training does.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import flax.linen as nn
 import flax.struct
@@ -83,6 +89,41 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
   return jnp.einsum(spec, probs, v).reshape(b, t, n, h)
 
 
+@dataclasses.dataclass(frozen=True)
+class Window:
+  """One layer's sliding window: size 0 is a global layer; otherwise a query at t reads keys
+  s > t - size and the first `sinks` positions (ModelConfig.window, sink_tokens)."""
+
+  size: int = 0
+  sinks: int = 0
+
+  @classmethod
+  def of_layer(cls, config: ModelConfig, layer: int) -> "Window":
+    size = config.layer_window(layer)
+    return cls(size, config.sink_tokens if size else 0)
+
+
+GLOBAL = Window()
+
+
+def visible(q_positions: jax.Array, key_positions: jax.Array, window: Window) -> jax.Array:
+  """The attention mask of kvjax, for every path (training, every cache kind).
+
+  Args:
+    q_positions: int[B, Tq], the queries' positions.
+    key_positions: int[B, S] (or [1, S]), the position of each key; negative for an empty slot.
+    window: the layer's Window.
+  Returns:
+    bool [B, Tq, S]: query t reads key s iff 0 <= s <= t, and, in a windowed layer,
+    t - s < window.size or s < window.sinks.
+  """
+  t, s = q_positions[:, :, None], key_positions[:, None, :]
+  mask = (s >= 0) & (s <= t)
+  if window.size:
+    mask &= (t - s < window.size) | (s < window.sinks)
+  return mask
+
+
 @flax.struct.dataclass
 class Span:
   """The positions one forward call covers in each row.
@@ -92,11 +133,14 @@ class Span:
   lengths: int32[B], new tokens per row.
   from_empty: static; True when no row held any token before the call, so the new K/V are all
     there is to read (attention need not touch the cache's storage).
+  window: static; the Window of the layer being run (each Attention sets its own), which a cache
+    kind masks by (`visible`) and may lay its storage out by (a ring of window + sinks slots).
   """
 
   positions: jax.Array
   lengths: jax.Array
   from_empty: bool = flax.struct.field(pytree_node=False, default=False)
+  window: Window = flax.struct.field(pytree_node=False, default=GLOBAL)
 
   @property
   def valid(self) -> jax.Array:
@@ -105,8 +149,8 @@ class Span:
 
 
 def new_keys_mask(q_positions: jax.Array, span: Span) -> jax.Array:
-  """bool [B, Tq, T]: causal attention of queries at q_positions over this call's valid keys."""
-  return (span.positions[:, None, :] <= q_positions[:, :, None]) & span.valid[:, None, :]
+  """bool [B, Tq, T]: queries at q_positions over this call's valid keys, in span.window."""
+  return visible(q_positions, jnp.where(span.valid, span.positions, -1), span.window)
 
 
 class NoCache:
@@ -131,10 +175,12 @@ def take_rows(x: jax.Array, index: jax.Array) -> jax.Array:
 
 
 class Attention(nn.Module):
-  """Multi-head attention with num_kv_heads K/V heads, over whatever cache kind it is given."""
+  """Multi-head attention with num_kv_heads K/V heads, over whatever cache kind it is given.
+  `layer` is its index in the model, which decides its sliding window (ModelConfig.window)."""
 
   config: ModelConfig
   backend: Backend = XLA
+  layer: int = 0
 
   def setup(self):
     cfg = self.config
@@ -164,6 +210,7 @@ class Attention(nn.Module):
   def __call__(self, x: jax.Array, span: Span, cache=NO_CACHE, outputs_at: jax.Array | None = None) -> jax.Array:
     """x [B, T, D] -> [B, T, D]; with outputs_at int[B, T'] only those columns' queries attend
     (every column's K/V are still stored) -> [B, T', D]."""
+    span = span.replace(window=Window.of_layer(self.config, self.layer))
     k, v = self.key_value(x, span.positions)
     positions = span.positions
     if outputs_at is not None:

@@ -63,7 +63,7 @@ class Mlp(nn.Module):
 
 
 class Block(nn.Module):
-  """Pre-norm residual block."""
+  """Pre-norm residual block; `layer` is its index (its attention's sliding window)."""
 
   config: ModelConfig
   backend: Backend = XLA
@@ -72,7 +72,7 @@ class Block(nn.Module):
   def setup(self):
     self.attn_norm = make_norm(self.config, "attn_norm")
     self.attn = (LatentAttention(self.config, self.layer, self.backend) if self.config.is_latent
-                 else Attention(self.config, self.backend))
+                 else Attention(self.config, self.backend, self.layer))
     self.mlp_norm = make_norm(self.config, "mlp_norm")
     self.mlp = Mlp(self.config, self.backend)
 

@@ -140,11 +140,18 @@ def pretrain(study: GqaStudy, stages: Stages, workdir: Path, which: str) -> dict
   return stages.run(f"pretrain_{which}", lambda: train.run(config, workdir / f"mha_{which}"))
 
 
+def uptrained_name(study: GqaStudy, num_kv_heads: int, method: str = "mean", fraction: float | None = None,
+                   distill: float = 0.0) -> str:
+  """The folder (and stage) name of an uptraining of MHA-big inside the study's workdir."""
+  fraction = study.fraction if fraction is None else fraction
+  return f"kv{num_kv_heads}_{method}_alpha{fraction:g}" + (f"_distill{distill:g}" if distill else "")
+
+
 def uptrained(study: GqaStudy, stages: Stages, workdir: Path, num_kv_heads: int,
               method: str = "mean", fraction: float | None = None, distill: float = 0.0) -> Path:
   """Uptrains MHA-big to `num_kv_heads` in its own workdir; returns that workdir."""
   fraction = study.fraction if fraction is None else fraction
-  dest = workdir / (f"kv{num_kv_heads}_{method}_alpha{fraction:g}" + (f"_distill{distill:g}" if distill else ""))
+  dest = workdir / uptrained_name(study, num_kv_heads, method, fraction, distill)
   mesh = [f"train.mesh={study.train.mesh}"] if study.train.mesh else []
   stages.run(dest.name, lambda: uptrain(workdir / "mha_big", dest, num_kv_heads, method=method,
                                         fraction=fraction, distill=distill, overrides=mesh))

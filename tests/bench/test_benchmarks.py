@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvjax.bench import benchmarks, mla, paged
+from kvjax.bench import benchmarks, mla, paged, quant
 from kvjax.config import ModelConfig
 
 TINY = ModelConfig(vocab_size=64, d_model=32, num_layers=1, num_heads=4, num_kv_heads=2, mlp_dim=64, max_len=64)
@@ -34,3 +34,11 @@ def test_bench_mla_compares_equal_bytes_and_equal_latents():
   assert result["kv_bytes_per_token"]["mla"] == result["kv_bytes_per_token"]["gqa"]
   assert result["mla_model"]["kv_latent_rank"] == 24 and result["first_step_max_logit_diff"] < 1e-4
   assert result["mla_over_gqa"] > 0
+
+
+def test_bench_quant_compares_equal_caches():
+  """The float32 cache holds the int8 cache's dequantized values, so the two steps agree."""
+  result = quant.bench_quant(TINY, batch=2, context=40, repeats=1)
+  assert result["max_output_diff"] < 1e-5
+  # int8 data plus a float32 scale per (position, kv head) for K and for V: (H + 4) / (4 H) of float32
+  assert result["int8_cache_bytes"] * 4 * TINY.head_dim == result["float32_cache_bytes"] * (TINY.head_dim + 4)

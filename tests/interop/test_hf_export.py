@@ -91,6 +91,10 @@ def test_refusals_write_nothing(tmp_path):
   with pytest.raises(ValueError, match="positions='learned', norm='layernorm', activation='gelu' has no Hugging Face"):
     export_hf(random_params(gpt2_like), gpt2_like, tmp_path / "gpt2")
   assert not (tmp_path / "gpt2").exists()
+  windowed = config(window=(8, 0))
+  with pytest.raises(ValueError, match=r"window=\(8, 0\) has no Hugging Face"):
+    export_hf(random_params(windowed), windowed, tmp_path / "windowed")
+  assert not (tmp_path / "windowed").exists()
   occupied = tmp_path / "occupied"
   occupied.mkdir()
   (occupied / "notes.txt").write_text("keep me")

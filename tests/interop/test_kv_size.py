@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -137,3 +138,30 @@ def test_text_output_and_errors(capsys, tmp_path):
   (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
   with pytest.raises(ValueError, match="'bert'"):
     resolve(str(tmp_path))
+
+
+def test_windowed_layers_stop_growing_at_window_plus_sinks():
+  config = ModelConfig(vocab_size=64, d_model=48, num_layers=3, num_heads=6, num_kv_heads=2,
+                       max_len=32, window=(4, 0), sink_tokens=2)  # layers 0 and 2 keep 6 positions
+  arch = kv_size.from_model_config("windowed", config)
+  for context in (3, 6, 20):
+    cache = ContiguousCache.create(config, 2, context)
+    assert plan(arch, context=context, batch=2, dtype="fp32")["cache_bytes"] == cache.nbytes
+  per_position = 2 * 2 * 8 * 4  # K and V, 2 kv heads, head dim 8, float32: one layer, one position
+  free = 2 * per_position * (12 + 100)
+  # One global layer grows; the two windowed ones hold 6 positions each from context 6 on.
+  assert arch.max_context(free, 2, 4) == 100
+  every = dataclasses.replace(arch, window=(4,))
+  assert every.max_context(free, 2, 4) is None and every.max_context(2 * per_position * 17, 2, 4) == 5
+  # An MLA variant (latent 20 + rotary 4 per position) keeps the same positions per layer.
+  latent_row = plan(arch, context=20, batch=2, dtype="fp32", device_memory=free + arch.params * 4,
+                    mla=((20, 4),))["variants"][0]
+  assert latent_row["variant"] == "MLA 20+4" and latent_row["bytes_per_token"] == 3 * 24 * 4
+  assert latent_row["cache_bytes"] == 2 * 24 * 4 * (20 + 6 + 6)
+  assert latent_row["max_context"] == (free // (2 * 24 * 4)) - 12
+  result = plan(PRESETS["Gemma-2-9B"], context=32768, batch=1, device_memory=parse_bytes("80GB"))
+  full = PRESETS["Gemma-2-9B"].bytes_per_token(2) * 32768
+  assert result["cache_bytes"] == full // 2 + full // 2 // 32768 * 4096  # 21 local layers keep 4096
+  mistral = plan(PRESETS["Mistral-7B-v0.1"], context=10**6, batch=1, device_memory=parse_bytes("24GB"))
+  assert mistral["max_context"] is None and mistral["cache_bytes"] == 128 * 2**10 * 4096
+  assert count_params(_kvjax_equivalent(PRESETS["Mistral-7B-v0.1"])) == PRESETS["Mistral-7B-v0.1"].params

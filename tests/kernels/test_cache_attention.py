@@ -88,7 +88,7 @@ def test_kernel_propagates_nan():
 def test_routing():
   q, k, v, lengths = inputs(2, 2, 2, 8, 32, [3, 31])
   lowered = lambda *a: jax.jit(attend_cache).lower(*a).as_text()
-  target = cpu_kernels.KERNELS["attention"][0]
+  target = attention_kernel.TARGET
   assert target in lowered(q, k, v, lengths)
   assert target not in lowered(q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), lengths)  # bf16 cache: XLA
 

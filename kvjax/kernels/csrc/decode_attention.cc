@@ -1,24 +1,35 @@
-// kvjax_decode_attention: one query token per sequence attends to its cached keys and values,
-// in float32 on the CPU.
+// kvjax's decode attention: one query token per sequence attends to its cached keys and values,
+// on the CPU. One kernel, four XLA FFI targets, by how the cache stores them:
 //
-// An XLA FFI handler. Inputs, in the kv-head-major layout of kvjax's cache:
-//   q      [B, K, G, H]  the step's queries, grouped by kv head and already scaled,
-//   k      [B, K, H, S]  cached keys, transposed,
-//   v      [B, K, S, H]  cached values,
+//   kvjax_decode_attention        q, k [B, K, H, S] (transposed), v [B, K, S, H], valid -> out
+//   kvjax_decode_attention_int8   q, k, v as above in int8, k_scale [B, K, S], v_scale [B, K, S], valid
+//   kvjax_paged_attention         q, k pool [K, P, Z, H], v pool [K, P, Z, H], page_table [B, M], valid
+//   kvjax_paged_attention_int8    q, k, v pools in int8, k_scale [K, P, Z], v_scale [K, P, Z], page_table, valid
+//
+//   q      [B, K, G, H]  the step's queries, grouped by kv head and already scaled (float32),
 //   valid  int32 [B]     how many cached positions each row attends to (its length + 1),
-// and the output [B, K, G, H]. Each (row, kv head) pair is cut into chunks of positions; a task
-// reads a chunk's keys once for up to 8 query heads (scores as [G, H] x [H, chunk] with
-// positions in vector lanes), takes the softmax in a per-thread buffer that stays in cache, and
-// reads the chunk's values once; the chunks of a pair are merged afterwards (the split softmax
-// of flash decoding). Only positions below valid[b] are read: XLA's masked attention reads the
-// whole preallocated cache.
+//   out    [B, K, G, H]  float32.
+// Paged: entry j of row b's page table is the page holding its positions [j*Z, (j+1)*Z); pages
+// are read in place. int8: a stored value is int8 * scale, one scale per (position, kv head);
+// the kernel reads the int8 data and applies the scales to the scores (keys) and to the softmax
+// weights (values), so it reads a quarter of float32's bytes.
+//
+// Each (row, kv head) pair is cut into chunks of positions; a task reads a chunk's keys once for
+// up to 8 query heads (contiguous keys, transposed: scores as [G, H] x [H, chunk] with positions in
+// vector lanes; paged keys: dot products along their rows, for one query head at a time),
+// takes the softmax in a per-thread buffer that stays in cache, and reads the chunk's value rows
+// once; the chunks of a pair are merged afterwards (the split softmax of flash decoding). Only
+// positions below valid[b] are read: XLA's masked attention reads the whole preallocated cache,
+// and over pages a gathered copy of it.
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <memory>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -33,7 +44,9 @@ namespace {
 using kvjax::IVec;
 using kvjax::kLanes;
 using kvjax::Load;
+using kvjax::LoadAs;
 using kvjax::LoadPart;
+using kvjax::LoadPartAs;
 using kvjax::Store;
 using kvjax::StorePart;
 using kvjax::Vec;
@@ -44,11 +57,13 @@ constexpr int64_t kValueGroups = 8;   // query heads per register tile of output
 constexpr int64_t kMinChunk = 256;    // positions: shorter chunks read their key rows in shorter runs
 constexpr int64_t kMaxChunk = 2048;   // positions: a chunk's scores (G x chunk floats) stay in L2
 constexpr int64_t kTasksPerThread = 4;
-// Software prefetch distances, in floats. The hardware prefetcher alone leaves the loops waiting
-// on memory when many query heads share each cached row (the value loop's single stream, and the
-// key tile's head_dim rows of stride max_len). A prefetch past a buffer's end never faults.
-constexpr int64_t kKeyPrefetch = 64;      // 256 B along each key row (1-2 score tiles at 16 lanes)
-constexpr int64_t kValuePrefetch = 1024;  // 4 KB down the values
+// Software prefetch distances, in stored entries. The hardware prefetcher alone leaves the loops
+// waiting on memory when many query heads share each cached row (the value loop's single stream,
+// and the key tile's head_dim rows of stride max_len). A prefetch past a buffer's end never faults.
+constexpr int64_t kKeyPrefetch = 64;      // along each key row: 1-2 score tiles at 16 lanes (256 B in float32)
+constexpr int64_t kValuePrefetch = 1024;  // down the contiguous values: 16 rows of 64 (4 KB in float32)
+constexpr int64_t kRowsAhead = 16;        // down the paged values, in rows
+constexpr int64_t kKeyRowsAhead = 2 * kLanes;  // down the paged keys, in rows (two tiles)
 
 inline float Max(Vec v) {
   float m = v[0];
@@ -83,65 +98,136 @@ inline Vec Exp(Vec x) {
   return p * scale;
 }
 
-struct Problem {
-  const float* q;
-  const float* k;
-  const float* v;
-  const int32_t* valid;
-  int64_t batch, kv_heads, groups, head_dim, max_len;
-  int64_t chunks, chunk;  // chunks per (row, kv head) pair, positions per chunk
-  // Per task: for each query head, the running max, the sum of exponentials, then H
-  // unnormalised outputs.
-  float* partial;
+// fn(std::integral_constant<int, n>) for 1 <= n <= kMax: a run-time count as a template argument.
+template <int kMax, typename Fn>
+inline void WithConstant(int64_t n, Fn fn) {
+  if constexpr (kMax > 1)
+    if (n < kMax) return WithConstant<kMax - 1>(n, fn);
+  fn(std::integral_constant<int, kMax>{});
+}
 
-  int64_t tasks() const { return batch * kv_heads * chunks; }
-  int64_t partial_stride() const { return groups * (head_dim + 2); }
-  // A task's scores buffer holds groups rows of this many floats: chunk rounded up to a tile.
-  int64_t score_stride() const {
-    constexpr int64_t tile = kScoreVectors * kLanes;
-    return (chunk + tile - 1) / tile * tile;
-  }
-  void RunTask(int64_t task, float* scores) const;
-  void Merge(float* out) const;
-};
-
-// scores[g, s - s0 + 0:NV*kLanes] = q[g] . keys[:, s + 0:NV*kLanes] for GB query heads; keys has
-// row stride max_len. kEdge: the tile reaches past max_len, whose positions read as zero.
-// (Whether a load is partial is decided at compile time: a choice made in the loop keeps the
-// accumulators out of registers.)
-template <int GB, int NV, bool kEdge>
-void ScoreTile(const float* q, const float* keys, float* scores, int64_t head_dim, int64_t max_len,
-               int64_t s, int64_t s0, int64_t scores_stride) {
-  Vec acc[GB][NV] = {};
-  for (int64_t h = 0; h < head_dim; ++h) {
-    const float* row = keys + h * max_len + s;
+// Contiguous keys are stored transposed ([H, S] with row stride max_len), so that positions lie in
+// vector lanes. Load(h, kv) sets kv[j], j < NV, to entry h of the kLanes * NV keys from position
+// s, vector j holding positions s + kLanes * j onwards. kEdge: the tile reaches past max_len,
+// whose positions read as zero. (Whether a load is partial
+// is decided at compile time: a choice made in the loop keeps the accumulators out of registers.)
+template <typename T, int NV, bool kEdge>
+struct TransposedKeys {
+  const T* keys;
+  int64_t max_len, s;
+  void Load(int64_t h, Vec* kv) const {
+    const T* row = keys + h * max_len + s;
     for (int j = 0; j < NV; ++j) __builtin_prefetch(row + kLanes * j + kKeyPrefetch);
-    Vec kv[NV];
     for (int j = 0; j < NV; ++j) {
       const int64_t left = max_len - s - kLanes * j;
-      kv[j] = !kEdge || left >= kLanes ? Load(row + kLanes * j) : left > 0 ? LoadPart(row + kLanes * j, left) : Vec{};
+      kv[j] = !kEdge || left >= kLanes ? LoadAs(row + kLanes * j) : left > 0 ? LoadPartAs(row + kLanes * j, left) : Vec{};
     }
+  }
+};
+
+// scores[g, 0:NV*kLanes] = q[g] . (the tile's keys) for GB query heads.
+template <int GB, int NV, typename Keys>
+void ScoreTile(const float* q, const Keys& keys, float* scores, int64_t head_dim, int64_t scores_stride) {
+  Vec acc[GB][NV] = {};
+  for (int64_t h = 0; h < head_dim; ++h) {
+    Vec kv[NV];
+    keys.Load(h, kv);
     for (int g = 0; g < GB; ++g) {
       const float qg = q[g * head_dim + h];
       for (int j = 0; j < NV; ++j) acc[g][j] += qg * kv[j];
     }
   }
   for (int g = 0; g < GB; ++g)
-    for (int j = 0; j < NV; ++j) Store(scores + g * scores_stride + s - s0 + kLanes * j, acc[g][j]);
+    for (int j = 0; j < NV; ++j) Store(scores + g * scores_stride + kLanes * j, acc[g][j]);
 }
 
-// out[g, 0:width] = sum over s < len of probs[g, s] * values[s, 0:width] for GB query heads,
-// width = HV vectors, the last holding only `rest` lanes if kPartial; values has row stride
-// head_dim and out has row stride head_dim + 2.
-template <int GB, int HV, bool kPartial>
-void ValueTile(const float* probs, const float* values, float* out, int64_t len, int64_t head_dim,
+// Paged keys are stored by position, a row of head_dim entries each: their scores are dot
+// products along the rows, kLanes rows at a time, whose kLanes vector sums are then folded into
+// one vector of kLanes scores (lane i: position i).
+
+// Lane i of the result: the sum of a's block (of 2 * kHalf lanes) holding lane i folded in half
+// if i is in its block's lower half, else b's.
+template <int kHalf>
+inline Vec Fold(Vec a, Vec b) {
+  IVec x, y;  // constants once inlined: each shuffle is one instruction
+#pragma GCC unroll 16
+  for (int i = 0; i < kLanes; ++i) {
+    const bool low = i % (2 * kHalf) < kHalf;
+    x[i] = low ? i : kLanes + i;
+    y[i] = low ? i + kHalf : kLanes + i - kHalf;
+  }
+  return __builtin_shuffle(a, b, x) + __builtin_shuffle(a, b, y);
+}
+
+// Lane i of the result: the sum of the lanes of v[kBitReversed[i]] (v is overwritten). Folding
+// pairs of vectors, then pairs of those, ... leaves the sums in bit-reversed order.
+template <int kHalf = kLanes / 2>
+inline Vec SumEach(Vec* v) {
+  constexpr int n = 2 * kHalf;  // vectors left at this level
+#pragma GCC unroll 16
+  for (int i = 0; i < n / 2; ++i) v[i] = Fold<kHalf>(v[2 * i], v[2 * i + 1]);
+  if constexpr (kHalf > 1) return SumEach<kHalf / 2>(v);
+  else return v[0];
+}
+
+constexpr int BitReversed(int i) {
+  int r = 0;
+  for (int bit = 1; bit < kLanes; bit <<= 1) r = (r << 1) | ((i & bit) ? 1 : 0);
+  return r;
+}
+
+// scores[0:kLanes] = q . (the rows at pool + offsets[0:kLanes]), each of head_dim entries.
+template <typename T>
+void RowScores(const float* q, const T* pool, const int32_t* offsets, float* scores, int64_t head_dim) {
+  Vec acc[kLanes] = {};
+  const int64_t full = head_dim / kLanes * kLanes, rest = head_dim - full;
+  for (int64_t h = 0; h < full; h += kLanes) {
+    const Vec qv = Load(q + h);
+#pragma GCC unroll 16
+    for (int i = 0; i < kLanes; ++i) acc[BitReversed(i)] += qv * LoadAs(pool + offsets[i] + h);
+  }
+  if (rest) {
+    const Vec qv = LoadPart(q + full, rest);
+#pragma GCC unroll 16
+    for (int i = 0; i < kLanes; ++i) acc[BitReversed(i)] += qv * LoadPartAs(pool + offsets[i] + full, rest);
+  }
+  Store(scores, SumEach(acc));
+}
+
+// How a chunk's value rows are found: Row(s) is position s's row of head_dim entries, Ahead(s)
+// one to prefetch (about 16 rows further down).
+
+// Contiguous values: consecutive rows from the chunk's first position.
+template <typename T>
+struct ConsecutiveRows {
+  const T* values;
+  int64_t head_dim;
+  const T* Row(int64_t s) const { return values + s * head_dim; }
+  const T* Ahead(int64_t s) const { return values + s * head_dim + kValuePrefetch; }
+};
+
+// Paged values: position s's row is at pool + offsets[s] (offsets padded past the chunk).
+template <typename T>
+struct PagedRows {
+  const T* pool;
+  const int32_t* offsets;
+  const T* Row(int64_t s) const { return pool + offsets[s]; }
+  const T* Ahead(int64_t s) const { return pool + offsets[s + kRowsAhead]; }
+};
+
+// out[g, 0:width] = sum over s < len of probs[g, s] * rows.Row(s)[h:h + width] for GB query
+// heads, width = HV vectors, the last holding only `rest` lanes if kPartial; out has row stride
+// head_dim + 2.
+template <int GB, int HV, bool kPartial, typename Rows>
+void ValueTile(const float* probs, const Rows& rows, int64_t h, float* out, int64_t len, int64_t head_dim,
                int64_t rest, int64_t probs_stride) {
   Vec acc[GB][HV] = {};
   for (int64_t s = 0; s < len; ++s) {
-    const float* row = values + s * head_dim;
+    const auto* row = rows.Row(s) + h;
+    const auto* ahead = rows.Ahead(s) + h;
     Vec vv[HV];
-    for (int j = 0; j < HV; ++j) __builtin_prefetch(row + kLanes * j + kValuePrefetch);
-    for (int j = 0; j < HV; ++j) vv[j] = kPartial && j == HV - 1 ? LoadPart(row + kLanes * j, rest) : Load(row + kLanes * j);
+    for (int j = 0; j < HV; ++j) __builtin_prefetch(ahead + kLanes * j);
+    for (int j = 0; j < HV; ++j) vv[j] = kPartial && j == HV - 1 ? LoadPartAs(row + kLanes * j, rest) : LoadAs(row + kLanes * j);
     for (int g = 0; g < GB; ++g) {
       const float p = probs[g * probs_stride + s];
       for (int j = 0; j < HV; ++j) acc[g][j] += p * vv[j];
@@ -154,68 +240,145 @@ void ValueTile(const float* probs, const float* values, float* out, int64_t len,
     }
 }
 
-// fn(std::integral_constant<int, n>) for 1 <= n <= kMax: a run-time count as a template argument.
-template <int kMax, typename Fn>
-inline void WithConstant(int64_t n, Fn fn) {
-  if constexpr (kMax > 1)
-    if (n < kMax) return WithConstant<kMax - 1>(n, fn);
-  fn(std::integral_constant<int, kMax>{});
-}
-
 // ValueTile over the whole head dim: up to 32 accumulators, 4 vectors of it at a time for up to 4
 // query heads, 2 for more.
-template <int GB>
-void ValueBlock(const float* probs, const float* values, float* out, int64_t len, int64_t head_dim,
-                int64_t probs_stride) {
+template <int GB, typename Rows>
+void ValueBlock(const float* probs, const Rows& rows, float* out, int64_t len, int64_t head_dim, int64_t probs_stride) {
   constexpr int kHeadVectors = GB > 4 ? 2 : 4;
   for (int64_t h = 0; h < head_dim; h += kHeadVectors * kLanes) {
     const int64_t width = std::min(kHeadVectors * kLanes, head_dim - h), rest = width % kLanes;
     WithConstant<kHeadVectors>((width + kLanes - 1) / kLanes, [&](auto vectors) {
       constexpr int HV = decltype(vectors)::value;
-      if (rest) ValueTile<GB, HV, true>(probs, values + h, out + h, len, head_dim, rest, probs_stride);
-      else ValueTile<GB, HV, false>(probs, values + h, out + h, len, head_dim, rest, probs_stride);
+      if (rest) ValueTile<GB, HV, true>(probs, rows, h, out + h, len, head_dim, rest, probs_stride);
+      else ValueTile<GB, HV, false>(probs, rows, h, out + h, len, head_dim, rest, probs_stride);
     });
   }
 }
 
-void Problem::RunTask(int64_t task, float* scores) const {
+// A worker's buffers, reused over its tasks.
+struct Scratch {
+  std::vector<float> scores;     // groups rows of score_stride()
+  std::vector<int32_t> offsets;  // paged: each position's row, in elements from the pool's start
+  std::vector<float> scales;     // paged int8: each position's key scale, then its value scale
+};
+
+// T: the stored type (float or int8_t); kPaged: page pools read through page tables.
+template <typename T, bool kPaged>
+struct Problem {
+  static constexpr bool kQuantized = std::is_same_v<T, int8_t>;
+  static constexpr int64_t kPadding = std::max(kRowsAhead, kKeyRowsAhead + kLanes);  // offsets past the chunk
+
+  const float* q;
+  const T* k;
+  const T* v;
+  const float* k_scale;  // int8: one per stored (position, kv head), laid out as k without H
+  const float* v_scale;
+  const int32_t* page_table;  // paged: [B, M]
+  const int32_t* valid;
+  int64_t batch, kv_heads, groups, head_dim, max_len;  // paged: max_len = M * Z
+  int64_t num_pages, page_size, table_width;  // paged: P, Z, M
+  int64_t chunks, chunk;  // chunks per (row, kv head) pair, positions per chunk
+  // Per task: for each query head, H unnormalised outputs, the running max, the sum of exponentials.
+  float* partial;
+
+  int64_t tasks() const { return batch * kv_heads * chunks; }
+  int64_t partial_stride() const { return groups * (head_dim + 2); }
+  // A task's scores buffer holds groups rows of this many floats: chunk rounded up to a tile.
+  int64_t score_stride() const {
+    constexpr int64_t tile = kScoreVectors * kLanes;
+    return (chunk + tile - 1) / tile * tile;
+  }
+  // Paged: the pool row (of H entries, counted over all kv heads) holding position s of row b's kv head kv.
+  int64_t PoolRow(int64_t b, int64_t kv, int64_t s) const {
+    return (kv * num_pages + page_table[b * table_width + s / page_size]) * page_size + s % page_size;
+  }
+  void Prepare(Scratch& scratch) const {
+    scratch.scores.resize(groups * score_stride());
+    if constexpr (kPaged) scratch.offsets.resize(score_stride() + kPadding);
+    if constexpr (kPaged && kQuantized) scratch.scales.resize(2 * score_stride());
+  }
+  void RunTask(int64_t task, Scratch& scratch) const;
+  void Merge(float* out) const;
+};
+
+template <typename T, bool kPaged>
+void Problem<T, kPaged>::RunTask(int64_t task, Scratch& scratch) const {
   const int64_t pair = task / chunks, c = task % chunks;
-  const int64_t b = pair / kv_heads;
+  const int64_t b = pair / kv_heads, kv = pair % kv_heads;
   const int64_t s0 = std::min<int64_t>(c * chunk, valid[b]);
   const int64_t len = std::min<int64_t>(chunk, valid[b] - s0);
   const int64_t stride = score_stride();
   const float* qp = q + pair * groups * head_dim;
-  const float* keys = k + pair * head_dim * max_len;
   float* out = partial + task * partial_stride();
+  float* scores = scratch.scores.data();
   if (len == 0) {  // no outputs, a zero sum and a max of -inf: the merge skips it
     std::memset(out, 0, partial_stride() * sizeof(float));
     for (int64_t g = 0; g < groups; ++g) out[g * (head_dim + 2) + head_dim] = -std::numeric_limits<float>::infinity();
     return;
   }
 
-  // Scores, a tile of positions at a time (positions past len are computed and ignored), for up
-  // to 8 query heads per pass over the chunk's keys.
-  for (int64_t g = 0; g < groups; g += kScoreGroups) {
-    const float* qg = qp + g * head_dim;
-    float* sg = scores + g * stride;
-    WithConstant<kScoreGroups>(std::min(kScoreGroups, groups - g), [&](auto block) {
-      constexpr int GB = decltype(block)::value;
-      constexpr int NV = GB > 4 ? kScoreVectors / 2 : kScoreVectors;  // GB x NV accumulators
-      for (int64_t s = 0; s < len; s += NV * kLanes) {
-        if (len - s > (NV - 1) * kLanes) {
-          if (s0 + s + NV * kLanes <= max_len) ScoreTile<GB, NV, false>(qg, keys, sg, head_dim, max_len, s0 + s, s0, stride);
-          else ScoreTile<GB, NV, true>(qg, keys, sg, head_dim, max_len, s0 + s, s0, stride);
-        } else {
-          for (int64_t t = s; t < len; t += kLanes) ScoreTile<GB, 1, true>(qg, keys, sg, head_dim, max_len, s0 + t, s0, stride);
-        }
+  // Paged: where each position's row starts; positions past len (the last tile's tail, the value
+  // prefetches) repeat the last one, so that every read stays inside the row's pages.
+  int32_t* offsets = scratch.offsets.data();
+  const float* k_scales = nullptr;
+  const float* v_scales = nullptr;
+  if constexpr (kPaged) {
+    for (int64_t i = 0; i < len;) {  // a page at a time
+      const int64_t row = PoolRow(b, kv, s0 + i), end = std::min(len, i + page_size - (s0 + i) % page_size);
+      for (int64_t first = i; i < end; ++i) offsets[i] = static_cast<int32_t>((row + i - first) * head_dim);
+    }
+    std::fill(offsets + len, offsets + stride + kPadding, offsets[len - 1]);
+    if constexpr (kQuantized) {
+      float* scales = scratch.scales.data();
+      for (int64_t i = 0; i < len; ++i) {
+        scales[i] = k_scale[offsets[i] / head_dim];
+        scales[stride + i] = v_scale[offsets[i] / head_dim];
       }
-    });
+      k_scales = scales, v_scales = scales + stride;
+    }
+  } else if constexpr (kQuantized) {
+    k_scales = k_scale + pair * max_len + s0, v_scales = v_scale + pair * max_len + s0;
   }
 
-  // Softmax numerators in place, with each query head's max and sum kept for the merge.
+  // Scores, a tile of positions at a time (positions past len are computed and ignored).
+  if constexpr (kPaged) {  // a tile's rows, prefetched two tiles ahead, for every query head while in L1
+    for (int64_t s = 0; s < len; s += kLanes) {
+      for (int64_t i = 0; i < kLanes; ++i)
+        for (int64_t h = 0; h < head_dim; h += 64 / sizeof(T)) __builtin_prefetch(k + offsets[s + kKeyRowsAhead + i] + h);
+      for (int64_t g = 0; g < groups; ++g)
+        RowScores(qp + g * head_dim, k, offsets + s, scores + g * stride + s, head_dim);
+    }
+  } else {  // up to 8 query heads per pass over the chunk's keys
+    const T* keys = k + pair * head_dim * max_len;
+    for (int64_t g = 0; g < groups; g += kScoreGroups) {
+      const float* qg = qp + g * head_dim;
+      float* sg = scores + g * stride;
+      WithConstant<kScoreGroups>(std::min(kScoreGroups, groups - g), [&](auto block) {
+        constexpr int GB = decltype(block)::value;
+        constexpr int NV = GB > 4 ? kScoreVectors / 2 : kScoreVectors;  // GB x NV accumulators
+        auto tile = [&](auto vectors, int64_t s) {  // the tile of `vectors` vectors from chunk position s
+          constexpr int W = decltype(vectors)::value;
+          if (s0 + s + W * kLanes <= max_len)
+            ScoreTile<GB, W>(qg, TransposedKeys<T, W, false>{keys, max_len, s0 + s}, sg + s, head_dim, stride);
+          else
+            ScoreTile<GB, W>(qg, TransposedKeys<T, W, true>{keys, max_len, s0 + s}, sg + s, head_dim, stride);
+        };
+        for (int64_t s = 0; s < len; s += NV * kLanes) {
+          if (len - s > (NV - 1) * kLanes) tile(std::integral_constant<int, NV>{}, s);
+          else for (int64_t t = s; t < len; t += kLanes) tile(std::integral_constant<int, 1>{}, t);
+        }
+      });
+    }
+  }
+
+  // Softmax numerators in place, with each query head's max and sum kept for the merge. int8:
+  // the scores take their keys' scales first, and the numerators their values' scales after the
+  // sum, so that the value pass adds p * v_scale * v_int8.
   const int64_t full = len / kLanes * kLanes;
   for (int64_t g = 0; g < groups; ++g) {
     float* sg = scores + g * stride;
+    if constexpr (kQuantized)
+      for (int64_t s = 0; s < len; ++s) sg[s] *= k_scales[s];
     float m = -std::numeric_limits<float>::infinity();
     Vec mv = Vec{} + m;
     for (int64_t s = 0; s < full; s += kLanes) { const Vec x = Load(sg + s); mv = x > mv ? x : mv; }
@@ -227,17 +390,23 @@ void Problem::RunTask(int64_t task, float* scores) const {
     for (int64_t s = full; s < len; ++s) l += sg[s] = std::exp(sg[s] - m);
     out[g * (head_dim + 2) + head_dim] = m;
     out[g * (head_dim + 2) + head_dim + 1] = l;
+    if constexpr (kQuantized)
+      for (int64_t s = 0; s < len; ++s) sg[s] *= v_scales[s];
   }
 
-  const float* values = v + (pair * max_len + s0) * head_dim;
-  for (int64_t g = 0; g < groups; g += kValueGroups)
-    WithConstant<kValueGroups>(std::min(kValueGroups, groups - g), [&](auto block) {
-      ValueBlock<decltype(block)::value>(scores + g * stride, values, out + g * (head_dim + 2), len, head_dim, stride);
-    });
+  auto values = [&](auto rows) {
+    for (int64_t g = 0; g < groups; g += kValueGroups)
+      WithConstant<kValueGroups>(std::min(kValueGroups, groups - g), [&](auto block) {
+        ValueBlock<decltype(block)::value>(scores + g * stride, rows, out + g * (head_dim + 2), len, head_dim, stride);
+      });
+  };
+  if constexpr (kPaged) values(PagedRows<T>{v, offsets});
+  else values(ConsecutiveRows<T>{v + (pair * max_len + s0) * head_dim, head_dim});
 }
 
 // out[pair, g] = the chunks' outputs rescaled to their common max, over their common sum.
-void Problem::Merge(float* out) const {
+template <typename T, bool kPaged>
+void Problem<T, kPaged>::Merge(float* out) const {
   const int64_t hd = head_dim + 2;
   for (int64_t pair = 0; pair < batch * kv_heads; ++pair)
     for (int64_t g = 0; g < groups; ++g) {
@@ -258,47 +427,116 @@ void Problem::Merge(float* out) const {
     }
 }
 
-// Named types: the registration macro below splits its arguments at commas.
-using Array4 = ffi::Buffer<ffi::F32, 4>;
-using Result4 = ffi::ResultBuffer<ffi::F32, 4>;
-using Lengths = ffi::Buffer<ffi::S32, 1>;
-
-ffi::Error DecodeAttention(ffi::ThreadPool pool, Array4 q, Array4 k, Array4 v, Lengths valid, Result4 out) {
-  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
-  const int64_t batch = qd[0], kv_heads = qd[1], groups = qd[2], head_dim = qd[3], max_len = vd[2];
-  if (kd[0] != batch || kd[1] != kv_heads || kd[2] != head_dim || kd[3] != max_len ||
-      vd[0] != batch || vd[1] != kv_heads || vd[3] != head_dim || valid.dimensions()[0] != batch)
-    return ffi::Error::InvalidArgument(
-        "kvjax_decode_attention expects q [B, K, G, H], k [B, K, H, S], v [B, K, S, H], valid [B]");
-  const int32_t* lengths = valid.typed_data();
+// Checks the lengths (and a paged problem's page-table entries for the valid positions), picks
+// the chunks and runs the tasks over the thread pool, then merges them into out [B, K, G, H].
+template <typename T, bool kPaged>
+ffi::Error Run(ffi::ThreadPool& pool, Problem<T, kPaged> problem, float* out, const char* name) {
+  const int64_t batch = problem.batch, max_len = problem.max_len;
   int64_t longest = 0;
   for (int64_t b = 0; b < batch; ++b) {
-    if (lengths[b] < 0 || lengths[b] > max_len)
-      return ffi::Error::InvalidArgument("kvjax_decode_attention: valid length outside [0, S]");
-    longest = std::max<int64_t>(longest, lengths[b]);
+    const int64_t length = problem.valid[b];
+    if (length < 0 || length > max_len)
+      return ffi::Error::InvalidArgument(std::string(name) + ": valid length outside [0, S]");
+    longest = std::max(longest, length);
+    if constexpr (kPaged)
+      for (int64_t j = 0; j * problem.page_size < length; ++j) {
+        const int32_t page = problem.page_table[b * problem.table_width + j];
+        if (page < 0 || page >= problem.num_pages)
+          return ffi::Error::InvalidArgument(std::string(name) + ": a page-table entry for valid positions is outside the pool");
+      }
   }
-  if (batch * kv_heads * groups == 0) return ffi::Error::Success();
+  if (batch * problem.kv_heads * problem.groups == 0) return ffi::Error::Success();
 
   // Enough tasks to share over the threads, chunks of kMinChunk to kMaxChunk positions where
   // the lengths allow.
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t pairs = batch * kv_heads;
+  const int64_t pairs = batch * problem.kv_heads;
   const int64_t wanted = std::max<int64_t>(1, (kTasksPerThread * threads + pairs - 1) / pairs);
-  const int64_t chunks = std::max({int64_t{1}, std::min(wanted, longest / kMinChunk),
-                                   (longest + kMaxChunk - 1) / kMaxChunk});
-  const int64_t chunk = std::max<int64_t>(1, (longest + chunks - 1) / chunks);
+  problem.chunks = std::max({int64_t{1}, std::min(wanted, longest / kMinChunk), (longest + kMaxChunk - 1) / kMaxChunk});
+  problem.chunk = std::max<int64_t>(1, (longest + problem.chunks - 1) / problem.chunks);
 
-  std::unique_ptr<float[]> partial(new float[pairs * chunks * groups * (head_dim + 2)]);  // set by each task
-  const Problem problem{q.typed_data(), k.typed_data(), v.typed_data(), lengths, batch, kv_heads, groups,
-                        head_dim, max_len, chunks, chunk, partial.get()};
+  std::unique_ptr<float[]> partial(new float[pairs * problem.chunks * problem.partial_stride()]);  // set by each task
+  problem.partial = partial.get();
   const int64_t workers = std::min(threads, problem.tasks());
-  std::vector<std::vector<float>> scores(workers);  // per worker, allocated on its first task
+  std::vector<Scratch> scratch(workers);  // per worker, allocated on its first task
   kvjax::ParallelFor(pool, problem.tasks(), workers, [&](int64_t task, int64_t worker) {
-    if (scores[worker].empty()) scores[worker].resize(groups * problem.score_stride());
-    problem.RunTask(task, scores[worker].data());
+    if (scratch[worker].scores.empty()) problem.Prepare(scratch[worker]);
+    problem.RunTask(task, scratch[worker]);
   });
-  problem.Merge(out->typed_data());
+  problem.Merge(out);
   return ffi::Error::Success();
+}
+
+// Named types: the registration macros below split their arguments at commas.
+using Array4 = ffi::Buffer<ffi::F32, 4>;
+using Bytes4 = ffi::Buffer<ffi::S8, 4>;
+using Scales3 = ffi::Buffer<ffi::F32, 3>;
+using Result4 = ffi::ResultBuffer<ffi::F32, 4>;
+using Lengths = ffi::Buffer<ffi::S32, 1>;
+using Table = ffi::Buffer<ffi::S32, 2>;
+
+template <typename Dims>
+bool Is(const Dims& d, std::initializer_list<int64_t> want) {
+  return d.size() == want.size() && std::equal(want.begin(), want.end(), d.begin());
+}
+
+// Contiguous caches: q [B, K, G, H], k [B, K, H, S], v [B, K, S, H], scales [B, K, S].
+template <typename T, typename Data>
+ffi::Error Contiguous(ffi::ThreadPool& pool, Array4& q, Data& k, Data& v, const float* k_scale,
+                      const float* v_scale, bool scales_fit, Lengths& valid, Result4& out, const char* name) {
+  const auto qd = q.dimensions(), vd = v.dimensions();
+  const int64_t batch = qd[0], kv_heads = qd[1], groups = qd[2], head_dim = qd[3], max_len = vd[2];
+  if (!Is(k.dimensions(), {batch, kv_heads, head_dim, max_len}) || !Is(vd, {batch, kv_heads, max_len, head_dim}) ||
+      !Is(valid.dimensions(), {batch}) || !scales_fit)
+    return ffi::Error::InvalidArgument(std::string(name) + " expects q [B, K, G, H], k [B, K, H, S], v [B, K, S, H], "
+                                       "(int8: k_scale, v_scale [B, K, S]), valid [B]");
+  Problem<T, false> problem{q.typed_data(), k.typed_data(), v.typed_data(), k_scale, v_scale, nullptr,
+                            valid.typed_data(), batch, kv_heads, groups, head_dim, max_len, 0, 0, 0};
+  return Run(pool, problem, out->typed_data(), name);
+}
+
+// Paged caches: q [B, K, G, H], pools [K, P, Z, H], scales [K, P, Z], page_table [B, M].
+template <typename T, typename Data>
+ffi::Error Paged(ffi::ThreadPool& pool, Array4& q, Data& k, Data& v, const float* k_scale, const float* v_scale,
+                 bool scales_fit, Table& page_table, Lengths& valid, Result4& out, const char* name) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), td = page_table.dimensions();
+  const int64_t batch = qd[0], kv_heads = qd[1], groups = qd[2], head_dim = qd[3];
+  const int64_t num_pages = kd[1], page_size = kd[2], width = td[1];
+  if (!Is(kd, {kv_heads, num_pages, page_size, head_dim}) || !Is(v.dimensions(), {kv_heads, num_pages, page_size, head_dim}) ||
+      td[0] != batch || !Is(valid.dimensions(), {batch}) || !scales_fit)
+    return ffi::Error::InvalidArgument(std::string(name) + " expects q [B, K, G, H], k and v [K, P, Z, H], "
+                                       "(int8: k_scale, v_scale [K, P, Z]), page_table [B, M], valid [B]");
+  if (kv_heads * num_pages * page_size * head_dim >= (int64_t{1} << 31) - 4)
+    return ffi::Error::InvalidArgument(std::string(name) + ": pools of 2^31 entries or more are addressed by XLA");
+  Problem<T, true> problem{q.typed_data(), k.typed_data(), v.typed_data(), k_scale, v_scale,
+                           page_table.typed_data(), valid.typed_data(), batch, kv_heads, groups, head_dim,
+                           width * page_size, num_pages, page_size, width};
+  return Run(pool, problem, out->typed_data(), name);
+}
+
+ffi::Error DecodeAttention(ffi::ThreadPool pool, Array4 q, Array4 k, Array4 v, Lengths valid, Result4 out) {
+  return Contiguous<float>(pool, q, k, v, nullptr, nullptr, true, valid, out, "kvjax_decode_attention");
+}
+
+ffi::Error DecodeAttentionInt8(ffi::ThreadPool pool, Array4 q, Bytes4 k, Bytes4 v, Scales3 k_scale,
+                               Scales3 v_scale, Lengths valid, Result4 out) {
+  const auto kd = k.dimensions();
+  const bool fit = Is(k_scale.dimensions(), {kd[0], kd[1], kd[3]}) && Is(v_scale.dimensions(), {kd[0], kd[1], kd[3]});
+  return Contiguous<int8_t>(pool, q, k, v, k_scale.typed_data(), v_scale.typed_data(), fit, valid, out,
+                            "kvjax_decode_attention_int8");
+}
+
+ffi::Error PagedAttention(ffi::ThreadPool pool, Array4 q, Array4 k, Array4 v, Table page_table, Lengths valid,
+                          Result4 out) {
+  return Paged<float>(pool, q, k, v, nullptr, nullptr, true, page_table, valid, out, "kvjax_paged_attention");
+}
+
+ffi::Error PagedAttentionInt8(ffi::ThreadPool pool, Array4 q, Bytes4 k, Bytes4 v, Scales3 k_scale, Scales3 v_scale,
+                              Table page_table, Lengths valid, Result4 out) {
+  const auto kd = k.dimensions();
+  const bool fit = Is(k_scale.dimensions(), {kd[0], kd[1], kd[2]}) && Is(v_scale.dimensions(), {kd[0], kd[1], kd[2]});
+  return Paged<int8_t>(pool, q, k, v, k_scale.typed_data(), v_scale.typed_data(), fit, page_table, valid, out,
+                       "kvjax_paged_attention_int8");
 }
 
 }  // namespace
@@ -309,5 +547,35 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxDecodeAttention, DecodeAttention,
                                   .Arg<Array4>()
                                   .Arg<Array4>()
                                   .Arg<Array4>()
+                                  .Arg<Lengths>()
+                                  .Ret<Array4>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxDecodeAttentionInt8, DecodeAttentionInt8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Array4>()
+                                  .Arg<Bytes4>()
+                                  .Arg<Bytes4>()
+                                  .Arg<Scales3>()
+                                  .Arg<Scales3>()
+                                  .Arg<Lengths>()
+                                  .Ret<Array4>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxPagedAttention, PagedAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Array4>()
+                                  .Arg<Array4>()
+                                  .Arg<Array4>()
+                                  .Arg<Table>()
+                                  .Arg<Lengths>()
+                                  .Ret<Array4>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxPagedAttentionInt8, PagedAttentionInt8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Array4>()
+                                  .Arg<Bytes4>()
+                                  .Arg<Bytes4>()
+                                  .Arg<Scales3>()
+                                  .Arg<Scales3>()
+                                  .Arg<Table>()
                                   .Arg<Lengths>()
                                   .Ret<Array4>());

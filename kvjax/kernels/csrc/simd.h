@@ -1,5 +1,6 @@
 // Float vectors for kvjax's CPU kernels: 16 lanes with AVX-512, else 8 (AVX2 and others), as
-// GCC vector extensions, with loads and stores of the first n < kLanes lanes.
+// GCC vector extensions, with loads and stores of the first n < kLanes lanes, and loads of int8
+// data as floats.
 
 #ifndef KVJAX_CSRC_SIMD_H_
 #define KVJAX_CSRC_SIMD_H_
@@ -47,6 +48,28 @@ inline void StorePart(float* p, Vec v, int64_t n) {
   Store(lanes, v);
   std::memcpy(p, lanes, n * sizeof(float));
 #endif
+}
+
+// kLanes elements of float or int8 data as floats (LoadAs), or the first n < kLanes of them,
+// zeros after (LoadPartAs, never touching memory past p + n).
+inline Vec LoadAs(const float* p) { return Load(p); }
+inline Vec LoadPartAs(const float* p, int64_t n) { return LoadPart(p, n); }
+// (GCC's __builtin_convertvector from int8 lanes runs one lane at a time: the widening is spelled out.)
+inline Vec LoadAs(const int8_t* p) {
+#if defined(__AVX512F__)
+  return (Vec)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(__AVX2__)
+  return (Vec)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  Vec v;
+  for (int i = 0; i < kLanes; ++i) v[i] = p[i];
+  return v;
+#endif
+}
+inline Vec LoadPartAs(const int8_t* p, int64_t n) {
+  int8_t bytes[kLanes] = {};
+  std::memcpy(bytes, p, n);
+  return LoadAs(bytes);
 }
 
 }  // namespace kvjax

@@ -1,0 +1,382 @@
+"""The KV frontier study: the families of KV-cache compression side by side on one trained model,
+quality against KV bytes per token (experiments/kv_frontier.py writes the table and figure).
+
+From one pre-trained MHA-big (kvjax.studies.gqa's: pre-trained in the study's workdir, or read
+from a GQA table's workdir), each variant changes what the cache keeps:
+  dtype   the element type it stores (ModelConfig.cache_dtype: float32, bfloat16, int8, int4,
+          float8_e4m3fn), MHA-big's params;
+  heads   fewer kv heads (GQA, MQA): MHA-big converted (mean pooling, or the GQA study's best
+          method with distillation) and uptrained for alpha = gqa.fraction of its pre-training;
+  window  sliding-window layers, with or without sink tokens (ModelConfig.window, sink_tokens),
+          applied to MHA-big as trained, no retraining.
+A variant is data (`Variant`): a name, the ModelConfig fields it changes and whose params it
+runs. Every variant is checked against this kvjax's ModelConfig before anything runs, so a
+cache kind the installed kvjax lacks is one error naming the field.
+
+Each is measured through the cache its config selects (decode.prefill / generate build it):
+  kv_bytes_per_token    what a prefill into a one-row cache of `context` positions allocates
+                        (scales, ring buffers and all: the cache's nbytes), over `context`;
+  bits_per_byte         held-out bits per byte on the windows `kvjax eval` scores, from the
+                        logits of every position of one extend from an empty cache;
+  decode_bits_per_byte  the same windows fed one byte per decode step after the first, so every
+                        position reads what the cache stored, as generated tokens do (from an
+                        empty cache a float kind reads the new K/V as computed, so a bfloat16
+                        cache's rounding shows here only);
+  recall                kvjax.studies.recall at each distance (exact match and byte accuracy);
+  decode_step_ms        one decode step of a batch: the median of timing.repeats jitted generate
+                        calls over timing.new_tokens, every variant timed round-robin in one run.
+plain_bits_per_byte is the params' own model without a cache (`kvjax eval`'s number), the
+reference for what a variant's cache costs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from kvjax.config import (ModelConfig, check_choice, check_nonnegative, check_positive, check_real, from_dict,
+                          to_dict)
+from kvjax.conversion.kv_heads import METHODS
+from kvjax.decoding import decode
+from kvjax.model.transformer import Transformer
+from kvjax.studies import gqa as gs
+from kvjax.studies import recall as recall_test
+from kvjax.studies import report
+from kvjax.studies.recall import RecallConfig
+from kvjax.training import checkpoint
+from kvjax.training.data import Dataset, eval_batches, load_dataset
+from kvjax.training.evaluate import evaluate
+
+FAMILIES = ("dtype", "heads", "window")
+MHA_BIG = "mha_big"
+DTYPES = ("float32", "bfloat16", "int8", "int4", "float8_e4m3fn")
+SHORT_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float8_e4m3fn": "fp8"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+  """One point of the frontier: `changes` to the ModelConfig of the params it runs: MHA-big's
+  (kv_heads = 0), or MHA-big uptrained to `kv_heads` kv heads by `method` with distillation
+  weight `distill`."""
+
+  name: str
+  family: str
+  changes: dict[str, Any] = dataclasses.field(default_factory=dict)
+  kv_heads: int = 0
+  method: str = "mean"
+  distill: float = 0.0
+
+  def __post_init__(self):
+    if not isinstance(self.name, str) or not self.name.strip():
+      raise ValueError(f"Variant.name must be a non-empty string, got {self.name!r}")
+    check_choice(self, "family", FAMILIES)
+    if not isinstance(self.changes, dict) or not all(isinstance(k, str) for k in self.changes):
+      raise ValueError(f"Variant.changes must map ModelConfig field names to values, got {self.changes!r}")
+    if "num_kv_heads" in self.changes:
+      raise ValueError(f"Variant {self.name!r}: set kv_heads, not changes.num_kv_heads: fewer kv heads need "
+                       "uptrained params")
+    check_nonnegative(self, "kv_heads")
+    check_choice(self, "method", METHODS)
+    check_real(self, "distill", 0.0, 1e6)
+
+  def describe(self) -> str:
+    """The changes as text, e.g. "cache_dtype=int8, window=(32,)"; "as trained" without any."""
+    shown = lambda v: repr(tuple(v)) if isinstance(v, list) else str(v)
+    return ", ".join(f"{k}={shown(v)}" for k, v in self.changes.items()) or "as trained"
+
+
+def standard_variants(gqa: gs.GqaStudy, windows: tuple[int, ...] = (), sink_tokens: int = 4,
+                      dtypes: tuple[str, ...] = DTYPES) -> tuple[Variant, ...]:
+  """Every family: a cache of each of `dtypes`; GQA (gqa.gqa_kv_heads) and MQA, mean-pooled and by
+  gqa.best_method with gqa.distill; each window in `windows` on every layer, without sinks and,
+  when sink_tokens > 0, with them."""
+  out = [Variant(SHORT_DTYPES.get(d, d), "dtype", {"cache_dtype": d}) for d in dtypes]
+  best = gqa.best_method + (f"+distill{gqa.distill:g}" if gqa.distill else "")
+  for kv in (gqa.gqa_kv_heads, 1):
+    label = gqa.row_name(kv).removesuffix("-big")
+    out += [Variant(f"{label} mean", "heads", kv_heads=kv),
+            Variant(f"{label} {best}", "heads", kv_heads=kv, method=gqa.best_method, distill=gqa.distill)]
+  for window in windows:
+    out.append(Variant(f"window {window}", "window", {"window": (window,)}))
+    if sink_tokens:
+      out.append(Variant(f"window {window} + {sink_tokens} sinks", "window",
+                         {"window": (window,), "sink_tokens": sink_tokens}))
+  return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class KVFrontierStudy:
+  """The study run by `kvjax run` for job "kv_frontier".
+
+  gqa: the GQA study whose MHA-big (and uptrainings) the variants run: its big, data, train,
+    fraction, best_method and distill are used. gqa_workdir: a workdir of that same study (a GQA
+    table's) to read them from, read only; empty: pre-train and uptrain them here.
+  context: the sequence length KV bytes per token are stated at (default gqa.big.max_len).
+  eval_batch_size, eval_batches: the held-out windows (default the run's train.batch_size and
+    train.eval_batches, as `kvjax eval`).
+  """
+
+  job: str = "kv_frontier"
+  gqa: gs.GqaStudy = dataclasses.field(default_factory=gs.GqaStudy)
+  gqa_workdir: str = ""
+  variants: tuple[Variant, ...] = ()
+  context: int | None = None
+  recall: RecallConfig = dataclasses.field(default_factory=RecallConfig)
+  timing: gs.TimingConfig = dataclasses.field(default_factory=gs.TimingConfig)
+  eval_batch_size: int | None = None
+  eval_batches: int | None = None
+
+  def __post_init__(self):
+    if self.job != "kv_frontier":
+      raise ValueError(f"KVFrontierStudy.job must be 'kv_frontier', got {self.job!r}")
+    for name, cls in (("gqa", gs.GqaStudy), ("recall", RecallConfig), ("timing", gs.TimingConfig)):
+      if not isinstance(getattr(self, name), cls):
+        raise ValueError(f"KVFrontierStudy.{name} must be a {cls.__name__}, got {getattr(self, name)!r}")
+    if not isinstance(self.variants, tuple) or not self.variants or not all(isinstance(v, Variant) for v in self.variants):
+      raise ValueError(f"KVFrontierStudy.variants must be a non-empty tuple of Variants, got {self.variants!r}")
+    names = [v.name for v in self.variants]
+    if len(set(names)) != len(names):
+      raise ValueError(f"KVFrontierStudy.variants: names must be distinct, got {names}")
+    big = self.gqa.big
+    for v in self.variants:
+      if v.kv_heads and (v.kv_heads >= big.num_heads or big.num_heads % v.kv_heads):
+        raise ValueError(f"Variant {v.name!r}: kv_heads={v.kv_heads} must be a divisor of MHA-big's "
+                         f"num_heads={big.num_heads} below it (0 runs MHA-big itself)")
+    if not isinstance(self.gqa_workdir, str):
+      raise ValueError(f"KVFrontierStudy.gqa_workdir must be a path or '', got {self.gqa_workdir!r}")
+    defaults = {"context": big.max_len, "eval_batch_size": self.gqa.train.batch_size,
+                "eval_batches": self.gqa.train.eval_batches}
+    for name, value in defaults.items():
+      if getattr(self, name) is None:
+        object.__setattr__(self, name, value)
+    check_positive(self, "context", "eval_batch_size", "eval_batches")
+    if self.context > big.max_len:
+      raise ValueError(f"KVFrontierStudy.context={self.context} exceeds MHA-big's max_len={big.max_len}")
+    self.recall.check_model(big.max_len, big.vocab_size)
+
+
+def apply_changes(config: ModelConfig, variant: Variant) -> ModelConfig:
+  """`config` with the variant's changes, built and checked as any ModelConfig (tuples from lists).
+  Raises ValueError naming the variant and the field this kvjax refuses or lacks."""
+  try:
+    return from_dict(ModelConfig, {**to_dict(config), **variant.changes})
+  except ValueError as err:
+    raise ValueError(f"variant {variant.name!r} ({variant.describe()}) is not a model this kvjax can run: "
+                     f"{err}") from None
+
+
+def check_variants(study: KVFrontierStudy) -> None:
+  """apply_changes of every variant to the model it runs (MHA-big or its uptrained shape), on the
+  host before anything trains."""
+  for variant in study.variants:
+    apply_changes(study.gqa.big.replace(num_kv_heads=variant.kv_heads or study.gqa.big.num_heads), variant)
+
+
+def source(study: KVFrontierStudy, variant: Variant) -> str:
+  """The folder of the params a variant runs, inside the study's (or the GQA table's) workdir."""
+  if not variant.kv_heads:
+    return MHA_BIG
+  return gs.uptrained_name(study.gqa, variant.kv_heads, variant.method, distill=variant.distill)
+
+
+def prepare_sources(study: KVFrontierStudy, workdir: Path) -> dict[str, Path]:
+  """{source folder: workdir} of every params source of the variants. With study.gqa_workdir,
+  that GQA study's finished stages, only read (its recorded settings must be study.gqa's);
+  otherwise pre-trained and uptrained here, each a stage of WORKDIR/stages.json (kvjax.studies.gqa)."""
+  names = list(dict.fromkeys(source(study, v) for v in study.variants))
+  if study.gqa_workdir:
+    root = Path(study.gqa_workdir)
+    try:
+      done = json.loads((root / "stages.json").read_text())
+    except (OSError, ValueError) as err:
+      raise ValueError(f"KVFrontierStudy.gqa_workdir={root} is not a GQA study's workdir: {err}") from None
+    current = {k: v for k, v in to_dict(study.gqa).items() if k not in gs.STAGE_SELECTORS}
+    if done.get("study") != current:
+      diffs = checkpoint.config_diffs(done.get("study") or {}, current)
+      raise ValueError(f"KVFrontierStudy.gqa_workdir={root} holds a GQA study with other settings than "
+                       f"KVFrontierStudy.gqa ({'; '.join(diffs)})")
+    missing = [n for n in names if ("pretrain_big" if n == MHA_BIG else n) not in done]
+    if missing:
+      raise ValueError(f"KVFrontierStudy.gqa_workdir={root} has not finished {missing}: run that study first, "
+                       "or set gqa_workdir='' to train them in this workdir")
+    return {name: root / name for name in names}
+  stages = gs.Stages(workdir, study.gqa)
+  gs.pretrain(study.gqa, stages, workdir, "big")
+  paths = {MHA_BIG: workdir / MHA_BIG}
+  for variant in study.variants:
+    if variant.kv_heads:
+      paths[source(study, variant)] = gs.uptrained(study.gqa, stages, workdir, variant.kv_heads, variant.method,
+                                                   distill=variant.distill)
+  return {name: paths[name] for name in names}
+
+
+# Measurements of one variant.
+
+def kv_bytes_per_token(model: Transformer, params, context: int) -> float:
+  """Bytes a prefill of one token into a one-row cache of `context` positions allocates (the
+  cache's nbytes: every array of its layers), over `context`."""
+  _, cache = decode.prefill(model, params, np.zeros((1, 1), np.int32), np.ones((1,), np.int32), context,
+                            logits="last")
+  return cache.nbytes / context
+
+
+@jax.jit
+def _nats(logits, targets):
+  """logits float32 [B, T, V], targets int32 [B, T] -> summed cross entropy."""
+  return optax.softmax_cross_entropy_with_integer_labels(logits, targets).sum()
+
+
+@functools.partial(jax.jit, static_argnames="model")
+def _decode_nats(model: Transformer, params, cache, inputs, targets):
+  """inputs, targets int32 [B, T] fed one column per decode step after what `cache` holds ->
+  summed cross entropy of the steps' logits."""
+  ones = jnp.ones((inputs.shape[0],), jnp.int32)
+
+  def step(cache, column):
+    token, target = column  # [B], [B]
+    logits, cache = decode.forward(model, params, cache, token[:, None], ones, last=True)  # [B, V]
+    return cache, optax.softmax_cross_entropy_with_integer_labels(logits, target).sum()
+
+  _, nats = jax.lax.scan(step, cache, (inputs.T, targets.T))
+  return nats.sum()
+
+
+def cached_bits_per_byte(model: Transformer, params, data: Dataset, batch_size: int, num_batches: int) -> dict:
+  """Held-out bits per byte through the cache on the windows of training.evaluate.evaluate:
+  "bits_per_byte" from one extend of each window into an empty cache, "decode_bits_per_byte" from
+  its first byte prefilled and the rest fed one per decode step."""
+  prefilled = decoded = 0.0
+  for inputs, targets in eval_batches(data.val, data.seq_len, batch_size, num_batches):
+    batch, seq = inputs.shape
+    logits, _ = decode.prefill(model, params, inputs, np.full((batch,), seq, np.int32), seq, logits="all")
+    prefilled += float(_nats(logits, targets))
+    first, cache = decode.prefill(model, params, inputs[:, :1], np.ones((batch,), np.int32), seq, logits="all")
+    decode.check_cache(model, cache, np.full((batch,), seq - 1, np.int32))
+    decoded += float(_nats(first, targets[:, :1]))
+    decoded += float(_decode_nats(decode.for_decoding(model), params, cache, inputs[:, 1:], targets[:, 1:]))
+  scale = batch_size * num_batches * data.seq_len * math.log(2) * data.bytes_per_token
+  return {"bits_per_byte": prefilled / scale, "decode_bits_per_byte": decoded / scale}
+
+
+def pareto(rows: list[dict], x: str, y: str) -> list[bool]:
+  """Whether each row is on the Pareto front of (x, y), both lower-is-better: no other row is at
+  most as large on both and smaller on one."""
+  def dominated(r):
+    return any(o[x] <= r[x] and o[y] <= r[y] and (o[x] < r[x] or o[y] < r[y]) for o in rows)
+  return [not dominated(r) for r in rows]
+
+
+def measure(study: KVFrontierStudy, paths: dict[str, Path]) -> list[dict]:
+  """One row per variant (see the module docstring), in study.variants' order; `pareto` marks the
+  front of bits_per_byte against kv_bytes_per_token."""
+  data = load_dataset(study.gqa.data)
+  loaded = {name: checkpoint.load_model(path)[:2] for name, path in paths.items()}
+  plain = {name: evaluate(model, params, data, batch_size=study.eval_batch_size,
+                          num_batches=study.eval_batches)["bits_per_byte"]
+           for name, (model, params) in loaded.items()}
+  models, rows = {}, []
+  for variant in study.variants:
+    base, params = loaded[source(study, variant)]
+    model = models[variant.name] = Transformer(apply_changes(base.config, variant))
+    print(f"kv_frontier: measuring {variant.name}", flush=True)
+    row = {"variant": variant.name, "family": variant.family, "params": source(study, variant),
+           "changes": variant.describe(), "kv_heads": model.config.num_kv_heads,
+           "cache_dtype": model.config.cache_dtype,
+           "kv_bytes_per_token": kv_bytes_per_token(model, params, study.context),
+           **cached_bits_per_byte(model, params, data, study.eval_batch_size, study.eval_batches),
+           "plain_bits_per_byte": plain[source(study, variant)]}
+    for distance, result in recall_test.recall(model, params, study.recall, data.val).items():
+      row[f"recall_{distance}"] = result["exact_match"]
+      row[f"recall_bytes_{distance}"] = result["byte_accuracy"]
+    rows.append(row)
+  timing = gs.time_per_sample({v.name: (models[v.name], loaded[source(study, v)][1]) for v in study.variants},
+                              study.timing)
+  for row, on_front in zip(rows, pareto(rows, "kv_bytes_per_token", "bits_per_byte")):
+    times = timing[row["variant"]]["times_s"]
+    row["decode_step_ms"] = 1e3 * statistics.median(times) / study.timing.new_tokens
+    row["times_s"] = times
+    row["pareto"] = on_front
+  return rows
+
+
+# The report.
+
+def columns(study: KVFrontierStudy) -> list[report.Column]:
+  """The table's columns: one recall column per distance (exact match)."""
+  recall = [(f"recall_{d}", f"recall @{d}", ".0%") for d in study.recall.distances]
+  return ([("variant", "variant", ""), ("family", "family", ""), ("changes", "changes", ""),
+           ("params", "params", ""), ("kv_bytes_per_token", "KV bytes/token", ",.0f"),
+           ("bits_per_byte", "bits/byte", ".4f"), ("decode_bits_per_byte", "decode bits/byte", ".4f"),
+           ("plain_bits_per_byte", "no-cache bits/byte", ".4f")] + recall
+          + [("decode_step_ms", "decode step (ms)", ".2f"), ("pareto", "front", "")])
+
+
+def csv_columns(study: KVFrontierStudy) -> list[report.Column]:
+  """Every measured field but the raw times: the table's plus byte accuracy per distance."""
+  return columns(study)[:-2] + [("kv_heads", "kv heads", "d"), ("cache_dtype", "cache dtype", "")] + [
+      (f"recall_bytes_{d}", f"recall bytes @{d}", ".0%") for d in study.recall.distances] + columns(study)[-2:]
+
+
+def report_text(study: KVFrontierStudy, rows: list[dict]) -> str:
+  shown = [{**r, "pareto": "yes" if r["pareto"] else ""} for r in rows]
+  big, t, rc = study.gqa.big, study.timing, study.recall
+  front = [r["variant"] for r in sorted(rows, key=lambda r: r["kv_bytes_per_token"]) if r["pareto"]]
+  return "\n".join([
+      "# KV frontier", "",
+      f"MHA-big: d_model {big.d_model}, {big.num_layers} layers, {big.num_heads} heads of {big.head_dim}, "
+      f"max_len {big.max_len}; {study.gqa.train.steps} pre-training steps; uptrained variants trained for "
+      f"alpha = {study.gqa.fraction} of them" + (f" (params read from {study.gqa_workdir})" if study.gqa_workdir else "")
+      + ".", "",
+      report.markdown_table(shown, columns(study)), "",
+      f"- KV bytes/token: the bytes of a one-row cache of {study.context} positions (every array the cache "
+      f"kind stores: scales and ring buffers included) over {study.context}.",
+      f"- bits/byte: held-out bits per byte on {study.eval_batches} x {study.eval_batch_size} windows of "
+      f"{study.gqa.data.seq_len} bytes (the windows `kvjax eval` scores), from one extend into an empty cache; "
+      "decode bits/byte: the same windows fed one byte per decode step, every position reading the stored "
+      "cache; no-cache bits/byte: the params' own model without a cache (`kvjax eval`).",
+      f"- recall @D: exact copies of {rc.needles} needles of {rc.needle_bytes} random letters and digits planted "
+      "D bytes back in held-out text (kvjax.studies.recall), greedy through the cache.",
+      f"- decode step: median of {t.repeats} jitted `generate` calls (batch {t.batch}, prompt {t.prompt}, "
+      f"{t.new_tokens} new tokens) over {t.new_tokens}, every variant timed round-robin in one run.",
+      f"- front: not beaten on both KV bytes/token and bits/byte by another variant: {', '.join(front)}.", ""])
+
+
+FAMILY_COLOURS = {"dtype": "tab:blue", "heads": "tab:orange", "window": "tab:green"}
+
+
+def plot(study: KVFrontierStudy, rows: list[dict], path: Path) -> None:
+  """Bits per byte and recall at the longest distance against KV bytes per token (log scale),
+  a marker per variant coloured by family; the Pareto front of bits per byte drawn as a line."""
+  longest = max(study.recall.distances)
+  with report.figure(path, panels=2, size=(12, 4.6)) as (quality, recall):
+    for ax, key, label in ((quality, "bits_per_byte", "held-out bits/byte through the cache (better: up)"),
+                           (recall, f"recall_{longest}", f"recall @{longest} bytes, exact (better: up)")):
+      for family, colour in FAMILY_COLOURS.items():
+        points = [r for r in rows if r["family"] == family]
+        if points:
+          ax.plot([r["kv_bytes_per_token"] for r in points], [r[key] for r in points], "o", color=colour,
+                  label=family)
+        for r in points:
+          ax.annotate(r["variant"], (r["kv_bytes_per_token"], r[key]), textcoords="offset points",
+                      xytext=(4, 4), fontsize=7)
+      ax.set(xscale="log", xlabel=f"KV bytes per token at {study.context} positions", ylabel=label)
+      ax.grid(alpha=0.3)
+      ax.legend(fontsize=8)
+    front = sorted((r for r in rows if r["pareto"]), key=lambda r: r["kv_bytes_per_token"])
+    quality.plot([r["kv_bytes_per_token"] for r in front], [r["bits_per_byte"] for r in front], "k--",
+                 linewidth=1, label="Pareto front")
+    quality.invert_yaxis()
+    quality.legend(fontsize=8)
+    quality.set_title("quality against KV memory")
+    recall.set_ylim(-0.05, 1.05)
+    recall.set_title("long-range recall against KV memory")

@@ -1,0 +1,142 @@
+"""The CPU decode-attention kernel over each cache storage (contiguous or paged, float32 or int8)
+against XLA's computation on the same values, its routing, its gradients and its input checks."""
+
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from kvjax.cache.contiguous import attend_one
+from kvjax.cache.paged import attend_pages
+from kvjax.kernels import attention as attention_kernel
+
+pytestmark = pytest.mark.skipif(
+    jax.default_backend() != "cpu" or shutil.which("g++") is None and shutil.which("c++") is None,
+    reason="the kernel is built for the CPU with the system's C++ compiler")
+
+
+def attend_int8(q, k, v, lengths, k_scale, v_scale):
+  """XLA on the dequantized contiguous cache: k [B, K, H, S] * k_scale [B, K, S], v [B, K, S, H] * v_scale."""
+  return attend_one(q, k * k_scale[:, :, None, :], v * v_scale[..., None], lengths)
+
+
+def attend_pages_int8(q, k, v, lengths, k_scale, v_scale, page_table):
+  """XLA on the dequantized pools: [K, P, Z, H] * scales [K, P, Z]."""
+  return attend_pages(q, k * k_scale[..., None], v * v_scale[..., None], lengths, page_table)
+
+
+XLA = {(False, False): attend_one, (False, True): attend_int8, (True, False): attend_pages, (True, True): attend_pages_int8}
+
+
+def storage(batch, kv_heads, groups, head_dim, page_size, pages, lengths, paged, int8, seed=0):
+  """q, k, v, lengths and the addressing of one cache storage, and the dequantized contiguous
+  k [B, K, H, S], v [B, K, S, H] it holds. Paged: the rows' pages shuffled over the pool, table
+  entries past a row's pages on the null page 0, which (like every unused page) holds NaN (int8:
+  NaN scales), so a read of it would show."""
+  rng = np.random.default_rng(seed)
+  lengths = np.asarray(lengths, np.int32)
+  s = page_size * pages
+  q = rng.standard_normal((batch, 1, kv_heads * groups, head_dim), np.float32)
+  if int8:
+    k = rng.integers(-127, 128, (batch, kv_heads, head_dim, s), dtype=np.int8)
+    v = rng.integers(-127, 128, (batch, kv_heads, s, head_dim), dtype=np.int8)
+    k_scale, v_scale = (rng.uniform(0.001, 0.03, (batch, kv_heads, s)).astype(np.float32) for _ in range(2))
+    k_float, v_float = k * k_scale[:, :, None, :], v * v_scale[..., None]
+  else:
+    k = rng.standard_normal((batch, kv_heads, head_dim, s), np.float32)
+    v = rng.standard_normal((batch, kv_heads, s, head_dim), np.float32)
+    k_float, v_float = k, v
+  addressing = {"k_scale": k_scale, "v_scale": v_scale} if int8 else {}
+  if not paged:
+    return q, k, v, lengths, addressing, (k_float, v_float)
+
+  table = rng.permutation(np.arange(1, batch * pages + 1)).reshape(batch, pages).astype(np.int32)
+  used = np.arange(pages)[None, :] < -(-(lengths[:, None] + 1) // page_size)
+  # rows [B, K, S, ...] -> pool [K, P, Z, ...], pages in table order; the unused pages hold `fill`
+  def paginate(rows, fill):
+    pool = np.full((kv_heads, batch * pages + 1, page_size, *rows.shape[3:]), fill, rows.dtype)
+    pool[:, table] = rows.reshape(batch, kv_heads, pages, page_size, *rows.shape[3:]).swapaxes(0, 1)
+    pool[:, table[~used]] = fill
+    return pool
+  data_fill = 127 if int8 else np.nan
+  pools = paginate(k.swapaxes(2, 3), data_fill), paginate(v, data_fill)
+  if int8:
+    addressing = {"k_scale": paginate(k_scale, np.nan), "v_scale": paginate(v_scale, np.nan)}
+  addressing["page_table"] = np.where(used, table, 0).astype(np.int32)
+  return q, *pools, lengths, addressing, (k_float, v_float)
+
+
+VARIANTS = [(False, False), (False, True), (True, False), (True, True)]
+IDS = ["contiguous", "contiguous-int8", "paged", "paged-int8"]
+
+
+@pytest.mark.parametrize("paged,int8", VARIANTS, ids=IDS)
+@pytest.mark.parametrize("batch,kv_heads,groups,head_dim,page_size,pages,lengths", [
+    (4, 2, 4, 64, 16, 4, [0, 15, 63, 40]),  # GQA-4: one position, one full page, every page, ragged
+    (3, 3, 1, 12, 5, 7, [4, 34, 17]),  # MHA, odd head dim and page size: full pages and a partial one
+    (2, 1, 8, 32, 16, 40, [639, 300]),  # GQA-8 over 640 positions: chunks merged
+])
+def test_kernel_matches_xla(paged, int8, batch, kv_heads, groups, head_dim, page_size, pages, lengths):
+  q, k, v, lengths, addressing, (k_float, v_float) = storage(batch, kv_heads, groups, head_dim, page_size, pages,
+                                                              lengths, paged, int8)
+  xla = XLA[paged, int8]
+  kernel = jax.jit(lambda *a, **kw: attention_kernel.cache_attention(*a, xla, **kw))
+  assert attention_kernel.TARGETS[paged, int8] in kernel.lower(q, k, v, lengths, **addressing).as_text()
+  out = np.asarray(kernel(q, k, v, lengths, **addressing))
+  assert np.isfinite(out).all()  # nothing read from the NaN pages
+  # XLA on the contiguous dequantized values: the same attention.
+  np.testing.assert_allclose(out, attend_one(q, k_float, v_float, lengths), rtol=1e-5, atol=2e-6)
+  if paged or int8:  # and XLA's own computation on the storage (for paged, without the NaN pages' rows)
+    clean = {**addressing, "page_table": np.where(addressing["page_table"] == 0, 1, addressing["page_table"])} \
+        if paged else addressing
+    expected = xla(q, np.nan_to_num(k) if not int8 else k, np.nan_to_num(v) if not int8 else v, lengths,
+                   **{n: np.nan_to_num(a) for n, a in clean.items()})
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=2e-6)
+
+
+@settings(max_examples=8, deadline=None)
+@given(variant=st.sampled_from(VARIANTS), batch=st.integers(1, 3), kv_heads=st.integers(1, 2), groups=st.integers(1, 10),
+       head_dim=st.integers(1, 80), page_size=st.integers(1, 20), pages=st.integers(1, 12), data=st.data())
+def test_kernel_matches_xla_any_shape(variant, batch, kv_heads, groups, head_dim, page_size, pages, data):
+  lengths = data.draw(st.lists(st.integers(0, page_size * pages - 1), min_size=batch, max_size=batch))
+  q, k, v, lengths, addressing, (k_float, v_float) = storage(batch, kv_heads, groups, head_dim, page_size, pages,
+                                                              lengths, *variant)
+  out = attention_kernel.cache_attention(q, k, v, lengths, XLA[variant], **addressing)
+  np.testing.assert_allclose(out, attend_one(q, k_float, v_float, lengths), rtol=1e-5, atol=2e-6)
+
+
+def test_bf16_and_unknown_storage_stay_with_xla():
+  q, k, v, lengths, addressing, _ = storage(2, 1, 2, 8, 4, 2, [3, 7], paged=True, int8=False)
+  lowered = lambda *a, **kw: jax.jit(lambda *a, **kw: attention_kernel.cache_attention(*a, attend_pages, **kw)).lower(
+      *a, **kw).as_text()
+  assert "kvjax_paged_attention" not in lowered(q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), lengths, **addressing)
+  assert "kvjax_paged_attention" in lowered(q, np.nan_to_num(k), np.nan_to_num(v), lengths, **addressing)
+
+
+@pytest.mark.parametrize("paged,int8", [(True, False), (True, True), (False, True)], ids=["paged", "paged-int8", "int8"])
+def test_gradients_are_xla(paged, int8):
+  q, k, v, lengths, addressing, _ = storage(2, 2, 2, 8, 4, 3, [3, 11], paged, int8)
+  k, v = np.nan_to_num(k), np.nan_to_num(v)
+  addressing = {n: np.nan_to_num(a) for n, a in addressing.items()}
+  if paged:
+    addressing["page_table"] = np.where(addressing["page_table"] == 0, 1, addressing["page_table"]).astype(np.int32)
+  xla = XLA[paged, int8]
+  floats = (0,) if int8 else (0, 1, 2)  # the int8 data has no gradient
+  ours = jax.grad(lambda *a: (attention_kernel.cache_attention(*a, lengths, xla, **addressing) ** 2).sum(), floats)
+  theirs = jax.grad(lambda *a: (xla(*a, lengths, **addressing) ** 2).sum(), floats)
+  for a, b in zip(ours(q, k, v), theirs(q, k, v)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_other_layouts_stay_with_xla():
+  # Only the four storages go to the kernel; another kind's addressing (grouped scales, another
+  # keyword) is XLA's business.
+  q, k, v, lengths, addressing, _ = storage(2, 1, 2, 8, 4, 2, [3, 7], paged=True, int8=True)
+  grouped = {**addressing, "k_scale": np.repeat(addressing["k_scale"][..., None], 2, -1)}
+  assert attention_kernel.kernel_target(q, k, v, addressing) == "kvjax_paged_attention_int8"
+  assert attention_kernel.kernel_target(q, k, v, grouped) is None
+  assert attention_kernel.kernel_target(q, k, v, {**addressing, "window": np.zeros(2)}) is None
+  assert attention_kernel.kernel_target(q, k, v, {"page_table": addressing["page_table"]}) is None  # int8 without scales
