@@ -158,6 +158,25 @@ def uptrained(study: GqaStudy, stages: Stages, workdir: Path, num_kv_heads: int,
   return dest
 
 
+def mla_name(study: GqaStudy, rank: int, rope_dims: int, fraction: float | None = None,
+             distill: float = 0.0) -> str:
+  """The folder (and stage) name of an uptraining of MHA-big to MLA (latent rank + rotary dims)."""
+  fraction = study.fraction if fraction is None else fraction
+  return f"mla_r{rank}_rope{rope_dims}_alpha{fraction:g}" + (f"_distill{distill:g}" if distill else "")
+
+
+def uptrained_mla(study: GqaStudy, stages: Stages, workdir: Path, rank: int, rope_dims: int,
+                  fraction: float | None = None, distill: float = 0.0) -> Path:
+  """Converts MHA-big to MLA (convert_to_mla, calibrated on its training data as the data-aware
+  GQA methods are) and uptrains it as `uptrained` does, in its own workdir; returns that workdir."""
+  fraction = study.fraction if fraction is None else fraction
+  dest = workdir / mla_name(study, rank, rope_dims, fraction, distill)
+  mesh = [f"train.mesh={study.train.mesh}"] if study.train.mesh else []
+  stages.run(dest.name, lambda: uptrain(workdir / "mha_big", dest, to_mla=(rank, rope_dims), fraction=fraction,
+                                        distill=distill, overrides=mesh))
+  return dest
+
+
 def task_scores(study: GqaStudy, stages: Stages, workdirs_by_name: dict[str, Path]) -> dict[str, dict]:
   """The paper's protocol (a stage per model): each model fine-tuned on each downstream task for
   the same study.tasks.steps and scored on that task's held-out split (kvjax.studies.tasks);
