@@ -138,13 +138,10 @@ def mla_variants(gqa: gs.GqaStudy, rope_dims: dict[int, int]) -> tuple[Variant, 
   """MLA variants, one per {kv heads: rotary dims} item, each at exactly the KV bytes per token of
   MHA-big with that many kv heads: latent rank = 2 x kv heads x head_dim - rotary dims (MLA
   caches rank + rope_dims per layer, K/V 2 x kv heads x head_dim). Uptrained with gqa.distill,
-  as the heads family's best rows are. ValueError when the rank would not be positive."""
-  big, out = gqa.big, []
+  as the heads family's best rows are (gs.mla_rank: ValueError when no latent is left)."""
+  out = []
   for kv, rope in rope_dims.items():
-    rank = 2 * kv * big.head_dim - rope
-    if rank <= 0:
-      raise ValueError(f"mla_variants: rope_dims={rope} leaves no latent at the bytes of {kv} kv heads "
-                       f"(2 x {kv} x head_dim={big.head_dim} = {2 * kv * big.head_dim} per layer)")
+    rank = gs.mla_rank(gqa.big, kv, rope)
     label = gqa.row_name(kv).removesuffix("-big")
     tag = f" distill{gqa.distill:g}" if gqa.distill else ""
     out.append(Variant(f"MLA {rank}+{rope}{tag} ({label} bytes)", "mla", kv_latent_rank=rank, rope_dims=rope,
@@ -252,8 +249,8 @@ def prepare_sources(study: KVFrontierStudy, workdir: Path) -> dict[str, Path]:
       done = json.loads((root / "stages.json").read_text())
     except (OSError, ValueError) as err:
       raise ValueError(f"KVFrontierStudy.gqa_workdir={root} is not a GQA study's workdir: {err}") from None
-    current = {k: v for k, v in to_dict(study.gqa).items() if k not in gs.STAGE_SELECTORS}
-    if done.get("study") != current:
+    current = gs.stage_settings(study.gqa)
+    if gs.recorded_settings(done.get("study") or {}) != current:
       diffs = checkpoint.config_diffs(done.get("study") or {}, current)
       raise ValueError(f"KVFrontierStudy.gqa_workdir={root} holds a GQA study with other settings than "
                        f"KVFrontierStudy.gqa ({'; '.join(diffs)})")
