@@ -92,9 +92,11 @@ def main(study: gs.GqaStudy, workdir: Path) -> list[dict]:
              "rows above.\n" if study.mla_rows else "")
           + f"- prose, rot13, recall, avg score: the paper's protocol. Every model is fine-tuned for {ft.steps} "
           f"steps (batch {ft.batch_size}, lr {ft.lr}) on each task and scored on its held-out split: prose "
-          "next-byte accuracy (%) on Python's documentation text (held out of pre-training), rot13 exact "
-          "match (%) of the greedy output through the KV cache, key-value recall exact match (%); avg "
-          "score is their mean.\n"
+          "next-byte accuracy (%) on Python's documentation text (held out of pre-training); rot13 "
+          "(prose to ROT13) and key-value recall: byte accuracy (%) of the greedy output through the KV "
+          "cache, the answer's bytes reproduced in place over the longer of output and answer (partial "
+          "credit, as the paper's BLEU / ROUGE / F1; exact match in gqa_table.json); avg score is their "
+          "mean.\n"
           "- gap closed: (row - MHA-small) / (MHA-big - MHA-small) on that metric: 100% is as good as "
           "MHA-big, 0% as MHA-small.\n\nFor reference, the paper's Table 1 (avg score over 7 fine-tuned "
           f"tasks):\n\n{paper}\n")

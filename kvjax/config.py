@@ -25,6 +25,51 @@ ACTIVATIONS = ("swiglu", "gelu")
 NORMS = ("rmsnorm", "layernorm")
 POSITIONS = ("rope", "learned")
 DTYPES = ("float32", "bfloat16", "float16")
+# Cache storage formats beyond the float dtypes (kvjax.cache.quant): values quantized per token
+# and kv head with float32 absmax scales stored beside them.
+QUANTIZED_CACHE_DTYPES = ("int8", "int4", "float8_e4m3fn")
+CACHE_DTYPES = DTYPES + QUANTIZED_CACHE_DTYPES
+INT4_MAX_GROUP = 32
+SCALE_BYTES = 4  # float32 scales
+
+
+def int4_group_size(head_dim: int) -> int:
+  """Elements of the head dim that share one int4 scale: the largest even divisor of head_dim
+  up to INT4_MAX_GROUP (32 for head_dim 64 or 128; head_dim itself when it is at most 32)."""
+  return max(g for g in range(2, min(INT4_MAX_GROUP, head_dim) + 1, 2) if head_dim % g == 0)
+
+
+def check_cache_dtype(cache_dtype: str, head_dim: int, where: str = "ModelConfig.cache_dtype") -> None:
+  """Raises ValueError unless `cache_dtype` is a cache format that fits heads of head_dim."""
+  if cache_dtype not in CACHE_DTYPES:
+    raise ValueError(f"{where} must be one of {CACHE_DTYPES}, got {cache_dtype!r}")
+  if cache_dtype == "int4" and head_dim % 2:
+    raise ValueError(f"{where}='int4' packs two values per byte along the head dim, which needs an even "
+                     f"head_dim; got head_dim={head_dim}")
+
+
+def cache_stored_dtype(cache_dtype: str) -> jnp.dtype:
+  """The dtype of a cache's K/V arrays: the float dtype, int8, uint8 (int4 packed two per byte) or
+  float8_e4m3fn."""
+  return jnp.dtype("uint8" if cache_dtype == "int4" else cache_dtype)
+
+
+def cache_scale_groups(cache_dtype: str, head_dim: int) -> int:
+  """float32 scales per token, kv head and K or V: 0 for a float cache, 1 for int8 and fp8
+  (absmax over the head dim), head_dim / int4_group_size for int4."""
+  if cache_dtype not in QUANTIZED_CACHE_DTYPES:
+    return 0
+  return head_dim // int4_group_size(head_dim) if cache_dtype == "int4" else 1
+
+
+def cache_bytes_per_head(cache_dtype: str, head_dim: int) -> int:
+  """Exact bytes one token's K (or V) of one kv head occupies in a cache of `cache_dtype`,
+  scales included: 4H float32, 2H bfloat16, H + 4 int8 or fp8, H/2 + 4 H/group int4."""
+  check_cache_dtype(cache_dtype, head_dim, "cache dtype")
+  values = head_dim // 2 if cache_dtype == "int4" else head_dim * cache_stored_dtype(cache_dtype).itemsize
+  return values + SCALE_BYTES * cache_scale_groups(cache_dtype, head_dim)
+
+
 # The furthest position a model whose every layer is windowed may reach: RoPE turns positions
 # into float32 angles, which hold integers exactly up to 2**24.
 MAX_WINDOWED_POSITIONS = 2**24
@@ -59,8 +104,9 @@ class ModelConfig:
   """A decoder-only transformer. MHA when num_kv_heads == num_heads, MQA when it is 1.
 
   head_dim defaults to d_model // num_heads; mlp_dim to 4 * d_model (GELU) or the
-  Llama rule 8/3 * d_model rounded up to a multiple of 64 (SwiGLU). cache_dtype defaults
-  to dtype.
+  Llama rule 8/3 * d_model rounded up to a multiple of 64 (SwiGLU). cache_dtype, the KV
+  cache's storage format, defaults to dtype; besides the float dtypes it may be "int8", "int4"
+  or "float8_e4m3fn" (quantized per token and kv head, kvjax.cache.quant).
 
   Multi-head latent attention (MLA, kvjax.model.mla) when kv_latent_rank r > 0: each token
   caches one latent [r], from which every head's position-free key and value are up-projected,
@@ -75,7 +121,8 @@ class ModelConfig:
   (64,) windows every layer, () (the default) keeps every layer global. A query at position t of
   a windowed layer reads key s iff s <= t and (t - s < window or s < sink_tokens): the first
   sink_tokens positions stay visible to every query (StreamingLLM's attention sinks).
-  An MLA model's layers are all global: window must be () (the latent caches keep no ring).
+  An MLA model's layers are all global and its cache float: window must be () and cache_dtype
+  one of DTYPES (the latent caches keep no ring and no scales).
   """
 
   vocab_size: int = 256
@@ -125,7 +172,7 @@ class ModelConfig:
     check_choice(self, "norm", NORMS)
     check_choice(self, "positions", POSITIONS)
     check_choice(self, "dtype", DTYPES)
-    check_choice(self, "cache_dtype", DTYPES)
+    check_cache_dtype(self.cache_dtype, self.head_dim)
     if self.positions == "rope" and self.head_dim % 2:
       raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be even for RoPE")
     if not (isinstance(self.norm_eps, float) and self.norm_eps > 0):
@@ -161,6 +208,9 @@ class ModelConfig:
       if d_rope or self.rope_pairs is not None:
         raise ValueError(f"{name}.rope_dims={d_rope} and rope_pairs need an MLA model (kv_latent_rank > 0)")
       return
+    if self.cache_quantized:
+      raise ValueError(f"{name}.cache_dtype={self.cache_dtype!r} asks for a quantized cache of an MLA model "
+                       f"(kv_latent_rank={r}); the latent caches store float dtypes only, so use one of {DTYPES}")
     if any(self.window):
       raise ValueError(f"{name}.window={self.window} asks for sliding-window layers in an MLA model "
                        f"(kv_latent_rank={r}); the latent caches keep every position, so use window=()")
@@ -235,7 +285,12 @@ class ModelConfig:
 
   @property
   def kv_dtype(self) -> jnp.dtype:
-    return jnp.dtype(self.cache_dtype)
+    """The dtype of the cache's K/V arrays (`cache_stored_dtype`: uint8 for packed int4)."""
+    return cache_stored_dtype(self.cache_dtype)
+
+  @property
+  def cache_quantized(self) -> bool:
+    return self.cache_dtype in QUANTIZED_CACHE_DTYPES
 
   @property
   def is_latent(self) -> bool:
@@ -249,15 +304,17 @@ class ModelConfig:
 
   @property
   def kv_bytes_per_token(self) -> int:
-    """KV-cache bytes one token occupies: 2 (K and V) x layers x kv heads x head dim x bytes;
-    for MLA layers x (kv_latent_rank + rope_dims) x bytes, whatever the number of heads."""
+    """KV-cache bytes one token occupies: 2 (K and V) x layers x kv heads x the bytes of one
+    head's values and scales (`cache_bytes_per_head`); for MLA layers x (kv_latent_rank +
+    rope_dims) x bytes, whatever the number of heads."""
     if self.is_latent:
       return self.num_layers * (self.kv_latent_rank + self.rope_dims) * self.kv_dtype.itemsize
-    return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_dtype.itemsize
+    return 2 * self.num_layers * self.num_kv_heads * cache_bytes_per_head(self.cache_dtype, self.head_dim)
 
   def kv_bytes(self, length: int) -> int:
     """KV-cache bytes one sequence of `length` tokens occupies, each windowed layer keeping at most
-    window + sink_tokens positions (kv_bytes_per_token counts every layer at every position)."""
+    window + sink_tokens positions (kv_bytes_per_token counts every layer at every position),
+    scales included (`cache_bytes_per_head`)."""
     per_position = self.kv_bytes_per_token // self.num_layers
     return per_position * sum(self.cached_positions(i, length) for i in range(self.num_layers))
 

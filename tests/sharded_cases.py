@@ -106,6 +106,28 @@ def test_prefill_decode_generate_match_one_device(config, data, model_axis, kv_s
   np.testing.assert_array_equal(np.asarray(ours), np.stack(greedy, axis=1))
 
 
+@pytest.mark.parametrize("cache_dtype", ["int8", "int4"])
+def test_quantized_cache_on_a_mesh_matches_one_device(cache_dtype):
+  """Prefill and decode steps over a quantized cache on data=2 x model=4: the one-device logits,
+  with the scales split like their kv heads (rows on data, kv heads on model)."""
+  config = KV8.replace(cache_dtype=cache_dtype)
+  mesh = sharding.make_mesh(data=2, model=4)
+  model, params = init(config)
+  tokens, lengths = prompts(4, 9, config.vocab_size)
+  ref_logits, ref_cache = decode.prefill(model, params, tokens, lengths, 24)
+  logits, cache = decode.prefill(model, params, tokens, lengths, 24, mesh=mesh)
+  np.testing.assert_allclose(np.asarray(logits), np.asarray(ref_logits), atol=1e-5, rtol=0)
+  for name in ("k", "v", "k_scale", "v_scale"):
+    x = cache.layers["layers_0"]["attn"][name]
+    assert spec(x)[:2] == ("data", "model") and x.addressable_shards[0].data.shape[:2] == (2, 2), name
+  step_tokens = tokens[:, 0]
+  for _ in range(3):
+    ref_step, ref_cache = decode.decode_step(model, params, ref_cache, step_tokens)
+    step, cache = decode.decode_step(model, params, cache, step_tokens, mesh=mesh)
+    np.testing.assert_allclose(np.asarray(step), np.asarray(ref_step), atol=1e-5, rtol=0)
+    step_tokens = np.argmax(np.asarray(ref_step), -1).astype(np.int32)
+
+
 def test_decode_step_with_8_kv_heads_on_model_8_gathers_no_kv():
   mesh = sharding.make_mesh(data=1, model=8)
   model, params = init(KV8)

@@ -30,7 +30,7 @@ def test_defaults_are_derived():
     (dict(norm="batchnorm"), "norm must be one of"),
     (dict(positions="alibi"), "positions must be one of"),
     (dict(dtype="float8"), "dtype must be one of"),
-    (dict(cache_dtype="int4"), "cache_dtype must be one of"),
+    (dict(cache_dtype="int3"), "cache_dtype must be one of"),
     (dict(d_model=100, num_heads=3), "d_model=100 is not divisible by num_heads=3"),
     (dict(head_dim=7, d_model=28, num_heads=4), "head_dim=7 must be even for RoPE"),
     (dict(max_len=0), "max_len must be a positive integer"),

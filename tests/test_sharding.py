@@ -110,4 +110,4 @@ def test_sharded_runs_match_one_device_on_8_cpu_devices(tmp_path):
                          str(root / "tests" / "sharded_cases.py")],
                         cwd=root, env=env, capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-  assert "5 passed" in proc.stdout
+  assert "7 passed" in proc.stdout

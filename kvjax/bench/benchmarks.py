@@ -13,6 +13,7 @@ in one run.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import tempfile
 from typing import Sequence
@@ -27,7 +28,8 @@ from kvjax.decoding import baselines, decode
 from kvjax.kernels import attention as attention_kernel
 from kvjax.kernels import matmul
 from kvjax.model.flops import matmul_params, peak_flops
-from kvjax.model.transformer import Transformer
+from kvjax.model.attention import Span
+from kvjax.model.transformer import Transformer, cache_collection, cache_layers
 from kvjax.timing import timed, timed_alternating
 
 # The Llama-style reference config of the benchmarks.
@@ -48,7 +50,9 @@ def weight_bytes(cfg: ModelConfig) -> int:
 
 
 def decode_step_bytes(cfg: ModelConfig, batch: int, context: int) -> int:
-  return weight_bytes(cfg) + batch * context * cfg.kv_bytes_per_token
+  """Bytes one decode step at `context` positions per row reads: the weights and each row's
+  cache (values and scales, a windowed layer's window and sinks only: ModelConfig.kv_bytes)."""
+  return weight_bytes(cfg) + batch * cfg.kv_bytes(context)
 
 
 def prefill_flops(cfg: ModelConfig, batch: int, prompt: int) -> float:
@@ -67,12 +71,23 @@ STEP_REPEATS = 10  # timed decode steps per `time_decode_step`
 
 def filled_cache(model: Transformer, params, batch: int, context: int, max_len: int) -> ContiguousCache:
   """A contiguous cache of max_len positions whose rows hold `context` random positions, without
-  running a prefill."""
-  cache = ContiguousCache.create(model.config, batch, max_len)
-  leaves, tree = jax.tree.flatten(cache.layers)
-  keys = jax.random.split(jax.random.key(1), len(leaves))
-  layers = jax.tree.unflatten(tree, [jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)])
+  running a prefill: random normal K/V written by the cache itself, so in its format (quantized
+  with their scales for an int8 / int4 / fp8 cache)."""
+  cfg = model.config
+  cache = ContiguousCache.create(cfg, batch, max_len)
+  shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)  # [B, K, S, H]
+  span = Span(positions=jnp.broadcast_to(jnp.arange(max_len, dtype=jnp.int32), (batch, max_len)),
+              lengths=jnp.full((batch,), max_len, jnp.int32))
+  keys = jax.random.split(jax.random.key(1), (cfg.num_layers, 2))
+  stored = cache_layers(cache.layers)
+  layers = cache_collection(cfg, lambda i: _write(cache, stored[i], jax.random.normal(keys[i, 0], shape),
+                                                  jax.random.normal(keys[i, 1], shape), span))
   return cache.replace(layers=layers, lengths=jnp.full((batch,), context, jnp.int32))
+
+
+@functools.partial(jax.jit, donate_argnames=("stored",))
+def _write(cache, stored, k, v, span):
+  return cache.write(stored, k, v, span)
 
 
 def time_decode_step(model, params, cache, steps: int = STEP_REPEATS) -> float:

@@ -38,13 +38,16 @@ def bench_paged(cfg: ModelConfig = BENCH_MODEL, *, batch: int = 8, repeats: int 
   width = context // page_size
   table = np.random.default_rng(0).permutation(np.arange(1, batch * width + 1)).reshape(batch, width)
 
-  def scatter(rows):  # rows [B, K, S, H] -> pool [K, P, Z, H], pages in table order
-    pool = jnp.zeros((cfg.num_kv_heads, batch * width + 1, page_size, cfg.head_dim), cfg.kv_dtype)
-    pages = rows.reshape(batch, cfg.num_kv_heads, width, page_size, cfg.head_dim).swapaxes(0, 1)
-    return pool.at[:, table].set(pages.astype(pool.dtype))
+  def scatter(name, rows):  # a contiguous array [B, K, ...] -> its pool [K, P, Z, ...], pages in table order
+    if name.startswith("k") and rows.ndim == 4:
+      rows = rows.swapaxes(2, 3)  # keys (and int4 key scales) hold the sequence last: -> [B, K, S, ...]
+    rest = rows.shape[3:]
+    pool = jnp.zeros((cfg.num_kv_heads, batch * width + 1, page_size, *rest), rows.dtype)
+    pages = rows.reshape(batch, cfg.num_kv_heads, width, page_size, *rest).swapaxes(0, 1)
+    return pool.at[:, table].set(pages)
 
   layers = cache_layers(contiguous.layers)
-  pools = cache_collection(cfg, lambda i: {"k": scatter(layers[i]["k"].swapaxes(2, 3)), "v": scatter(layers[i]["v"])})
+  pools = cache_collection(cfg, lambda i: {name: scatter(name, x) for name, x in layers[i].items()})
   caches = {"contiguous": contiguous}
   for impl in impls:
     empty = PagedCache.create(cfg, 2, page_size, batch, width, attention=impl)

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import flax.struct
 
+from kvjax.cache import quant
 from kvjax.config import ModelConfig
 from kvjax.model.attention import Span, attend, new_keys_mask
 from kvjax.model.backend import Backend
@@ -85,7 +86,8 @@ class KVCache(flax.struct.PyTreeNode):
   # Device side (traced): per layer, with that layer's arrays `stored` ({name: array}).
 
   def write(self, stored: dict, k: jax.Array, v: jax.Array, span: Span) -> dict:
-    """Stores the valid columns of k, v [B, K, T, H] at span.positions; returns the new arrays."""
+    """Stores the valid columns of k, v [B, K, T, H] at span.positions (quantized when the
+    cache's format is, kvjax.cache.quant); returns the new arrays."""
     raise NotImplementedError
 
   def read(self, stored: dict, q: jax.Array, q_positions: jax.Array, span: Span, backend: Backend) -> jax.Array:
@@ -95,11 +97,38 @@ class KVCache(flax.struct.PyTreeNode):
 
   def attend(self, stored: dict, q, q_positions, k, v, span: Span, backend: Backend):
     """What the layer loop calls: write this call's K/V, then attend -> (new arrays, [B, Tq, N, H]).
-    From an empty cache the new K/V are all there is, so they are read as they are."""
+    From an empty cache the new K/V are all there is, so they are read without touching the
+    storage, but as it holds them (`as_stored`: rounded to a narrower float dtype, or
+    dequantize(quantize(.))), so a prefill's logits are those a later read of the same cache gives."""
     stored = self.write(stored, k, v, span)
     if span.from_empty:
+      k, v = as_stored(k, stored), as_stored(v, stored)
       return stored, attend(q, k, v, new_keys_mask(q_positions, span))
     return stored, self.read(stored, q, q_positions, span, backend)
+
+
+def stored_format(stored: dict) -> str | None:
+  """The quantized format (kvjax.cache.quant) of one layer's arrays, or None for a float cache."""
+  return quant.format_of(stored["k"].dtype)
+
+
+def as_stored(x: jax.Array, stored: dict) -> jax.Array:
+  """New K or V [B, K, T, H] as a read of one layer's arrays `stored` would see them, in x's dtype."""
+  fmt = stored_format(stored)
+  if fmt is not None:
+    return quant.roundtrip(x, fmt)
+  return x.astype(stored["k"].dtype).astype(x.dtype)
+
+
+def scales(stored: dict) -> dict:
+  """The scale arrays of one layer ({} for a float cache): the keywords a quantized read hands
+  backend.cache_attention."""
+  return {name: stored[name] for name in ("k_scale", "v_scale") if name in stored}
+
+
+def layer_arrays(spec: dict) -> dict:
+  """Zeros for a layer_spec {name: (shape, dtype)}."""
+  return {name: jnp.zeros(shape, dtype) for name, (shape, dtype) in spec.items()}
 
 
 def write_rows(buffer: jax.Array, new: jax.Array, starts: jax.Array, counts: jax.Array, axis: int) -> jax.Array:

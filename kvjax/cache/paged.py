@@ -5,6 +5,8 @@ Shapes (the alphabet of kvjax.model.attention, plus):
   pool k, v per layer: [K, P, Z, H] in config.cache_dtype, kv-head major (the layout of JAX's
     Pallas paged-attention kernels, so that kernel reads the pool without a copy).
   page_table int32[B, M]: entry j of row b is the page holding positions [j*Z, (j+1)*Z).
+  A quantized format (kvjax.cache.quant) stores its values in the same pools (H/2 bytes for
+  packed int4) and float32 scale pools k_scale, v_scale [K, P, Z] ([K, P, Z, G] for int4).
 
 Page 0 is the null page (kvjax.cache.pages): the writes of padding columns and idle rows land
 in it, and nothing read from it is ever used, since every read is masked to the row's valid
@@ -22,9 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import memory
-from kvjax.cache.base import KVCache
+from kvjax.cache import quant
+from kvjax.cache.base import KVCache, layer_arrays, scales, stored_format
 from kvjax.cache.pages import NULL_PAGE
-from kvjax.config import ModelConfig, check_positive_int
+from kvjax.config import ModelConfig, cache_scale_groups, check_positive_int
 from kvjax.model.attention import Span, attend, visible
 from kvjax.model.backend import Backend
 from kvjax.model.transformer import cache_collection, cache_layers
@@ -32,18 +35,42 @@ from kvjax.model.transformer import cache_collection, cache_layers
 ATTENTION_IMPLS = ("gather", "pallas", "pallas_interpret")
 
 
+def layer_spec(config: ModelConfig, num_pages: int, page_size: int) -> dict:
+  """{name: (shape, dtype)} of one layer's pools: k, v [K, P, Z, H'] and, quantized, their scales."""
+  kv, dtype = config.num_kv_heads, config.kv_dtype
+  h = config.head_dim // 2 if config.cache_dtype == "int4" else config.head_dim
+  spec = {"k": ((kv, num_pages, page_size, h), dtype), "v": ((kv, num_pages, page_size, h), dtype)}
+  if config.cache_quantized:
+    groups = cache_scale_groups(config.cache_dtype, config.head_dim)
+    shape = (kv, num_pages, page_size) + ((groups,) if config.cache_dtype == "int4" else ())
+    spec["k_scale"] = spec["v_scale"] = (shape, jnp.dtype(jnp.float32))
+  return spec
+
+
 def gather(pool: jax.Array, page_table: jax.Array) -> jax.Array:
-  """pool [K, P, Z, H], page_table int[B, M] -> [B, K, M*Z, H], each row's pages in sequence order."""
-  num_kv_heads, _, page_size, head_dim = pool.shape
+  """pool [K, P, Z, ...], page_table int[B, M] -> [B, K, M*Z, ...], each row's pages in sequence
+  order (a value pool [K, P, Z, H] or a scale pool [K, P, Z] / [K, P, Z, G])."""
+  num_kv_heads, _, page_size = pool.shape[:3]
   batch, width = page_table.shape
-  pages = pool[:, page_table]  # [K, B, M, Z, H]
-  return jnp.swapaxes(pages, 0, 1).reshape(batch, num_kv_heads, width * page_size, head_dim)
+  pages = pool[:, page_table]  # [K, B, M, Z, ...]
+  return jnp.swapaxes(pages, 0, 1).reshape(batch, num_kv_heads, width * page_size, *pool.shape[3:])
 
 
-def attend_pages(q, k_pool, v_pool, lengths, page_table):
-  """XLA's one-token attention over the pools: q [B, 1, N, H] reads each row's positions
-  [0, lengths[b]], its pages gathered into a copy first."""
+def gathered(k_pool, v_pool, page_table, k_scale=None, v_scale=None):
+  """Each row's keys and values in sequence order, k and v [B, K, M*Z, H], dequantized to
+  float32 when the pools are quantized (the scales given)."""
   k, v = gather(k_pool, page_table), gather(v_pool, page_table)
+  if k_scale is None:
+    return k, v
+  fmt = quant.format_of(k_pool.dtype)
+  return (quant.dequantize(k, gather(k_scale, page_table), fmt),
+          quant.dequantize(v, gather(v_scale, page_table), fmt))
+
+
+def attend_pages(q, k_pool, v_pool, lengths, page_table, k_scale=None, v_scale=None):
+  """XLA's one-token attention over the pages: q [B, 1, N, H] reads positions [0, lengths[b]] of
+  its row's pages (page_table int[B, M]) -> [B, 1, N, H]. The gather copies each row's pages."""
+  k, v = gathered(k_pool, v_pool, page_table, k_scale, v_scale)
   mask = (jnp.arange(k.shape[2])[None, :] <= lengths[:, None])[:, None, :]  # [B, 1, M*Z]
   return attend(q, k, v, mask)
 
@@ -103,6 +130,9 @@ class PagedCache(KVCache):
       raise ValueError(f"num_pages={num_pages} leaves no page besides the reserved null page")
     if attention not in ATTENTION_IMPLS:
       raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {attention!r}")
+    if attention != "gather" and config.cache_quantized:
+      raise ValueError(f"attention={attention!r} reads float pools only; a cache_dtype={config.cache_dtype!r} "
+                       "cache takes attention='gather'")
     if attention == "pallas" and not pallas_available():
       raise ValueError(f"attention='pallas' needs a GPU backend and JAX's Pallas paged-attention kernel; "
                        f"the backend is {jax.default_backend()!r}")
@@ -110,9 +140,8 @@ class PagedCache(KVCache):
       raise ValueError("attention='pallas_interpret' needs JAX's Pallas paged-attention kernel, which this JAX lacks")
     memory.check_fits(f"a paged cache of {num_pages} pages x {page_size} tokens",
                       memory.paged_cache_bytes(config, num_pages, page_size, batch, max_pages))
-    shape = (config.num_kv_heads, num_pages, page_size, config.head_dim)
-    layer = lambda i: {"k": jnp.zeros(shape, config.kv_dtype), "v": jnp.zeros(shape, config.kv_dtype)}
-    return cls(layers=cache_collection(config, layer), lengths=jnp.zeros((batch,), jnp.int32),
+    spec = layer_spec(config, num_pages, page_size)
+    return cls(layers=cache_collection(config, lambda i: layer_arrays(spec)), lengths=jnp.zeros((batch,), jnp.int32),
                page_table=jnp.zeros((batch, max_pages), jnp.int32), attention=attention)
 
   @property
@@ -128,8 +157,7 @@ class PagedCache(KVCache):
     return self.page_table.shape[1] * self.page_size
 
   def layer_spec(self, config: ModelConfig, layer: int = 0):
-    shape = (config.num_kv_heads, self.num_pages, self.page_size, config.head_dim)
-    return {"k": (shape, config.kv_dtype), "v": (shape, config.kv_dtype)}
+    return layer_spec(config, self.num_pages, self.page_size)
 
   def with_rows(self, page_table, lengths) -> "PagedCache":
     """The same pools addressed by another batch of rows: page_table int[B', M'], lengths int[B']
@@ -160,17 +188,18 @@ class PagedCache(KVCache):
     page_index = jnp.minimum(span.positions // page_size, self.page_table.shape[1] - 1)
     pages = jnp.where(span.valid, jnp.take_along_axis(self.page_table, page_index, axis=1), NULL_PAGE)
     slots = span.positions % page_size
-    store = lambda pool, new: pool.at[:, pages, slots].set(jnp.swapaxes(new, 0, 1).astype(pool.dtype))  # [K, B, T, H]
-    return {"k": store(stored["k"], k), "v": store(stored["v"], v)}
+    store = lambda pool, new: pool.at[:, pages, slots].set(jnp.swapaxes(new, 0, 1).astype(pool.dtype))  # [K, B, T, ...]
+    new = quant.encode(k, v, stored_format(stored))  # [B, K, T, ...]
+    return {name: store(stored[name], x) for name, x in new.items()}
 
   def read(self, stored, q, q_positions, span: Span, backend: Backend):
     if q.shape[1] == 1 and not span.window.size:
-      if self.attention == "gather":
-        return backend.cache_attention(q, stored["k"], stored["v"], q_positions[:, 0], attend_pages,
-                                       page_table=self.page_table)
-      return pallas_attend(q, stored["k"], stored["v"], self.page_table, q_positions[:, 0] + 1,
-                           interpret=self.attention == "pallas_interpret")
-    k, v = gather(stored["k"], self.page_table), gather(stored["v"], self.page_table)
+      if self.attention != "gather":
+        return pallas_attend(q, stored["k"], stored["v"], self.page_table, q_positions[:, 0] + 1,
+                             interpret=self.attention == "pallas_interpret")
+      return backend.cache_attention(q, stored["k"], stored["v"], q_positions[:, 0], attend_pages,
+                                     page_table=self.page_table, **scales(stored))
+    k, v = gathered(stored["k"], stored["v"], self.page_table, **scales(stored))
     mask = visible(q_positions, jnp.arange(k.shape[2])[None, :], span.window)  # [B, Tq, M*Z]
     return attend(q, k, v, mask)
 

@@ -36,7 +36,8 @@ def command(args: argparse.Namespace) -> int:
     print(json.dumps(recall_checkpoint(args.workdir, config, step=args.step)))
     return 0
   result = evaluate_checkpoint(args.workdir, step=args.step, split=args.split, batch_size=args.batch_size,
-                               num_batches=args.batches, mesh=options.mesh(args))
+                               num_batches=args.batches, mesh=options.mesh(args),
+                               cache_dtype=options.cache_dtype(args))
   trained_on = result["trained_corpus_sha256"]
   if trained_on and trained_on != result["corpus_sha256"]:
     print(f"kvjax eval: warning: corpus {result['corpus']} differs from the one this model was trained "
@@ -44,7 +45,8 @@ def command(args: argparse.Namespace) -> int:
   if args.json:
     print(json.dumps(result))
   else:
-    print(f"step {result['step']}  {result['split']} loss {result['loss']:.4f}  "
+    through = f" through the {result['cache_dtype']} cache" if result["cache_dtype"] else ""
+    print(f"step {result['step']}  {result['split']}{through} loss {result['loss']:.4f}  "
           f"bits/byte {result['bits_per_byte']:.4f}  accuracy {result['accuracy']:.4f}  "
           f"({result['tokens']} tokens)")
   return 0
@@ -60,6 +62,9 @@ def add_parser(subparsers) -> None:
   parser.add_argument("--batch-size", type=options.positive_int,
                       help="windows per batch (default: the run's train.batch_size)")
   parser.add_argument("--json", action="store_true", help="print one JSON object")
+  parser.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
+                      help="model.cache_dtype=FORMAT: score a prefill through a KV cache of that format "
+                           "(int8, int4, float8_e4m3fn, ...) instead of the plain forward pass")
   options.add_mesh_option(parser)
   recall = parser.add_argument_group("long-range recall (kvjax.studies.recall)")
   recall.add_argument("--recall", type=distances, metavar="D1,D2,...",

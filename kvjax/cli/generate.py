@@ -21,10 +21,13 @@ from kvjax.decoding.decode import generate
 
 def continue_text(workdir, prompt: str, *, max_new_tokens: int, temperature: float = 0.0,
                   top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-                  step: int | None = None, mesh=None) -> str:
+                  step: int | None = None, mesh=None, cache_dtype: str | None = None) -> str:
   """The continuation of `prompt` from the workdir's checkpoint (latest unless `step`), sharded
-  over `mesh` (a jax.sharding.Mesh, see kvjax.sharding) when one is given."""
+  over `mesh` (a jax.sharding.Mesh, see kvjax.sharding) when one is given, decoding with a KV
+  cache of `cache_dtype` (default: the checkpoint's)."""
   model, params, _ = load_model(workdir, step)
+  if cache_dtype is not None:
+    model = model.clone(config=model.config.replace(cache_dtype=cache_dtype))
   tokenizer = load_tokenizer(workdir, model.config.vocab_size)
   if tokenizer is None:
     tokens = data.encode(prompt)
@@ -39,7 +42,8 @@ def continue_text(workdir, prompt: str, *, max_new_tokens: int, temperature: flo
 def command(args: argparse.Namespace) -> int:
   print(continue_text(args.workdir, args.prompt, max_new_tokens=args.max_new_tokens,
                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                      seed=args.seed, step=args.step, mesh=options.mesh(args)))
+                      seed=args.seed, step=args.step, mesh=options.mesh(args),
+                      cache_dtype=options.cache_dtype(args)))
   return 0
 
 
@@ -53,5 +57,7 @@ def add_parser(subparsers) -> None:
   parser.add_argument("--top-p", type=float, help="sample within the top-p probability mass")
   parser.add_argument("--seed", type=int, default=0, help="sampling seed")
   parser.add_argument("--step", type=int, help="checkpoint step (default: latest)")
+  parser.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
+                      help="model.cache_dtype=FORMAT: the KV cache's format (int8, int4, float8_e4m3fn, ...)")
   options.add_mesh_option(parser)
   parser.set_defaults(func=command)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from kvjax.interop.kv_size import BYTES_PER_ELEMENT, PRESETS, parse_bytes, plan, render, resolve
+from kvjax.interop.kv_size import BYTES_PER_ELEMENT, CACHE_DTYPE_NAMES, PRESETS, parse_bytes, plan, render, resolve
 
 
 def _mla(text: str) -> tuple[int, int]:
@@ -30,8 +30,8 @@ def add_parser(subparsers) -> None:
   parser.add_argument("model", help=f"preset ({', '.join(PRESETS)}), config file, kvjax workdir or HF directory")
   parser.add_argument("--context", type=int, default=4096, help="tokens per sequence (default 4096)")
   parser.add_argument("--batch", type=int, default=1, help="sequences (default 1)")
-  parser.add_argument("--dtype", default="bf16", help=f"cache element type {tuple(BYTES_PER_ELEMENT)}")
-  parser.add_argument("--weight-dtype", help="weight element type (default: --dtype)")
+  parser.add_argument("--dtype", default="bf16", help=f"cache format {tuple(CACHE_DTYPE_NAMES)} (quantized ones count their scales)")
+  parser.add_argument("--weight-dtype", help=f"weight element type {tuple(BYTES_PER_ELEMENT)} (default: --dtype, or bf16 for int4 caches)")
   parser.add_argument("--device-memory", help="e.g. 80GB (10^9 bytes) or 80GiB (2^30)")
   parser.add_argument("--devices", type=int, default=1,
                       help="devices the model is split across, tensor parallel (default 1)")

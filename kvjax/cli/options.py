@@ -3,7 +3,8 @@
   --set KEY=VALUE ...    config overrides, applied with kvjax.config.apply_overrides: values are
                          Python literals checked against the field's type, unknown keys are
                          refused with the valid ones listed. One --set takes several items, and
-                         --set may be repeated.
+                         --set may be repeated. Commands that load a trained checkpoint
+                         (generate, eval) take only model.cache_dtype (`cache_dtype`).
   --mesh data=D,model=M  a device mesh (kvjax.sharding.parse_mesh / make_mesh); the text is
                          checked when the command line is parsed, the mesh made when it is used.
 """
@@ -11,12 +12,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any
 
 from jax.sharding import Mesh
 
 from kvjax import sharding
-from kvjax.config import apply_overrides
+from kvjax.config import ModelConfig, apply_overrides
 
 SET_HELP = ("override config fields (Python literals, checked against the field's type); several per "
             "--set, and --set repeats, e.g. --set model.num_kv_heads=2 train.steps=10")
@@ -33,6 +35,23 @@ def add_set_option(parser: argparse.ArgumentParser) -> None:
 def apply_set(config: Any, args: argparse.Namespace) -> Any:
   """`config` (a nested frozen config dataclass) with the --set overrides of `args` applied."""
   return apply_overrides(config, args.overrides)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointSet:
+  """What --set may change in a command that loads a trained checkpoint: model.cache_dtype."""
+
+  model: ModelConfig = ModelConfig()
+
+
+def cache_dtype(args: argparse.Namespace) -> str | None:
+  """The model.cache_dtype that --set gives a command loading a trained checkpoint (the KV cache's
+  format, the one model field a trained model may change); None when --set does not name it."""
+  for item in args.overrides:
+    key = item.partition("=")[0].strip()
+    if key != "model.cache_dtype":
+      raise ValueError(f"--set {item!r}: a trained checkpoint's config can only change model.cache_dtype")
+  return apply_overrides(CheckpointSet(), args.overrides).model.cache_dtype if args.overrides else None
 
 
 def mesh_text(text: str) -> str:

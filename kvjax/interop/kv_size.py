@@ -1,13 +1,17 @@
 """KV-cache size planner: `kvjax kv-size MODEL [--context N] [--batch B] [--dtype bf16] ...`.
 
 A cache holds K and V for every layer, kv head and position, so one token costs
-  2 x num_layers x num_kv_heads x head_dim x bytes per element,
-and a batch of B sequences of N tokens costs B x N times that, except that a sliding-window layer
-keeps at most window + sinks positions (kvjax.config.cached_positions), so its share stops growing
-there and a model whose every layer is windowed fits any context. A multi-head latent attention
-(MLA) model caches a latent of kv_latent_rank and a rotary key of rope_dims per layer instead:
-  num_layers x (kv_latent_rank + rope_dims) x bytes per element, whatever the number of heads;
-`--mla RANK:ROPE_DIMS` adds such a variant of any model to the table. The planner prints this for
+  2 x num_layers x num_kv_heads x bytes per head,
+where a head's K (or V) takes head_dim x bytes per element in a float cache and, in a quantized
+one (kvjax.cache.quant), its values and float32 scales: head_dim + 4 bytes in int8 or fp8,
+head_dim / 2 + 4 x head_dim / group in int4 (kvjax.config.cache_bytes_per_head). A batch of B
+sequences of N tokens costs B x N times that, except that a sliding-window layer keeps at most
+window + sinks positions (kvjax.config.cached_positions), so its share stops growing there and a
+model whose every layer is windowed fits any context. A multi-head latent attention (MLA) model
+caches a latent of kv_latent_rank and a rotary key of rope_dims per layer instead:
+  num_layers x (kv_latent_rank + rope_dims) x bytes per element, whatever the number of heads
+(float caches only: kvjax builds no quantized latent cache); `--mla RANK:ROPE_DIMS` adds such a
+variant of any model to the table. The planner prints this for
 the model as built and for its MHA / GQA / MQA variants (every kv-head count that divides
 the query heads), and how large a batch or context fits the device memory once the weights
 are loaded, optionally split across several devices. Activations and framework overhead are
@@ -26,12 +30,17 @@ import math
 import re
 from pathlib import Path
 
-from kvjax.config import ModelConfig, cached_positions, check_nonnegative, check_positive, check_positive_int, from_dict
+from kvjax.config import (CACHE_DTYPES, DTYPES, ModelConfig, cache_bytes_per_head, cache_stored_dtype,
+                          cached_positions, check_nonnegative, check_positive, check_positive_int, from_dict)
 from kvjax.interop.hf import config_from_hf, read_hf_config
 from kvjax.model.params import abstract_params
 
+# Weight element types.
 BYTES_PER_ELEMENT = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2,
                      "fp8": 1, "int8": 1}
+# Cache formats: ModelConfig.cache_dtype's names and their short forms.
+CACHE_DTYPE_NAMES = {**{name: name for name in CACHE_DTYPES}, "fp32": "float32", "bf16": "bfloat16",
+                     "fp16": "float16", "fp8": "float8_e4m3fn"}
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -66,23 +75,28 @@ class Architecture:
       raise ValueError(f"Architecture.num_heads={self.num_heads} is not divisible by "
                        f"num_kv_heads={self.num_kv_heads}")
 
-  def bytes_per_token(self, bytes_per_element: int, num_kv_heads: int | None = None,
+  def bytes_per_token(self, cache_dtype: str, num_kv_heads: int | None = None,
                       latent: tuple[int, int] | None = None) -> int:
-    """Bytes of one token at every layer (what a cache without sliding windows pays per token), of
-    the model as built, of its variant with num_kv_heads kv heads (a K/V cache), or of its MLA
-    variant latent=(kv_latent_rank, rope_dims)."""
-    return self.num_layers * self.position_bytes(bytes_per_element, num_kv_heads, latent)
+    """Cache bytes of one token at every layer in `cache_dtype` (a CACHE_DTYPE_NAMES key), scales
+    included (what a cache without sliding windows pays per token), of the model as built, of its
+    variant with num_kv_heads kv heads (a K/V cache), or of its MLA variant latent=(kv_latent_rank,
+    rope_dims)."""
+    return self.num_layers * self.position_bytes(cache_dtype, num_kv_heads, latent)
 
-  def position_bytes(self, bytes_per_element: int, num_kv_heads: int | None = None,
+  def position_bytes(self, cache_dtype: str, num_kv_heads: int | None = None,
                      latent: tuple[int, int] | None = None) -> int:
     """Bytes one layer keeps per cached position (see bytes_per_token for the arguments): an MLA
-    layer's latent and rotary key, or a K/V layer's kv heads."""
+    layer's latent and rotary key, or a K/V layer's kv heads. ValueError for a quantized latent."""
     if latent is None and num_kv_heads is None and self.kv_latent_rank:
       latent = (self.kv_latent_rank, self.rope_dims)
     if latent is not None:
-      return sum(latent) * bytes_per_element
+      name = CACHE_DTYPE_NAMES[cache_dtype]
+      if name not in DTYPES:
+        raise ValueError(f"an MLA cache in {cache_dtype!r}: kvjax stores latent caches in float dtypes only "
+                         f"({', '.join(DTYPES)})")
+      return sum(latent) * cache_stored_dtype(name).itemsize
     kv = self.num_kv_heads if num_kv_heads is None else num_kv_heads
-    return 2 * kv * self.head_dim * bytes_per_element
+    return 2 * kv * cache_bytes_per_head(CACHE_DTYPE_NAMES[cache_dtype], self.head_dim)
 
   def layer_window(self, layer: int) -> int:
     return self.window[layer % len(self.window)] if self.window else 0
@@ -91,16 +105,17 @@ class Architecture:
     """Positions of one sequence of `context` tokens the cache keeps, summed over the layers."""
     return sum(cached_positions(self.layer_window(i), self.sink_tokens, context) for i in range(self.num_layers))
 
-  def sequence_bytes(self, context: int, bytes_per_element: int, num_kv_heads: int | None = None,
+  def sequence_bytes(self, context: int, cache_dtype: str, num_kv_heads: int | None = None,
                      latent: tuple[int, int] | None = None) -> int:
-    """Cache bytes of one sequence of `context` tokens, each windowed layer at most window + sinks."""
-    return self.position_bytes(bytes_per_element, num_kv_heads, latent) * self.cached_positions(context)
+    """Cache bytes of one sequence of `context` tokens in `cache_dtype`, scales included, each
+    windowed layer at most window + sinks positions."""
+    return self.position_bytes(cache_dtype, num_kv_heads, latent) * self.cached_positions(context)
 
-  def max_context(self, free: int, batch: int, bytes_per_element: int, num_kv_heads: int | None = None,
+  def max_context(self, free: int, batch: int, cache_dtype: str, num_kv_heads: int | None = None,
                   latent: tuple[int, int] | None = None) -> int | None:
     """The longest context whose cache for `batch` sequences fits `free` bytes; None when every
     layer is windowed and the cache's largest size fits (any context does)."""
-    fits = lambda n: batch * self.sequence_bytes(n, bytes_per_element, num_kv_heads, latent) <= free
+    fits = lambda n: batch * self.sequence_bytes(n, cache_dtype, num_kv_heads, latent) <= free
     if all(self.layer_window(i) for i in range(self.num_layers)):
       if fits(max(self.window) + self.sink_tokens):
         return None
@@ -235,11 +250,11 @@ def plan(arch: Architecture, *, context: int, batch: int, dtype: str = "bf16",
   """
   for name, value in (("context", context), ("batch", batch), ("devices", devices)):
     check_positive_int(value, name)
-  weight_dtype = weight_dtype or dtype
-  for name, value in (("dtype", dtype), ("weight dtype", weight_dtype)):
-    if value not in BYTES_PER_ELEMENT:
-      raise ValueError(f"{name} {value!r} is not one of {tuple(BYTES_PER_ELEMENT)}")
-  element = BYTES_PER_ELEMENT[dtype]
+  if dtype not in CACHE_DTYPE_NAMES:
+    raise ValueError(f"dtype {dtype!r} is not one of {tuple(CACHE_DTYPE_NAMES)}")
+  weight_dtype = weight_dtype or (dtype if dtype in BYTES_PER_ELEMENT else "bf16")
+  if weight_dtype not in BYTES_PER_ELEMENT:
+    raise ValueError(f"weight dtype {weight_dtype!r} is not one of {tuple(BYTES_PER_ELEMENT)}")
   weights = arch.params * BYTES_PER_ELEMENT[weight_dtype]
   free = None if device_memory is None else max(device_memory - -(-weights // devices), 0)
   for rank, rope_dims in mla:
@@ -249,25 +264,25 @@ def plan(arch: Architecture, *, context: int, batch: int, dtype: str = "bf16",
   rows = []
 
   def add(row, per_device_kv, latent=None):
-    row["cache_bytes"] = arch.sequence_bytes(context, element, row["kv_heads"], latent) * batch
+    row["cache_bytes"] = arch.sequence_bytes(context, dtype, row["kv_heads"], latent) * batch
     if free is not None:
-      row["max_batch"] = free // arch.sequence_bytes(context, element, per_device_kv, latent)
-      row["max_context"] = arch.max_context(free, batch, element, per_device_kv, latent)
+      row["max_batch"] = free // arch.sequence_bytes(context, dtype, per_device_kv, latent)
+      row["max_context"] = arch.max_context(free, batch, dtype, per_device_kv, latent)
     rows.append(row)
 
   latents = ([(arch.kv_latent_rank, arch.rope_dims)] if arch.kv_latent_rank else []) + list(mla)
   for i, (rank, rope_dims) in enumerate(latents):
     add({"variant": f"MLA {rank}+{rope_dims}", "kv_heads": arch.num_kv_heads, "kv_latent_rank": rank,
          "rope_dims": rope_dims, "as_built": i == 0 and bool(arch.kv_latent_rank),
-         "bytes_per_token": arch.bytes_per_token(element, latent=(rank, rope_dims))},
+         "bytes_per_token": arch.bytes_per_token(dtype, latent=(rank, rope_dims))},
         None, (rank, rope_dims))
   for kv in kv_head_counts(arch):
     add({"variant": variant_name(arch, kv), "kv_heads": kv, "as_built": kv == arch.num_kv_heads and not arch.kv_latent_rank,
-         "bytes_per_token": arch.bytes_per_token(element, kv)}, -(-kv // devices))
+         "bytes_per_token": arch.bytes_per_token(dtype, kv)}, -(-kv // devices))
   result = {"model": arch.name, "architecture": dataclasses.asdict(arch), "dtype": dtype,
             "weight_dtype": weight_dtype, "context": context, "batch": batch,
-            "bytes_per_token": arch.bytes_per_token(element),
-            "cache_bytes": arch.sequence_bytes(context, element) * batch,
+            "bytes_per_token": arch.bytes_per_token(dtype),
+            "cache_bytes": arch.sequence_bytes(context, dtype) * batch,
             "weights_bytes": weights, "variants": rows}
   if device_memory is not None:
     built = next(r for r in rows if r["as_built"])

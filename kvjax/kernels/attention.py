@@ -37,9 +37,12 @@ MAX_POOL_ENTRIES = 2 ** 31 - 4
 ADDRESSING = ("k_scale", "v_scale", "page_table")
 
 
-def uses_kernel(*dtypes) -> bool:
-  """Whether `cache_attention` over a float32 cache with operands of these dtypes runs in the CPU kernel."""
-  return all(d == jnp.float32 for d in dtypes) and build.single_cpu() and build.available("attention")
+def uses_kernel(compute_dtype, kv_dtype=jnp.float32) -> bool:
+  """Whether `cache_attention` of `compute_dtype` queries over a cache storing `kv_dtype` (a cache
+  kind's own layout: ModelConfig.compute_dtype and kv_dtype) runs in the CPU kernel: float32
+  queries over a float32 or int8 cache (whose kind passes its scales) on a single CPU device."""
+  return (jnp.dtype(compute_dtype) == jnp.float32 and jnp.dtype(kv_dtype) in (jnp.float32, jnp.int8)
+          and build.single_cpu() and build.available("attention"))
 
 
 def kernel_layout(q, k_cache, v_cache, addressing: dict) -> tuple[bool, bool] | None:

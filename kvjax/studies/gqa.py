@@ -227,8 +227,11 @@ def task_scores(study: GqaStudy, stages: Stages, workdirs_by_name: dict[str, Pat
     def run(path=path):
       model, params, _ = checkpoint.load_model(path)
       results = tasks.score_all(model, params, study.tasks)
-      return {**{task: r["score"] for task, r in results.items()}, "avg_score": tasks.average_score(results)}
-    out[name] = stages.run(f"tasks_{name}", run)
+      exact = {f"{task}_exact_match": r["exact_match"] for task, r in results.items() if "exact_match" in r}
+      return {**{task: r["score"] for task, r in results.items()}, **exact,
+              "avg_score": tasks.average_score(results)}
+    # Stages named tasks_* (before generated tasks were scored by byte accuracy) are not reused.
+    out[name] = stages.run(f"task_scores_{name}", run)
   return out
 
 

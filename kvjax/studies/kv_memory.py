@@ -8,10 +8,12 @@ the same KV budget of `budget_tokens` token slots (budget_tokens x kv_bytes_per_
   paged     PagedAttention at each page size in `page_sizes`.
 The baselines run on pages of `baseline_page_size` tokens, which only sets their granularity
 (their capacities are multiples of it), so every policy uses the same kernels and the
-differences come from memory alone. Per policy: utilisation (tokens cached / slots allocated,
-summed over decode steps), peak and mean concurrent requests, preemptions and tokens/s.
-Every policy should produce the same tokens for every request (greedy); the study counts the
-requests that match the first policy's run.
+differences come from memory alone. Each of `cache_dtypes` (quantized formats, kvjax.cache.quant)
+then serves the workload paged, at the headline page size, within the same budget in bytes:
+a format of fewer bytes per token gets as many more pages. Per policy: utilisation (tokens
+cached / slots allocated, summed over decode steps), peak and mean concurrent requests,
+preemptions and tokens/s. Every policy should produce the same tokens for every request (greedy);
+the study counts the requests that match the first policy's run (a quantized cache may differ).
 """
 
 from __future__ import annotations
@@ -24,19 +26,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.config import ModelConfig, check_nonnegative, check_positive, check_positive_int, check_real
+from kvjax.config import CACHE_DTYPES, ModelConfig, check_nonnegative, check_positive, check_positive_int, check_real
 from kvjax.serving.engine import Engine, EngineConfig
 from kvjax.model.transformer import Transformer
 from kvjax.studies.report import figure, markdown_table, write_table
 from kvjax.training.workdir import claim_study
 
-CSV_FIELDS = ("policy", "page_size", "budget_tokens", "budget_bytes", "utilisation", "peak_concurrent",
-              "mean_concurrent", "preemptions", "decode_steps", "generated_tokens", "seconds",
+CSV_FIELDS = ("policy", "cache_dtype", "page_size", "budget_tokens", "budget_bytes", "utilisation",
+              "peak_concurrent", "mean_concurrent", "preemptions", "decode_steps", "generated_tokens", "seconds",
               "tokens_per_s", "identical_outputs")
 # The markdown table: (row field, heading, format); peak_over_max_len is the peak concurrency
 # over that of contiguous max_len preallocation.
-TABLE_COLUMNS = (("policy", "policy", ""), ("page_size", "page size", ""), ("utilisation", "utilisation", ".1%"),
-                 ("peak_concurrent", "peak concurrent", ""), ("peak_over_max_len", "x max_len", ".2f"),
+TABLE_COLUMNS = (("policy", "policy", ""), ("cache_dtype", "cache", ""), ("page_size", "page size", ""),
+                 ("utilisation", "utilisation", ".1%"), ("peak_concurrent", "peak concurrent", ""),
+                 ("peak_over_max_len", "x max_len", ".2f"),
                  ("mean_concurrent", "mean concurrent", ".1f"), ("preemptions", "preemptions", ""),
                  ("decode_steps", "decode steps", ""), ("tokens_per_s", "tokens/s", ".0f"))
 # Section 6.2 and Figure 2 of Kwon et al., "Efficient Memory Management for Large Language Model
@@ -66,7 +69,9 @@ class WorkloadConfig:
 
 @dataclasses.dataclass(frozen=True)
 class KVMemoryStudy:
-  """The study run by `kvjax run` for job "kv_memory". Contexts are capped at model.max_len."""
+  """The study run by `kvjax run` for job "kv_memory". Contexts are capped at model.max_len.
+  budget_tokens counts token slots in model.cache_dtype; cache_dtypes are further cache formats
+  served within the same bytes (`policies`); baselines=False leaves out max_len and doubling."""
 
   job: str = "kv_memory"
   model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
@@ -75,6 +80,8 @@ class KVMemoryStudy:
   page_sizes: tuple[int, ...] = (8, 16, 32)
   baseline_page_size: int = 16
   num_slots: int = 64
+  cache_dtypes: tuple[str, ...] = ()
+  baselines: bool = True
   seed: int = 0
 
   def __post_init__(self):
@@ -96,12 +103,25 @@ class KVMemoryStudy:
     if self.budget_tokens < self.model.max_len:
       raise ValueError(f"KVMemoryStudy.budget_tokens={self.budget_tokens} cannot hold one request of "
                        f"ModelConfig.max_len={self.model.max_len} positions")
+    if not isinstance(self.baselines, bool):
+      raise ValueError(f"KVMemoryStudy.baselines must be a bool, got {self.baselines!r}")
+    for i, name in enumerate(self.cache_dtypes):
+      if name not in CACHE_DTYPES:
+        raise ValueError(f"KVMemoryStudy.cache_dtypes[{i}] must be one of {CACHE_DTYPES}, got {name!r}")
+      self.model.replace(cache_dtype=name)  # refuses a format the heads cannot take (odd head_dim for int4)
     check_nonnegative(self, "seed")
 
-  def policies(self) -> list[tuple[str, int]]:
-    """(allocation, page size) pairs, baselines first."""
-    return ([("max_len", self.baseline_page_size), ("doubling", self.baseline_page_size)]
-            + [("paged", size) for size in self.page_sizes])
+  @property
+  def headline_page_size(self) -> int:
+    """The page size of the headline numbers and of the cache_dtypes runs: 16, or the first."""
+    return 16 if 16 in self.page_sizes else self.page_sizes[0]
+
+  def policies(self) -> list[tuple[str, int, str]]:
+    """(allocation, page size, cache dtype) triples, baselines first, then the other cache formats."""
+    own = self.model.cache_dtype
+    baselines = [("max_len", self.baseline_page_size, own), ("doubling", self.baseline_page_size, own)]
+    return ((baselines if self.baselines else []) + [("paged", size, own) for size in self.page_sizes]
+            + [("paged", self.headline_page_size, name) for name in self.cache_dtypes])
 
 
 def make_workload(config: WorkloadConfig, max_len: int, vocab_size: int) -> list[tuple[np.ndarray, int]]:
@@ -131,6 +151,7 @@ def serve(model: Transformer, params, workload, config: EngineConfig) -> tuple[d
   budget = (config.num_pages - 1) * config.page_size
   metrics = {
       "policy": config.allocation if config.allocation != "paged" else f"paged{config.page_size}",
+      "cache_dtype": model.config.cache_dtype,
       "page_size": config.page_size,
       "budget_tokens": budget,
       "budget_bytes": budget * model.config.kv_bytes_per_token,
@@ -152,18 +173,20 @@ def run_study(study: KVMemoryStudy, workdir: str | Path) -> list[dict]:
   as a study's for the whole run (kvjax.training.workdir.claim_study); returns the rows."""
   with claim_study(workdir, study) as workdir:
     cfg = study.model
-    model = Transformer(cfg)
-    params = model.init(jax.random.key(study.seed), jnp.zeros((1, 1), jnp.int32))["params"]
+    params = Transformer(cfg).init(jax.random.key(study.seed), jnp.zeros((1, 1), jnp.int32))["params"]
     workload = make_workload(study.workload, cfg.max_len, cfg.vocab_size)
+    budget_bytes = study.budget_tokens * cfg.kv_bytes_per_token
     rows, reference = [], None
-    for allocation, page_size in study.policies():
-      engine_config = EngineConfig(num_slots=study.num_slots, num_pages=study.budget_tokens // page_size + 1,
+    for allocation, page_size, cache_dtype in study.policies():
+      model = Transformer(cfg.replace(cache_dtype=cache_dtype))
+      pages = budget_bytes // (page_size * model.config.kv_bytes_per_token)
+      engine_config = EngineConfig(num_slots=study.num_slots, num_pages=pages + 1,
                                    page_size=page_size, allocation=allocation, seed=study.seed)
       row, outputs = serve(model, params, workload, engine_config)
       reference = outputs if reference is None else reference
       row["identical_outputs"] = sum(np.array_equal(reference[i], outputs[i]) for i in reference)
       rows.append(row)
-      print(f"kv_memory: {row['policy']}: utilisation {row['utilisation']:.3f}, peak concurrent "
+      print(f"kv_memory: {row['policy']} {cache_dtype}: utilisation {row['utilisation']:.3f}, peak concurrent "
             f"{row['peak_concurrent']}, {row['tokens_per_s']:.0f} tokens/s", flush=True)
     write_table([{k: r[k] for k in CSV_FIELDS} for r in rows], workdir / "kv_memory",
                 [(k, k, "") for k in CSV_FIELDS])
@@ -174,11 +197,20 @@ def run_study(study: KVMemoryStudy, workdir: str | Path) -> list[dict]:
 
 def summary(rows: list[dict]) -> dict:
   """The rows without their traces, and the headline numbers: paged utilisation at page size 16
-  (or the first paged run) and its concurrency over contiguous max_len preallocation."""
-  contiguous = next(r for r in rows if r["policy"] == "max_len")
-  paged = next((r for r in rows if r["policy"] == "paged16"),
+  (or the first paged run) and its concurrency over contiguous max_len preallocation; per further
+  cache format, its peak and mean concurrency over the model's own format at that page size."""
+  own = rows[0]["cache_dtype"]
+  paged = next((r for r in rows if r["policy"] == "paged16" and r["cache_dtype"] == own),
                next(r for r in rows if r["policy"].startswith("paged")))
+  formats = {r["cache_dtype"]: {"peak_concurrent_over_" + own: r["peak_concurrent"] / paged["peak_concurrent"],
+                                "mean_concurrent_over_" + own: r["mean_concurrent"] / paged["mean_concurrent"]}
+             for r in rows if r["cache_dtype"] != own}
+  contiguous = next((r for r in rows if r["policy"] == "max_len"), None)
+  if contiguous is None:
+    return {"rows": [{k: r[k] for k in CSV_FIELDS} for r in rows], "cache_dtypes": formats,
+            "paged_policy": paged["policy"], "paged_utilisation": paged["utilisation"]}
   return {
+      "cache_dtypes": formats,
       "rows": [{k: r[k] for k in CSV_FIELDS} for r in rows],
       "paged_policy": paged["policy"],
       "paged_utilisation": paged["utilisation"],
@@ -191,20 +223,22 @@ def summary(rows: list[dict]) -> dict:
 def report(study: KVMemoryStudy, workload, rows: list[dict]) -> str:
   prompts = np.array([p.size for p, _ in workload])
   outputs = np.array([n for _, n in workload])
-  contiguous = next(r for r in rows if r["policy"] == "max_len")
+  contiguous = next((r for r in rows if r["policy"] == "max_len"), None)
+  columns = TABLE_COLUMNS if contiguous else [c for c in TABLE_COLUMNS if c[0] != "peak_over_max_len"]
   lines = [
       "# KV-memory study", "",
       f"Workload: {len(workload)} requests queued at once; prompt length median {int(np.median(prompts))}, "
       f"mean {prompts.mean():.0f}, max {prompts.max()}; output length median {int(np.median(outputs))}, "
       f"mean {outputs.mean():.0f}, max {outputs.max()}; contexts capped at max_len={study.model.max_len}.",
-      f"KV budget: {study.budget_tokens} token slots = {study.budget_tokens * study.model.kv_bytes_per_token} "
-      f"bytes for every policy; {study.num_slots} batch slots. Model: d_model {study.model.d_model}, "
+      f"KV budget: {study.budget_tokens} token slots in {study.model.cache_dtype} = "
+      f"{study.budget_tokens * study.model.kv_bytes_per_token} bytes for every policy (a quantized cache fits "
+      f"more token slots in them); {study.num_slots} batch slots. Model: d_model {study.model.d_model}, "
       f"{study.model.num_layers} layers, {study.model.num_heads} heads, {study.model.num_kv_heads} kv heads.",
       f"Requests whose greedy tokens match the {rows[0]['policy']} run, per policy: "
-      + ", ".join(f"{r['policy']} {r['identical_outputs']}/{len(workload)}" for r in rows)
-      + " (an allocation policy must not change what a request generates).", "",
+      + ", ".join(f"{r['policy']} {r['cache_dtype']} {r['identical_outputs']}/{len(workload)}" for r in rows)
+      + " (an allocation policy must not change what a request generates; a quantized cache may).", "",
       markdown_table([{**r, "peak_over_max_len": r["peak_concurrent"] / contiguous["peak_concurrent"]}
-                      for r in rows], TABLE_COLUMNS),
+                      if contiguous else r for r in rows], columns),
   ]
   lines += ["", "Utilisation: tokens cached / token slots allocated, summed over decode steps. "
             "Baselines are allocated in multiples of their page size. tokens/s: generated tokens over "
@@ -220,7 +254,8 @@ def report(study: KVMemoryStudy, workload, rows: list[dict]) -> str:
 
 def plot(rows: list[dict], path: Path) -> None:
   with figure(path, panels=2, size=(11, 4), dpi=110) as (bars, lines):
-    names = [r["policy"] for r in rows]
+    own = rows[0]["cache_dtype"]
+    names = [r["policy"] + ("" if r["cache_dtype"] == own else f" {r['cache_dtype']}") for r in rows]
     bars.bar(names, [100 * r["utilisation"] for r in rows], color="tab:blue")
     bars.set_ylabel("KV slots holding real tokens (%)")
     bars.set_ylim(0, 100)
@@ -229,8 +264,8 @@ def plot(rows: list[dict], path: Path) -> None:
     twin.set_ylabel("peak concurrent requests", color="tab:red")
     twin.set_ylim(0, 1.1 * max(r["peak_concurrent"] for r in rows))
     bars.set_title("Utilisation and concurrency within one KV budget")
-    for r in rows:
-      lines.plot(r["trace"]["running"], label=r["policy"])
+    for name, r in zip(names, rows):
+      lines.plot(r["trace"]["running"], label=name)
     lines.set_xlabel("decode step")
     lines.set_ylabel("running requests")
     lines.set_title("Concurrency over the run")

@@ -3,6 +3,9 @@
 With the byte tokenizer one token is one byte, so bits per byte = loss (nats per token) / ln 2.
 A model that predicts the uniform distribution scores exactly 8 bits per byte. A workdir with a
 tokenizer.json (an imported model) is evaluated on the same text in that tokenizer's ids.
+Given a `cache_dtype`, the logits are those of a prefill through an empty contiguous cache of
+that format, which attends to the K/V as the cache stores them (kvjax.cache.quant): the quality
+a quantized cache costs.
 """
 
 from __future__ import annotations
@@ -12,40 +15,54 @@ import math
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh
 
 from kvjax import sharding
 from kvjax.training.checkpoint import latest_step, load_model, read_meta
+from kvjax.cache.contiguous import ContiguousCache
 from kvjax.config import from_dict
+from kvjax.decoding.decode import forward
 from kvjax.training.data import Dataset, eval_batches, load_dataset
 from kvjax.interop.hf import load_tokenizer
 from kvjax.model.transformer import Transformer
 from kvjax.training.config import DataConfig
 
 
-@functools.partial(jax.jit, static_argnames="model")
-def _eval_sums(model: Transformer, params, inputs, targets):
-  """inputs, targets int32 [B, T] -> (summed loss, number of correct argmax predictions)."""
-  logits = model.apply({"params": params}, inputs)  # [B, T, V]
+@functools.partial(jax.jit, static_argnames=("model", "through_cache"))
+def _eval_sums(model: Transformer, params, inputs, targets, through_cache: bool = False):
+  """inputs, targets int32 [B, T] -> (summed loss, number of correct argmax predictions); with
+  through_cache, the logits of a prefill into an empty ContiguousCache of model.config.cache_dtype."""
+  if through_cache:
+    batch, seq = inputs.shape
+    cache = ContiguousCache.create(model.config, batch, seq)
+    logits, _ = forward(model, params, cache, inputs, jnp.full((batch,), seq, jnp.int32), from_empty=True)
+  else:
+    logits = model.apply({"params": params}, inputs)  # [B, T, V]
   loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets).sum()
   return loss, (logits.argmax(-1) == targets).sum()
 
 
 def evaluate(model: Transformer, params, data: Dataset, *, batch_size: int, num_batches: int,
-             split: str = "val", mesh: Mesh | None = None) -> dict:
+             split: str = "val", mesh: Mesh | None = None, cache_dtype: str | None = None) -> dict:
   """Mean next-token loss (nats), bits per byte and accuracy over fixed windows of a split,
   sharded over `mesh` (kvjax.sharding's rules; batch_size must split over `data`) when given.
-  Bits per byte is loss / ln 2 / data.bytes_per_token (exact for bytes, a corpus average otherwise)."""
+  Bits per byte is loss / ln 2 / data.bytes_per_token (exact for bytes, a corpus average otherwise).
+  cache_dtype: score a prefill through a cache of that format (module docstring); None, the
+  plain forward pass."""
   if split not in ("val", "train"):
     raise ValueError(f"split must be 'val' or 'train', got {split!r}")
+  through_cache = cache_dtype is not None
+  if through_cache:
+    model = Transformer(model.config.replace(cache_dtype=cache_dtype), backend=model.backend)
   tokens = data.val if split == "val" else data.train
   batches = eval_batches(tokens, data.seq_len, batch_size, num_batches)
   if mesh is not None:
     params = sharding.shard_params(params, mesh)
     batches = (sharding.shard_batch(mesh, x, y) for x, y in batches)
-  sums = [_eval_sums(model, params, x, y) for x, y in batches]
+  sums = [_eval_sums(model, params, x, y, through_cache) for x, y in batches]
   count = batch_size * num_batches * data.seq_len
   loss = float(np.sum([np.float64(s[0]) for s in sums])) / count
   correct = int(np.sum([int(s[1]) for s in sums]))
@@ -54,13 +71,14 @@ def evaluate(model: Transformer, params, data: Dataset, *, batch_size: int, num_
 
 def evaluate_checkpoint(workdir: str | Path, *, step: int | None = None, split: str = "val",
                         batch_size: int | None = None, num_batches: int | None = None,
-                        mesh: Mesh | None = None) -> dict:
+                        mesh: Mesh | None = None, cache_dtype: str | None = None) -> dict:
   """`evaluate` of a workdir's checkpoint (latest unless `step`) on the corpus of its run's config.
 
   batch_size and num_batches default to the run's train.batch_size and train.eval_batches. A
   workdir with a tokenizer.json (an imported model) is evaluated in that tokenizer's ids.
   Returns the metrics with the step, split, tokens evaluated, the corpus source and sha256, and
   trained_corpus_sha256: the corpus the checkpoint was trained on, when its metadata records one.
+  cache_dtype: as in `evaluate`.
   """
   step = latest_step(workdir) if step is None else step
   model, params, config = load_model(workdir, step, mesh=mesh)
@@ -72,7 +90,7 @@ def evaluate_checkpoint(workdir: str | Path, *, step: int | None = None, split: 
   num_batches = num_batches or train.get("eval_batches", 8)
   data = load_dataset(data_config, load_tokenizer(workdir, model.config.vocab_size))
   metrics = evaluate(model, params, data, batch_size=batch_size, num_batches=num_batches, split=split,
-                     mesh=mesh)
-  return {"step": step, "split": split, **metrics, "tokens": batch_size * num_batches * data_config.seq_len,
+                     mesh=mesh, cache_dtype=cache_dtype)
+  return {"step": step, "split": split, "cache_dtype": cache_dtype, **metrics, "tokens": batch_size * num_batches * data_config.seq_len,
           "corpus": data.info.source, "corpus_sha256": data.info.sha256,
           "trained_corpus_sha256": meta.get("corpus", {}).get("sha256")}

@@ -42,3 +42,17 @@ def test_bench_quant_compares_equal_caches():
   assert result["max_output_diff"] < 1e-5
   # int8 data plus a float32 scale per (position, kv head) for K and for V: (H + 4) / (4 H) of float32
   assert result["int8_cache_bytes"] * 4 * TINY.head_dim == result["float32_cache_bytes"] * (TINY.head_dim + 4)
+  # Whole decode steps: the int8 cache holds the float32 cache's values quantized; its bytes as counted.
+  assert result["decode_first_step_max_logit_diff"] < 0.05 and result["int8_decode_step_ms"] > 0
+  int8 = TINY.replace(cache_dtype="int8")
+  assert result["decode_cache_bytes"] == {"float32": 2 * (40 + 2) * TINY.kv_bytes_per_token,
+                                          "int8": 2 * (40 + 2) * int8.kv_bytes_per_token}
+
+
+def test_bench_decode_takes_an_int8_cache():
+  """`kvjax bench decode --set model.cache_dtype=int8`: a whole decode step over an int8 cache,
+  whose bytes (values and scales) the step's byte count takes."""
+  int8 = TINY.replace(cache_dtype="int8")
+  result = benchmarks.bench_decode(int8, batch=2, prompt=8, new_tokens=1, repeats=1)
+  assert result["decode_step_ms"] > 0
+  assert result["decode_step_bytes"] == benchmarks.weight_bytes(int8) + 2 * int8.kv_bytes(8)

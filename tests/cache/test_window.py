@@ -14,6 +14,8 @@ import pytest
 import kvjax
 from conftest import init_params, tiny_config
 from kvjax import memory
+from kvjax.cache import quant
+from kvjax.model import attention
 from kvjax.config import apply_overrides
 from kvjax.model.attention import Window, visible
 
@@ -68,21 +70,22 @@ def chunk(seqs, held, lengths):
   return out
 
 
-def decode_against_forward(model, params, kind, seqs):
+def decode_against_forward(model, params, kind, seqs, full=None, atol=1e-5):
   """Ragged prefill, chunked extends (one longer than the ring), then decode steps well past the
-  ring's wrap; every logit is checked against the full forward. Returns the decode logits."""
-  full = np.asarray(model.apply({"params": params}, seqs))
+  ring's wrap; every logit is checked against the full forward (or `full`, its logits given) to
+  `atol`. Returns the decode logits."""
+  full = np.asarray(model.apply({"params": params}, seqs)) if full is None else full
   cache, held = empty_cache(kind, model.config), np.zeros(3, int)
   for lengths in (np.array([3, 7, 1]), np.array([11, 0, 4]), np.array([1, 2, 9])):
     logits, cache = kvjax.extend(model, params, cache, chunk(seqs, held, lengths), lengths)
     for row in range(3):
       np.testing.assert_allclose(logits[row, :lengths[row]], full[row, held[row]:held[row] + lengths[row]],
-                                 atol=1e-5, err_msg=f"{kind} extend row {row}")
+                                 atol=atol, err_msg=f"{kind} extend row {row}")
     held = held + lengths
   steps = []
   for _ in range(12):
     logits, cache = kvjax.decode_step(model, params, cache, seqs[np.arange(3), held])
-    np.testing.assert_allclose(logits, full[np.arange(3), held], atol=1e-5, err_msg=f"{kind} decode")
+    np.testing.assert_allclose(logits, full[np.arange(3), held], atol=atol, err_msg=f"{kind} decode")
     steps.append(np.asarray(logits))
     held = held + 1
   return np.stack(steps)
@@ -96,6 +99,40 @@ def test_cached_decode_matches_windowed_forward_and_paged_matches_contiguous():
   contiguous = decode_against_forward(model, params, "contiguous", seqs)
   paged = decode_against_forward(model, params, "paged", seqs)
   np.testing.assert_allclose(paged, contiguous, atol=1e-5)
+
+
+class DequantizedForward:
+  """The plain forward pass (every query over the call's keys under its layer's window mask), with
+  each layer's K/V as the quantized format `fmt` stores them: dequantize(quantize(k, v))."""
+
+  def __init__(self, fmt: str, batch: int):
+    self.fmt, self.lengths = fmt, jnp.zeros((batch,), jnp.int32)
+
+  def attend(self, stored, q, q_positions, k, v, span, backend):
+    k, v = quant.roundtrip(k, self.fmt), quant.roundtrip(v, self.fmt)
+    return stored, attention.attend(q, k, v, attention.new_keys_mask(q_positions, span))
+
+
+# |logit| gap between an int8 cache's decode and the dequantized forward: the K/V of layers past
+# the first come from inputs that differ by float rounding (and the CPU kernel applies the scales
+# to scores), so a value may rarely round to the neighbouring int8 step; measured 1e-6, where the
+# quantization itself moves the logits by 0.009.
+INT8_TOLERANCE = 1e-4
+
+
+def test_int8_ring_decode_matches_the_dequantized_windowed_forward():
+  """An int8 cache with a windowed layer (the contiguous ring, scales in the same slots; the
+  paged pools) decodes past the ring's wrap to the full forward's logits under the window mask
+  over the dequantized K/V, within INT8_TOLERANCE."""
+  model, params = init_params(tiny_config(2, cache_dtype="int8", **LOCAL_GLOBAL))
+  ring = kvjax.ContiguousCache.create(model.config, 3, 40).layers["layers_0"]["attn"]
+  assert ring["v"].shape[2] == ring["k_scale"].shape[2] == ring["v_scale"].shape[2] == 8
+  seqs = random_tokens((3, 40), seed=1)
+  full = np.asarray(model.apply({"params": params}, seqs, DequantizedForward("int8", 3)))
+  assert np.abs(full - np.asarray(model.apply({"params": params}, seqs))).max() > 10 * INT8_TOLERANCE
+  contiguous = decode_against_forward(model, params, "contiguous", seqs, full, INT8_TOLERANCE)
+  paged = decode_against_forward(model, params, "paged", seqs, full, INT8_TOLERANCE)
+  np.testing.assert_allclose(paged, contiguous, atol=INT8_TOLERANCE)
 
 
 def test_sinks_are_kept():
@@ -123,6 +160,11 @@ def test_cache_bytes_stop_growing_at_the_window():
     cache = kvjax.ContiguousCache.create(config, 3, length)
     assert cache.nbytes == 3 * per_position * (min(length, 8) + length) == 3 * config.kv_bytes(length)
     assert memory.contiguous_cache_bytes(config, 3, length) == cache.nbytes + 4 * 3
+    for fmt, per_head in (("int8", 8 + 4), ("int4", 4 + 4), ("float8_e4m3fn", 8 + 4)):  # head_dim 8: values + scales
+      quantized = config.replace(cache_dtype=fmt)
+      cache = kvjax.ContiguousCache.create(quantized, 3, length)
+      assert cache.nbytes == 3 * 2 * config.num_kv_heads * per_head * (min(length, 8) + length) == 3 * quantized.kv_bytes(length)
+      assert memory.contiguous_cache_bytes(quantized, 3, length) == cache.nbytes + 4 * 3
   every = tiny_config(2, window=(6,), sink_tokens=2, max_len=40)
   sizes = {kvjax.ContiguousCache.create(every, 3, n).nbytes for n in (8, 40, 160, 10_000)}
   assert sizes == {3 * 2 * per_position * 8}

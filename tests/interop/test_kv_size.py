@@ -53,7 +53,7 @@ def test_dense_presets_match_their_published_parameter_counts(name):
   arch = PRESETS[name]
   config = _kvjax_equivalent(arch)
   assert count_params(config) == arch.params
-  assert arch.bytes_per_token(2) == config.replace(cache_dtype="bfloat16").kv_bytes_per_token
+  assert arch.bytes_per_token("bf16") == config.replace(cache_dtype="bfloat16").kv_bytes_per_token
 
 
 def test_bytes_per_token_matches_an_allocated_cache():
@@ -107,7 +107,7 @@ def test_models_from_config_file_workdir_and_hf_dir(tmp_path):
       max_position_embeddings=1024, tie_word_embeddings=False)))
   for spec in (tmp_path / "cfg.py", workdir, hf_dir):
     arch = resolve(str(spec))
-    assert arch.bytes_per_token(4) == config.kv_bytes_per_token == 2 * 2 * 2 * 8 * 4
+    assert arch.bytes_per_token("fp32") == config.kv_bytes_per_token == 2 * 2 * 2 * 8 * 4
   assert resolve(str(workdir)).params == count_params(config)
   assert resolve(str(hf_dir)).params == count_params(config.replace(qkv_bias=True))
 
@@ -147,20 +147,25 @@ def test_windowed_layers_stop_growing_at_window_plus_sinks():
   for context in (3, 6, 20):
     cache = ContiguousCache.create(config, 2, context)
     assert plan(arch, context=context, batch=2, dtype="fp32")["cache_bytes"] == cache.nbytes
+    for fmt in ("int8", "int4", "float8_e4m3fn"):  # quantized windowed layers: values and scales
+      quantized = ContiguousCache.create(config.replace(cache_dtype=fmt), 2, context)
+      assert plan(arch, context=context, batch=2, dtype=fmt)["cache_bytes"] == quantized.nbytes
   per_position = 2 * 2 * 8 * 4  # K and V, 2 kv heads, head dim 8, float32: one layer, one position
   free = 2 * per_position * (12 + 100)
   # One global layer grows; the two windowed ones hold 6 positions each from context 6 on.
-  assert arch.max_context(free, 2, 4) == 100
+  assert arch.max_context(free, 2, "fp32") == 100
   every = dataclasses.replace(arch, window=(4,))
-  assert every.max_context(free, 2, 4) is None and every.max_context(2 * per_position * 17, 2, 4) == 5
+  assert every.max_context(free, 2, "fp32") is None and every.max_context(2 * per_position * 17, 2, "fp32") == 5
   # An MLA variant (latent 20 + rotary 4 per position) keeps the same positions per layer.
   latent_row = plan(arch, context=20, batch=2, dtype="fp32", device_memory=free + arch.params * 4,
                     mla=((20, 4),))["variants"][0]
   assert latent_row["variant"] == "MLA 20+4" and latent_row["bytes_per_token"] == 3 * 24 * 4
   assert latent_row["cache_bytes"] == 2 * 24 * 4 * (20 + 6 + 6)
   assert latent_row["max_context"] == (free // (2 * 24 * 4)) - 12
+  with pytest.raises(ValueError, match="an MLA cache in 'int8'"):
+    plan(arch, context=20, batch=2, dtype="int8", mla=((20, 4),))
   result = plan(PRESETS["Gemma-2-9B"], context=32768, batch=1, device_memory=parse_bytes("80GB"))
-  full = PRESETS["Gemma-2-9B"].bytes_per_token(2) * 32768
+  full = PRESETS["Gemma-2-9B"].bytes_per_token("bf16") * 32768
   assert result["cache_bytes"] == full // 2 + full // 2 // 32768 * 4096  # 21 local layers keep 4096
   mistral = plan(PRESETS["Mistral-7B-v0.1"], context=10**6, batch=1, device_memory=parse_bytes("24GB"))
   assert mistral["max_context"] is None and mistral["cache_bytes"] == 128 * 2**10 * 4096

@@ -1,6 +1,7 @@
 """The CPU decode-attention kernel over each cache storage (contiguous or paged, float32 or int8)
 against XLA's computation on the same values, its routing, its gradients and its input checks."""
 
+import re
 import shutil
 
 import jax
@@ -9,9 +10,13 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kvjax.cache.contiguous import attend_one
-from kvjax.cache.paged import attend_pages
+from kvjax.cache.contiguous import ContiguousCache, attend_one
+from kvjax.cache.paged import PagedCache, attend_pages
+from kvjax.config import ModelConfig
+from kvjax.decoding.decode import for_decoding, forward
 from kvjax.kernels import attention as attention_kernel
+from kvjax.model.backend import XLA as XLA_BACKEND
+from kvjax.model.transformer import Transformer
 
 pytestmark = pytest.mark.skipif(
     jax.default_backend() != "cpu" or shutil.which("g++") is None and shutil.which("c++") is None,
@@ -140,3 +145,30 @@ def test_other_layouts_stay_with_xla():
   assert attention_kernel.kernel_target(q, k, v, grouped) is None
   assert attention_kernel.kernel_target(q, k, v, {**addressing, "window": np.zeros(2)}) is None
   assert attention_kernel.kernel_target(q, k, v, {"page_table": addressing["page_table"]}) is None  # int8 without scales
+
+
+@pytest.mark.parametrize("fmt,target", [("float32", "kvjax_decode_attention"), ("int8", "kvjax_decode_attention_int8"),
+                                        ("int4", None), ("float8_e4m3fn", None)])
+def test_decode_step_of_each_cache_format_routes_to_its_target(fmt, target):
+  """The lowered decode step (kvjax.decoding.decode.forward with the CPU backend) of a contiguous
+  cache calls the kernel's target for its format (the int8 cache's k_scale, v_scale [B, K, S]
+  reach the int8 kernel), in the global and the windowed (ring) layer alike; a paged int8 cache's
+  global layer calls the paged int8 target. int4 and fp8 stay with XLA; so does a paged
+  windowed layer (its reads mask to the window)."""
+  config = ModelConfig(vocab_size=32, d_model=32, num_layers=2, num_heads=2, num_kv_heads=2, max_len=16,
+                       cache_dtype=fmt, window=(4, 0))
+  model = for_decoding(Transformer(config))
+  assert model.backend is not XLA_BACKEND  # the CPU kernels' backend
+  params = model.init(jax.random.key(0), np.zeros((1, 2), np.int32))["params"]
+  tokens, ones = jnp.zeros((2, 1), jnp.int32), jnp.ones((2,), jnp.int32)
+  lower = lambda cache: jax.jit(forward, static_argnames=("model", "last")).lower(
+      model, params, cache, tokens, ones, last=True).as_text()
+  calls = lambda text: sorted(set(re.findall(r'@(kvjax_\w*attention\w*)\(', text)))
+  contiguous = lower(ContiguousCache.create(config, 2, 16).replace(lengths=jnp.array([3, 9], jnp.int32)))
+  assert calls(contiguous) == ([target] if target else [])
+  assert contiguous.count(f"@{target}(") == (2 if target else 0)  # both layers
+  paged = PagedCache.create(config, 9, 4, 2, 4).with_rows(np.arange(1, 9, dtype=np.int32).reshape(2, 4), [3, 9])
+  paged_target = {"float32": "kvjax_paged_attention", "int8": "kvjax_paged_attention_int8"}.get(fmt)
+  paged_text = lower(paged)
+  assert calls(paged_text) == ([paged_target] if paged_target else [])
+  assert paged_text.count(f"@{paged_target}(") == (1 if paged_target else 0)  # the global layer only

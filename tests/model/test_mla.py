@@ -24,6 +24,7 @@ from conftest import tiny_config
     (dict(kv_latent_rank=8, rope_dims=4, rope_pairs=((0,), (1,))), "rope_pairs must hold"),
     (dict(kv_latent_rank=8, rope_dims=4, rope_pairs=((0, 4), (1, 2))), "frequency index 4"),
     (dict(kv_latent_rank=8, rope_dims=4, window=(16, 0)), r"window=\(16, 0\) asks for sliding-window layers in an MLA"),
+    (dict(kv_latent_rank=8, rope_dims=4, cache_dtype="int8"), "cache_dtype='int8' asks for a quantized cache of an MLA"),
 ])
 def test_config_errors(changes, match):
   with pytest.raises(ValueError, match=match):

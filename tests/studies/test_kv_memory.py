@@ -78,3 +78,21 @@ def test_bad_study_configs_name_the_field():
     WorkloadConfig(prompt_sigma=-1.0)
   with pytest.raises(ValueError, match="page_sizes must be a non-empty tuple"):
     dataclasses.replace(KVMemoryStudy(model=ModelConfig(max_len=64)), page_sizes=())
+
+
+def test_quantized_formats_hold_more_requests_within_the_same_bytes(tmp_path):
+  """int8 pages within the float32 budget's bytes: more token slots, at least as many requests at
+  once, and the rows name their format."""
+  tiny = load(ROOT / "configs/kv_memory/tiny.py").get_config()
+  study = dataclasses.replace(tiny, model=tiny.model.replace(head_dim=32), page_sizes=(16,),
+                              cache_dtypes=("int8",), baselines=False)
+  rows = load(ROOT / "experiments/kv_memory.py").main(study, str(tmp_path))["rows"]
+  assert [(r["policy"], r["cache_dtype"]) for r in rows] == [("paged16", "float32"), ("paged16", "int8")]
+  own, int8 = rows
+  assert own["budget_tokens"] == study.budget_tokens
+  assert int8["budget_bytes"] <= own["budget_bytes"] < int8["budget_bytes"] + 16 * study.model.replace(
+      cache_dtype="int8").kv_bytes_per_token
+  assert int8["budget_tokens"] == 16 * (study.budget_tokens * 128 // (16 * 36))  # (32 + 4) bytes vs 4 x 32
+  assert int8["peak_concurrent"] >= own["peak_concurrent"]
+  with pytest.raises(ValueError, match=r"cache_dtypes\[0\] must be one of"):
+    dataclasses.replace(tiny, cache_dtypes=("int3",))

@@ -117,6 +117,20 @@ def test_exact_match_scores_true_answers_100_and_wrong_outputs_0():
   assert len(answers) == 8 and tasks.exact_match(outputs([b"?\n"] + list(answers[1:])), answers) == 87.5
 
 
+def test_byte_accuracy_gives_partial_credit_in_place_and_charges_for_length():
+  answers = (b"abcd", b"wxyz")
+  def outputs(texts):
+    out = np.full((len(texts), 8), ord("\n"), np.int32)
+    for i, text in enumerate(texts):
+      out[i, :len(text)] = np.frombuffer(text, np.uint8)
+    return out
+  assert tasks.byte_accuracy(outputs([b"abcd", b"wxyz"]), answers) == 100.0
+  assert tasks.byte_accuracy(outputs([b"abXd", b"wxyz"]), answers) == 87.5  # 3/4 and 4/4
+  assert tasks.byte_accuracy(outputs([b"ab", b"wxyzwxyz"]), answers) == 50.0  # 2/4 and 4/8 (no newline)
+  assert tasks.byte_accuracy(outputs([b"Xabc", b""]), answers) == 0.0  # shifted bytes are not in place
+  assert tasks.exact_match(outputs([b"abXd", b"wxyz"]), answers) == 50.0
+
+
 def test_finetuning_reduces_the_task_loss_and_leaves_the_input_alone(tiny):
   model, params = tiny
   before = jax.tree.map(np.array, params)
@@ -137,7 +151,8 @@ def test_score_all_is_deterministic_and_averages_the_tasks(tiny):
   for task, result in first.items():
     assert result["task"] == task and result["steps"] == 2 and np.isfinite(result["loss"])
     assert 0.0 <= result["score"] <= 100.0 and result["eval_loss"] > 0
-  assert first["rot13"]["score"] == first["recall"]["score"] == 0.0  # a near-random model
+  assert first["rot13"]["exact_match"] == first["recall"]["exact_match"] == 0.0  # a near-random model
+  assert first["rot13"]["score"] < 50 and first["recall"]["score"] < 50
   assert tasks.score_all(model, params, CONFIG) == first
   other = tasks.finetune_and_score(model, params, "prose", dataclasses.replace(CONFIG, seed=1))
   assert other["loss"] != first["prose"]["loss"]
