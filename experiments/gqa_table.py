@@ -1,6 +1,8 @@
 """The GQA paper's Table 1 and Figure 3: time per sample vs quality for MHA-small, MHA-big,
 MHA-big uptrained into GQA and MQA as the paper does (mean-pooled, alpha = study.fraction), and
-the same by kvjax's best conversion (study.best_method) with distillation (study.distill).
+the same by kvjax's best conversion (study.best_method) with distillation (study.distill), and
+MHA-big converted to multi-head latent attention at the KV bytes of GQA / MQA (study.mla_rows),
+uptrained alike and timed with the others.
 Quality is measured both ways: held-out bits per byte right after (up)training, and the paper's
 protocol, every model fine-tuned on each downstream task and scored there (kvjax.studies.tasks).
 
@@ -46,6 +48,12 @@ def main(study: gs.GqaStudy, workdir: Path) -> list[dict]:
     best[name] = study.row_name(kv)
     models.append((name, kv, dest, stages.done[dest.name]["converted"]))
 
+  for kv, rope in study.mla_rows:
+    rank = gs.mla_rank(study.big, kv, rope)
+    dest = gs.uptrained_mla(study, stages, workdir, rank, rope, distill=study.distill)
+    name = f"MLA-big ({rank}+{rope}, {study.row_name(kv).removesuffix('-big')} bytes)"
+    models.append((name, kv, dest, stages.done[dest.name]["converted"]))
+
   paths = {name: path for name, _, path, _ in models}
   measured = gs.measure(study, stages, {name: path for name, path in paths.items() if name not in best})
   quality = gs.measure_quality(study, stages, {name: paths[name] for name in best})
@@ -78,7 +86,11 @@ def main(study: gs.GqaStudy, workdir: Path) -> list[dict]:
           f"kvjax's data-aware conversion), then uptrained for alpha = {study.fraction} of MHA-big's "
           f"pre-training steps" + (f", the {study.best_method} rows with distillation weight {study.distill} "
           "towards MHA-big" if study.distill else "") + ".\n"
-          f"- prose, rot13, recall, avg score: the paper's protocol. Every model is fine-tuned for {ft.steps} "
+          + ("- MLA rows: MHA-big converted to multi-head latent attention (latent rank + rotary dims, "
+             "convert_to_mla calibrated on the training data) at the KV bytes per token of the kv heads "
+             f"shown (its kv heads column), uptrained as the {study.best_method} rows are; timed with the "
+             "rows above.\n" if study.mla_rows else "")
+          + f"- prose, rot13, recall, avg score: the paper's protocol. Every model is fine-tuned for {ft.steps} "
           f"steps (batch {ft.batch_size}, lr {ft.lr}) on each task and scored on its held-out split: prose "
           "next-byte accuracy (%) on Python's documentation text (held out of pre-training); rot13 "
           "(prose to ROT13) and key-value recall: byte accuracy (%) of the greedy output through the KV "

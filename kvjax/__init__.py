@@ -2,9 +2,11 @@
 
 from kvjax.cache.base import KVCache
 from kvjax.cache.contiguous import ContiguousCache
+from kvjax.cache.latent import LatentCache, PagedLatentCache
 from kvjax.cache.paged import PagedCache
 from kvjax.config import ModelConfig, apply_overrides, from_dict, to_dict
 from kvjax.conversion.kv_heads import convert_kv_heads
+from kvjax.conversion.mla import convert_to_mla
 from kvjax.decoding.decode import decode_step, extend, generate, prefill
 from kvjax.decoding.sampling import Sampling, sample
 from kvjax.model.attention import Attention, attend, kv_head_of

@@ -108,11 +108,21 @@ class ModelConfig:
   cache's storage format, defaults to dtype; besides the float dtypes it may be "int8", "int4"
   or "float8_e4m3fn" (quantized per token and kv head, kvjax.cache.quant).
 
+  Multi-head latent attention (MLA, kvjax.model.mla) when kv_latent_rank r > 0: each token
+  caches one latent [r], from which every head's position-free key and value are up-projected,
+  and one rotary key [rope_dims] shared by the heads; num_kv_heads then counts the rotary key's
+  groups (query head n reads group kv_head_of(n), each rope_dims // num_kv_heads wide, the last
+  dims of its head_dim). rope_pairs records, per layer, the source frequency index (in
+  [0, head_dim / 2)) of each of the rope_dims / 2 rotary pairs of a converted model; None
+  rotates each group as an ordinary RoPE head of its width.
+
   Sliding windows: `window` is a pattern of per-layer widths repeated over the layers, 0 for a
   global (full-attention) layer: (128, 0) alternates local and global layers as Gemma does,
   (64,) windows every layer, () (the default) keeps every layer global. A query at position t of
   a windowed layer reads key s iff s <= t and (t - s < window or s < sink_tokens): the first
   sink_tokens positions stay visible to every query (StreamingLLM's attention sinks).
+  An MLA model's layers are all global and its cache float: window must be () and cache_dtype
+  one of DTYPES (the latent caches keep no ring and no scales).
   """
 
   vocab_size: int = 256
@@ -133,8 +143,12 @@ class ModelConfig:
   max_len: int = 1024
   dtype: str = "float32"
   cache_dtype: str | None = None
+  # Written out only when set (OMIT_DEFAULT), so the configs recorded before these fields read as before.
   window: tuple[int, ...] = dataclasses.field(default=(), metadata=OMIT_DEFAULT)
   sink_tokens: int = dataclasses.field(default=0, metadata=OMIT_DEFAULT)
+  kv_latent_rank: int = dataclasses.field(default=0, metadata=OMIT_DEFAULT)
+  rope_dims: int = dataclasses.field(default=0, metadata=OMIT_DEFAULT)
+  rope_pairs: tuple[tuple[int, ...], ...] | None = dataclasses.field(default=None, metadata=OMIT_DEFAULT)
 
   def __post_init__(self):
     check_positive(self, "vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "max_len")
@@ -166,6 +180,7 @@ class ModelConfig:
     if not (isinstance(self.rope_theta, (int, float)) and self.rope_theta > 0):
       raise ValueError(f"ModelConfig.rope_theta must be positive, got {self.rope_theta!r}")
     self._check_window()
+    self._check_latent()
 
   def _check_window(self):
     if not isinstance(self.window, (tuple, list)):
@@ -185,6 +200,44 @@ class ModelConfig:
     if self.sink_tokens + widest > self.max_len:
       raise ValueError(f"ModelConfig.sink_tokens={self.sink_tokens} + window {widest} is more than "
                        f"max_len={self.max_len}")
+
+  def _check_latent(self) -> None:
+    check_nonnegative(self, "kv_latent_rank", "rope_dims")
+    r, d_rope, name = self.kv_latent_rank, self.rope_dims, "ModelConfig"
+    if not r:
+      if d_rope or self.rope_pairs is not None:
+        raise ValueError(f"{name}.rope_dims={d_rope} and rope_pairs need an MLA model (kv_latent_rank > 0)")
+      return
+    if self.cache_quantized:
+      raise ValueError(f"{name}.cache_dtype={self.cache_dtype!r} asks for a quantized cache of an MLA model "
+                       f"(kv_latent_rank={r}); the latent caches store float dtypes only, so use one of {DTYPES}")
+    if any(self.window):
+      raise ValueError(f"{name}.window={self.window} asks for sliding-window layers in an MLA model "
+                       f"(kv_latent_rank={r}); the latent caches keep every position, so use window=()")
+    if d_rope and self.positions != "rope":
+      raise ValueError(f"{name}.rope_dims={d_rope} asks for rotary dims of a model with positions="
+                       f"{self.positions!r}; use rope_dims=0")
+    if self.positions == "rope" and not d_rope:
+      raise ValueError(f"{name}.rope_dims must be positive for an MLA model with RoPE (the shared rotary key)")
+    if d_rope % (2 * self.num_kv_heads):
+      raise ValueError(f"{name}.rope_dims={d_rope} must split into num_kv_heads={self.num_kv_heads} groups "
+                       "of an even number of dims (rotary pairs)")
+    if self.rope_group_dims > self.head_dim:
+      raise ValueError(f"{name}.rope_dims={d_rope} gives each of the num_kv_heads={self.num_kv_heads} groups "
+                       f"{self.rope_group_dims} rotary dims, more than head_dim={self.head_dim}")
+    spanned = self.num_heads * (2 * self.head_dim - self.rope_group_dims)
+    if r > min(self.d_model, spanned):
+      raise ValueError(f"{name}.kv_latent_rank={r} is larger than possible: the latent projects the d_model="
+                       f"{self.d_model} input to the position-free keys and values of num_heads x (2 x head_dim - "
+                       f"rotary dims per group) = {spanned} dims")
+    if self.rope_pairs is not None:
+      if len(self.rope_pairs) != self.num_layers or any(len(p) != d_rope // 2 for p in self.rope_pairs):
+        raise ValueError(f"{name}.rope_pairs must hold num_layers={self.num_layers} tuples of rope_dims / 2 = "
+                         f"{d_rope // 2} frequency indices")
+      bad = [i for p in self.rope_pairs for i in p if not 0 <= i < self.head_dim // 2]
+      if bad:
+        raise ValueError(f"{name}.rope_pairs holds frequency index {bad[0]}, outside [0, head_dim / 2 = "
+                         f"{self.head_dim // 2})")
 
   @property
   def q_per_kv(self) -> int:
@@ -240,16 +293,29 @@ class ModelConfig:
     return self.cache_dtype in QUANTIZED_CACHE_DTYPES
 
   @property
+  def is_latent(self) -> bool:
+    """True for multi-head latent attention (kv_latent_rank > 0)."""
+    return self.kv_latent_rank > 0
+
+  @property
+  def rope_group_dims(self) -> int:
+    """MLA: rotary dims each query head reads, rope_dims / num_kv_heads (its head's last dims)."""
+    return self.rope_dims // self.num_kv_heads
+
+  @property
   def kv_bytes_per_token(self) -> int:
     """KV-cache bytes one token occupies: 2 (K and V) x layers x kv heads x the bytes of one
-    head's values and scales (`cache_bytes_per_head`)."""
+    head's values and scales (`cache_bytes_per_head`); for MLA layers x (kv_latent_rank +
+    rope_dims) x bytes, whatever the number of heads."""
+    if self.is_latent:
+      return self.num_layers * (self.kv_latent_rank + self.rope_dims) * self.kv_dtype.itemsize
     return 2 * self.num_layers * self.num_kv_heads * cache_bytes_per_head(self.cache_dtype, self.head_dim)
 
   def kv_bytes(self, length: int) -> int:
     """KV-cache bytes one sequence of `length` tokens occupies, each windowed layer keeping at most
     window + sink_tokens positions (kv_bytes_per_token counts every layer at every position),
     scales included (`cache_bytes_per_head`)."""
-    per_position = 2 * self.num_kv_heads * cache_bytes_per_head(self.cache_dtype, self.head_dim)
+    per_position = self.kv_bytes_per_token // self.num_layers
     return per_position * sum(self.cached_positions(i, length) for i in range(self.num_layers))
 
   def replace(self, **changes) -> "ModelConfig":

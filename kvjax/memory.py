@@ -15,7 +15,8 @@ int64 sizes is refused rather than aborting the process) and errs high. In bytes
                  the tests check that the estimate bounds that plan within a factor of two)
   forward        one layer's intermediates at a time plus the logits (prefill, extend, eval)
   KV cache       contiguous: batch x kv_bytes(max_len) (+ lengths): max_len positions per global
-                   layer, at most window + sinks per sliding-window layer;
+                   layer, at most window + sinks per sliding-window layer; for MLA the latent and
+                   rotary key (ModelConfig.kv_bytes_per_token);
                  paged: num_pages x page_size x kv_bytes_per_token (+ page table and lengths)
 
 The corpus, compiled programs and XLA's scratch space are not counted. The memory a job has is
@@ -56,7 +57,12 @@ def param_count(config: ModelConfig) -> int:
   """Weights of Transformer(config), counted from the config (equal to the leaves of abstract_params)."""
   d, n, k, h, f = config.d_model, config.num_heads, config.num_kv_heads, config.head_dim, config.mlp_dim
   norm = d if config.norm == "rmsnorm" else 2 * d  # LayerNorm has a bias beside its scale
-  attn = d * h * (2 * n + 2 * k) + (h * (n + 2 * k) if config.qkv_bias else 0) + (d if config.use_bias else 0)
+  if config.is_latent:  # q, kv_down, k_rope, k_up, v_up, out (kvjax.model.mla)
+    r, w = config.kv_latent_rank, config.rope_dims
+    attn = (2 * d * n * h + d * (r + w) + r * n * (2 * h - config.rope_group_dims)
+            + (n * h + r + w if config.qkv_bias else 0) + (d if config.use_bias else 0))
+  else:
+    attn = d * h * (2 * n + 2 * k) + (h * (n + 2 * k) if config.qkv_bias else 0) + (d if config.use_bias else 0)
   projections = 3 if config.activation == "swiglu" else 2
   mlp = projections * d * f + ((projections - 1) * f + d if config.use_bias else 0)
   total = config.vocab_size * d + config.num_layers * (2 * norm + attn + mlp) + norm
@@ -72,9 +78,14 @@ def param_bytes(config: ModelConfig) -> int:
   return FLOAT32 * param_count(config)
 
 
+def _kv_heads(config: ModelConfig) -> int:
+  """Heads of keys and values a forward pass forms: MLA expands them per query head."""
+  return config.num_heads if config.is_latent else config.num_kv_heads
+
+
 def activation_bytes(config: ModelConfig, batch_size: int, seq_len: int) -> int:
   """What the backward pass keeps for a batch of batch_size x seq_len tokens (module docstring)."""
-  d, n, k, h, f = config.d_model, config.num_heads, config.num_kv_heads, config.head_dim, config.mlp_dim
+  d, n, k, h, f = config.d_model, config.num_heads, _kv_heads(config), config.head_dim, config.mlp_dim
   per_layer = 4 * d + 3 * n * h + 4 * k * h + 6 * f + 4 * n * seq_len
   return FLOAT32 * batch_size * seq_len * (config.num_layers * per_layer + 2 * d + 3 * config.vocab_size)
 
@@ -95,7 +106,7 @@ def forward_bytes(config: ModelConfig, batch: int, seq_len: int) -> int:
   """Working memory of one forward pass without gradients (prefill, extend, evaluation) over
   batch x seq_len tokens, beyond the parameters and the cache: one layer's intermediates
   (4D + 3NH + 4KH + 6F + 4NT per token) and the float32 logits of every position."""
-  d, n, k, h, f = config.d_model, config.num_heads, config.num_kv_heads, config.head_dim, config.mlp_dim
+  d, n, k, h, f = config.d_model, config.num_heads, _kv_heads(config), config.head_dim, config.mlp_dim
   layer = 4 * d + 3 * n * h + 4 * k * h + 6 * f + 4 * n * seq_len
   return FLOAT32 * batch * seq_len * (layer + 2 * config.vocab_size)
 

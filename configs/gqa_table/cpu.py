@@ -29,5 +29,6 @@ def get_config() -> GqaStudy:
                         eval_every=500, eval_batches=16, checkpoint_every=500, keep_checkpoints=2),
       timing=TimingConfig(batch=64, prompt=64, new_tokens=1984, repeats=5),
       fraction=0.05,
+      mla_rows=((2, 64), (1, 32)),
       tasks=TaskConfig(steps=60, batch_size=8, eval_examples=64),
   )

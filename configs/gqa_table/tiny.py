@@ -26,5 +26,6 @@ def get_config() -> GqaStudy:
                         eval_every=60, eval_batches=2, checkpoint_every=60, keep_checkpoints=1),
       timing=TimingConfig(batch=8, prompt=8, new_tokens=24, repeats=5),
       fraction=0.1,
+      mla_rows=((8, 32),),
       tasks=TaskConfig(steps=3, batch_size=4, eval_examples=4, seq_len=64),
   )

@@ -33,6 +33,7 @@ class KVCache(flax.struct.PyTreeNode):
 
   layers: dict
   lengths: jax.Array
+  latent = False  # a class attribute, not a field: the kind holds MLA latents (kvjax.cache.latent)
 
   # Host side.
 
@@ -57,6 +58,9 @@ class KVCache(flax.struct.PyTreeNode):
     before compute: a cache of another model would otherwise give finite, wrong logits."""
     layers = cache_layers(self.layers)
     kind = type(self).__name__
+    if self.latent != config.is_latent:
+      raise ValueError(f"the {kind} does not fit the model: a model with kv_latent_rank={config.kv_latent_rank} "
+                       f"needs {'a latent cache (LatentCache, PagedLatentCache)' if config.is_latent else 'a K/V cache'}")
     if len(layers) != config.num_layers:
       raise ValueError(f"the {kind} has {len(layers)} layers but the model has num_layers={config.num_layers}")
     for i, layer in enumerate(layers):

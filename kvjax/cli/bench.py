@@ -7,7 +7,7 @@ import argparse
 import dataclasses
 import json
 
-from kvjax.bench import benchmarks, paged, quant
+from kvjax.bench import benchmarks, mla, paged, quant
 from kvjax.cli import options
 from kvjax.config import ModelConfig
 
@@ -20,7 +20,8 @@ class BenchConfig:
 
 
 BENCHMARKS = {"decode": benchmarks.bench_decode, "nocache": benchmarks.bench_nocache, "hf": benchmarks.bench_hf,
-              "paged": paged.bench_paged, "matmul": benchmarks.bench_matmul, "quant": quant.bench_quant}
+              "paged": paged.bench_paged, "matmul": benchmarks.bench_matmul, "quant": quant.bench_quant,
+              "mla": mla.bench_mla}
 
 
 def _int_list(text: str) -> list[int]:
@@ -39,6 +40,7 @@ def benchmark_kwargs(args: argparse.Namespace) -> dict:
       "paged": {**timing, "context": args.context, "page_size": args.page_size},
       "matmul": timing,
       "quant": {**timing, "context": args.context},
+      "mla": {**timing, "context": args.context, "rope_dims": args.rope_dims},
   }[args.benchmark]
 
 
@@ -64,7 +66,8 @@ def add_parser(subparsers) -> None:
   parser.add_argument("--concat-max", type=int, default=64,
                       help="nocache: longest run for the concat cache (it compiles once per length)")
   parser.add_argument("--threads", type=int, default=0, help="hf: torch threads (default: torch's)")
-  parser.add_argument("--context", type=int, default=1024, help="paged, quant: tokens cached per row")
+  parser.add_argument("--context", type=int, default=1024, help="paged, quant, mla: tokens cached per row")
   parser.add_argument("--page-size", type=int, default=16, help="paged: tokens per page")
+  parser.add_argument("--rope-dims", type=int, help="mla: rotary dims of the MLA model (default 16 per kv head)")
   parser.add_argument("--json", action="store_true", help="one line of JSON")
   parser.set_defaults(func=command)

@@ -9,10 +9,18 @@ import json
 from kvjax.interop.kv_size import BYTES_PER_ELEMENT, CACHE_DTYPE_NAMES, PRESETS, parse_bytes, plan, render, resolve
 
 
+def _mla(text: str) -> tuple[int, int]:
+  rank, sep, rope_dims = text.partition(":")
+  try:
+    return int(rank), int(rope_dims or 0)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected RANK:ROPE_DIMS such as 512:64, got {text!r}") from None
+
+
 def command(args: argparse.Namespace) -> int:
   memory = None if args.device_memory is None else parse_bytes(args.device_memory)
   result = plan(resolve(args.model), context=args.context, batch=args.batch, dtype=args.dtype,
-                weight_dtype=args.weight_dtype, device_memory=memory, devices=args.devices)
+                weight_dtype=args.weight_dtype, device_memory=memory, devices=args.devices, mla=tuple(args.mla))
   print(json.dumps(result) if args.json else render(result))
   return 0
 
@@ -27,5 +35,7 @@ def add_parser(subparsers) -> None:
   parser.add_argument("--device-memory", help="e.g. 80GB (10^9 bytes) or 80GiB (2^30)")
   parser.add_argument("--devices", type=int, default=1,
                       help="devices the model is split across, tensor parallel (default 1)")
+  parser.add_argument("--mla", type=_mla, action="append", default=[], metavar="RANK:ROPE_DIMS",
+                      help="add a multi-head latent attention variant (latent rank, rotary dims); repeatable")
   parser.add_argument("--json", action="store_true", help="print one JSON object")
   parser.set_defaults(func=command)

@@ -1,5 +1,6 @@
-"""`kvjax uptrain --from SRC --workdir DEST --kv-heads K`: convert an MHA checkpoint to GQA / MQA
-and continue training it (kvjax.conversion.uptrain); prints quality before, at and after."""
+"""`kvjax uptrain --from SRC --workdir DEST --kv-heads K` (or `--to-mla RANK --rope-dims D`):
+convert an MHA checkpoint to GQA / MQA (or to multi-head latent attention) and continue training
+it (kvjax.conversion.uptrain); prints quality before, at and after."""
 
 from __future__ import annotations
 
@@ -12,8 +13,13 @@ from kvjax.conversion.uptrain import uptrain
 
 def command(args: argparse.Namespace) -> int:
   overrides = args.overrides + ([f"train.mesh={args.mesh}"] if args.mesh is not None else [])
+  if (args.kv_heads is None) == (args.to_mla is None):
+    raise ValueError("give exactly one of --kv-heads K (GQA / MQA) and --to-mla RANK (MLA)")
+  if (args.to_mla is None) != (args.rope_dims is None):
+    raise ValueError("--to-mla RANK and --rope-dims D go together")
+  to_mla = None if args.to_mla is None else (args.to_mla, args.rope_dims)
   record = uptrain(args.source, args.workdir, args.kv_heads, method=args.method, fraction=args.fraction,
-                   distill=args.distill, overrides=overrides, seed=args.seed)
+                   distill=args.distill, overrides=overrides, seed=args.seed, to_mla=to_mla)
   rows = [("before conversion", record["before"]), ("converted (alpha=0)", record["converted"]),
           (f"uptrained (alpha={record['fraction']})", record["after"])]
   for name, q in rows:
@@ -22,11 +28,16 @@ def command(args: argparse.Namespace) -> int:
 
 
 def add_parser(subparsers) -> None:
-  parser = subparsers.add_parser("uptrain", help="convert an MHA checkpoint to GQA/MQA and continue training")
+  parser = subparsers.add_parser("uptrain", help="convert an MHA checkpoint to GQA/MQA or MLA and continue training")
   parser.add_argument("--from", dest="source", required=True, metavar="SRC_WORKDIR",
                       help="training (or imported) workdir to convert; never modified")
   parser.add_argument("--workdir", required=True, type=options.workdir_text, help="where the uptrained run is written")
-  parser.add_argument("--kv-heads", type=int, required=True, help="target number of kv heads")
+  parser.add_argument("--kv-heads", type=int, help="target number of kv heads (GQA / MQA)")
+  parser.add_argument("--to-mla", type=int, metavar="RANK",
+                      help="convert to multi-head latent attention with this latent rank (needs --rope-dims)")
+  parser.add_argument("--rope-dims", type=int, metavar="D",
+                      help="with --to-mla: rotary dims of the shared key, 2 x kept pairs x kv heads (0 for "
+                           "learned positions)")
   parser.add_argument("--method", choices=METHODS, default="mean",
                       help="mean (the paper's), first, random, or the data-aware pca / regroup")
   parser.add_argument("--fraction", type=float, default=0.05,

@@ -50,7 +50,9 @@ def _fresh(x: jax.Array, num_new: int, axis: int, key: jax.Array, d_model: int) 
   return (jax.random.normal(key, shape, jnp.float32) * d_model ** -0.5).astype(x.dtype)
 
 
-def _check_calibration(tokens, config: ModelConfig, method: str) -> np.ndarray:
+def check_calibration(tokens, config: ModelConfig, method: str) -> np.ndarray:
+  """Calibration tokens int[B, T] as int32, or a ValueError naming what is wrong (missing, not a
+  non-empty integer matrix, longer than max_len, an id outside the vocabulary)."""
   if tokens is None:
     raise ValueError(f"method={method!r} needs calibration tokens (int[batch, seq], e.g. training windows)")
   tokens = np.asarray(tokens)
@@ -90,7 +92,7 @@ def convert_kv_heads(params, config: ModelConfig, num_kv_heads: int, method: str
   if method == "random" and rng is None:
     raise ValueError("method='random' needs an rng key")
   if method in ("pca", "regroup"):
-    calibration = _check_calibration(calibration, config, method)
+    calibration = check_calibration(calibration, config, method)
   new_config = config.replace(num_kv_heads=num_kv_heads)
   if num_kv_heads == config.num_kv_heads and method != "random":
     return params, new_config

@@ -42,23 +42,23 @@ def attention_inputs(params, config: ModelConfig, tokens: np.ndarray) -> list[np
           for i in range(config.num_layers)]
 
 
-def _project(x, kernel, bias):
+def project(x, kernel, bias):
   """x [T, D], kernel [D, K, H], bias [K, H] or None -> [T, K, H]."""
   out = np.einsum("td,dkh->tkh", x, kernel)
   return out if bias is None else out + bias
 
 
-def _leaf(attn: dict, proj: str, leaf: str) -> np.ndarray | None:
+def param_leaf(attn: dict, proj: str, leaf: str) -> np.ndarray | None:
   """attn[proj][leaf] as float64 numpy, or None when the layer has no such leaf (no bias)."""
   return None if leaf not in attn[proj] else np.asarray(attn[proj][leaf], np.float64)
 
 
-def _keys_values(x: np.ndarray, attn: dict) -> tuple[np.ndarray, np.ndarray]:
+def keys_values(x: np.ndarray, attn: dict) -> tuple[np.ndarray, np.ndarray]:
   """The layer's keys and values (before RoPE) on its inputs x [T, D] -> two [T, K, H]."""
-  return tuple(_project(x, _leaf(attn, proj, "kernel"), _leaf(attn, proj, "bias")) for proj in ("k", "v"))
+  return tuple(project(x, param_leaf(attn, proj, "kernel"), param_leaf(attn, proj, "bias")) for proj in ("k", "v"))
 
 
-def _pairs(a: np.ndarray) -> np.ndarray:
+def complex_pairs(a: np.ndarray) -> np.ndarray:
   """[..., H] real (rotate-half pairs p, p + H/2) -> [..., H/2] complex."""
   half = a.shape[-1] // 2
   return a[..., :half] + 1j * a[..., half:]
@@ -79,11 +79,11 @@ def convert_layer(attn: dict, x: np.ndarray, config: ModelConfig, num_kv_heads: 
   over its inputs x [T, D]. Returns new numpy param dicts."""
   old_kv, n, h = config.num_kv_heads, config.num_heads, config.head_dim
   size = old_kv // num_kv_heads  # old kv heads per new one
-  get = lambda proj, leaf: _leaf(attn, proj, leaf)
+  get = lambda proj, leaf: param_leaf(attn, proj, leaf)
   q_w, q_b, k_w, k_b = get("q", "kernel"), get("q", "bias"), get("k", "kernel"), get("k", "bias")
   v_w, v_b, out_w = get("v", "kernel"), get("v", "bias"), get("out", "kernel")
   reads = kv_head_of(np.arange(n), n, old_kv)  # the old kv head each query head reads
-  keys, values = _keys_values(x, attn)  # [T, K_old, H]
+  keys, values = keys_values(x, attn)  # [T, K_old, H]
   new_k_w = np.zeros((config.d_model, num_kv_heads, h))
   new_v_w = np.zeros_like(new_k_w)
   new_k_b = None if k_b is None else np.zeros((num_kv_heads, h))
@@ -102,18 +102,18 @@ def convert_layer(attn: dict, x: np.ndarray, config: ModelConfig, num_kv_heads: 
         out_w[query] = basis[j].T @ out_w[query]
     # Keys: per RoPE pair a complex mix, or a PCA like the values for learned positions.
     if config.positions == "rope":
-      z = _pairs(keys[:, heads])  # [T, G, H/2]
+      z = complex_pairs(keys[:, heads])  # [T, G, H/2]
       cov = np.einsum("tgp,tjp->pgj", z.conj(), z)  # [H/2, G, G], Hermitian per pair
       weights = np.linalg.eigh(cov)[1][:, :, -1]  # [H/2, G]: the top eigenvector of each pair
-      mix = lambda a: _unpairs(np.einsum("...jp,pj->...p", _pairs(a), weights))
+      mix = lambda a: _unpairs(np.einsum("...jp,pj->...p", complex_pairs(a), weights))
       new_k_w[:, g] = mix(k_w[:, heads])
       if k_b is not None:
         new_k_b[g] = mix(k_b[heads][None])[0]
       for j, head in enumerate(heads):
         for query in np.flatnonzero(reads == head):
-          q_w[:, query] = _unpairs(_pairs(q_w[:, query]) * weights[:, j])
+          q_w[:, query] = _unpairs(complex_pairs(q_w[:, query]) * weights[:, j])
           if q_b is not None:
-            q_b[query] = _unpairs(_pairs(q_b[query]) * weights[:, j])
+            q_b[query] = _unpairs(complex_pairs(q_b[query]) * weights[:, j])
     else:
       basis = _top_subspace(keys[:, heads].reshape(len(x), size * h), h).reshape(size, h, h)
       new_k_w[:, g] = np.einsum("djh,jhe->de", k_w[:, heads], basis)
@@ -136,7 +136,7 @@ def _pair_scores(x: np.ndarray, attn: dict, config: ModelConfig) -> np.ndarray:
   """[K, K]: how well each pair of kv heads merges into one, as the fraction of their energy a
   merged head keeps (keys: per RoPE pair, or as a subspace for learned positions; values: the top-H
   subspace of the stacked pair), keys and values added."""
-  keys, values = _keys_values(x, attn)
+  keys, values = keys_values(x, attn)
   k, h = config.num_kv_heads, config.head_dim
 
   def kept(stacked, rank):
@@ -147,7 +147,7 @@ def _pair_scores(x: np.ndarray, attn: dict, config: ModelConfig) -> np.ndarray:
   for i in range(k):
     for j in range(i + 1, k):
       if config.positions == "rope":
-        z = _pairs(keys[:, [i, j]])  # [T, 2, H/2]
+        z = complex_pairs(keys[:, [i, j]])  # [T, 2, H/2]
         cov = np.einsum("tgp,tjp->pgj", z.conj(), z)
         eig = np.linalg.eigvalsh(cov)  # [H/2, 2]
         key_score = eig[:, -1].sum() / max(eig.sum(), 1e-30)

@@ -1,5 +1,6 @@
-"""Uptraining (Ainslie et al. 2023): convert a trained MHA checkpoint to GQA / MQA, then continue
-pre-training for a fraction alpha of the source run's steps (`kvjax uptrain`).
+"""Uptraining (Ainslie et al. 2023): convert a trained MHA checkpoint to GQA / MQA, or to
+multi-head latent attention (MHA2MLA, kvjax.conversion.mla), then continue pre-training for a
+fraction alpha of the source run's steps (`kvjax uptrain`).
 
 The source workdir is only read. The destination is an ordinary training workdir (resumable like
 any run) plus uptrain.json, which records held-out quality before conversion, right after it
@@ -26,6 +27,7 @@ from kvjax.training import train
 from kvjax.training import workdir as workdirs
 from kvjax.config import ModelConfig, apply_overrides, check_positive_int, from_dict, to_dict
 from kvjax.conversion.kv_heads import convert_kv_heads
+from kvjax.conversion.mla import check_target, convert_to_mla
 from kvjax.interop.hf import copy_tokenizer, load_tokenizer
 from kvjax.training.data import WindowSampler, load_dataset
 from kvjax.training.evaluate import evaluate
@@ -34,11 +36,15 @@ from kvjax.training.config import DataConfig, TrainConfig, TrainRun
 
 
 def uptrain_config(source: dict, source_steps: int, num_kv_heads: int, fraction: float,
-                   overrides=()) -> TrainRun:
-  """The destination run: the source's model with fewer kv heads, its data and optimizer settings,
-  and fraction x source_steps steps (warmup and cadences scaled alike, fresh optimizer state).
-  The source's device mesh is not inherited: give one with the override train.mesh=..."""
+                   overrides=(), to_mla: tuple[int, int] | None = None) -> TrainRun:
+  """The destination run: the source's model with fewer kv heads (or, with to_mla = (rank,
+  rope_dims), its MLA form; the kept frequencies, ModelConfig.rope_pairs, are the conversion's),
+  its data and optimizer settings, and fraction x source_steps steps (warmup and cadences scaled
+  alike, fresh optimizer state). The source's device mesh is not inherited: give one with the
+  override train.mesh=..."""
   model = from_dict(ModelConfig, source.get("model")).replace(num_kv_heads=num_kv_heads)
+  if to_mla is not None:
+    model = model.replace(kv_latent_rank=to_mla[0], rope_dims=to_mla[1])
   data = from_dict(DataConfig, source["data"]) if "data" in source else DataConfig(seq_len=min(128, model.max_len))
   tc = from_dict(TrainConfig, source["train"]) if "train" in source else TrainConfig()
   steps = max(1, round(fraction * source_steps))
@@ -113,9 +119,14 @@ def _settings(settings: dict) -> str:
 CALIBRATION_WINDOWS = 64  # training windows whose activations the data-aware conversions fit
 
 
-def uptrain(source_workdir: str | Path, workdir: str | Path, num_kv_heads: int, *, method: str = "mean",
-            fraction: float = 0.05, distill: float = 0.0, overrides=(), seed: int = 0) -> dict:
+def uptrain(source_workdir: str | Path, workdir: str | Path, num_kv_heads: int | None = None, *,
+            method: str = "mean", fraction: float = 0.05, distill: float = 0.0, overrides=(), seed: int = 0,
+            to_mla: tuple[int, int] | None = None) -> dict:
   """Converts the latest checkpoint of `source_workdir` and uptrains it in `workdir`.
+
+  The conversion is to num_kv_heads kv heads by `method` (kvjax.conversion.kv_heads), or, with
+  to_mla = (rank, rope_dims) and num_kv_heads None, to multi-head latent attention
+  (convert_to_mla, calibrated like the data-aware methods; `method` is not used).
 
   fraction = 0 stores the converted weights without training (the paper's alpha = 0). The
   data-aware methods ("pca", "regroup") fit their bases to CALIBRATION_WINDOWS windows of the
@@ -135,12 +146,22 @@ def uptrain(source_workdir: str | Path, workdir: str | Path, num_kv_heads: int, 
     raise ValueError(f"the checkpoint in {source} records no pre-training steps (step 0); "
                      "give the uptraining length with --set train.steps=N")
   source_config = checkpoint.read_meta(source, step)["config"]
-  source_kv = from_dict(ModelConfig, source_config["model"]).num_kv_heads
+  source_model = from_dict(ModelConfig, source_config["model"])
+  source_kv = source_model.num_kv_heads
+  if to_mla is not None:
+    if num_kv_heads is not None:
+      raise ValueError("give either num_kv_heads (GQA / MQA) or to_mla (MLA), not both")
+    if not (isinstance(to_mla, (tuple, list)) and len(to_mla) == 2):
+      raise ValueError(f"to_mla must be (rank, rope_dims), got {to_mla!r}")
+    to_mla = tuple(to_mla)
+    check_target(source_model, *to_mla)
+    num_kv_heads = source_kv
   check_positive_int(num_kv_heads, "num_kv_heads")
   if source_kv % num_kv_heads:
     raise ValueError(f"cannot convert {source_kv} kv heads to {num_kv_heads}: the target must divide "
                      f"the source's number of kv heads ({source_kv})")
-  config = uptrain_config(source_config, step, num_kv_heads, fraction, (f"train.distill={distill!r}", *overrides))
+  config = uptrain_config(source_config, step, num_kv_heads, fraction, (f"train.distill={distill!r}", *overrides),
+                          to_mla=to_mla)
   mesh = sharding.mesh_from_spec(config.train.mesh)
   _check_memory(source_config, config, fraction, mesh)
   # The source model's tokenizer (an imported model's) is the one every step below uses.
@@ -148,11 +169,17 @@ def uptrain(source_workdir: str | Path, workdir: str | Path, num_kv_heads: int, 
   model, params, _ = checkpoint.load_model(source, step)
   data = load_dataset(config.data, tokenizer)
   calibration = WindowSampler(data.train, data.seq_len, CALIBRATION_WINDOWS, config.data.seed + 1).next()[0]
-  new_params, new_model_config = convert_kv_heads(params, model.config, num_kv_heads, method,
-                                                  rng=jax.random.key(seed), calibration=calibration)
-
-  settings = {"num_kv_heads": num_kv_heads, "method": method, "fraction": fraction} | (
-      {"seed": seed} if method == "random" else {}) | ({"distill": distill} if distill else {})
+  if to_mla is None:
+    new_params, new_model_config = convert_kv_heads(params, model.config, num_kv_heads, method,
+                                                    rng=jax.random.key(seed), calibration=calibration)
+    settings = {"num_kv_heads": num_kv_heads, "method": method, "fraction": fraction} | (
+        {"seed": seed} if method == "random" else {})
+  else:
+    new_params, new_model_config = convert_to_mla(params, model.config, *to_mla, calibration=calibration)
+    config = dataclasses.replace(config, model=config.model.replace(rope_pairs=new_model_config.rope_pairs))
+    settings = {"kv_latent_rank": to_mla[0], "rope_dims": to_mla[1], "fraction": fraction}
+    method = "mla"
+  settings |= {"distill": distill} if distill else {}
   source_id = {"path": str(source), "step": step, "fingerprint": workdirs.fingerprint(source_config, params)}
   with claim_workdir(dest, source_id, settings, to_dict(config)):
     record_path = dest / "uptrain.json"
@@ -161,7 +188,7 @@ def uptrain(source_workdir: str | Path, workdir: str | Path, num_kv_heads: int, 
                                     num_batches=config.train.eval_batches, mesh=mesh)
     if record is None:
       record = {"source": str(source), "source_step": step, "num_kv_heads": num_kv_heads,
-                "method": method, "fraction": fraction, "distill": distill, "steps": config.train.steps if fraction else 0,
+                "method": method, **({"kv_latent_rank": to_mla[0], "rope_dims": to_mla[1]} if to_mla else {}), "fraction": fraction, "distill": distill, "steps": config.train.steps if fraction else 0,
                 "before": quality(model, params),
                 "converted": quality(Transformer(new_model_config), new_params)}
       checkpoint.write_atomically(record_path, json.dumps(record, indent=2) + "\n")

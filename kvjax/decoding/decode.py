@@ -27,7 +27,7 @@ from jax import lax
 
 from kvjax import memory, sharding
 from kvjax.cache.base import KVCache
-from kvjax.cache.contiguous import ContiguousCache
+from kvjax.cache import kinds
 from kvjax.config import check_positive_int
 from kvjax.decoding.sampling import Sampling, sample
 from kvjax.kernels import attention as attention_kernel
@@ -147,7 +147,8 @@ def extend(model: Transformer, params, cache: KVCache, tokens, lengths, *, logit
 
 def prefill(model: Transformer, params, tokens, lengths, max_len: int, *, logits: str = "all", mesh=None):
   """Runs right-padded prompts through the model into a new contiguous cache of max_len positions
-  per row (at most ModelConfig.max_positions): `extend` on an empty ContiguousCache.
+  per row (at most ModelConfig.max_positions): `extend` on an empty ContiguousCache (a LatentCache
+  for an MLA model, kvjax.cache.kinds).
 
   tokens int[B, T], lengths int[B] each in [1, T]; see `extend` for `logits`.
   """
@@ -156,7 +157,7 @@ def prefill(model: Transformer, params, tokens, lengths, max_len: int, *, logits
   model.config.check_length(max_len, f"cache length max_len={max_len}")
   if tokens.shape[1] > max_len:
     raise ValueError(f"prompt of {tokens.shape[1]} tokens does not fit the cache length max_len={max_len}")
-  cache = ContiguousCache.create(model.config, tokens.shape[0], max_len)
+  cache = kinds.contiguous(model.config).create(model.config, tokens.shape[0], max_len)
   return extend(model, params, cache, tokens, lengths, logits=logits, mesh=mesh)
 
 
@@ -193,7 +194,7 @@ class DecodeState:
 @functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "max_len"))
 def _generate(model, params, prompts, lengths, rng, sampling, eos_id, max_new_tokens, max_len):
   batch = prompts.shape[0]
-  cache = ContiguousCache.create(model.config, batch, max_len)
+  cache = kinds.contiguous(model.config).create(model.config, batch, max_len)
   logits, cache = forward(model, params, cache, prompts, lengths, last=True, from_empty=True)
   rng, key = jax.random.split(rng)
   first = sample(logits, key, sampling)

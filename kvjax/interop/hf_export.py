@@ -31,9 +31,12 @@ def family(config: ModelConfig) -> str:
                                                          ("activation", config.activation, "swiglu"),
                                                          ("window", config.window if any(config.window) else (), ()))
             if value != want]
+  if config.is_latent:
+    unlike.append(f"kv_latent_rank={config.kv_latent_rank}")
   if unlike:
     raise ValueError(f"a model with {', '.join(unlike)} has no Hugging Face Llama / Qwen2 equivalent "
-                     "(export needs positions='rope', norm='rmsnorm', activation='swiglu' and no sliding window)")
+                     "(export needs positions='rope', norm='rmsnorm', activation='swiglu', K/V attention "
+                     "and no sliding window)")
   return "qwen2" if config.qkv_bias and not config.use_bias else "llama"
 
 

@@ -7,7 +7,11 @@ one (kvjax.cache.quant), its values and float32 scales: head_dim + 4 bytes in in
 head_dim / 2 + 4 x head_dim / group in int4 (kvjax.config.cache_bytes_per_head). A batch of B
 sequences of N tokens costs B x N times that, except that a sliding-window layer keeps at most
 window + sinks positions (kvjax.config.cached_positions), so its share stops growing there and a
-model whose every layer is windowed fits any context. The planner prints this for
+model whose every layer is windowed fits any context. A multi-head latent attention (MLA) model
+caches a latent of kv_latent_rank and a rotary key of rope_dims per layer instead:
+  num_layers x (kv_latent_rank + rope_dims) x bytes per element, whatever the number of heads
+(float caches only: kvjax builds no quantized latent cache); `--mla RANK:ROPE_DIMS` adds such a
+variant of any model to the table. The planner prints this for
 the model as built and for its MHA / GQA / MQA variants (every kv-head count that divides
 the query heads), and how large a batch or context fits the device memory once the weights
 are loaded, optionally split across several devices. Activations and framework overhead are
@@ -26,8 +30,8 @@ import math
 import re
 from pathlib import Path
 
-from kvjax.config import (CACHE_DTYPES, ModelConfig, cache_bytes_per_head, cached_positions, check_nonnegative,
-                          check_positive, check_positive_int, from_dict)
+from kvjax.config import (CACHE_DTYPES, DTYPES, ModelConfig, cache_bytes_per_head, cache_stored_dtype,
+                          cached_positions, check_nonnegative, check_positive, check_positive_int, from_dict)
 from kvjax.interop.hf import config_from_hf, read_hf_config
 from kvjax.model.params import abstract_params
 
@@ -58,6 +62,8 @@ class Architecture:
   note: str = ""
   window: tuple[int, ...] = ()
   sink_tokens: int = 0
+  kv_latent_rank: int = 0  # > 0: multi-head latent attention (ModelConfig.kv_latent_rank)
+  rope_dims: int = 0
 
   def __post_init__(self):
     check_positive(self, "num_layers", "num_heads", "num_kv_heads", "head_dim", "d_model",
@@ -69,26 +75,47 @@ class Architecture:
       raise ValueError(f"Architecture.num_heads={self.num_heads} is not divisible by "
                        f"num_kv_heads={self.num_kv_heads}")
 
-  def bytes_per_token(self, cache_dtype: str, num_kv_heads: int | None = None) -> int:
+  def bytes_per_token(self, cache_dtype: str, num_kv_heads: int | None = None,
+                      latent: tuple[int, int] | None = None) -> int:
     """Cache bytes of one token at every layer in `cache_dtype` (a CACHE_DTYPE_NAMES key), scales
-    included (what a cache without sliding windows pays per token)."""
+    included (what a cache without sliding windows pays per token), of the model as built, of its
+    variant with num_kv_heads kv heads (a K/V cache), or of its MLA variant latent=(kv_latent_rank,
+    rope_dims)."""
+    return self.num_layers * self.position_bytes(cache_dtype, num_kv_heads, latent)
+
+  def position_bytes(self, cache_dtype: str, num_kv_heads: int | None = None,
+                     latent: tuple[int, int] | None = None) -> int:
+    """Bytes one layer keeps per cached position (see bytes_per_token for the arguments): an MLA
+    layer's latent and rotary key, or a K/V layer's kv heads. ValueError for a quantized latent."""
+    if latent is None and num_kv_heads is None and self.kv_latent_rank:
+      latent = (self.kv_latent_rank, self.rope_dims)
+    if latent is not None:
+      name = CACHE_DTYPE_NAMES[cache_dtype]
+      if name not in DTYPES:
+        raise ValueError(f"an MLA cache in {cache_dtype!r}: kvjax stores latent caches in float dtypes only "
+                         f"({', '.join(DTYPES)})")
+      return sum(latent) * cache_stored_dtype(name).itemsize
     kv = self.num_kv_heads if num_kv_heads is None else num_kv_heads
-    return 2 * self.num_layers * kv * cache_bytes_per_head(CACHE_DTYPE_NAMES[cache_dtype], self.head_dim)
+    return 2 * kv * cache_bytes_per_head(CACHE_DTYPE_NAMES[cache_dtype], self.head_dim)
 
   def layer_window(self, layer: int) -> int:
     return self.window[layer % len(self.window)] if self.window else 0
 
-  def sequence_bytes(self, context: int, cache_dtype: str, num_kv_heads: int | None = None) -> int:
+  def cached_positions(self, context: int) -> int:
+    """Positions of one sequence of `context` tokens the cache keeps, summed over the layers."""
+    return sum(cached_positions(self.layer_window(i), self.sink_tokens, context) for i in range(self.num_layers))
+
+  def sequence_bytes(self, context: int, cache_dtype: str, num_kv_heads: int | None = None,
+                     latent: tuple[int, int] | None = None) -> int:
     """Cache bytes of one sequence of `context` tokens in `cache_dtype`, scales included, each
     windowed layer at most window + sinks positions."""
-    kv = self.num_kv_heads if num_kv_heads is None else num_kv_heads
-    positions = sum(cached_positions(self.layer_window(i), self.sink_tokens, context) for i in range(self.num_layers))
-    return 2 * kv * cache_bytes_per_head(CACHE_DTYPE_NAMES[cache_dtype], self.head_dim) * positions
+    return self.position_bytes(cache_dtype, num_kv_heads, latent) * self.cached_positions(context)
 
-  def max_context(self, free: int, batch: int, cache_dtype: str, num_kv_heads: int | None = None) -> int | None:
+  def max_context(self, free: int, batch: int, cache_dtype: str, num_kv_heads: int | None = None,
+                  latent: tuple[int, int] | None = None) -> int | None:
     """The longest context whose cache for `batch` sequences fits `free` bytes; None when every
     layer is windowed and the cache's largest size fits (any context does)."""
-    fits = lambda n: batch * self.sequence_bytes(n, cache_dtype, num_kv_heads) <= free
+    fits = lambda n: batch * self.sequence_bytes(n, cache_dtype, num_kv_heads, latent) <= free
     if all(self.layer_window(i) for i in range(self.num_layers)):
       if fits(max(self.window) + self.sink_tokens):
         return None
@@ -140,7 +167,8 @@ def _leaves(tree):
 def from_model_config(name: str, config: ModelConfig) -> Architecture:
   return Architecture(name, config.num_layers, config.num_heads, config.num_kv_heads,
                       config.head_dim, config.d_model, config.mlp_dim, config.vocab_size,
-                      count_params(config), window=config.window, sink_tokens=config.sink_tokens)
+                      count_params(config), window=config.window, sink_tokens=config.sink_tokens,
+                      kv_latent_rank=config.kv_latent_rank, rope_dims=config.rope_dims)
 
 
 def _model_config_from_file(path: Path) -> ModelConfig:
@@ -205,8 +233,13 @@ def variant_name(arch: Architecture, num_kv_heads: int) -> str:
 
 
 def plan(arch: Architecture, *, context: int, batch: int, dtype: str = "bf16",
-         weight_dtype: str | None = None, device_memory: int | None = None, devices: int = 1) -> dict:
-  """Bytes per token, cache size and what fits, for the model and each kv-head variant.
+         weight_dtype: str | None = None, device_memory: int | None = None, devices: int = 1,
+         mla: tuple[tuple[int, int], ...] = ()) -> dict:
+  """Bytes per token, cache size and what fits, for the model, each kv-head variant and the MLA
+  variants `mla` ((kv_latent_rank, rope_dims) pairs).
+
+  An MLA cache is not split across devices (its latent is shared by all heads): each device
+  holds all of it.
 
   bytes_per_token counts every layer; cache_bytes and what fits count each windowed layer at
   most window + sinks positions. max_context is None where any context fits (every layer windowed).
@@ -224,16 +257,28 @@ def plan(arch: Architecture, *, context: int, batch: int, dtype: str = "bf16",
     raise ValueError(f"weight dtype {weight_dtype!r} is not one of {tuple(BYTES_PER_ELEMENT)}")
   weights = arch.params * BYTES_PER_ELEMENT[weight_dtype]
   free = None if device_memory is None else max(device_memory - -(-weights // devices), 0)
+  for rank, rope_dims in mla:
+    check_positive_int(rank, "MLA latent rank")
+    if rope_dims < 0:
+      raise ValueError(f"MLA rope dims must be non-negative, got {rope_dims}")
   rows = []
-  for kv in kv_head_counts(arch):
-    row = {"variant": variant_name(arch, kv), "kv_heads": kv, "as_built": kv == arch.num_kv_heads,
-           "bytes_per_token": arch.bytes_per_token(dtype, kv),
-           "cache_bytes": arch.sequence_bytes(context, dtype, kv) * batch}
+
+  def add(row, per_device_kv, latent=None):
+    row["cache_bytes"] = arch.sequence_bytes(context, dtype, row["kv_heads"], latent) * batch
     if free is not None:
-      per_device = -(-kv // devices)
-      row["max_batch"] = free // arch.sequence_bytes(context, dtype, per_device)
-      row["max_context"] = arch.max_context(free, batch, dtype, per_device)
+      row["max_batch"] = free // arch.sequence_bytes(context, dtype, per_device_kv, latent)
+      row["max_context"] = arch.max_context(free, batch, dtype, per_device_kv, latent)
     rows.append(row)
+
+  latents = ([(arch.kv_latent_rank, arch.rope_dims)] if arch.kv_latent_rank else []) + list(mla)
+  for i, (rank, rope_dims) in enumerate(latents):
+    add({"variant": f"MLA {rank}+{rope_dims}", "kv_heads": arch.num_kv_heads, "kv_latent_rank": rank,
+         "rope_dims": rope_dims, "as_built": i == 0 and bool(arch.kv_latent_rank),
+         "bytes_per_token": arch.bytes_per_token(dtype, latent=(rank, rope_dims))},
+        None, (rank, rope_dims))
+  for kv in kv_head_counts(arch):
+    add({"variant": variant_name(arch, kv), "kv_heads": kv, "as_built": kv == arch.num_kv_heads and not arch.kv_latent_rank,
+         "bytes_per_token": arch.bytes_per_token(dtype, kv)}, -(-kv // devices))
   result = {"model": arch.name, "architecture": dataclasses.asdict(arch), "dtype": dtype,
             "weight_dtype": weight_dtype, "context": context, "batch": batch,
             "bytes_per_token": arch.bytes_per_token(dtype),
@@ -275,12 +320,12 @@ def render(result: dict) -> str:
                  f"{human(result['free_bytes_per_device'])} free per device after weights")
     if not result["free_bytes_per_device"]:
       lines.append("  the weights alone do not fit: add devices or use a smaller --weight-dtype")
-  header = f"  {'variant':<9}{'kv heads':>9}{'per token':>12}{'cache':>12}"
+  header = f"  {'variant':<13}{'kv heads':>9}{'per token':>12}{'cache':>12}"
   header += f"{'max batch':>11}{'max context':>13}" if fits else ""
   lines += [f"KV cache in {result['dtype']}, context {result['context']:,} x batch {result['batch']:,} "
             "(* = as built):", header]
   for row in result["variants"]:
-    line = (f"{'*' if row['as_built'] else ' '} {row['variant']:<9}{row['kv_heads']:>9}"
+    line = (f"{'*' if row['as_built'] else ' '} {row['variant']:<13}{row['kv_heads']:>9}"
             f"{human(row['bytes_per_token']):>12}{human(row['cache_bytes']):>12}")
     if fits:
       most = "unbounded" if row["max_context"] is None else f"{row['max_context']:,}"

@@ -160,6 +160,11 @@ class NoCache:
     """(stored {}, q [B, Tq, N, H], q_positions int[B, Tq], k and v [B, K, T, H]) -> ({}, [B, Tq, N, H])."""
     return stored, attend(q, k, v, new_keys_mask(q_positions, span))
 
+  def attend_latent(self, stored, query, q_positions, latent, rope_key, span: Span, backend: Backend):
+    """MLA (kvjax.model.mla): query (a LatentQuery) reads this call's latent [B, T, R] and
+    rope_key [B, T, K*W] in the expanded form -> ({}, [B, Tq, N, H])."""
+    return stored, query.expanded(latent, rope_key, new_keys_mask(q_positions, span))
+
 
 NO_CACHE = NoCache()
 

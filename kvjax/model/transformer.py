@@ -6,7 +6,8 @@ contiguous, paged, ...; see kvjax.cache) and which columns' logits are asked for
 
 Parameter tree (kernels in float32, computation in config.dtype):
   embed/embedding [V, D]; pos_embed/embedding [max_len, D] (learned positions)
-  layers_{i}/attn_norm, attn/{q,k,v,out}, mlp_norm, mlp/{gate,up,down}
+  layers_{i}/attn_norm, attn/{q,k,v,out} (MLA: attn/{q,kv_down,k_rope,k_up,v_up,out},
+  kvjax.model.mla), mlp_norm, mlp/{gate,up,down}
   final_norm; lm_head/kernel [D, V] unless tie_embeddings.
 The 'cache' collection mirrors it: layers_{i}/attn/{name: array} as the cache kind lays it out
 (`cache_collection`).
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 from kvjax.config import ModelConfig
 from kvjax.model.attention import NO_CACHE, Attention, Span, take_rows
 from kvjax.model.backend import XLA, Backend
+from kvjax.model.mla import LatentAttention
 
 
 def make_norm(cfg: ModelConfig, name: str) -> nn.Module:
@@ -69,7 +71,8 @@ class Block(nn.Module):
 
   def setup(self):
     self.attn_norm = make_norm(self.config, "attn_norm")
-    self.attn = Attention(self.config, self.backend, self.layer)
+    self.attn = (LatentAttention(self.config, self.layer, self.backend) if self.config.is_latent
+                 else Attention(self.config, self.backend, self.layer))
     self.mlp_norm = make_norm(self.config, "mlp_norm")
     self.mlp = Mlp(self.config, self.backend)
 

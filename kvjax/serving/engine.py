@@ -27,7 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache.paged import ATTENTION_IMPLS, PagedCache
+from kvjax.cache import kinds
+from kvjax.cache.paged import ATTENTION_IMPLS
 from kvjax.config import check_choice, check_positive, check_positive_int
 from kvjax.decoding.decode import for_decoding, forward, size_bucket
 from kvjax.decoding.sampling import Sampling, sample
@@ -138,7 +139,7 @@ class Engine:
     self.allocator = PageAllocator(config.num_pages, config.page_size)
     self.max_pages = self.allocator.pages_for(self.max_len)
     try:
-      self.cache = PagedCache.create(cfg, config.num_pages, config.page_size, config.num_slots, self.max_pages,
+      self.cache = kinds.paged(cfg).create(cfg, config.num_pages, config.page_size, config.num_slots, self.max_pages,
                                      attention=config.attention)
     except ValueError as err:
       raise ValueError(f"EngineConfig.attention={config.attention!r}: {err}") from None

@@ -23,8 +23,9 @@ from kvjax.decoding import decode
 from kvjax.training import train
 from kvjax.training import workdir as workdirs
 from kvjax.timing import timed_alternating
-from kvjax.config import ModelConfig, check_choice, check_positive, check_real, to_dict
+from kvjax.config import OMIT_DEFAULT, ModelConfig, check_choice, check_positive, check_real, from_dict, to_dict
 from kvjax.conversion.kv_heads import METHODS
+from kvjax.conversion.mla import check_target
 from kvjax.training.data import load_dataset
 from kvjax.training.evaluate import evaluate
 from kvjax.training.config import DataConfig, TrainConfig, TrainRun
@@ -59,7 +60,10 @@ class GqaStudy:
   """Shared by the table and the figures. `gqa_kv_heads` defaults to big.num_heads // 8, the
   paper's 8 query heads per kv head; `fractions` and `methods` drive Figures 5 and 4.
   `best_method` with `distill` (kvjax uptrain --method --distill) makes the table's rows beyond
-  the paper's mean-pooled ones; `tasks` is the fine-tune protocol every row is scored by."""
+  the paper's mean-pooled ones; `tasks` is the fine-tune protocol every row is scored by.
+  `mla_rows` adds multi-head latent attention rows: each (kv_heads, rope_dims) is MHA-big
+  converted to MLA with rope_dims rotary dims and the latent rank that gives exactly the KV bytes
+  per token of kv_heads kv heads (`mla_rank`), uptrained as the best_method rows are."""
 
   job: str = "gqa_table"
   small: ModelConfig = dataclasses.field(default_factory=lambda: ModelConfig(num_heads=4, num_kv_heads=4))
@@ -74,6 +78,8 @@ class GqaStudy:
   best_method: str = "pca"
   distill: float = 1.0
   tasks: TaskConfig = dataclasses.field(default_factory=TaskConfig)
+  # Written out only when set, so the configs of earlier runs read as before; a stage selector.
+  mla_rows: tuple[tuple[int, int], ...] = dataclasses.field(default=(), metadata=OMIT_DEFAULT)
 
   def __post_init__(self):
     for name in ("small", "big"):
@@ -93,6 +99,15 @@ class GqaStudy:
     if unknown := set(self.methods) - set(METHODS):
       raise ValueError(f"GqaStudy.methods has unknown methods {sorted(unknown)}; choose from {METHODS}")
     check_real(self, "distill", 0.0, 1e6)
+    if not isinstance(self.mla_rows, tuple) or not all(isinstance(r, tuple) and len(r) == 2 for r in self.mla_rows):
+      raise ValueError(f"GqaStudy.mla_rows must be a tuple of (kv_heads, rope_dims) pairs, got {self.mla_rows!r}")
+    for kv, rope in self.mla_rows:
+      if isinstance(kv, bool) or not isinstance(kv, int) or kv < 1 or self.big.num_heads % kv:
+        raise ValueError(f"GqaStudy.mla_rows: kv_heads={kv!r} must divide big.num_heads={self.big.num_heads}")
+      try:
+        check_target(self.big, mla_rank(self.big, kv, rope), rope)
+      except ValueError as err:
+        raise ValueError(f"GqaStudy.mla_rows: ({kv}, {rope}) does not convert MHA-big to MLA: {err}") from None
 
   def row_name(self, num_kv_heads: int) -> str:
     if num_kv_heads == self.big.num_heads:
@@ -100,8 +115,34 @@ class GqaStudy:
     return "MQA-big" if num_kv_heads == 1 else f"GQA-{num_kv_heads}-big"
 
 
+def mla_rank(big: ModelConfig, kv_heads: int, rope_dims: int) -> int:
+  """The latent rank at which MLA with rope_dims rotary dims caches exactly the bytes per token of
+  `big` with kv_heads kv heads: per layer rank + rope_dims = 2 x kv_heads x head_dim. ValueError
+  when that leaves no latent."""
+  rank = 2 * kv_heads * big.head_dim - rope_dims
+  if rank <= 0:
+    raise ValueError(f"rope_dims={rope_dims} leaves no latent at the bytes of {kv_heads} kv heads "
+                     f"(2 x {kv_heads} x head_dim={big.head_dim} = {2 * kv_heads * big.head_dim} per layer)")
+  return rank
+
+
 # Fields that only select which stages run (the table and each figure share one workdir).
-STAGE_SELECTORS = ("job", "fractions", "methods")
+STAGE_SELECTORS = ("job", "fractions", "methods", "mla_rows")
+
+
+def stage_settings(study: GqaStudy) -> dict:
+  """What WORKDIR/stages.json records of a study: every field but the STAGE_SELECTORS."""
+  return {k: v for k, v in to_dict(study).items() if k not in STAGE_SELECTORS}
+
+
+def recorded_settings(recorded: dict) -> dict:
+  """A stages.json's recorded study as this kvjax writes it: read back through GqaStudy, so that
+  a field added since (window, sink_tokens, ...) takes its default instead of reading as a
+  change. A record this kvjax cannot read is returned as it is (and then differs)."""
+  try:
+    return stage_settings(from_dict(GqaStudy, recorded))
+  except (ValueError, TypeError):
+    return recorded
 
 
 class Stages:
@@ -119,9 +160,9 @@ class Stages:
                        "or inside kvjax.training.workdir.claim_study")
     self.path = workdir / "stages.json"
     self.done = json.loads(self.path.read_text()) if self.path.exists() else {}
-    current = {k: v for k, v in to_dict(study).items() if k not in STAGE_SELECTORS}
+    current = stage_settings(study)
     recorded = self.done.setdefault("study", current)
-    if recorded != current:
+    if recorded_settings(recorded) != current:
       diffs = checkpoint.config_diffs(recorded, current)
       raise ValueError(f"{self.path} holds stages of a study with other settings ({'; '.join(diffs)}); "
                        "run it in another --workdir")
@@ -155,6 +196,25 @@ def uptrained(study: GqaStudy, stages: Stages, workdir: Path, num_kv_heads: int,
   mesh = [f"train.mesh={study.train.mesh}"] if study.train.mesh else []
   stages.run(dest.name, lambda: uptrain(workdir / "mha_big", dest, num_kv_heads, method=method,
                                         fraction=fraction, distill=distill, overrides=mesh))
+  return dest
+
+
+def mla_name(study: GqaStudy, rank: int, rope_dims: int, fraction: float | None = None,
+             distill: float = 0.0) -> str:
+  """The folder (and stage) name of an uptraining of MHA-big to MLA (latent rank + rotary dims)."""
+  fraction = study.fraction if fraction is None else fraction
+  return f"mla_r{rank}_rope{rope_dims}_alpha{fraction:g}" + (f"_distill{distill:g}" if distill else "")
+
+
+def uptrained_mla(study: GqaStudy, stages: Stages, workdir: Path, rank: int, rope_dims: int,
+                  fraction: float | None = None, distill: float = 0.0) -> Path:
+  """Converts MHA-big to MLA (convert_to_mla, calibrated on its training data as the data-aware
+  GQA methods are) and uptrains it as `uptrained` does, in its own workdir; returns that workdir."""
+  fraction = study.fraction if fraction is None else fraction
+  dest = workdir / mla_name(study, rank, rope_dims, fraction, distill)
+  mesh = [f"train.mesh={study.train.mesh}"] if study.train.mesh else []
+  stages.run(dest.name, lambda: uptrain(workdir / "mha_big", dest, to_mla=(rank, rope_dims), fraction=fraction,
+                                        distill=distill, overrides=mesh))
   return dest
 
 

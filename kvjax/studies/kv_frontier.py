@@ -8,7 +8,11 @@ from a GQA table's workdir), each variant changes what the cache keeps:
   heads   fewer kv heads (GQA, MQA): MHA-big converted (mean pooling, or the GQA study's best
           method with distillation) and uptrained for alpha = gqa.fraction of its pre-training;
   window  sliding-window layers, with or without sink tokens (ModelConfig.window, sink_tokens),
-          applied to MHA-big as trained, no retraining.
+          applied to MHA-big as trained, no retraining;
+  mla     multi-head latent attention (ModelConfig.kv_latent_rank, rope_dims): MHA-big converted
+          by convert_to_mla (calibrated on its training data) and uptrained with the same alpha
+          and distillation as the heads family's best rows; `mla_variants` sizes the latent to
+          the KV bytes per token of a kv-head count, so both families meet at equal cache.
 A variant is data (`Variant`): a name, the ModelConfig fields it changes and whose params it
 runs. Every variant is checked against this kvjax's ModelConfig before anything runs, so a
 cache kind the installed kvjax lacks is one error naming the field.
@@ -47,6 +51,7 @@ import optax
 from kvjax.config import (ModelConfig, check_choice, check_nonnegative, check_positive, check_real, from_dict,
                           to_dict)
 from kvjax.conversion.kv_heads import METHODS
+from kvjax.conversion.mla import check_target
 from kvjax.decoding import decode
 from kvjax.model.transformer import Transformer
 from kvjax.studies import gqa as gs
@@ -57,7 +62,8 @@ from kvjax.training import checkpoint
 from kvjax.training.data import Dataset, eval_batches, load_dataset
 from kvjax.training.evaluate import evaluate
 
-FAMILIES = ("dtype", "heads", "window")
+FAMILIES = ("dtype", "heads", "window", "mla")
+MLA_FIELDS = ("kv_latent_rank", "rope_dims", "rope_pairs")
 MHA_BIG = "mha_big"
 DTYPES = ("float32", "bfloat16", "int8", "int4", "float8_e4m3fn")
 SHORT_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float8_e4m3fn": "fp8"}
@@ -66,8 +72,9 @@ SHORT_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float8_e4m3fn": "fp8"}
 @dataclasses.dataclass(frozen=True)
 class Variant:
   """One point of the frontier: `changes` to the ModelConfig of the params it runs: MHA-big's
-  (kv_heads = 0), or MHA-big uptrained to `kv_heads` kv heads by `method` with distillation
-  weight `distill`."""
+  (kv_heads = 0 and kv_latent_rank = 0), MHA-big uptrained to `kv_heads` kv heads by `method`,
+  or MHA-big converted to MLA of latent rank `kv_latent_rank` with `rope_dims` rotary dims and
+  uptrained (family "mla"); either uptraining with distillation weight `distill`."""
 
   name: str
   family: str
@@ -75,6 +82,8 @@ class Variant:
   kv_heads: int = 0
   method: str = "mean"
   distill: float = 0.0
+  kv_latent_rank: int = 0
+  rope_dims: int = 0
 
   def __post_init__(self):
     if not isinstance(self.name, str) or not self.name.strip():
@@ -85,9 +94,20 @@ class Variant:
     if "num_kv_heads" in self.changes:
       raise ValueError(f"Variant {self.name!r}: set kv_heads, not changes.num_kv_heads: fewer kv heads need "
                        "uptrained params")
-    check_nonnegative(self, "kv_heads")
+    if set(MLA_FIELDS) & set(self.changes):
+      raise ValueError(f"Variant {self.name!r}: set kv_latent_rank and rope_dims, not changes.{MLA_FIELDS}: "
+                       "an MLA model needs converted, uptrained params")
+    check_nonnegative(self, "kv_heads", "kv_latent_rank", "rope_dims")
     check_choice(self, "method", METHODS)
     check_real(self, "distill", 0.0, 1e6)
+    if (self.family == "mla") != (self.kv_latent_rank > 0):
+      raise ValueError(f"Variant {self.name!r}: family {self.family!r} with kv_latent_rank={self.kv_latent_rank}; "
+                       "a variant of family 'mla' and only such a variant has kv_latent_rank > 0")
+    if self.kv_latent_rank and self.kv_heads:
+      raise ValueError(f"Variant {self.name!r}: kv_heads={self.kv_heads} with kv_latent_rank={self.kv_latent_rank}; "
+                       "an MLA variant is converted from MHA-big itself (kv_heads=0)")
+    if self.rope_dims and not self.kv_latent_rank:
+      raise ValueError(f"Variant {self.name!r}: rope_dims={self.rope_dims} needs kv_latent_rank > 0")
 
   def describe(self) -> str:
     """The changes as text, e.g. "cache_dtype=int8, window=(32,)"; "as trained" without any."""
@@ -111,6 +131,21 @@ def standard_variants(gqa: gs.GqaStudy, windows: tuple[int, ...] = (), sink_toke
     if sink_tokens:
       out.append(Variant(f"window {window} + {sink_tokens} sinks", "window",
                          {"window": (window,), "sink_tokens": sink_tokens}))
+  return tuple(out)
+
+
+def mla_variants(gqa: gs.GqaStudy, rope_dims: dict[int, int]) -> tuple[Variant, ...]:
+  """MLA variants, one per {kv heads: rotary dims} item, each at exactly the KV bytes per token of
+  MHA-big with that many kv heads: latent rank = 2 x kv heads x head_dim - rotary dims (MLA
+  caches rank + rope_dims per layer, K/V 2 x kv heads x head_dim). Uptrained with gqa.distill,
+  as the heads family's best rows are (gs.mla_rank: ValueError when no latent is left)."""
+  out = []
+  for kv, rope in rope_dims.items():
+    rank = gs.mla_rank(gqa.big, kv, rope)
+    label = gqa.row_name(kv).removesuffix("-big")
+    tag = f" distill{gqa.distill:g}" if gqa.distill else ""
+    out.append(Variant(f"MLA {rank}+{rope}{tag} ({label} bytes)", "mla", kv_latent_rank=rank, rope_dims=rope,
+                       distill=gqa.distill))
   return tuple(out)
 
 
@@ -152,6 +187,11 @@ class KVFrontierStudy:
       if v.kv_heads and (v.kv_heads >= big.num_heads or big.num_heads % v.kv_heads):
         raise ValueError(f"Variant {v.name!r}: kv_heads={v.kv_heads} must be a divisor of MHA-big's "
                          f"num_heads={big.num_heads} below it (0 runs MHA-big itself)")
+      if v.kv_latent_rank:
+        try:
+          check_target(big, v.kv_latent_rank, v.rope_dims)
+        except ValueError as err:
+          raise ValueError(f"Variant {v.name!r}: MHA-big does not convert to MLA: {err}") from None
     if not isinstance(self.gqa_workdir, str):
       raise ValueError(f"KVFrontierStudy.gqa_workdir must be a path or '', got {self.gqa_workdir!r}")
     defaults = {"context": big.max_len, "eval_batch_size": self.gqa.train.batch_size,
@@ -175,15 +215,24 @@ def apply_changes(config: ModelConfig, variant: Variant) -> ModelConfig:
                      f"{err}") from None
 
 
+def source_config(study: KVFrontierStudy, variant: Variant) -> ModelConfig:
+  """The shape of the params a variant runs: MHA-big, or its uptrained GQA / MQA or MLA form."""
+  big = study.gqa.big
+  return big.replace(num_kv_heads=variant.kv_heads or big.num_heads, kv_latent_rank=variant.kv_latent_rank,
+                     rope_dims=variant.rope_dims)
+
+
 def check_variants(study: KVFrontierStudy) -> None:
   """apply_changes of every variant to the model it runs (MHA-big or its uptrained shape), on the
   host before anything trains."""
   for variant in study.variants:
-    apply_changes(study.gqa.big.replace(num_kv_heads=variant.kv_heads or study.gqa.big.num_heads), variant)
+    apply_changes(source_config(study, variant), variant)
 
 
 def source(study: KVFrontierStudy, variant: Variant) -> str:
   """The folder of the params a variant runs, inside the study's (or the GQA table's) workdir."""
+  if variant.kv_latent_rank:
+    return gs.mla_name(study.gqa, variant.kv_latent_rank, variant.rope_dims, distill=variant.distill)
   if not variant.kv_heads:
     return MHA_BIG
   return gs.uptrained_name(study.gqa, variant.kv_heads, variant.method, distill=variant.distill)
@@ -200,8 +249,8 @@ def prepare_sources(study: KVFrontierStudy, workdir: Path) -> dict[str, Path]:
       done = json.loads((root / "stages.json").read_text())
     except (OSError, ValueError) as err:
       raise ValueError(f"KVFrontierStudy.gqa_workdir={root} is not a GQA study's workdir: {err}") from None
-    current = {k: v for k, v in to_dict(study.gqa).items() if k not in gs.STAGE_SELECTORS}
-    if done.get("study") != current:
+    current = gs.stage_settings(study.gqa)
+    if gs.recorded_settings(done.get("study") or {}) != current:
       diffs = checkpoint.config_diffs(done.get("study") or {}, current)
       raise ValueError(f"KVFrontierStudy.gqa_workdir={root} holds a GQA study with other settings than "
                        f"KVFrontierStudy.gqa ({'; '.join(diffs)})")
@@ -214,7 +263,10 @@ def prepare_sources(study: KVFrontierStudy, workdir: Path) -> dict[str, Path]:
   gs.pretrain(study.gqa, stages, workdir, "big")
   paths = {MHA_BIG: workdir / MHA_BIG}
   for variant in study.variants:
-    if variant.kv_heads:
+    if variant.kv_latent_rank:
+      paths[source(study, variant)] = gs.uptrained_mla(study.gqa, stages, workdir, variant.kv_latent_rank,
+                                                       variant.rope_dims, distill=variant.distill)
+    elif variant.kv_heads:
       paths[source(study, variant)] = gs.uptrained(study.gqa, stages, workdir, variant.kv_heads, variant.method,
                                                    distill=variant.distill)
   return {name: paths[name] for name in names}
@@ -291,7 +343,8 @@ def measure(study: KVFrontierStudy, paths: dict[str, Path]) -> list[dict]:
     print(f"kv_frontier: measuring {variant.name}", flush=True)
     row = {"variant": variant.name, "family": variant.family, "params": source(study, variant),
            "changes": variant.describe(), "kv_heads": model.config.num_kv_heads,
-           "cache_dtype": model.config.cache_dtype,
+           "cache_dtype": model.config.cache_dtype, "kv_latent_rank": model.config.kv_latent_rank,
+           "rope_dims": model.config.rope_dims,
            "kv_bytes_per_token": kv_bytes_per_token(model, params, study.context),
            **cached_bits_per_byte(model, params, data, study.eval_batch_size, study.eval_batches),
            "plain_bits_per_byte": plain[source(study, variant)]}
@@ -323,7 +376,8 @@ def columns(study: KVFrontierStudy) -> list[report.Column]:
 
 def csv_columns(study: KVFrontierStudy) -> list[report.Column]:
   """Every measured field but the raw times: the table's plus byte accuracy per distance."""
-  return columns(study)[:-2] + [("kv_heads", "kv heads", "d"), ("cache_dtype", "cache dtype", "")] + [
+  return columns(study)[:-2] + [("kv_heads", "kv heads", "d"), ("cache_dtype", "cache dtype", ""),
+                                ("kv_latent_rank", "latent rank", "d"), ("rope_dims", "rotary dims", "d")] + [
       (f"recall_bytes_{d}", f"recall bytes @{d}", ".0%") for d in study.recall.distances] + columns(study)[-2:]
 
 
@@ -351,7 +405,7 @@ def report_text(study: KVFrontierStudy, rows: list[dict]) -> str:
       f"- front: not beaten on both KV bytes/token and bits/byte by another variant: {', '.join(front)}.", ""])
 
 
-FAMILY_COLOURS = {"dtype": "tab:blue", "heads": "tab:orange", "window": "tab:green"}
+FAMILY_COLOURS = {"dtype": "tab:blue", "heads": "tab:orange", "window": "tab:green", "mla": "tab:red"}
 
 
 def plot(study: KVFrontierStudy, rows: list[dict], path: Path) -> None:

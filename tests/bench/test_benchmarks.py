@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvjax.bench import benchmarks, paged, quant
+from kvjax.bench import benchmarks, mla, paged, quant
 from kvjax.config import ModelConfig
 
 TINY = ModelConfig(vocab_size=64, d_model=32, num_layers=1, num_heads=4, num_kv_heads=2, mlp_dim=64, max_len=64)
@@ -25,6 +25,15 @@ def test_bench_nocache_baselines_give_the_cached_tokens():
   result = benchmarks.bench_nocache(TINY, prompt=4, new_token_counts=(6,), concat_max=6, repeats=1)
   row = result["rows"][0]
   assert row["nocache_same_tokens"] and row["doubling_same_tokens"] and row["concat_same_tokens"]
+
+
+def test_bench_mla_compares_equal_bytes_and_equal_latents():
+  """The MLA model caches as many bytes per token as the GQA one, and its absorbed and expanded
+  reads of the same latents give the same first step."""
+  result = mla.bench_mla(TINY, batch=2, repeats=2, context=32, rope_dims=8)
+  assert result["kv_bytes_per_token"]["mla"] == result["kv_bytes_per_token"]["gqa"]
+  assert result["mla_model"]["kv_latent_rank"] == 24 and result["first_step_max_logit_diff"] < 1e-4
+  assert result["mla_over_gqa"] > 0
 
 
 def test_bench_quant_compares_equal_caches():

@@ -156,6 +156,14 @@ def test_windowed_layers_stop_growing_at_window_plus_sinks():
   assert arch.max_context(free, 2, "fp32") == 100
   every = dataclasses.replace(arch, window=(4,))
   assert every.max_context(free, 2, "fp32") is None and every.max_context(2 * per_position * 17, 2, "fp32") == 5
+  # An MLA variant (latent 20 + rotary 4 per position) keeps the same positions per layer.
+  latent_row = plan(arch, context=20, batch=2, dtype="fp32", device_memory=free + arch.params * 4,
+                    mla=((20, 4),))["variants"][0]
+  assert latent_row["variant"] == "MLA 20+4" and latent_row["bytes_per_token"] == 3 * 24 * 4
+  assert latent_row["cache_bytes"] == 2 * 24 * 4 * (20 + 6 + 6)
+  assert latent_row["max_context"] == (free // (2 * 24 * 4)) - 12
+  with pytest.raises(ValueError, match="an MLA cache in 'int8'"):
+    plan(arch, context=20, batch=2, dtype="int8", mla=((20, 4),))
   result = plan(PRESETS["Gemma-2-9B"], context=32768, batch=1, device_memory=parse_bytes("80GB"))
   full = PRESETS["Gemma-2-9B"].bytes_per_token("bf16") * 32768
   assert result["cache_bytes"] == full // 2 + full // 2 // 32768 * 4096  # 21 local layers keep 4096

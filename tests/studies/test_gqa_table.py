@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -31,7 +32,7 @@ def test_tiny_table_writes_every_file_with_the_paper_rows(table):
   rows = json.loads((table / "gqa_table.json").read_text())
   assert [(r["model"], r["num_kv_heads"]) for r in rows] == [
       ("MHA-small", 4), ("MHA-big", 16), ("GQA-2-big", 2), ("MQA-big", 1),
-      ("GQA-2-big (pca + distill)", 2), ("MQA-big (pca + distill)", 1)]
+      ("GQA-2-big (pca + distill)", 2), ("MQA-big (pca + distill)", 1), ("MLA-big (32+32, GQA-8 bytes)", 8)]
   small, big = rows[0], rows[1]
   for row in rows[2:]:
     assert row["kv_bytes_per_token"] * 16 == big["kv_bytes_per_token"] * row["num_kv_heads"]
@@ -44,6 +45,11 @@ def test_tiny_table_writes_every_file_with_the_paper_rows(table):
     want = (small["bits_per_byte"] - row["bits_per_byte"]) / (small["bits_per_byte"] - big["bits_per_byte"])
     assert row["gap_closed_bits"] == pytest.approx(want)
   assert rows[4]["time_per_sample_s"] == rows[2]["time_per_sample_s"]  # same architecture, same timing
+  assert rows[6]["time_per_sample_s"] not in {r["time_per_sample_s"] for r in rows[:6]}  # MLA: timed itself
+  mla = json.loads((table / "mla_r32_rope32_alpha0.1_distill1" / "uptrain.json").read_text())
+  pca = json.loads((table / "kv2_pca_alpha0.1_distill1" / "uptrain.json").read_text())
+  assert (mla["kv_latent_rank"], mla["rope_dims"]) == (32, 32)
+  assert {k: mla[k] for k in ("fraction", "distill", "steps")} == {k: pca[k] for k in ("fraction", "distill", "steps")}
   text = (table / "gqa_table.md").read_text()
   assert "GQA-8-XXL" in text and "| GQA-2-big | 2 |" in text
   assert "fine-tuned for 3 steps" in text and "gap closed" in text
@@ -54,6 +60,25 @@ def test_rerun_skips_finished_stages(table, capsys):
   assert main(["run", str(ROOT / "configs/gqa_table/tiny.py"), "--workdir", str(table)]) == 0
   assert "== stage" not in capsys.readouterr().out
   assert tree_state(table / "mha_big") == before
+
+
+def test_stages_recorded_before_new_fields_still_read(tmp_path):
+  """A stages.json written before ModelConfig.window / sink_tokens and GqaStudy.mla_rows existed
+  (runs/gqa_cpu's) is the same study: those fields take their defaults, mla_rows selects stages."""
+  from kvjax.cli.run import load_config
+  from kvjax.config import to_dict
+  from kvjax.studies import gqa as gs
+  from kvjax.training.workdir import claim_study
+  study = load_config(ROOT / "configs/gqa_table/cpu.py")
+  assert study.mla_rows
+  old = {k: v for k, v in to_dict(study).items() if k not in ("job", "fractions", "methods", "mla_rows")}
+  for name in ("small", "big"):
+    old[name] = {k: v for k, v in old[name].items() if k not in ("window", "sink_tokens")}
+  with claim_study(tmp_path, study):
+    (tmp_path / "stages.json").write_text(json.dumps({"study": old, "pretrain_big": {}}))
+    assert "pretrain_big" in gs.Stages(tmp_path, study).done
+    with pytest.raises(ValueError, match="fraction: 0.05 -> 0.2"):
+      gs.Stages(tmp_path, dataclasses.replace(study, fraction=0.2))
 
 
 def test_rerun_with_other_settings_is_refused(table, capsys):

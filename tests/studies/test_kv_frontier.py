@@ -19,6 +19,7 @@ from kvjax.training.workdir import claim_study
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs/kv_frontier/tiny.py"
+MLA = "MLA 32+32 distill1 (GQA-8 bytes)"
 
 
 def driver():
@@ -58,7 +59,7 @@ def test_tiny_study_writes_a_row_per_variant_and_the_columns_asked_for(frontier)
   study, workdir, rows = frontier
   names = [v.name for v in study.variants]
   assert {"fp32", "bf16", "GQA-2 mean", "GQA-2 pca+distill1", "MQA mean", "MQA pca+distill1",
-          "window 16", "window 16 + 2 sinks"} <= set(names)
+          "window 16", "window 16 + 2 sinks", MLA} <= set(names)
   with open(workdir / "kv_frontier.csv") as f:
     table = list(csv.DictReader(f))
   assert [r["variant"] for r in table] == names
@@ -99,6 +100,18 @@ def test_float32_cache_matches_the_plain_evaluation_and_bytes_are_exact(frontier
   assert by_name["bf16"]["kv_bytes_per_token"] == big.kv_bytes_per_token / 2
   assert by_name["GQA-2 mean"]["kv_bytes_per_token"] == big.kv_bytes_per_token * 2 / big.num_heads
   assert by_name["MQA pca+distill1"]["kv_bytes_per_token"] == big.kv_bytes_per_token / big.num_heads
+  mla = by_name[MLA]
+  # MLA at the bytes of 8 kv heads: 2 layers x (latent 32 + 32 rotary dims) x 4 bytes.
+  assert mla["kv_bytes_per_token"] == big.kv_bytes_per_token * 8 / big.num_heads == 2 * (32 + 32) * 4
+  assert (mla["kv_latent_rank"], mla["rope_dims"], mla["params"]) == (32, 32, "mla_r32_rope32_alpha0.1_distill1")
+  # Oracle: decoding reads the latent cache absorbed, the prefill expanded; the two agree.
+  assert mla["decode_bits_per_byte"] == pytest.approx(mla["bits_per_byte"], rel=1e-4)
+  # The same uptraining as the heads family's best rows: alpha and distillation.
+  gqa_run = json.loads((workdir / "kv2_pca_alpha0.1_distill1" / "uptrain.json").read_text())
+  mla_run = json.loads((workdir / mla["params"] / "uptrain.json").read_text())
+  assert mla_run["method"] == "mla" and (mla_run["kv_latent_rank"], mla_run["rope_dims"]) == (32, 32)
+  assert {k: mla_run[k] for k in ("fraction", "distill", "steps", "source_step")} == {
+      k: gqa_run[k] for k in ("fraction", "distill", "steps", "source_step")}
 
 
 def test_kvjax_eval_recall_scores_as_the_study_does(frontier, capsys):
@@ -158,6 +171,14 @@ def test_bad_study_configs_name_the_field():
     kvf.Variant("x", "heads", {"num_kv_heads": 2})
   with pytest.raises(ValueError, match="Variant.family must be one of"):
     kvf.Variant("x", "pruning")
+  with pytest.raises(ValueError, match="family 'mla' with kv_latent_rank=0"):
+    kvf.Variant("x", "mla")
+  with pytest.raises(ValueError, match="set kv_latent_rank and rope_dims, not changes"):
+    kvf.Variant("x", "dtype", {"kv_latent_rank": 8})
+  with pytest.raises(ValueError, match="rope_dims=8 must be a multiple of 2 x num_kv_heads=32"):
+    dataclasses.replace(study, variants=(kvf.Variant("x", "mla", kv_latent_rank=8, rope_dims=8),))
+  with pytest.raises(ValueError, match="rope_dims=32 leaves no latent at the bytes of 2 kv heads"):
+    kvf.mla_variants(study.gqa, {2: 32})
   with pytest.raises(ValueError, match="context=4096 exceeds MHA-big's max_len=128"):
     dataclasses.replace(study, context=4096)
   with pytest.raises(ValueError, match="distance 200 needs"):

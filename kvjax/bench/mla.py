@@ -1,0 +1,73 @@
+"""`kvjax bench mla`: the absorbed MLA decode step against the GQA step with the same KV bytes per
+token, at equal batch and context.
+
+The MLA model is the benchmark model with kv_latent_rank + rope_dims = 2 x num_kv_heads x head_dim
+(its num_kv_heads groups of rotary dims, as a conversion of that GQA model keeps them), so both
+caches hold the same bytes per token and a decode step reads the same bytes of cache. Each cache
+holds random contents; steps alternate between the models so that they see the same machine load.
+The MLA cache read expanded (per-head K/V formed from the latents every step) is timed beside them;
+it holds the same latents as the absorbed one, so their first steps' logits are compared too.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import jax
+import numpy as np
+
+from kvjax.bench.benchmarks import BENCH_MODEL, init_model
+from kvjax.cache import kinds
+from kvjax.config import ModelConfig
+from kvjax.decoding.decode import decode_step
+from kvjax.timing import timed_alternating
+
+
+def filled(model, batch: int, held: int, max_len: int, **options):
+  """The model's contiguous cache kind with `held` random positions in each row."""
+  cache = kinds.contiguous(model.config).create(model.config, batch, max_len, **options)
+  leaves, tree = jax.tree.flatten(cache.layers)
+  keys = jax.random.split(jax.random.key(1), len(leaves))
+  layers = jax.tree.unflatten(tree, [jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)])
+  return cache.replace(layers=layers, lengths=np.full((batch,), held, np.int32))
+
+
+def bench_mla(cfg: ModelConfig = BENCH_MODEL, *, batch: int = 32, repeats: int = 5, context: int = 1024,
+              rope_dims: int | None = None, expanded: bool = True) -> dict:
+  """Median step times of the GQA model `cfg` and of its MLA form of equal KV bytes per token
+  (rope_dims defaults to 16 per kv head), each cache holding `context - steps` tokens per row when
+  timing starts; with `expanded` also the MLA cache read without absorption."""
+  rope_dims = 16 * cfg.num_kv_heads if rope_dims is None else rope_dims
+  mla = cfg.replace(kv_latent_rank=2 * cfg.num_kv_heads * cfg.head_dim - rope_dims, rope_dims=rope_dims)
+  steps = max(4 * repeats, 8)
+  if context > cfg.max_len or context <= steps + 1:
+    raise ValueError(f"context={context} must be at most ModelConfig.max_len={cfg.max_len} and more than "
+                     f"{steps + 1} (the timed steps)")
+  held = context - steps - 1
+  models = {"gqa": init_model(cfg), "mla": init_model(mla)}
+  caches = {"gqa": filled(models["gqa"][0], batch, held, context), "mla": filled(models["mla"][0], batch, held, context)}
+  if expanded:
+    models["mla_expanded"] = models["mla"]
+    caches["mla_expanded"] = filled(models["mla"][0], batch, held, context, absorb=False)
+  tokens = np.zeros((batch,), np.int32)
+  first = {}
+
+  def stepper(name):
+    model, params = models[name]
+    def step():
+      logits, caches[name] = decode_step(model, params, caches[name], tokens)
+      first.setdefault(name, logits)
+      return logits
+    return step
+
+  times = timed_alternating({name: stepper(name) for name in caches}, steps)
+  ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+  result = {"benchmark": "mla", "backend": jax.default_backend(), "gqa_model": cfg.to_dict(),
+            "mla_model": mla.to_dict(), "batch": batch, "context": context, "steps": steps,
+            "kv_bytes_per_token": {"gqa": cfg.kv_bytes_per_token, "mla": mla.kv_bytes_per_token},
+            "gqa_step_ms": ms["gqa"], "mla_step_ms": ms["mla"], "mla_over_gqa": ms["mla"] / ms["gqa"],
+            "mla_over_gqa_per_round": [m / g for m, g in zip(times["mla"], times["gqa"])]}
+  if expanded:
+    result.update(mla_expanded_step_ms=ms["mla_expanded"], expanded_over_absorbed=ms["mla_expanded"] / ms["mla"],
+                  first_step_max_logit_diff=float(np.abs(first["mla_expanded"] - first["mla"]).max()))
+  return result

@@ -1,0 +1,61 @@
+"""`kvjax uptrain --to-mla` end to end on a tiny source run: an ordinary checkpoint of the MLA
+model that loads, evaluates and generates through the latent caches."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax.cli.main import main
+from kvjax.config import ModelConfig
+from kvjax.training import checkpoint, train
+from kvjax.training.config import DataConfig, TrainConfig, TrainRun
+from conftest import word_corpus
+
+MODEL = ModelConfig(d_model=32, num_layers=1, num_heads=4, num_kv_heads=2, mlp_dim=64, max_len=64)
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+  root = tmp_path_factory.mktemp("source")
+  corpus = word_corpus(root / "words.txt", 2)
+  run = TrainRun(model=MODEL, data=DataConfig(source=str(corpus), seq_len=32, val_fraction=0.1),
+                 train=TrainConfig(steps=8, batch_size=4, warmup_steps=1, log_every=4, eval_every=8,
+                                   eval_batches=1, checkpoint_every=8, keep_checkpoints=1))
+  train.run(run, root / "gqa")
+  return root / "gqa"
+
+
+def test_uptrain_to_mla_gives_a_checkpoint_that_generates(source, tmp_path, capsys):
+  dest = tmp_path / "mla"
+  assert main(["uptrain", "--from", str(source), "--workdir", str(dest), "--to-mla", "12", "--rope-dims", "4",
+               "--fraction", "0.5", "--distill", "0.5"]) == 0
+  assert "uptrained (alpha=0.5)" in capsys.readouterr().out
+  record = json.loads((dest / "uptrain.json").read_text())
+  assert record["method"] == "mla" and record["kv_latent_rank"] == 12 and record["steps"] == 4
+  model, params, config = checkpoint.load_model(dest)
+  assert model.config.is_latent and model.config.rope_dims == 4 and len(model.config.rope_pairs) == 1
+  assert model.config.kv_bytes_per_token == (12 + 4) * 4
+  prompts, lengths = np.array([[5, 6, 7, 8], [9, 10, 0, 0]]), np.array([4, 2])
+  tokens = np.asarray(kvjax.generate(model, params, prompts, lengths, 6))
+  # The greedy tokens through the latent cache are the full forward pass's, one by one.
+  logits = model.apply({"params": params}, np.concatenate([prompts[0], tokens[0]])[None])[0, 3:-1]
+  np.testing.assert_array_equal(np.argmax(logits, axis=-1), tokens[0])
+  assert main(["eval", "--workdir", str(dest)]) == 0
+  assert main(["generate", "--workdir", str(dest), "--prompt", "ab", "--max-new-tokens", "4"]) == 0
+
+
+def test_uptrain_to_mla_errors(source, tmp_path, capsys):
+  dest = tmp_path / "mla"
+  assert main(["uptrain", "--from", str(source), "--workdir", str(dest), "--to-mla", "40", "--rope-dims", "4"]) == 2
+  assert "rank=40 is larger than possible" in capsys.readouterr().err
+  assert main(["uptrain", "--from", str(source), "--workdir", str(dest), "--to-mla", "8"]) == 2
+  assert "--rope-dims D go together" in capsys.readouterr().err
+  assert main(["uptrain", "--from", str(source), "--workdir", str(dest), "--kv-heads", "1", "--to-mla", "8",
+               "--rope-dims", "4"]) == 2
+  assert "exactly one of --kv-heads" in capsys.readouterr().err
+  assert not dest.exists()
