@@ -8,7 +8,7 @@ import pytest
 
 from kvjax.studies.recall import (CLOSE, MARKER, SEPARATOR, RecallConfig, examples, recall, recall_checkpoint,
                                  score)
-from tests.conftest import init_params, tiny_config
+from conftest import init_params, tiny_config
 
 FILLER = np.frombuffer(b"def f(x):\n    return x + 1\n" * 40, np.uint8)
 
