@@ -69,6 +69,23 @@ def init_model(cfg: ModelConfig, seed: int = 0):
 STEP_REPEATS = 10  # timed decode steps per `time_decode_step`
 
 
+def alternate_decode_steps(models: dict, caches: dict, batch: int, steps: int) -> tuple[dict, dict]:
+  """Times decode steps of {name: (model, params)} over {name: cache} round-robin, `steps` rounds,
+  each feeding token 0 to every row -> ({name: [seconds per step]}, {name: first step's logits})."""
+  tokens = np.zeros((batch,), np.int32)
+  first = {}
+
+  def stepper(name):
+    model, params = models[name]
+    def step():
+      logits, caches[name] = decode.decode_step(model, params, caches[name], tokens)
+      first.setdefault(name, logits)
+      return logits
+    return step
+
+  return timed_alternating({name: stepper(name) for name in caches}, steps), first
+
+
 def filled_cache(model: Transformer, params, batch: int, context: int, max_len: int) -> ContiguousCache:
   """A contiguous cache of max_len positions whose rows hold `context` random positions, without
   running a prefill: random normal K/V written by the cache itself, so in its format (quantized

@@ -16,11 +16,9 @@ import statistics
 import jax
 import numpy as np
 
-from kvjax.bench.benchmarks import BENCH_MODEL, init_model
+from kvjax.bench.benchmarks import BENCH_MODEL, alternate_decode_steps, init_model
 from kvjax.cache import kinds
 from kvjax.config import ModelConfig
-from kvjax.decoding.decode import decode_step
-from kvjax.timing import timed_alternating
 
 
 def filled(model, batch: int, held: int, max_len: int, **options):
@@ -49,18 +47,7 @@ def bench_mla(cfg: ModelConfig = BENCH_MODEL, *, batch: int = 32, repeats: int =
   if expanded:
     models["mla_expanded"] = models["mla"]
     caches["mla_expanded"] = filled(models["mla"][0], batch, held, context, absorb=False)
-  tokens = np.zeros((batch,), np.int32)
-  first = {}
-
-  def stepper(name):
-    model, params = models[name]
-    def step():
-      logits, caches[name] = decode_step(model, params, caches[name], tokens)
-      first.setdefault(name, logits)
-      return logits
-    return step
-
-  times = timed_alternating({name: stepper(name) for name in caches}, steps)
+  times, first = alternate_decode_steps(models, caches, batch, steps)
   ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
   result = {"benchmark": "mla", "backend": jax.default_backend(), "gqa_model": cfg.to_dict(),
             "mla_model": mla.to_dict(), "batch": batch, "context": context, "steps": steps,

@@ -13,13 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.bench.benchmarks import BENCH_MODEL, filled_cache, init_model
+from kvjax.bench.benchmarks import BENCH_MODEL, alternate_decode_steps, filled_cache, init_model
 from kvjax.cache.paged import PagedCache, pallas_available
 from kvjax.config import ModelConfig
 from kvjax.kernels import attention as attention_kernel
-from kvjax.decoding.decode import decode_step
 from kvjax.model.transformer import cache_collection, cache_layers
-from kvjax.timing import timed_alternating
 
 
 def bench_paged(cfg: ModelConfig = BENCH_MODEL, *, batch: int = 8, repeats: int = 5, context: int = 1024,
@@ -53,17 +51,7 @@ def bench_paged(cfg: ModelConfig = BENCH_MODEL, *, batch: int = 8, repeats: int 
     empty = PagedCache.create(cfg, 2, page_size, batch, width, attention=impl)
     caches[impl] = empty.replace(layers=jax.tree.map(jnp.copy, pools)).with_rows(table, np.asarray(contiguous.lengths))
   del layers, pools
-  tokens = np.zeros((batch,), np.int32)
-  first = {}
-
-  def stepper(name):
-    def step():
-      logits, caches[name] = decode_step(model, params, caches[name], tokens)
-      first.setdefault(name, logits)
-      return logits
-    return step
-
-  times = timed_alternating({name: stepper(name) for name in caches}, steps)
+  times, first = alternate_decode_steps({name: (model, params) for name in caches}, caches, batch, steps)
   ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
   result = {"benchmark": "paged", "backend": jax.default_backend(), "model": cfg.to_dict(), "batch": batch,
             "context": context, "page_size": page_size, "steps": steps,

@@ -24,11 +24,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.bench.benchmarks import BENCH_MODEL, filled_cache, init_model
+from kvjax.bench.benchmarks import BENCH_MODEL, alternate_decode_steps, filled_cache, init_model
 from kvjax.cache import quant
 from kvjax.cache.contiguous import attend_one, dequantized
 from kvjax.config import ModelConfig
-from kvjax.decoding import decode
 from kvjax.model.transformer import Transformer
 from kvjax.kernels import attention as attention_kernel
 from kvjax.timing import timed_alternating
@@ -90,17 +89,7 @@ def time_decode_steps(cfg: ModelConfig, batch: int, context: int, repeats: int) 
   model, params = init_model(cfg.replace(cache_dtype="float32"))
   models = {"float32": model, "int8": Transformer(model.config.replace(cache_dtype="int8"))}
   caches = {name: filled_cache(m, params, batch, context, context + repeats + 1) for name, m in models.items()}
-  tokens = np.zeros((batch,), np.int32)
-  logits = {}
-
-  def step(name):
-    def run():
-      out, caches[name] = decode.decode_step(models[name], params, caches[name], tokens)
-      logits.setdefault(name, out)
-      return out
-    return run
-
-  times = timed_alternating({name: step(name) for name in models}, repeats)
+  times, logits = alternate_decode_steps({name: (m, params) for name, m in models.items()}, caches, batch, repeats)
   ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
   return {"float32_decode_step_ms": ms["float32"], "int8_decode_step_ms": ms["int8"],
           "int8_decode_speedup": ms["float32"] / ms["int8"],
