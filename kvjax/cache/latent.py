@@ -20,8 +20,7 @@ import jax.numpy as jnp
 
 from kvjax import memory
 from kvjax.cache.base import KVCache, write_rows
-from kvjax.cache.pages import NULL_PAGE
-from kvjax.cache.paged import PagedCache, gather
+from kvjax.cache.paged import PagedCache, check_pool, gather, write_addresses
 from kvjax.config import ModelConfig, check_positive_int
 from kvjax.model.attention import Span, new_keys_mask
 from kvjax.model.backend import Backend
@@ -104,11 +103,7 @@ class PagedLatentCache(LatentAttend, PagedCache):
     rows of max_pages page-table entries, all pointing at the null page. attention must be
     "gather" (the Pallas kernels read K/V pools)."""
     _check_latent_model(config, cls.__name__)
-    for name, value in (("num_pages", num_pages), ("page_size", page_size), ("batch", batch),
-                        ("max_pages", max_pages)):
-      check_positive_int(value, name)
-    if num_pages < 2:
-      raise ValueError(f"num_pages={num_pages} leaves no page besides the reserved null page")
+    check_pool(num_pages, page_size, batch, max_pages)
     if attention != "gather":
       raise ValueError(f"a PagedLatentCache reads its pages by attention='gather', got {attention!r}")
     memory.check_fits(f"a paged latent cache of {num_pages} pages x {page_size} tokens",
@@ -118,23 +113,12 @@ class PagedLatentCache(LatentAttend, PagedCache):
     return cls(layers=cache_collection(config, layer), lengths=jnp.zeros((batch,), jnp.int32),
                page_table=jnp.zeros((batch, max_pages), jnp.int32), absorb=absorb)
 
-  @property
-  def num_pages(self) -> int:
-    return cache_layers(self.layers)[0]["latent"].shape[1]
-
-  @property
-  def page_size(self) -> int:
-    return cache_layers(self.layers)[0]["latent"].shape[2]
-
   def layer_spec(self, config: ModelConfig, layer: int = 0):
     return {name: ((1, self.num_pages, self.page_size, width), config.kv_dtype)
             for name, width in _widths(config).items()}
 
   def write(self, stored, latent, rope_key, span: Span):
-    page_size = stored["latent"].shape[2]
-    page_index = jnp.minimum(span.positions // page_size, self.page_table.shape[1] - 1)
-    pages = jnp.where(span.valid, jnp.take_along_axis(self.page_table, page_index, axis=1), NULL_PAGE)
-    slots = span.positions % page_size
+    pages, slots = write_addresses(self.page_table, span, stored["latent"].shape[2])
     store = lambda pool, new: pool.at[0, pages, slots].set(new.astype(pool.dtype))  # new [B, T, width]
     return {"latent": store(stored["latent"], latent), "rope_key": store(stored["rope_key"], rope_key)}
 

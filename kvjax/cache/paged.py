@@ -102,6 +102,23 @@ def pallas_attend(q, k_pool, v_pool, page_table, lengths, interpret: bool):
   return out.astype(q.dtype)[:, None]
 
 
+def check_pool(num_pages: int, page_size: int, batch: int, max_pages: int) -> None:
+  """Raises ValueError naming the argument unless a paged cache of these sizes can exist."""
+  for name, value in (("num_pages", num_pages), ("page_size", page_size), ("batch", batch),
+                      ("max_pages", max_pages)):
+    check_positive_int(value, name)
+  if num_pages < 2:
+    raise ValueError(f"num_pages={num_pages} leaves no page besides the reserved null page")
+
+
+def write_addresses(page_table: jax.Array, span: Span, page_size: int) -> tuple[jax.Array, jax.Array]:
+  """(page, slot) int[B, T] of each new column: its row's page for the position, the null page
+  for padding columns."""
+  page_index = jnp.minimum(span.positions // page_size, page_table.shape[1] - 1)
+  pages = jnp.where(span.valid, jnp.take_along_axis(page_table, page_index, axis=1), NULL_PAGE)
+  return pages, span.positions % page_size
+
+
 class PagedCache(KVCache):
   """Page pools shared by all rows, a page table and lengths per row.
 
@@ -123,11 +140,7 @@ class PagedCache(KVCache):
              attention: str = "gather") -> "PagedCache":
     """Empty pools of num_pages pages (page 0 is the null page) of page_size tokens, and `batch`
     rows of max_pages page-table entries, all pointing at the null page."""
-    for name, value in (("num_pages", num_pages), ("page_size", page_size), ("batch", batch),
-                        ("max_pages", max_pages)):
-      check_positive_int(value, name)
-    if num_pages < 2:
-      raise ValueError(f"num_pages={num_pages} leaves no page besides the reserved null page")
+    check_pool(num_pages, page_size, batch, max_pages)
     if attention not in ATTENTION_IMPLS:
       raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {attention!r}")
     if attention != "gather" and config.cache_quantized:
@@ -146,11 +159,11 @@ class PagedCache(KVCache):
 
   @property
   def num_pages(self) -> int:
-    return cache_layers(self.layers)[0]["k"].shape[1]
+    return next(iter(cache_layers(self.layers)[0].values())).shape[1]  # every pool is [heads, P, Z, ...]
 
   @property
   def page_size(self) -> int:
-    return cache_layers(self.layers)[0]["k"].shape[2]
+    return next(iter(cache_layers(self.layers)[0].values())).shape[2]
 
   @property
   def capacity(self) -> int:
@@ -184,10 +197,7 @@ class PagedCache(KVCache):
                        f"{(col + 1) * self.page_size}): page_table[{row}, {col}] is the null page")
 
   def write(self, stored, k, v, span: Span):
-    page_size = stored["k"].shape[2]
-    page_index = jnp.minimum(span.positions // page_size, self.page_table.shape[1] - 1)
-    pages = jnp.where(span.valid, jnp.take_along_axis(self.page_table, page_index, axis=1), NULL_PAGE)
-    slots = span.positions % page_size
+    pages, slots = write_addresses(self.page_table, span, stored["k"].shape[2])
     store = lambda pool, new: pool.at[:, pages, slots].set(jnp.swapaxes(new, 0, 1).astype(pool.dtype))  # [K, B, T, ...]
     new = quant.encode(k, v, stored_format(stored))  # [B, K, T, ...]
     return {name: store(stored[name], x) for name, x in new.items()}
