@@ -18,6 +18,7 @@ the same computation over it.
 from __future__ import annotations
 
 import functools
+from typing import Sequence
 
 import flax.struct
 import jax
@@ -185,23 +186,22 @@ def decode_step(model: Transformer, params, cache: KVCache, tokens, *, mesh=None
 class DecodeState:
   step: jax.Array  # int32: tokens generated so far
   last: jax.Array  # int32[B]: the token to feed next
-  done: jax.Array  # bool[B]: row has produced eos_id
+  done: jax.Array  # bool[B]: row has produced a stop token
   tokens: jax.Array  # int32[B, max_new_tokens]
   cache: KVCache
   rng: jax.Array
 
 
 @functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "max_len"))
-def _generate(model, params, prompts, lengths, rng, sampling, eos_id, max_new_tokens, max_len):
+def _generate(model, params, prompts, lengths, rng, sampling, stop_ids, max_new_tokens, max_len):
   batch = prompts.shape[0]
   cache = kinds.contiguous(model.config).create(model.config, batch, max_len)
   logits, cache = forward(model, params, cache, prompts, lengths, last=True, from_empty=True)
   rng, key = jax.random.split(rng)
   first = sample(logits, key, sampling)
   state = DecodeState(
-      step=jnp.int32(1), last=first, done=first == eos_id,
-      tokens=jnp.full((batch, max_new_tokens), eos_id, jnp.int32).at[:, 0].set(first),
-      cache=cache, rng=rng)
+      step=jnp.int32(1), last=first, done=jnp.isin(first, stop_ids),
+      tokens=jnp.full((batch, max_new_tokens), -1, jnp.int32).at[:, 0].set(first), cache=cache, rng=rng)
   ones = jnp.ones((batch,), jnp.int32)
 
   def cond(s: DecodeState):
@@ -210,12 +210,16 @@ def _generate(model, params, prompts, lengths, rng, sampling, eos_id, max_new_to
   def body(s: DecodeState):
     logits, cache = forward(model, params, s.cache, s.last[:, None], ones)
     rng, key = jax.random.split(s.rng)
-    token = jnp.where(s.done, eos_id, sample(logits[:, 0], key, sampling))
-    return DecodeState(step=s.step + 1, last=token, done=s.done | (token == eos_id),
+    token = jnp.where(s.done, s.last, sample(logits[:, 0], key, sampling))  # a stopped row repeats its stop
+    return DecodeState(step=s.step + 1, last=token, done=s.done | jnp.isin(token, stop_ids),
                        tokens=jax.lax.dynamic_update_slice(s.tokens, token[:, None], (0, s.step)),
                        cache=cache, rng=rng)
 
-  return jax.lax.while_loop(cond, body, state).tokens
+  tokens = jax.lax.while_loop(cond, body, state).tokens  # -1 past the step where every row had stopped
+  is_stop = jnp.isin(tokens, stop_ids)
+  first_stop = jnp.argmax(is_stop, axis=1)[:, None]
+  after = is_stop.any(axis=1, keepdims=True) & (jnp.arange(max_new_tokens)[None, :] > first_stop)
+  return jnp.where(after, jnp.take_along_axis(tokens, first_stop, axis=1), tokens)
 
 
 def size_bucket(n: int, limit: int, floor: int = 16) -> int:
@@ -226,15 +230,16 @@ def size_bucket(n: int, limit: int, floor: int = 16) -> int:
 
 def generate(model: Transformer, params, prompts, lengths, max_new_tokens: int, *,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-             eos_id: int | None = None, rng: jax.Array | None = None, mesh=None) -> jax.Array:
+             stop_ids: Sequence[int] | int = (), rng: jax.Array | None = None, mesh=None) -> jax.Array:
   """Prefill, then the whole decode loop in one jitted lax.while_loop.
 
   Args:
     prompts: int[B, T] right-padded; lengths: int[B].
     max_new_tokens: tokens to generate per row (the first comes from the prefill logits).
     temperature: 0 is greedy; top_k / top_p filter before sampling.
-    eos_id: a row stops after producing it; later positions hold eos_id. The loop ends when
-      every row has stopped.
+    stop_ids: a row stops after producing any of these token ids (a tokenizer's eos and
+      end-of-turn tokens, kvjax.interop.tokenizer.TextTokenizer.stop_ids); its later positions
+      repeat that stop token (`until_stop` cuts them). The loop ends when every row has stopped.
   Returns:
     int32[B, max_new_tokens].
   Compiles once per (batch, prompt bucket, max_new_tokens); sampling settings are traced.
@@ -245,8 +250,7 @@ def generate(model: Transformer, params, prompts, lengths, max_new_tokens: int, 
   longest = int(lengths.max())
   cfg.check_length(longest + max_new_tokens - 1, f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} "
                    f"needs {longest + max_new_tokens - 1} cache positions")
-  if eos_id is not None and not 0 <= eos_id < cfg.vocab_size:
-    raise ValueError(f"eos_id={eos_id} is outside [0, vocab_size={cfg.vocab_size})")
+  stop_ids = check_stop_ids(stop_ids, cfg.vocab_size)
   sampling = Sampling.create(temperature, top_k, top_p)
   bucket = size_bucket(longest, cfg.max_positions - max_new_tokens + 1)
   padded = np.zeros((prompts.shape[0], bucket), np.int32)
@@ -258,4 +262,24 @@ def generate(model: Transformer, params, prompts, lengths, max_new_tokens: int, 
   rng = jax.random.key(0) if rng is None else rng
   params, (padded, lengths) = sharding.place(mesh, params, padded, lengths)
   return _generate(for_decoding(model, mesh), params, padded, lengths, rng, sampling,
-                   jnp.int32(-1 if eos_id is None else eos_id), max_new_tokens, max_len)
+                   jnp.asarray(stop_ids, jnp.int32), max_new_tokens, max_len)
+
+
+def check_stop_ids(stop_ids: Sequence[int] | int, vocab_size: int) -> tuple[int, ...]:
+  """Stop token ids as a sorted tuple of distinct ints in [0, vocab_size) (one int is one id);
+  ValueError naming the first id outside the vocabulary."""
+  ids = (stop_ids,) if isinstance(stop_ids, (int, np.integer)) else tuple(stop_ids)
+  for token in ids:
+    if isinstance(token, bool) or not isinstance(token, (int, np.integer)) or not 0 <= token < vocab_size:
+      raise ValueError(f"stop token id {token!r} is outside [0, vocab_size={vocab_size})")
+  return tuple(sorted({int(t) for t in ids}))
+
+
+def until_stop(tokens, stop_ids: Sequence[int]) -> list[np.ndarray]:
+  """Each row of generated tokens int[B, N] up to and without its first stop token."""
+  stops = np.asarray(list(stop_ids), np.int64)
+  rows = []
+  for row in np.asarray(tokens):
+    hits = np.flatnonzero(np.isin(row, stops))
+    rows.append(row[:hits[0]] if hits.size else row)
+  return rows

@@ -51,7 +51,7 @@ class EngineConfig:
   max_len: int | None = None
   allocation: str = "paged"
   attention: str = "gather"  # kvjax.cache.paged.ATTENTION_IMPLS: "pallas" is JAX's GPU kernel
-  eos_id: int | None = None
+  stop_ids: tuple[int, ...] = ()  # a request finishes after any of these tokens (the tokenizer's stop_ids)
   seed: int = 0
 
   def __post_init__(self):
@@ -64,6 +64,10 @@ class EngineConfig:
     check_choice(self, "attention", ATTENTION_IMPLS)
     if isinstance(self.seed, bool) or not isinstance(self.seed, int):
       raise ValueError(f"EngineConfig.seed must be an integer, got {self.seed!r}")
+    if not isinstance(self.stop_ids, (tuple, list)) or any(
+        isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_ids):
+      raise ValueError(f"EngineConfig.stop_ids must be a tuple of token ids, got {self.stop_ids!r}")
+    object.__setattr__(self, "stop_ids", tuple(self.stop_ids))
 
 
 @dataclasses.dataclass
@@ -295,8 +299,7 @@ class Engine:
   def _emit(self, request: Request, token: int, finished: list[Request]) -> None:
     request.generated.append(token)
     self.stats.generated_tokens += 1
-    eos = self.config.eos_id
-    if len(request.generated) == request.max_new_tokens or (eos is not None and token == eos):
+    if len(request.generated) == request.max_new_tokens or token in self.config.stop_ids:
       self.allocator.free(request.id)
       self.slots[request.slot] = None
       request.slot = None

@@ -378,7 +378,7 @@ def greedy_outputs(model: Transformer, params, examples: Examples) -> np.ndarray
     prompts[i, :len(prompt)] = np.frombuffer(prompt, np.uint8)
   lengths = np.array([len(p) for p in examples.prompts], np.int32)
   return np.asarray(generate(model, params, prompts, lengths, max(map(len, examples.answers)) + 1,
-                             eos_id=NEWLINE))
+                             stop_ids=NEWLINE))
 
 
 def score(model: Transformer, params, task: str, config: TaskConfig) -> dict:

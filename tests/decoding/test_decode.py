@@ -10,6 +10,7 @@ import pytest
 import kvjax
 from kvjax.decoding import baselines
 from kvjax.decoding import decode
+from kvjax.decoding.decode import until_stop
 from conftest import init_params, tiny_config
 
 
@@ -92,12 +93,29 @@ def test_generate_compiles_once_per_bucket():
   assert decode._generate._cache_size() == 1
 
 
+def test_stop_tokens_end_each_row_at_its_first_stop():
+  model, params = init_params(tiny_config(2))
+  prompts = random_tokens((3, 6), seed=7)
+  free = np.asarray(kvjax.generate(model, params, prompts, np.array([6, 6, 6]), 12))
+  stops = (int(free[0, 2]), int(free[1, 5]))
+  stopped = np.asarray(kvjax.generate(model, params, prompts, np.array([6, 6, 6]), 12, stop_ids=stops))
+  for row, kept in enumerate(until_stop(stopped, stops)):
+    hits = np.flatnonzero(np.isin(free[row], stops))
+    end = hits[0] if hits.size else 12
+    np.testing.assert_array_equal(kept, free[row, :end])
+    if hits.size:
+      np.testing.assert_array_equal(stopped[row, :end + 1], free[row, :end + 1])
+      assert (stopped[row, end:] == free[row, end]).all()  # a stopped row repeats its stop token
+  with pytest.raises(ValueError, match="stop token id 64"):
+    kvjax.generate(model, params, prompts, np.array([6, 6, 6]), 4, stop_ids=(1, 64))
+
+
 def test_eos_stops_rows_and_pads_with_eos():
   model, params = init_params(tiny_config(2))
   prompts = random_tokens((2, 6), seed=5)
   free = np.asarray(kvjax.generate(model, params, prompts, np.array([6, 6]), 10))
   eos = int(free[0, 3])
-  stopped = np.asarray(kvjax.generate(model, params, prompts, np.array([6, 6]), 10, eos_id=eos))
+  stopped = np.asarray(kvjax.generate(model, params, prompts, np.array([6, 6]), 10, stop_ids=eos))
   for row in range(2):
     hits = np.flatnonzero(free[row] == eos)
     end = hits[0] + 1 if hits.size else 10

@@ -97,7 +97,7 @@ def test_eos_stops_a_request_and_frees_its_pages(model_params):
   full = greedy_alone(model, params, prompt, 20)
   eos = int(full[5])
   stop = int(np.argmax(full == eos))
-  config = EngineConfig(**{**vars(CONFIG), "eos_id": eos})
+  config = EngineConfig(**{**vars(CONFIG), "stop_ids": (eos,)})
   (tokens,), _ = serve(model, params, [(prompt, 20)], config)
   np.testing.assert_array_equal(tokens, full[:stop + 1])
 
