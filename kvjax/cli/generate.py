@@ -1,59 +1,97 @@
-"""`kvjax generate`: continue a text prompt with a checkpointed model, decoding with the KV cache.
+"""`kvjax generate`: continue a prompt with a checkpointed model, streaming the text to the
+terminal as tokens are produced (kvjax.decoding.stream).
 
-The prompt is encoded as UTF-8 bytes, and the continuation's bytes decoded with invalid or cut
-multi-byte sequences shown as U+FFFD; a workdir with a tokenizer.json (an imported model) uses
-that tokenizer instead.
+A workdir with a tokenizer (an imported model: tokenizer.json and tokenizer_config.json) encodes
+the prompt with it, stops at its end tokens (eos and the chat end-of-turn token) and, with
+--chat, wraps the prompt as a user message in the model's chat template. A model trained here
+reads UTF-8 bytes: a cut multi-byte sequence shows as U+FFFD, and no token stops it.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from typing import Callable
 
 import jax
-import numpy as np
 
 from kvjax.cli import options
+from kvjax.decoding.stream import TextStream, stream
+from kvjax.interop.tokenizer import TextTokenizer
 from kvjax.training import data
 from kvjax.training.checkpoint import load_model
-from kvjax.interop.hf import load_tokenizer
-from kvjax.decoding.decode import generate
+
+
+def prompt_tokens(tokenizer: TextTokenizer | None, prompt: str, *, chat: bool = False, system: str | None = None):
+  """The prompt's ids: bytes without a tokenizer; with one, the plain text (bos first when the
+  tokenizer adds one) or, with chat, the chat template's rendering of [system,] user messages."""
+  if tokenizer is None:
+    if chat or system is not None:
+      raise ValueError("--chat and --system need a model with a tokenizer and a chat template "
+                       "(an imported model); this one reads bytes")
+    return data.encode(prompt)
+  if not chat:
+    if system is not None:
+      raise ValueError("--system applies to --chat only")
+    return tokenizer.encode(prompt, add_special_tokens=True)
+  messages = ([{"role": "system", "content": system}] if system is not None else []) + [{"role": "user", "content": prompt}]
+  return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
 
 
 def continue_text(workdir, prompt: str, *, max_new_tokens: int, temperature: float = 0.0,
                   top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-                  step: int | None = None, mesh=None, cache_dtype: str | None = None) -> str:
-  """The continuation of `prompt` from the workdir's checkpoint (latest unless `step`), sharded
-  over `mesh` (a jax.sharding.Mesh, see kvjax.sharding) when one is given, decoding with a KV
-  cache of `cache_dtype` (default: the checkpoint's)."""
+                  step: int | None = None, mesh=None, cache_dtype: str | None = None, chat: bool = False,
+                  system: str | None = None, on_text: Callable[[str], None] | None = None) -> str:
+  """The continuation of `prompt` from the workdir's checkpoint (latest unless `step`), up to its
+  tokenizer's first stop token (not included), sharded over `mesh` when one is given, decoding
+  with a KV cache of `cache_dtype` (default: the checkpoint's). on_text(increment) is called as
+  the text grows (a terminal prints it)."""
   model, params, _ = load_model(workdir, step)
   if cache_dtype is not None:
     model = model.clone(config=model.config.replace(cache_dtype=cache_dtype))
-  tokenizer = load_tokenizer(workdir, model.config.vocab_size)
-  if tokenizer is None:
-    tokens = data.encode(prompt)
-  else:
-    tokens = np.asarray(tokenizer.encode(prompt).ids, np.int32)
-  out = generate(model, params, tokens[None, :], [len(tokens)], max_new_tokens, temperature=temperature,
-                 top_k=top_k, top_p=top_p, rng=jax.random.key(seed), mesh=mesh)
-  ids = np.asarray(out[0])
-  return data.decode(ids) if tokenizer is None else tokenizer.decode(ids.tolist())
+  tokenizer = TextTokenizer.load(workdir, model.config.vocab_size)
+  tokens = prompt_tokens(tokenizer, prompt, chat=chat, system=system)
+  stop_ids = () if tokenizer is None else tokenizer.stop_ids
+  text = TextStream(data.decode if tokenizer is None else tokenizer.decode)
+  pieces = []
+  for token in stream(model, params, tokens, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                      stop_ids=stop_ids, rng=jax.random.key(seed), mesh=mesh):
+    if token in stop_ids:
+      break
+    pieces.append(text.push(token))
+    if on_text is not None and pieces[-1]:
+      on_text(pieces[-1])
+  pieces.append(text.flush())
+  if on_text is not None and pieces[-1]:
+    on_text(pieces[-1])
+  return "".join(pieces)
+
+
+def _print(text: str) -> None:
+  sys.stdout.write(text)
+  sys.stdout.flush()
 
 
 def command(args: argparse.Namespace) -> int:
-  print(continue_text(args.workdir, args.prompt, max_new_tokens=args.max_new_tokens,
-                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                      seed=args.seed, step=args.step, mesh=options.mesh(args),
-                      cache_dtype=options.cache_dtype(args)))
+  continue_text(args.workdir, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                top_k=args.top_k, top_p=args.top_p, seed=args.seed, step=args.step, mesh=options.mesh(args),
+                cache_dtype=options.cache_dtype(args), chat=args.chat, system=args.system, on_text=_print)
+  _print("\n")
   return 0
 
 
 def add_parser(subparsers) -> None:
-  parser = subparsers.add_parser("generate", help="continue a prompt with a trained checkpoint")
+  parser = subparsers.add_parser("generate", help="continue a prompt (or answer a chat message) with a checkpoint, "
+                                                  "streaming the text")
   parser.add_argument("--workdir", required=True, type=options.workdir_text, help="run directory holding checkpoints/")
-  parser.add_argument("--prompt", required=True, help="text to continue")
-  parser.add_argument("--max-new-tokens", type=int, default=200, help="bytes to generate")
+  parser.add_argument("--prompt", required=True, help="text to continue, or with --chat the user's message")
+  parser.add_argument("--chat", action="store_true",
+                      help="wrap the prompt as a user message in the model's chat template")
+  parser.add_argument("--system", help="with --chat: a system message before the user's")
+  parser.add_argument("--max-new-tokens", type=options.positive_int, default=200,
+                      help="most tokens to generate (generation also ends at the tokenizer's end tokens)")
   parser.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
-  parser.add_argument("--top-k", type=int, help="sample among the k most likely bytes")
+  parser.add_argument("--top-k", type=int, help="sample among the k most likely tokens")
   parser.add_argument("--top-p", type=float, help="sample within the top-p probability mass")
   parser.add_argument("--seed", type=int, default=0, help="sampling seed")
   parser.add_argument("--step", type=int, help="checkpoint step (default: latest)")

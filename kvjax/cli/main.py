@@ -18,9 +18,9 @@ import os
 import sys
 
 from kvjax import sharding
-from kvjax.cli import bench, build_kernels, evaluate, export_hf, generate, import_hf, kv_size, run, uptrain
+from kvjax.cli import bench, build_kernels, evaluate, export_hf, generate, import_model, kv_size, run, uptrain
 
-COMMANDS = (run, evaluate, generate, uptrain, import_hf, export_hf, kv_size, bench, build_kernels)
+COMMANDS = (run, evaluate, generate, uptrain, import_model, export_hf, kv_size, bench, build_kernels)
 
 
 def build_parser() -> argparse.ArgumentParser:

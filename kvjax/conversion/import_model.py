@@ -1,5 +1,7 @@
-"""A Hugging Face model directory -> a kvjax workdir: kvjax.interop.hf reads the weights,
-kvjax.training.checkpoint writes them as a params checkpoint that eval, generate and uptrain load.
+"""A pretrained model -> a kvjax workdir: kvjax.interop.importer reads a named model, a GGUF file
+or a Hugging Face directory; kvjax.training.checkpoint writes it as a params checkpoint that eval,
+generate and uptrain load, with the model's tokenizer (tokenizer.json and tokenizer_config.json)
+beside it, which every workdir derived from this one carries on.
 """
 
 from __future__ import annotations
@@ -8,29 +10,32 @@ import pathlib
 
 import jax
 
-from kvjax.interop.hf import copy_tokenizer, from_hf
+from kvjax.interop.importer import read_model, resolve_source
 from kvjax.training import checkpoint
 from kvjax.training import workdir as workdirs
 
 
-def import_hf(hf_dir: str | pathlib.Path, workdir: str | pathlib.Path, *, dtype: str | None = None) -> dict:
-  """from_hf, then save_params into workdir (which must hold no checkpoint), with the model's
-  tokenizer.json (checked by from_hf) copied beside it when it has one; returns a summary.
+def import_model(source: str | pathlib.Path, workdir: str | pathlib.Path, *, dtype: str | None = None) -> dict:
+  """read_model, then save_params into workdir (which must hold no checkpoint), the tokenizer
+  first; returns a summary.
 
-  The workdir is claimed as an import's (kvjax.training.workdir): new or empty, or an import of
-  the same model (its folder and the fingerprint of its config and weights) cut short before its
-  checkpoint was written. Its marker records that source."""
-  source = pathlib.Path(hf_dir).resolve()
+  source: a named model (kvjax.interop.importer.NAMED_MODELS, e.g. "smollm2-135m"), a .gguf file
+  or a Hugging Face directory. The workdir is claimed as an import's (kvjax.training.workdir): new
+  or empty, or an import of the same model (its file and the fingerprint of its config and
+  weights) cut short before its checkpoint was written. Its marker records that source. Nothing
+  is written when the model, its tokenizer or the workdir is refused."""
   workdirs.check(workdir, workdirs.IMPORT)  # refused before the model is read, with nothing written
   if checkpoint.latest_step(workdir) is not None:
     raise ValueError(f"{checkpoint.checkpoint_dir(workdir)} already holds checkpoints; "
                      "import into a new --workdir")
-  params, cfg = from_hf(hf_dir, dtype=dtype)  # checks tokenizer.json too
-  job = {"source": {"path": str(source), "fingerprint": workdirs.fingerprint(cfg.to_dict(), params)}, "dtype": dtype}
-  with workdirs.claim(workdir, workdirs.IMPORT, job):
+  resolved = resolve_source(source).resolve()
+  params, cfg, tokenizer, _ = read_model(resolved, dtype=dtype)
+  job = {"source": {"path": str(resolved), "fingerprint": workdirs.fingerprint(cfg.to_dict(), params)}, "dtype": dtype}
+  with workdirs.claim(workdir, workdirs.IMPORT, job) as path:
     # The tokenizer first: a workdir whose checkpoint exists always has it, even if this is killed.
-    tokenizer = copy_tokenizer(hf_dir, workdir)
-    path = checkpoint.save_params(workdir, params, cfg)
-  return {"source": str(source), "checkpoint": str(path),
+    if tokenizer is not None:
+      tokenizer.save(path)
+    saved = checkpoint.save_params(workdir, params, cfg)
+  return {"source": str(resolved), "checkpoint": str(saved),
           "params": int(sum(x.size for x in jax.tree.leaves(params))), "model": cfg.to_dict(),
-          "tokenizer": None if tokenizer is None else str(tokenizer)}
+          "tokenizer": None if tokenizer is None else str(pathlib.Path(path) / "tokenizer.json")}

