@@ -1,5 +1,7 @@
 """`kvjax bench BENCHMARK`: run one of kvjax.bench.benchmarks on the benchmark model (BENCH_MODEL,
-changed with --set model.KEY=VALUE) and print its result as JSON."""
+changed with --set model.KEY=VALUE) and print its result as JSON. With --model NAME (a named
+model, a GGUF file or a Hugging Face directory), `hf` and `perplexity` run that pretrained model
+in kvjax and in transformers side by side (kvjax.bench.real_model)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import argparse
 import dataclasses
 import json
 
-from kvjax.bench import benchmarks, mla, paged, quant
+from kvjax.bench import benchmarks, mla, paged, quant, real_model
 from kvjax.cli import options
 from kvjax.config import ModelConfig
 
@@ -22,6 +24,9 @@ class BenchConfig:
 BENCHMARKS = {"decode": benchmarks.bench_decode, "nocache": benchmarks.bench_nocache, "hf": benchmarks.bench_hf,
               "paged": paged.bench_paged, "matmul": benchmarks.bench_matmul, "quant": quant.bench_quant,
               "mla": mla.bench_mla}
+
+
+REAL_MODEL_BENCHMARKS = ("hf", "perplexity")
 
 
 def _int_list(text: str) -> list[int]:
@@ -44,7 +49,24 @@ def benchmark_kwargs(args: argparse.Namespace) -> dict:
   }[args.benchmark]
 
 
+def real_model_result(args: argparse.Namespace) -> dict:
+  """`hf` or `perplexity` on the pretrained model args.model."""
+  if args.overrides:
+    raise ValueError("--set changes the benchmark model; with --model the pretrained model is used as it is")
+  if args.benchmark == "perplexity":
+    return real_model.bench_perplexity(args.model, seq_len=args.seq_len, batch=args.batch or 4,
+                                       batches=args.windows_batches)
+  batches = (args.batch,) if args.batch else (1, 8)
+  return real_model.bench_decode(args.model, batches=batches, prompt=args.prompt, new_tokens=args.new,
+                                 repeats=args.repeats)
+
+
 def command(args: argparse.Namespace) -> int:
+  if args.model is not None or args.benchmark == "perplexity":
+    if args.model is None or args.benchmark not in REAL_MODEL_BENCHMARKS:
+      raise ValueError(f"--model runs {' and '.join(REAL_MODEL_BENCHMARKS)} only, and perplexity needs --model")
+    print(json.dumps(real_model_result(args), indent=None if args.json else 2))
+    return 0
   model = options.apply_set(BenchConfig(), args).model
   result = BENCHMARKS[args.benchmark](model, **benchmark_kwargs(args))
   print(json.dumps(result, indent=None if args.json else 2))
@@ -54,7 +76,12 @@ def command(args: argparse.Namespace) -> int:
 def add_parser(subparsers) -> None:
   parser = subparsers.add_parser("bench", help="decoding benchmarks (JSON)", description=benchmarks.__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("benchmark", choices=sorted(BENCHMARKS))
+  parser.add_argument("benchmark", choices=sorted({*BENCHMARKS, *REAL_MODEL_BENCHMARKS}))
+  parser.add_argument("--model", help="hf, perplexity: a pretrained model (named, e.g. smollm2-135m; a .gguf; a "
+                                      "Hugging Face folder) run in kvjax and transformers")
+  parser.add_argument("--seq-len", type=options.positive_int, default=1024, help="perplexity: tokens per window")
+  parser.add_argument("--windows-batches", type=options.positive_int, default=3,
+                      help="perplexity: batches of --batch windows (default batch 4)")
   options.add_set_option(parser)
   parser.add_argument("--batch", type=options.positive_int, default=None,
                       help="sequences (rows) per step (default: 8; quant: 32)")

@@ -1,5 +1,6 @@
-"""`kvjax eval --workdir DIR`: held-out loss, bits per byte and accuracy of a checkpoint
-(kvjax.training.evaluate.evaluate_checkpoint).
+"""`kvjax eval --workdir DIR`: held-out loss per token, perplexity, bits per byte and accuracy of
+a checkpoint (kvjax.training.evaluate.evaluate_checkpoint); --corpus and --seq-len choose the text
+and the window length in tokens (an imported model: English prose by default).
 
 `kvjax eval --workdir DIR --recall 32,64,128`: instead, the long-range recall test
 (kvjax.studies.recall): greedy copies through the KV cache of needles planted that many bytes
@@ -37,7 +38,7 @@ def command(args: argparse.Namespace) -> int:
     return 0
   result = evaluate_checkpoint(args.workdir, step=args.step, split=args.split, batch_size=args.batch_size,
                                num_batches=args.batches, mesh=options.mesh(args),
-                               cache_dtype=options.cache_dtype(args))
+                               cache_dtype=options.cache_dtype(args), corpus=args.corpus, seq_len=args.seq_len)
   trained_on = result["trained_corpus_sha256"]
   if trained_on and trained_on != result["corpus_sha256"]:
     print(f"kvjax eval: warning: corpus {result['corpus']} differs from the one this model was trained "
@@ -46,9 +47,9 @@ def command(args: argparse.Namespace) -> int:
     print(json.dumps(result))
   else:
     through = f" through the {result['cache_dtype']} cache" if result["cache_dtype"] else ""
-    print(f"step {result['step']}  {result['split']}{through} loss {result['loss']:.4f}  "
-          f"bits/byte {result['bits_per_byte']:.4f}  accuracy {result['accuracy']:.4f}  "
-          f"({result['tokens']} tokens)")
+    print(f"step {result['step']}  {result['split']}{through} loss/token {result['loss']:.4f}  "
+          f"perplexity {result['perplexity']:.3f}  bits/byte {result['bits_per_byte']:.4f}  "
+          f"accuracy {result['accuracy']:.4f}  ({result['tokens']} tokens in windows of {result['seq_len']})")
   return 0
 
 
@@ -61,6 +62,10 @@ def add_parser(subparsers) -> None:
                       help="number of batches (default: the run's train.eval_batches)")
   parser.add_argument("--batch-size", type=options.positive_int,
                       help="windows per batch (default: the run's train.batch_size)")
+  parser.add_argument("--corpus", help="text to score: 'prose' (Python's documentation), 'stdlib' (Python's "
+                                       "sources) or a path (default: the run's corpus; prose for an imported model)")
+  parser.add_argument("--seq-len", type=options.positive_int,
+                      help="tokens per window, up to the model's context (default: the run's)")
   parser.add_argument("--json", action="store_true", help="print one JSON object")
   parser.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
                       help="model.cache_dtype=FORMAT: score a prefill through a KV cache of that format "

@@ -28,7 +28,8 @@ from kvjax.training import workdir as workdirs
 from kvjax.config import ModelConfig, apply_overrides, check_positive_int, from_dict, to_dict
 from kvjax.conversion.kv_heads import convert_kv_heads
 from kvjax.conversion.mla import check_target, convert_to_mla
-from kvjax.interop.hf import copy_tokenizer, load_tokenizer
+from kvjax.interop.hf_files import copy_tokenizer
+from kvjax.interop.tokenizer import TextTokenizer
 from kvjax.training.data import WindowSampler, load_dataset
 from kvjax.training.evaluate import evaluate
 from kvjax.model.transformer import Transformer
@@ -165,7 +166,7 @@ def uptrain(source_workdir: str | Path, workdir: str | Path, num_kv_heads: int |
   mesh = sharding.mesh_from_spec(config.train.mesh)
   _check_memory(source_config, config, fraction, mesh)
   # The source model's tokenizer (an imported model's) is the one every step below uses.
-  tokenizer = load_tokenizer(source, config.model.vocab_size)
+  tokenizer = TextTokenizer.load(source, config.model.vocab_size)
   model, params, _ = checkpoint.load_model(source, step)
   data = load_dataset(config.data, tokenizer)
   calibration = WindowSampler(data.train, data.seq_len, CALIBRATION_WINDOWS, config.data.seed + 1).next()[0]

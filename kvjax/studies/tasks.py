@@ -15,8 +15,8 @@ own documentation, `pydoc_data.topics.topics` (the pre-training corpus leaves py
   fit seq_len. Recalling one value from many in context is where KV capacity shows. Scores as
   for rot13.
 
-The documentation is cut into blocks of whole paragraphs (about HELD_OUT_BLOCK bytes); every
-fifth block is held out, so both parts cover all topics. rot13 draws train sources from the train
+The documentation is split as kvjax.training.data.documentation splits it (every fifth block of
+whole paragraphs held out), so both parts cover all topics. rot13 draws train sources from the train
 part and held-out sources from the held-out part (dropping any that occur in the train part);
 recall draws train and held-out pairs from different seeded streams. rot13 and recall train with
 the loss on the answer and its newline only. An example is right-padded to seq_len + 1 bytes and
@@ -42,11 +42,10 @@ import optax
 from kvjax.config import check_nonnegative, check_positive, check_real
 from kvjax.decoding.decode import generate
 from kvjax.model.transformer import Transformer
+from kvjax.training.data import documentation, paragraphs_of
 
 TASKS = ("prose", "rot13", "recall")
 MIN_SEQ_LEN = 64  # rot13 sources of 20 bytes and recall with a handful of pairs need this much
-HELD_OUT_BLOCK = 2048  # bytes of whole paragraphs per split block; every HELD_OUT_EVERY-th is held out
-HELD_OUT_EVERY = 5
 ROT13_SOURCE_BYTES = (20, 60)
 NEWLINE = ord("\n")
 # The optimizer around TaskConfig.lr: pre-training's AdamW settings (kvjax.training.config.TrainConfig).
@@ -110,31 +109,6 @@ class Examples:
   mask: np.ndarray  # float32 [n, T]: 1 where a target is scored
   prompts: tuple[bytes, ...] = ()
   answers: tuple[bytes, ...] = ()
-
-
-def paragraphs_of(text: str) -> list[str]:
-  """The paragraphs of `text`: what blank lines separate, without the newlines at either end."""
-  return [p.strip("\n") for p in re.split(r"\n(?:[ \t]*\n)+", text) if p.strip()]
-
-
-@functools.cache
-def documentation() -> tuple[bytes, bytes]:
-  """(train, held-out) UTF-8 bytes of pydoc_data.topics: the distinct paragraphs of the topics in
-  key order, grouped into blocks of about HELD_OUT_BLOCK bytes, every HELD_OUT_EVERY-th held out."""
-  from pydoc_data.topics import topics
-
-  parts, block, index, seen = ([], []), [], 0, set()
-  for key in sorted(topics):
-    # Topics repeat one another verbatim ("compound" holds "if", "try", ...): each paragraph is
-    # kept once, where it first occurs, so that no paragraph lands in both parts.
-    paragraphs = [p for p in dict.fromkeys(paragraphs_of(topics[key])) if p not in seen]
-    seen.update(paragraphs)
-    for i, paragraph in enumerate(paragraphs):
-      block.append(paragraph)
-      if sum(map(len, block)) >= HELD_OUT_BLOCK or i == len(paragraphs) - 1:
-        parts[index % HELD_OUT_EVERY == HELD_OUT_EVERY - 1].append("\n\n".join(block))
-        block, index = [], index + 1
-  return tuple("\n\n".join(part).encode() for part in parts)
 
 
 def prose_words(text: bytes) -> list[str]:

@@ -1,8 +1,9 @@
 """Byte-level tokenizer, corpora and seeded random training windows.
 
 Tokens are UTF-8 bytes (vocabulary 256), so one token is one byte and bits per byte is the loss
-in nats divided by ln 2. A corpus is a text file, a directory of text files, or "stdlib": this
-Python's standard-library .py sources, which need no download. Files are read in sorted order and
+in nats divided by ln 2. A corpus is a text file, a directory of text files, "stdlib": this
+Python's standard-library .py sources, or "prose": the English of Python's own documentation
+(pydoc_data.topics), split by `documentation` rather than by held_out_mask; neither needs a download. Files are read in sorted order and
 concatenated up to DataConfig.max_bytes; the corpus sha256 and size are recorded with the run.
 
 Batches are int32 [B, T] inputs and the same windows shifted by one as targets, T = seq_len.
@@ -14,8 +15,10 @@ evaluation all see the corpus in that model's own token ids.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import os
+import re
 import sysconfig
 from pathlib import Path
 from typing import Callable, Sequence
@@ -28,6 +31,35 @@ VOCAB_SIZE = 256
 # Directories of the standard library that are not the library itself, and pydoc_data, whose
 # documentation text is held out of pre-training for the GQA table's prose task (kvjax.studies.tasks).
 STDLIB_SKIP = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__", "pydoc_data"})
+PROSE = "prose"
+# The documentation's split: blocks of whole paragraphs of about HELD_OUT_BLOCK bytes, every
+# HELD_OUT_EVERY-th held out, so that both parts cover every topic.
+DOC_BLOCK, DOC_HELD_OUT_EVERY = 2048, 5
+
+
+def paragraphs_of(text: str) -> list[str]:
+  """The paragraphs of `text`: what blank lines separate, without the newlines at either end."""
+  return [p.strip("\n") for p in re.split(r"\n(?:[ \t]*\n)+", text) if p.strip()]
+
+
+@functools.cache
+def documentation() -> tuple[bytes, bytes]:
+  """(train, held-out) UTF-8 bytes of pydoc_data.topics: the distinct paragraphs of the topics in
+  key order, grouped into blocks of about DOC_BLOCK bytes, every DOC_HELD_OUT_EVERY-th held out."""
+  from pydoc_data.topics import topics
+
+  parts, block, index, seen = ([], []), [], 0, set()
+  for key in sorted(topics):
+    # Topics repeat one another verbatim ("compound" holds "if", "try", ...): each paragraph is
+    # kept once, where it first occurs, so that no paragraph lands in both parts.
+    paragraphs = [p for p in dict.fromkeys(paragraphs_of(topics[key])) if p not in seen]
+    seen.update(paragraphs)
+    for i, paragraph in enumerate(paragraphs):
+      block.append(paragraph)
+      if sum(map(len, block)) >= DOC_BLOCK or i == len(paragraphs) - 1:
+        parts[index % DOC_HELD_OUT_EVERY == DOC_HELD_OUT_EVERY - 1].append("\n\n".join(block))
+        block, index = [], index + 1
+  return tuple("\n\n".join(part).encode() for part in parts)
 
 
 def encode(text: str) -> np.ndarray:
@@ -136,21 +168,25 @@ def held_out_mask(num_bytes: int, val_fraction: float, rule: str = "spread") -> 
 
 
 def load_dataset(config: DataConfig, tokenizer=None) -> Dataset:
-  """The corpus of `config` split into train and held-out bytes, or, given a `tokenizers.Tokenizer`
-  (a workdir's tokenizer.json, kvjax.interop.hf.load_tokenizer), that tokenizer's ids of them."""
-  corpus, info = load_corpus(config)
-  held = held_out_mask(len(corpus), config.val_fraction, config.held_out)
-  num_val = int(held.sum())
+  """The corpus of `config` split into train and held-out bytes, or, given a tokenizer (a
+  workdir's, kvjax.interop.tokenizer.TextTokenizer), that tokenizer's ids of them."""
+  if config.source == PROSE:  # the documentation's own split; max_bytes, val_fraction, held_out do not apply
+    train, val = documentation()
+    info = CorpusInfo(source=PROSE, root="pydoc_data.topics", num_files=1, num_bytes=len(train) + len(val),
+                      sha256=hashlib.sha256(train + val).hexdigest())
+    train, val = np.frombuffer(train, np.uint8), np.frombuffer(val, np.uint8)
+  else:
+    corpus, info = load_corpus(config)
+    held = held_out_mask(len(corpus), config.val_fraction, config.held_out)
+    train, val = corpus[~held], corpus[held]
   need = config.seq_len + 1
-  if num_val < need or len(corpus) - num_val < need:
+  if tokenizer is None and min(len(train), len(val)) < need:
     raise ValueError(
-        f"corpus {info.source} has {len(corpus)} bytes: too small for windows of seq_len + 1 = "
-        f"{need} bytes in both the train split and the held-out split (val_fraction="
-        f"{config.val_fraction}); use a larger corpus, max_bytes or val_fraction, or a smaller seq_len")
-  dataset = Dataset(train=corpus[~held], val=corpus[held], seq_len=config.seq_len, info=info)
-  if tokenizer is None:
-    return dataset
-  return retokenize(dataset, lambda text: tokenizer.encode(text, add_special_tokens=False).ids)
+        f"corpus {info.source} has {len(train) + len(val)} bytes: too small for windows of seq_len + 1 = "
+        f"{need} bytes in both the train split ({len(train)}) and the held-out split ({len(val)}); use a "
+        "larger corpus, max_bytes or val_fraction, or a smaller seq_len")
+  dataset = Dataset(train=train, val=val, seq_len=config.seq_len, info=info)
+  return dataset if tokenizer is None else retokenize(dataset, tokenizer.encode)
 
 
 def retokenize(dataset: Dataset, encode: Callable[[str], Sequence[int]]) -> Dataset:

@@ -1,8 +1,10 @@
-"""Held-out evaluation: next-byte loss, bits per byte and accuracy (`kvjax eval`).
+"""Held-out evaluation: next-token loss, perplexity, bits per byte and accuracy (`kvjax eval`).
 
 With the byte tokenizer one token is one byte, so bits per byte = loss (nats per token) / ln 2.
 A model that predicts the uniform distribution scores exactly 8 bits per byte. A workdir with a
-tokenizer.json (an imported model) is evaluated on the same text in that tokenizer's ids.
+tokenizer (an imported model) is evaluated in that tokenizer's ids, by default on held-out English
+prose (Python's documentation, the "prose" corpus of kvjax.training.data) in windows of a chosen
+token length; bits per byte then divides by the held-out text's bytes per token.
 Given a `cache_dtype`, the logits are those of a prefill through an empty contiguous cache of
 that format, which attends to the K/V as the cache stores them (kvjax.cache.quant): the quality
 a quantized cache costs.
@@ -10,6 +12,7 @@ a quantized cache costs.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from pathlib import Path
@@ -25,8 +28,8 @@ from kvjax.training.checkpoint import latest_step, load_model, read_meta
 from kvjax.cache.contiguous import ContiguousCache
 from kvjax.config import from_dict
 from kvjax.decoding.decode import forward
-from kvjax.training.data import Dataset, eval_batches, load_dataset
-from kvjax.interop.hf import load_tokenizer
+from kvjax.training.data import PROSE, Dataset, eval_batches, load_dataset
+from kvjax.interop.tokenizer import TextTokenizer
 from kvjax.model.transformer import Transformer
 from kvjax.training.config import DataConfig
 
@@ -66,16 +69,21 @@ def evaluate(model: Transformer, params, data: Dataset, *, batch_size: int, num_
   count = batch_size * num_batches * data.seq_len
   loss = float(np.sum([np.float64(s[0]) for s in sums])) / count
   correct = int(np.sum([int(s[1]) for s in sums]))
-  return {"loss": loss, "bits_per_byte": loss / math.log(2) / data.bytes_per_token, "accuracy": correct / count}
+  return {"loss": loss, "perplexity": math.exp(loss), "bits_per_byte": loss / math.log(2) / data.bytes_per_token,
+          "accuracy": correct / count}
 
 
 def evaluate_checkpoint(workdir: str | Path, *, step: int | None = None, split: str = "val",
                         batch_size: int | None = None, num_batches: int | None = None,
-                        mesh: Mesh | None = None, cache_dtype: str | None = None) -> dict:
+                        mesh: Mesh | None = None, cache_dtype: str | None = None,
+                        corpus: str | None = None, seq_len: int | None = None) -> dict:
   """`evaluate` of a workdir's checkpoint (latest unless `step`) on the corpus of its run's config.
 
-  batch_size and num_batches default to the run's train.batch_size and train.eval_batches. A
-  workdir with a tokenizer.json (an imported model) is evaluated in that tokenizer's ids.
+  batch_size and num_batches default to the run's train.batch_size and train.eval_batches (8
+  each for an imported model). A workdir with a tokenizer (an imported model) is evaluated in
+  that tokenizer's ids; without a recorded corpus, on "prose" (kvjax.training.data), windows of
+  min(128, max_len) tokens. corpus and seq_len (tokens per window, up to the model's context)
+  replace the run's.
   Returns the metrics with the step, split, tokens evaluated, the corpus source and sha256, and
   trained_corpus_sha256: the corpus the checkpoint was trained on, when its metadata records one.
   cache_dtype: as in `evaluate`.
@@ -83,14 +91,19 @@ def evaluate_checkpoint(workdir: str | Path, *, step: int | None = None, split: 
   step = latest_step(workdir) if step is None else step
   model, params, config = load_model(workdir, step, mesh=mesh)
   meta = read_meta(workdir, step)
+  tokenizer = TextTokenizer.load(workdir, model.config.vocab_size)
   data_config = from_dict(DataConfig, config["data"]) if "data" in config else DataConfig(
-      seq_len=min(128, model.config.max_len))
+      source="stdlib" if tokenizer is None else PROSE, seq_len=min(128, model.config.max_len))
+  data_config = dataclasses.replace(data_config, **({"source": corpus} if corpus else {}),
+                                    **({"seq_len": seq_len} if seq_len else {}))
+  model.config.check_length(data_config.seq_len, f"windows of seq_len={data_config.seq_len} tokens")
   train = config.get("train", {})
   batch_size = batch_size or train.get("batch_size", 8)
   num_batches = num_batches or train.get("eval_batches", 8)
-  data = load_dataset(data_config, load_tokenizer(workdir, model.config.vocab_size))
+  data = load_dataset(data_config, tokenizer)
   metrics = evaluate(model, params, data, batch_size=batch_size, num_batches=num_batches, split=split,
                      mesh=mesh, cache_dtype=cache_dtype)
-  return {"step": step, "split": split, "cache_dtype": cache_dtype, **metrics, "tokens": batch_size * num_batches * data_config.seq_len,
+  return {"step": step, "split": split, "cache_dtype": cache_dtype, **metrics, "seq_len": data_config.seq_len,
+          "tokens": batch_size * num_batches * data_config.seq_len,
           "corpus": data.info.source, "corpus_sha256": data.info.sha256,
           "trained_corpus_sha256": meta.get("corpus", {}).get("sha256")}

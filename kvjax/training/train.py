@@ -32,7 +32,7 @@ from jax.sharding import Mesh
 from tqdm import tqdm
 
 from kvjax import memory, sharding
-from kvjax.interop.hf import load_tokenizer
+from kvjax.interop.tokenizer import TextTokenizer
 from kvjax.training import checkpoint
 from kvjax.training import workdir as workdirs
 from kvjax.training.data import Dataset, WindowSampler, load_dataset
@@ -249,7 +249,7 @@ def check_memory(config: TrainRun, init_params=None) -> None:
 def _run(config: TrainRun, workdir: Path, init_params, teacher=None) -> dict:
   tc, config_dict = config.train, to_dict(config)
   mesh = sharding.mesh_from_spec(tc.mesh)  # first: a mesh this machine cannot hold stops the run here
-  data = load_dataset(config.data, load_tokenizer(workdir, config.model.vocab_size))
+  data = load_dataset(config.data, TextTokenizer.load(workdir, config.model.vocab_size))
   model = Transformer(config.model)
   compute_model = Transformer(config.model.replace(dtype="bfloat16")) if tc.bf16 else model
   optimizer = make_optimizer(tc)
