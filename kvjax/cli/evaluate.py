@@ -2,17 +2,22 @@
 a checkpoint (kvjax.training.evaluate.evaluate_checkpoint); --corpus and --seq-len choose the text
 and the window length in tokens (an imported model: English prose by default).
 
-`kvjax eval --workdir DIR --recall 32,64,128`: instead, the long-range recall test
-(kvjax.studies.recall): greedy copies through the KV cache of needles planted that many bytes
-back, printed as one JSON object."""
+`kvjax eval --workdir DIR --recall 32,64,128`: instead, the long-range recall test, printed as one
+JSON object: for a model with a tokenizer (an imported model), a pass key hidden in English prose
+that many tokens back and asked for (kvjax.studies.passkey); for a byte-level model trained here,
+greedy copies of needles planted that many bytes back (kvjax.studies.recall). Both decode through
+the KV cache (--set model.cache_dtype=..., --paged)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import sys
 
 from kvjax.cli import options
+from kvjax.interop.hf_files import TOKENIZER_FILE
+from kvjax.studies.passkey import PasskeyConfig, passkey_checkpoint
 from kvjax.studies.recall import RecallConfig, recall_checkpoint
 from kvjax.training.evaluate import evaluate_checkpoint
 
@@ -22,7 +27,7 @@ def distances(text: str) -> tuple[int, ...]:
   try:
     values = tuple(int(part) for part in text.split(","))
   except ValueError:
-    raise argparse.ArgumentTypeError(f"must be comma-separated distances in bytes, e.g. 32,64, got {text!r}") from None
+    raise argparse.ArgumentTypeError(f"must be comma-separated distances, e.g. 256,512, got {text!r}") from None
   if any(v < 1 for v in values):
     raise argparse.ArgumentTypeError(f"distances must be positive, got {text!r}")
   return values
@@ -32,9 +37,21 @@ def command(args: argparse.Namespace) -> int:
   if args.recall is not None:
     if args.mesh is not None or args.split != "val" or args.batches or args.batch_size:
       raise ValueError("--recall runs the recall test alone: --mesh, --split, --batches and --batch-size do not apply")
-    config = RecallConfig(distances=args.recall, needles=args.needles, needle_bytes=args.needle_bytes,
-                          seed=args.seed)
-    print(json.dumps(recall_checkpoint(args.workdir, config, step=args.step)))
+    if (pathlib.Path(args.workdir) / TOKENIZER_FILE).exists():
+      if args.needle_bytes is not None:
+        raise ValueError("--needle-bytes applies to byte-level models; a tokenized model's needle is a "
+                         f"{PasskeyConfig.digits}-digit pass key")
+      config = PasskeyConfig(distances=args.recall, needles=args.needles or PasskeyConfig.needles, seed=args.seed)
+      result = passkey_checkpoint(args.workdir, config, step=args.step, cache_dtype=options.cache_dtype(args),
+                                  paged=args.paged)
+    else:
+      if args.overrides or args.paged:
+        raise ValueError("the byte-level recall test decodes through the checkpoint's own contiguous cache: "
+                         "--set and --paged apply to tokenized models")
+      config = RecallConfig(distances=args.recall, needles=args.needles or RecallConfig.needles, seed=args.seed,
+                            needle_bytes=args.needle_bytes or RecallConfig.needle_bytes)
+      result = recall_checkpoint(args.workdir, config, step=args.step)
+    print(json.dumps(result))
     return 0
   result = evaluate_checkpoint(args.workdir, step=args.step, split=args.split, batch_size=args.batch_size,
                                num_batches=args.batches, mesh=options.mesh(args),
@@ -73,10 +90,13 @@ def add_parser(subparsers) -> None:
   options.add_mesh_option(parser)
   recall = parser.add_argument_group("long-range recall (kvjax.studies.recall)")
   recall.add_argument("--recall", type=distances, metavar="D1,D2,...",
-                      help="run the recall test at these distances (bytes) instead, and print JSON")
-  recall.add_argument("--needles", type=options.positive_int, default=RecallConfig.needles,
+                      help="run the recall test at these distances (tokens; bytes for a byte-level model) "
+                           "instead, and print JSON")
+  recall.add_argument("--needles", type=options.positive_int,
                       help="needles per distance")
-  recall.add_argument("--needle-bytes", type=options.positive_int, default=RecallConfig.needle_bytes,
-                      help="bytes per needle")
+  recall.add_argument("--needle-bytes", type=options.positive_int,
+                      help=f"byte-level models: bytes per needle (default {RecallConfig.needle_bytes})")
+  recall.add_argument("--paged", action="store_true",
+                      help="tokenized models: decode through the engine's paged cache instead of the contiguous one")
   recall.add_argument("--seed", type=int, default=RecallConfig.seed, help="seed of needles and filler")
   parser.set_defaults(func=command)

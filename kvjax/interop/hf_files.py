@@ -6,7 +6,9 @@ shard it names), or, without an index, model.safetensors alone; no other *.safet
 so a stray file beside a model changes nothing. A missing, truncated or garbled file, a tensor
 in another shard than the index says, or a weight that is not a float tensor is a ValueError
 naming the file. tokenizer.json must load with the `tokenizers` library and its ids fit the
-model's vocabulary; it travels with every kvjax workdir derived from the model (copy_tokenizer).
+model's vocabulary; it travels, with the tokenizer_config.json and chat_template.jinja beside it
+(special tokens, chat template: kvjax.interop.tokenizer reads them), with every kvjax workdir
+derived from the model (copy_tokenizer).
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ from safetensors import SafetensorError, safe_open
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
+# Beside tokenizer.json: the special tokens and the chat template (transformers 4.43+ write the
+# template to its own file).
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 # safetensors dtype codes of the weights kvjax reads (converted to float32).
 FLOAT_TENSORS = ("F32", "F16", "BF16", "F64")
 # Names stripped from checkpoints saved from a *ForCausalLM wrapper rather than the base model.
@@ -183,9 +189,13 @@ def load_tokenizer(path: str | pathlib.Path, vocab_size: int | None = None):
 
 
 def copy_tokenizer(source: str | pathlib.Path, workdir: str | pathlib.Path) -> pathlib.Path | None:
-  """Copies the tokenizer.json of directory `source` into `workdir` (a model's tokenizer travels
-  with every workdir derived from it); returns the copy, or None when the source has none."""
-  tokenizer = pathlib.Path(source) / TOKENIZER_FILE
-  if not tokenizer.is_file():
+  """Copies the tokenizer.json of directory `source` into `workdir`, with its tokenizer_config.json
+  and chat_template.jinja when present (a model's tokenizer travels with every workdir derived from
+  it); returns the tokenizer.json copy, or None when the source has none."""
+  source, workdir = pathlib.Path(source), pathlib.Path(workdir)
+  if not (source / TOKENIZER_FILE).is_file():
     return None
-  return pathlib.Path(shutil.copyfile(tokenizer, pathlib.Path(workdir) / TOKENIZER_FILE))
+  for name in (TOKENIZER_CONFIG_FILE, CHAT_TEMPLATE_FILE):
+    if (source / name).is_file():
+      shutil.copyfile(source / name, workdir / name)
+  return pathlib.Path(shutil.copyfile(source / TOKENIZER_FILE, workdir / TOKENIZER_FILE))
