@@ -24,6 +24,7 @@ OMIT_DEFAULT = {"omit_default": True}
 ACTIVATIONS = ("swiglu", "gelu")
 NORMS = ("rmsnorm", "layernorm")
 POSITIONS = ("rope", "learned")
+ROPE_SCALINGS = ("llama3",)  # RopeScaling.kind; each one's rule is in kvjax.model.rope.SCALINGS
 DTYPES = ("float32", "bfloat16", "float16")
 # Cache storage formats beyond the float dtypes (kvjax.cache.quant): values quantized per token
 # and kv head with float32 absmax scales stored beside them.
@@ -100,6 +101,35 @@ def check_choice(obj: Any, name: str, choices: tuple[str, ...]) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """How a RoPE model rescales its frequencies to reach past the context it was pretrained on.
+
+  kind "llama3" (Llama 3.1 and later): a pair whose wavelength is under original_max_position /
+  high_freq_factor keeps its frequency, one over original_max_position / low_freq_factor is
+  slowed by `factor`, and those between blend the two (kvjax.model.rope.llama3_scaled). The
+  defaults are Llama 3.1's.
+  """
+
+  kind: str = "llama3"
+  factor: float = 8.0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_position: int = 8192
+
+  def __post_init__(self):
+    check_choice(self, "kind", ROPE_SCALINGS)
+    check_real(self, "factor", 1.0, math.inf)
+    check_real(self, "low_freq_factor", 0.0, math.inf, open_low=True)
+    check_real(self, "high_freq_factor", 0.0, math.inf, open_low=True)
+    for name in ("factor", "low_freq_factor", "high_freq_factor"):
+      object.__setattr__(self, name, float(getattr(self, name)))  # 8 and 8.0 save alike
+    if self.high_freq_factor <= self.low_freq_factor:
+      raise ValueError(f"RopeScaling.high_freq_factor={self.high_freq_factor} must be larger than "
+                       f"low_freq_factor={self.low_freq_factor} (the blend runs between them)")
+    check_positive(self, "original_max_position")
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """A decoder-only transformer. MHA when num_kv_heads == num_heads, MQA when it is 1.
 
@@ -107,6 +137,8 @@ class ModelConfig:
   Llama rule 8/3 * d_model rounded up to a multiple of 64 (SwiGLU). cache_dtype, the KV
   cache's storage format, defaults to dtype; besides the float dtypes it may be "int8", "int4"
   or "float8_e4m3fn" (quantized per token and kv head, kvjax.cache.quant).
+  rope_scaling (RoPE models only) rescales the rotary frequencies (RopeScaling, Llama 3.1's rule);
+  None keeps plain RoPE at base rope_theta.
 
   Multi-head latent attention (MLA, kvjax.model.mla) when kv_latent_rank r > 0: each token
   caches one latent [r], from which every head's position-free key and value are up-projected,
@@ -149,6 +181,7 @@ class ModelConfig:
   kv_latent_rank: int = dataclasses.field(default=0, metadata=OMIT_DEFAULT)
   rope_dims: int = dataclasses.field(default=0, metadata=OMIT_DEFAULT)
   rope_pairs: tuple[tuple[int, ...], ...] | None = dataclasses.field(default=None, metadata=OMIT_DEFAULT)
+  rope_scaling: RopeScaling | None = dataclasses.field(default=None, metadata=OMIT_DEFAULT)
 
   def __post_init__(self):
     check_positive(self, "vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "max_len")
@@ -179,6 +212,12 @@ class ModelConfig:
       raise ValueError(f"ModelConfig.norm_eps must be a positive float, got {self.norm_eps!r}")
     if not (isinstance(self.rope_theta, (int, float)) and self.rope_theta > 0):
       raise ValueError(f"ModelConfig.rope_theta must be positive, got {self.rope_theta!r}")
+    if self.rope_scaling is not None:
+      if not isinstance(self.rope_scaling, RopeScaling):
+        raise ValueError(f"ModelConfig.rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r}")
+      if self.positions != "rope":
+        raise ValueError(f"ModelConfig.rope_scaling={self.rope_scaling} rescales RoPE frequencies, but "
+                         f"positions={self.positions!r}; use rope_scaling=None")
     self._check_window()
     self._check_latent()
 

@@ -165,7 +165,7 @@ def test_uptraining_that_cannot_fit_is_refused_before_loading(tmp_path, monkeypa
 
 
 def test_import_of_a_model_too_large_for_host_memory_is_refused_before_reading(tmp_path):
-  from kvjax.interop.hf import from_hf
+  from kvjax.interop.importer import from_hf
   config = dict(model_type="llama", vocab_size=32000, hidden_size=2**20, intermediate_size=2**22,
                 num_hidden_layers=80, num_attention_heads=64, max_position_embeddings=4096)
   (tmp_path / "config.json").write_text(json.dumps(config))  # and no weights at all

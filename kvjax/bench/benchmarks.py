@@ -188,7 +188,7 @@ def bench_hf(cfg: ModelConfig = BENCH_MODEL, *, batch: int = 8, prompt: int = 12
     import transformers
   except ImportError as err:
     raise ValueError(f"`kvjax bench hf` needs the bench extra (pip install 'kvjax[bench]'): {err}") from None
-  from kvjax.interop import hf
+  from kvjax.interop.importer import from_hf
 
   torch.manual_seed(0)
   torch.set_num_threads(threads or torch.get_num_threads())
@@ -200,7 +200,7 @@ def bench_hf(cfg: ModelConfig = BENCH_MODEL, *, batch: int = 8, prompt: int = 12
       torch_dtype="float32")).eval()
   with tempfile.TemporaryDirectory() as tmp:
     hf_model.save_pretrained(tmp, safe_serialization=True)
-    params, imported = hf.from_hf(tmp)
+    params, imported = from_hf(tmp)
   model = Transformer(imported)
   prompts, lengths = random_prompts(imported, batch, prompt)
   ours = np.asarray(decode.generate(model, params, prompts, lengths, new_tokens))

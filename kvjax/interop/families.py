@@ -30,12 +30,13 @@ from typing import Any, Callable
 
 import numpy as np
 
-from kvjax.config import ModelConfig
+from kvjax.config import ModelConfig, RopeScaling
 from kvjax.interop.gguf_file import GGUFFile
 
 HF, GGUF = "hf", "gguf"
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
+LLAMA3_FIELDS = ("factor", "low_freq_factor", "high_freq_factor")  # RopeScaling's, as config.json names them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,18 +92,38 @@ def require(hf: dict, *keys: str) -> list[Any]:
   return [hf[k] for k in keys]
 
 
-def rope_theta_from_hf(hf: dict) -> float:
-  """rope_theta from either layout: top level (transformers 4) or rope_parameters (5)."""
+def rope_from_hf(hf: dict) -> tuple[float, RopeScaling | None]:
+  """(rope_theta, rope_scaling) from either layout: transformers 4's top-level rope_theta beside
+  rope_scaling, or transformers 5's rope_parameters holding both. Plain RoPE and rope_type
+  "llama3" map; any other rope_type (or a partial rotary factor) is refused by name.
+
+  original_max_position_embeddings is read as transformers reads it: a top-level one first, then
+  the rope dict's, then max_position_embeddings.
+  """
+  scaling = None
   for key in ("rope_scaling", "rope_parameters"):
     params = hf.get(key) or {}
     kind = params.get("rope_type", params.get("type", "default"))
-    if kind != "default":
-      raise ValueError(f"config.json {key} of type {kind!r} is not supported; only plain RoPE is")
     if params.get("partial_rotary_factor", 1.0) != 1.0:
       raise ValueError(f"config.json {key}.partial_rotary_factor="
                        f"{params['partial_rotary_factor']} is not supported")
+    if kind == "default":
+      continue
+    if kind != "llama3":
+      raise ValueError(f"config.json {key} of type {kind!r} is not supported; kvjax reads plain RoPE "
+                       "('default') and 'llama3'")
+    missing = [name for name in LLAMA3_FIELDS if params.get(name) is None]
+    if missing:
+      raise ValueError(f"config.json {key} of type 'llama3' lacks {missing}")
+    original = (hf.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+                or hf.get("max_position_embeddings"))
+    try:
+      scaling = RopeScaling(kind=kind, original_max_position=original,
+                            **{name: params[name] for name in LLAMA3_FIELDS})
+    except ValueError as e:
+      raise ValueError(f"config.json {key}: {e}") from None
   theta = hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta") or 10_000.0
-  return float(theta)
+  return float(theta), scaling
 
 
 def _llama_hf_config(hf: dict, dtype: str) -> ModelConfig:
@@ -126,12 +147,13 @@ def _llama_hf_config(hf: dict, dtype: str) -> ModelConfig:
     # kvjax has one flag for the output and MLP biases; a family that has only one of them
     # gets zeros for the other, which computes the same function.
     use_bias = qkv_bias or bool(hf.get("mlp_bias", False))
+  rope_theta, rope_scaling = rope_from_hf(hf)
   return ModelConfig(
       vocab_size=vocab, d_model=d_model, num_layers=layers, num_heads=heads,
       num_kv_heads=hf.get("num_key_value_heads") or heads,
       head_dim=hf.get("head_dim") or d_model // heads, mlp_dim=mlp_dim,
       activation="swiglu", norm="rmsnorm", norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-      positions="rope", rope_theta=rope_theta_from_hf(hf), qkv_bias=qkv_bias, use_bias=use_bias,
+      positions="rope", rope_theta=rope_theta, rope_scaling=rope_scaling, qkv_bias=qkv_bias, use_bias=use_bias,
       tie_embeddings=bool(hf.get("tie_word_embeddings", False)), max_len=max_len, dtype=dtype)
 
 

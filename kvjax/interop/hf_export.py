@@ -4,7 +4,7 @@ that `transformers` loads (`kvjax export-hf`).
 Families: a kvjax model with RMSNorm, SwiGLU and RoPE is Llama-shaped. With q/k/v biases alone
 it is written as qwen2; otherwise as llama (attention_bias covers q, k, v and o together, so an
 output bias without q/k/v biases is written with zero q/k/v biases, which is exact). Layouts are
-the inverse of kvjax.interop.hf's import: Dense kernel [in, out] -> nn.Linear weight [out, in],
+the inverse of kvjax.interop.importer's: Dense kernel [in, out] -> nn.Linear weight [out, in],
 q kernel [D, N, H] -> q_proj [N*H, D], out kernel [N, H, D] -> o_proj [D, N*H]. A model with
 learned positions, LayerNorm or GELU (GPT-2 shaped, or converted from GPT-2) has no Llama-family
 equivalent and is refused rather than written approximately.
@@ -48,6 +48,18 @@ def _mlp_bias(params, config: ModelConfig) -> bool:
                                  for i in range(config.num_layers) for p in ("gate", "up", "down"))
 
 
+def _rope_parameters(config: ModelConfig) -> dict:
+  """config.json's rope_parameters (the transformers 5 layout): plain RoPE, or rope_type "llama3"
+  with the RopeScaling's fields under transformers' names."""
+  out = {"rope_type": "default", "rope_theta": float(config.rope_theta)}
+  scaling = config.rope_scaling
+  if scaling is not None:
+    out.update(rope_type=scaling.kind, factor=scaling.factor, low_freq_factor=scaling.low_freq_factor,
+               high_freq_factor=scaling.high_freq_factor,
+               original_max_position_embeddings=scaling.original_max_position)
+  return out
+
+
 def hf_config(config: ModelConfig, params) -> dict:
   """The config.json of the exported model."""
   kind = family(config)
@@ -57,10 +69,12 @@ def hf_config(config: ModelConfig, params) -> dict:
       "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
       "num_key_value_heads": config.num_kv_heads, "head_dim": config.head_dim, "hidden_act": "silu",
       "max_position_embeddings": config.max_len, "rms_norm_eps": config.norm_eps,
-      "rope_parameters": {"rope_type": "default", "rope_theta": float(config.rope_theta)},
+      "rope_parameters": _rope_parameters(config),
       "rope_theta": float(config.rope_theta), "tie_word_embeddings": config.tie_embeddings,
       "torch_dtype": config.dtype, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
   }
+  if config.rope_scaling is not None:  # transformers 4 reads the scaling here, beside the top-level rope_theta
+    out["rope_scaling"] = {k: v for k, v in out["rope_parameters"].items() if k != "rope_theta"}
   if kind == "llama":
     out.update(attention_bias=config.qkv_bias or config.use_bias, mlp_bias=_mlp_bias(params, config))
   return out

@@ -84,11 +84,12 @@ def _family(kind: str, of: str, what: str) -> Family:
   raise ValueError(f"{what} {kind!r} is not supported; kvjax imports {supported}")
 
 
-def _flatten(tree: dict, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], object]:
+def flatten(tree: dict, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], object]:
+  """{path tuple: leaf} of a nested dict (a params tree)."""
   flat = {}
   for key, value in tree.items():
     if isinstance(value, dict):
-      flat.update(_flatten(value, prefix + (key,)))
+      flat.update(flatten(value, prefix + (key,)))
     else:
       flat[prefix + (key,)] = value
   return flat
@@ -111,8 +112,6 @@ def read_params(family: Family, cfg: ModelConfig, source: str, tensors) -> dict:
   """The kvjax params of `cfg` from `tensors` (a TensorFiles or a GGUFFile; `source` HF or GGUF),
   every name and shape checked before any data is read. ValueError names the missing, spare or
   misshapen tensors and the file that holds them."""
-  memory.check_fits(f"importing {family.name} model", {"float32 parameters": memory.param_bytes(cfg)},
-                    limit=memory.host_limit())
   names = tensors.names()
   plan = [t for t in family.tensors(cfg, names) if not (t.optional and t.name(source) not in names)]
   wanted = {t.name(source) for t in plan}
@@ -126,7 +125,7 @@ def read_params(family: Family, cfg: ModelConfig, source: str, tensors) -> dict:
   if spare:
     raise ValueError(f"{family.name} checkpoint has {len(spare)} tensor(s) the config does not account for "
                      f"(an unsupported feature?): {_listing(spare)}")
-  shapes = _flatten(abstract_params(cfg))
+  shapes = flatten(abstract_params(cfg))
   planned = {t.path for t in family.tensors(cfg, names)}
   if planned != set(shapes):
     # A plan that misses a kvjax parameter is a bug in the family entry, not in the checkpoint.
@@ -148,9 +147,29 @@ def read_params(family: Family, cfg: ModelConfig, source: str, tensors) -> dict:
   return params
 
 
+def _check_host_memory(source, cfg: ModelConfig) -> None:
+  """The weights become float32 numpy arrays in host memory: refuse a model that cannot fit there
+  (or whose config claims absurd sizes) before reading any tensor."""
+  memory.check_fits(f"importing {source}", {"float32 parameters": memory.param_bytes(cfg)}, limit=memory.host_limit())
+
+
 def _check_dtype(dtype: str | None) -> None:
   if dtype is not None and dtype not in DTYPES:
     raise ValueError(f"dtype {dtype!r} is not supported; expected one of {tuple(DTYPES)}")
+
+
+def config_from_hf(hf: dict, *, dtype: str | None = None) -> ModelConfig:
+  """Maps a parsed config.json onto ModelConfig through its family's entry; ValueError names the
+  unsupported model_type or anything kvjax cannot express. dtype: kvjax compute dtype, by
+  default the checkpoint's stored dtype (float32 if absent)."""
+  _check_dtype(dtype)
+  family = _family(hf.get("model_type"), HF, f"model_type (architectures {hf.get('architectures')})")
+  if dtype is None:
+    stored = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    if stored not in DTYPES:
+      raise ValueError(f"config.json dtype {stored!r} is not supported; expected one of {tuple(DTYPES)}")
+    dtype = DTYPES[stored]
+  return family.config_from_hf(hf, dtype)
 
 
 def from_hf(hf_dir: str | pathlib.Path, *, dtype: str | None = None) -> tuple[dict, ModelConfig]:
@@ -162,15 +181,10 @@ def from_hf(hf_dir: str | pathlib.Path, *, dtype: str | None = None) -> tuple[di
   misshapen tensors; a missing or damaged file; a tokenizer.json that does not load or has ids
   past vocab_size; a model too large for host memory.
   """
-  _check_dtype(dtype)
   hf = read_hf_config(hf_dir)
-  family = _family(hf.get("model_type"), HF, f"model_type (architectures {hf.get('architectures')})")
-  if dtype is None:
-    stored = hf.get("dtype") or hf.get("torch_dtype") or "float32"
-    if stored not in DTYPES:
-      raise ValueError(f"config.json dtype {stored!r} is not supported; expected one of {tuple(DTYPES)}")
-    dtype = DTYPES[stored]
-  cfg = family.config_from_hf(hf, dtype)
+  cfg = config_from_hf(hf, dtype=dtype)
+  family = _family(hf["model_type"], HF, "model_type")
+  _check_host_memory(hf_dir, cfg)
   load_tokenizer(hf_dir, cfg.vocab_size)  # a tokenizer.json that cannot serve this model is refused
   return read_params(family, cfg, HF, TensorFiles(hf_dir)), cfg
 
@@ -190,6 +204,7 @@ def read_gguf(path: str | pathlib.Path, *, dtype: str | None = None) -> tuple[di
   if family.config_from_gguf is None:
     raise ValueError(f"kvjax reads the {family.name} family from safetensors only, not from GGUF ({f.path})")
   cfg = family.config_from_gguf(f, dtype or "float32")
+  _check_host_memory(f.path, cfg)
   tokenizer = TextTokenizer.from_gguf_metadata(f.metadata, source=str(f.path))
   if tokenizer.vocab_size > cfg.vocab_size:
     raise ValueError(f"{f.path}: its tokenizer has ids up to {tokenizer.vocab_size - 1}, past the model's "

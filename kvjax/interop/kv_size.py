@@ -32,7 +32,8 @@ from pathlib import Path
 
 from kvjax.config import (CACHE_DTYPES, DTYPES, ModelConfig, cache_bytes_per_head, cache_stored_dtype,
                           cached_positions, check_nonnegative, check_positive, check_positive_int, from_dict)
-from kvjax.interop.hf import config_from_hf, read_hf_config
+from kvjax.interop.hf_files import read_hf_config
+from kvjax.interop.importer import config_from_hf
 from kvjax.model.params import abstract_params
 
 # Weight element types.

@@ -29,6 +29,7 @@ import numpy as np
 
 from kvjax.config import ModelConfig
 from kvjax.model.backend import XLA, Backend
+from kvjax.model.rope import apply_rope, frequencies
 
 NEG_INF = -1e30
 
@@ -42,18 +43,6 @@ def group_queries(q: jax.Array, num_kv_heads: int) -> jax.Array:
   """[B, T, N, H] -> [B, T, K, G, H]; the reshape realises `kv_head_of`."""
   b, t, n, h = q.shape
   return q.reshape(b, t, num_kv_heads, n // num_kv_heads, h)
-
-
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-  """Rotary embedding (rotate-half convention). x [B, T, heads, H], positions int[B, T]."""
-  half = x.shape[-1] // 2
-  freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)  # [H/2]
-  angle = positions[..., None].astype(jnp.float32) * freq  # [B, T, H/2]
-  sin = jnp.sin(angle)[:, :, None, :]
-  cos = jnp.cos(angle)[:, :, None, :]
-  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x.dtype)
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
@@ -195,16 +184,20 @@ class Attention(nn.Module):
         dot_general=self.backend.dot_general,
         kernel_init=nn.initializers.normal((cfg.num_heads * cfg.head_dim) ** -0.5 / (2 * cfg.num_layers) ** 0.5))
 
+  def rotate(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    """x [B, T, heads, H] at positions int[B, T] -> RoPE-rotated (unchanged with learned positions)."""
+    cfg = self.config
+    if cfg.positions != "rope":
+      return x
+    return apply_rope(x, positions, frequencies(cfg.rope_theta, cfg.head_dim, cfg.rope_scaling))
+
   def query(self, x: jax.Array, positions: jax.Array) -> jax.Array:
     """x [B, T, D], positions int[B, T] -> q [B, T, N, H]."""
-    q = self.q(x)
-    return rope(q, positions, self.config.rope_theta) if self.config.positions == "rope" else q
+    return self.rotate(self.q(x), positions)
 
   def key_value(self, x: jax.Array, positions: jax.Array):
     """x [B, T, D], positions int[B, T] -> k and v [B, K, T, H]."""
-    k, v = self.k(x), self.v(x)
-    if self.config.positions == "rope":
-      k = rope(k, positions, self.config.rope_theta)
+    k, v = self.rotate(self.k(x), positions), self.v(x)
     return k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
   def __call__(self, x: jax.Array, span: Span, cache=NO_CACHE, outputs_at: jax.Array | None = None) -> jax.Array:

@@ -32,27 +32,20 @@ import numpy as np
 from kvjax.config import ModelConfig
 from kvjax.model.attention import NEG_INF, NO_CACHE, Span, take_rows
 from kvjax.model.backend import XLA, Backend
+from kvjax.model.rope import apply_rope, frequencies
 
 ABSORB_ROWS = 2  # rows per step of the absorbed read's loop (LatentQuery.absorbed)
 
 
 def rope_frequencies(config: ModelConfig, layer: int) -> np.ndarray:
-  """float32 [K, W/2]: the rotation frequency of each rotary pair of each group of `layer`."""
+  """float32 [K, W/2]: the rotation frequency of each rotary pair of each group of `layer`: the
+  frequencies of a RoPE head W wide, or, for a converted model (rope_pairs), the source head's
+  (head_dim wide, scaled alike) at each kept pair's index."""
   k, w = config.num_kv_heads, config.rope_group_dims
   if config.rope_pairs is None:
-    freq = config.rope_theta ** (-np.arange(w // 2) / (w // 2))
-    return np.tile(freq, (k, 1)).astype(np.float32)
-  index = np.asarray(config.rope_pairs[layer], np.float64).reshape(k, w // 2)
-  return (config.rope_theta ** (-index / (config.head_dim // 2))).astype(np.float32)
-
-
-def rotate(x: jax.Array, positions: jax.Array, freqs: np.ndarray) -> jax.Array:
-  """Rotate-half RoPE at per-head frequencies: x [B, T, heads, W], positions int[B, T],
-  freqs [heads, W/2] -> [B, T, heads, W]."""
-  angle = positions[:, :, None, None].astype(jnp.float32) * jnp.asarray(freqs)  # [B, T, heads, W/2]
-  sin, cos = jnp.sin(angle), jnp.cos(angle)
-  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    return np.tile(frequencies(config.rope_theta, w, config.rope_scaling), (k, 1))
+  index = np.asarray(config.rope_pairs[layer]).reshape(k, w // 2)
+  return frequencies(config.rope_theta, config.head_dim, config.rope_scaling)[index]
 
 
 @flax.struct.dataclass
@@ -150,7 +143,7 @@ class LatentAttention(nn.Module):
     if not cfg.rope_dims:
       return c, jnp.zeros(x.shape[:2] + (0,), c.dtype)
     k_rope = self.k_rope(x).reshape(x.shape[:2] + (cfg.num_kv_heads, cfg.rope_group_dims))
-    k_rope = rotate(k_rope, positions, rope_frequencies(cfg, self.layer))
+    k_rope = apply_rope(k_rope, positions, rope_frequencies(cfg, self.layer))
     return c, k_rope.reshape(x.shape[:2] + (cfg.rope_dims,))
 
   def query(self, x: jax.Array, positions: jax.Array) -> LatentQuery:
@@ -160,7 +153,7 @@ class LatentAttention(nn.Module):
     nope, rope = q[..., :cfg.head_dim - cfg.rope_group_dims], q[..., cfg.head_dim - cfg.rope_group_dims:]
     if cfg.rope_dims:
       per_head = np.repeat(rope_frequencies(cfg, self.layer), cfg.q_per_kv, axis=0)  # [N, W/2]
-      rope = rotate(rope, positions, per_head)
+      rope = apply_rope(rope, positions, per_head)
     dtype = cfg.compute_dtype
     return LatentQuery(nope=nope, rope=rope, k_up=self.k_up.astype(dtype), v_up=self.v_up.astype(dtype))
 

@@ -31,7 +31,7 @@ import numpy as np
 
 from kvjax.config import check_nonnegative, check_positive, check_positive_int, from_dict
 from kvjax.decoding.decode import generate
-from kvjax.interop.hf import TOKENIZER_FILE
+from kvjax.interop.hf_files import TOKENIZER_FILE
 from kvjax.model.transformer import Transformer
 from kvjax.training.checkpoint import latest_step, load_model
 from kvjax.training.config import DataConfig

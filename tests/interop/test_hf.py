@@ -1,7 +1,7 @@
 """Hugging Face import: parity with `transformers` on small random models, and clear errors.
 
 The parity tests build random Llama / Qwen2 / GPT-2 models with transformers, save them
-with safetensors (one of them sharded), import them with kvjax.interop.hf.from_hf and compare the
+with safetensors (one of them sharded), import them with kvjax.interop.importer.from_hf and compare the
 full forward logits, cached prefill + decode logits, and greedy generations.
 """
 
@@ -17,7 +17,8 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from kvjax import Transformer, decode_step, generate, prefill
-from kvjax.interop.hf import from_hf, load_tokenizer
+from kvjax.interop.hf_files import load_tokenizer
+from kvjax.interop.importer import flatten, from_hf
 
 VOCAB = 128
 PROMPT_LENGTHS = (7, 4)
@@ -169,8 +170,9 @@ def test_hand_written_llama_maps_layouts(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (dict(model_type="mistral", architectures=["MistralForCausalLM"]), "'mistral'"),
-    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "'llama3'"),
+    (dict(model_type="gemma", architectures=["GemmaForCausalLM"]), "'gemma'"),
+    (dict(model_type="mistral", sliding_window=4), "sliding_window=4"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "'llama3' lacks"),
     (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}), "'yarn'"),
     (dict(hidden_act="gelu"), "hidden_act='gelu'"),
     (dict(num_hidden_layers=2), "layers.1.input_layernorm.weight"),
@@ -228,8 +230,7 @@ def test_tokenizer_json_is_loaded(tmp_path):
 
 def test_import_hf_writes_a_loadable_checkpoint(tmp_path, capsys):
   from kvjax.cli import main as cli
-  from kvjax.conversion.import_hf import import_hf
-  from kvjax.interop import hf
+  from kvjax.conversion.import_model import import_model
   from kvjax.training.checkpoint import load_model
   hf_dir, workdir = tmp_path / "hf", tmp_path / "run"
   _tiny_llama(hf_dir)
@@ -240,27 +241,27 @@ def test_import_hf_writes_a_loadable_checkpoint(tmp_path, capsys):
   model, params, _ = load_model(workdir)
   want, cfg = from_hf(hf_dir)
   assert model.config == cfg and summary["model"] == cfg.to_dict()
-  flat_want = dict(hf._flatten(want))
-  flat_got = dict(hf._flatten(params))
+  flat_want = dict(flatten(want))
+  flat_got = dict(flatten(params))
   assert flat_got.keys() == flat_want.keys()
   for key, value in flat_want.items():
     np.testing.assert_array_equal(np.asarray(flat_got[key]), value)
   with pytest.raises(ValueError, match="already holds checkpoints"):
-    import_hf(hf_dir, workdir)
+    import_model(hf_dir, workdir)
 
 
 def test_imported_gpt2_converts_to_gqa_and_uptrains(tmp_path):
   import torch
 
   from kvjax.training.checkpoint import load_model
-  from kvjax.conversion.import_hf import import_hf
+  from kvjax.conversion.import_model import import_model
   from kvjax.conversion.uptrain import uptrain
   tf = _transformers()
   torch.manual_seed(0)
   config = tf.GPT2Config(vocab_size=256, n_embd=32, n_layer=2, n_head=4, n_positions=64,
                          bos_token_id=None, eos_token_id=None)
   tf.GPT2LMHeadModel(config).save_pretrained(tmp_path / "hf", safe_serialization=True)
-  import_hf(tmp_path / "hf", tmp_path / "imported")
+  import_model(tmp_path / "hf", tmp_path / "imported")
   corpus = tmp_path / "corpus.txt"
   corpus.write_text("the quick brown fox jumps over the lazy dog. " * 400)
   record = uptrain(tmp_path / "imported", tmp_path / "gqa", 2, method="mean", overrides=[
@@ -273,8 +274,7 @@ def test_imported_gpt2_converts_to_gqa_and_uptrains(tmp_path):
 
 
 def _flat_params(params) -> dict:
-  from kvjax.interop import hf
-  return {k: np.asarray(v) for k, v in hf._flatten(params).items()}
+  return {k: np.asarray(v) for k, v in flatten(params).items()}
 
 
 def _assert_same_params(got, want):
@@ -369,7 +369,7 @@ def test_tensor_of_the_wrong_dtype_or_shape_is_named_with_its_file(tmp_path):
     ([f"w{i}" for i in range(20)], r"has token ids up to 20, past the model's vocab_size=16"),
 ], ids=["no_model", "not_json", "ids_past_vocab"])
 def test_bad_tokenizer_json_is_refused_at_import(tmp_path, tokenizer, message):
-  from kvjax.conversion.import_hf import import_hf
+  from kvjax.conversion.import_model import import_model
   hf_dir, workdir = tmp_path / "hf", tmp_path / "run"
   _tiny_llama(hf_dir)  # vocab_size 16
   path = hf_dir / "tokenizer.json"
@@ -378,7 +378,7 @@ def test_bad_tokenizer_json_is_refused_at_import(tmp_path, tokenizer, message):
   else:
     _word_tokenizer(tokenizer).save(str(path))
   with pytest.raises(ValueError, match=rf"^{re.escape(str(path))} {message}"):
-    import_hf(hf_dir, workdir)
+    import_model(hf_dir, workdir)
   assert not workdir.exists()
 
 
@@ -387,7 +387,7 @@ def test_tokenizer_travels_to_the_uptrained_workdir_and_is_used(tmp_path):
   import torch
 
   from kvjax.cli.generate import continue_text
-  from kvjax.conversion.import_hf import import_hf
+  from kvjax.conversion.import_model import import_model
   from kvjax.conversion.uptrain import uptrain
   from kvjax.training.checkpoint import load_model
   from kvjax.training.evaluate import evaluate_checkpoint
@@ -398,7 +398,7 @@ def test_tokenizer_travels_to_the_uptrained_workdir_and_is_used(tmp_path):
   tf.GPT2LMHeadModel(config).save_pretrained(tmp_path / "hf", safe_serialization=True)
   tokenizer = _word_tokenizer("the quick brown fox jumps over lazy dog .".split())
   tokenizer.save(str(tmp_path / "hf" / "tokenizer.json"))
-  import_hf(tmp_path / "hf", tmp_path / "imported")
+  import_model(tmp_path / "hf", tmp_path / "imported")
   corpus = tmp_path / "corpus.txt"
   corpus.write_text("the quick brown fox jumps over the lazy dog. " * 400)
   record = uptrain(tmp_path / "imported", tmp_path / "gqa", 2, method="mean", overrides=[

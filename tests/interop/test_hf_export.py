@@ -13,7 +13,7 @@ from safetensors.numpy import load_file
 
 import kvjax
 from kvjax.cli import main as cli
-from kvjax.interop.hf import from_hf
+from kvjax.interop.importer import from_hf
 from kvjax.interop.hf_export import export_hf
 from kvjax.training import checkpoint
 from conftest import init_params

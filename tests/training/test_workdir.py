@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from kvjax.config import ModelConfig
-from kvjax.conversion.import_hf import import_hf
-from kvjax.interop.hf import from_hf
+from kvjax.conversion.import_model import import_model
+from kvjax.interop.importer import from_hf
 from kvjax.interop.hf_export import export_hf
 from kvjax.model.transformer import Transformer
 from kvjax.training import train
@@ -161,14 +161,14 @@ def test_fingerprint_names_the_exact_config_and_weights():
 def test_an_import_records_its_source_and_is_never_redone_over_its_checkpoint(tmp_path, snapshot):
   config = ModelConfig(vocab_size=64, d_model=16, num_layers=1, num_heads=2, num_kv_heads=1, mlp_dim=32, max_len=32)
   export_hf(train.param_initializer(Transformer(config))(jax.random.key(0)), config, tmp_path / "hf")
-  import_hf(tmp_path / "hf", tmp_path / "imported")
+  import_model(tmp_path / "hf", tmp_path / "imported")
   params, cfg = from_hf(tmp_path / "hf")
   recorded = json.loads((tmp_path / "imported" / workdirs.MARKER).read_text())
   assert recorded["kind"] == "import" and recorded["job"]["source"] == {
       "path": str(tmp_path / "hf"), "fingerprint": workdirs.fingerprint(cfg.to_dict(), params)}
   before = snapshot(tmp_path)
   with pytest.raises(ValueError, match="already holds checkpoints"):
-    import_hf(tmp_path / "hf", tmp_path / "imported")
+    import_model(tmp_path / "hf", tmp_path / "imported")
   with pytest.raises(workdirs.WorkdirRefused, match=r"is not empty \(2 entries: config.json, model.safetensors\)"):
-    import_hf(tmp_path / "hf", tmp_path / "hf")
+    import_model(tmp_path / "hf", tmp_path / "hf")
   assert snapshot(tmp_path) == before
