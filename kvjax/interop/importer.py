@@ -218,6 +218,19 @@ def from_gguf(path: str | pathlib.Path, *, dtype: str | None = None) -> tuple[di
   return params, cfg
 
 
+def read_config(source: str | pathlib.Path) -> ModelConfig:
+  """The ModelConfig of a named model, a GGUF file or a Hugging Face directory, from its metadata
+  or config.json alone (no tensor is read)."""
+  path = resolve_source(source)
+  if not path.is_file():
+    return config_from_hf(read_hf_config(path))
+  f = GGUFFile(path)
+  family = _family(f.architecture, GGUF, f"GGUF architecture (general.architecture in {f.path})")
+  if family.config_from_gguf is None:
+    raise ValueError(f"kvjax reads the {family.name} family from safetensors only, not from GGUF ({f.path})")
+  return family.config_from_gguf(f, "float32")
+
+
 def read_model(source: str | pathlib.Path, *, dtype: str | None = None
                ) -> tuple[dict, ModelConfig, TextTokenizer | None, pathlib.Path]:
   """A named model, a GGUF file or a Hugging Face directory -> (params, config, tokenizer or None,

@@ -33,7 +33,8 @@ from pathlib import Path
 from kvjax.config import (CACHE_DTYPES, DTYPES, ModelConfig, cache_bytes_per_head, cache_stored_dtype,
                           cached_positions, check_nonnegative, check_positive, check_positive_int, from_dict)
 from kvjax.interop.hf_files import read_hf_config
-from kvjax.interop.importer import config_from_hf
+from kvjax.interop.gguf_file import is_gguf
+from kvjax.interop.importer import NAMED_MODELS, config_from_hf, read_config
 from kvjax.model.params import abstract_params
 
 # Weight element types.
@@ -199,11 +200,14 @@ def _model_config_from_workdir(path: Path) -> ModelConfig:
 
 
 def resolve(spec: str) -> Architecture:
-  """A preset name (case-insensitive), config file, kvjax workdir or Hugging Face directory."""
+  """A preset name (case-insensitive), a named pretrained model (smollm2-135m), a GGUF file, a
+  config file, a kvjax workdir or a Hugging Face directory."""
   by_lower = {name.lower(): arch for name, arch in PRESETS.items()}
   if spec.lower() in by_lower:
     return by_lower[spec.lower()]
   path = Path(spec)
+  if spec in NAMED_MODELS or (path.is_file() and is_gguf(path)):
+    return from_model_config(path.name, read_config(spec))
   if path.is_file() and path.suffix == ".py":
     return from_model_config(path.name, _model_config_from_file(path))
   if path.is_dir():
@@ -212,8 +216,9 @@ def resolve(spec: str) -> Architecture:
         return from_model_config(path.name, config_from_hf(read_hf_config(path)))
     if (path / "config.json").is_file() or (path / "checkpoints").is_dir():
       return from_model_config(path.name, _model_config_from_workdir(path))
-  raise ValueError(f"unknown model {spec!r}: not a preset ({', '.join(PRESETS)}), a config file "
-                   "(.py), a kvjax workdir or a Hugging Face directory")
+  raise ValueError(f"unknown model {spec!r}: not a preset ({', '.join(PRESETS)}), a named model "
+                   f"({', '.join(NAMED_MODELS)}), a GGUF file, a config file (.py), a kvjax workdir or a Hugging "
+                   "Face directory")
 
 
 def parse_bytes(text: str) -> int:

@@ -118,7 +118,7 @@ def test_an_empty_workdir_is_refused_not_taken_for_the_current_directory(setup, 
   monkeypatch.chdir(tmp_path)
   (tmp_path / "mine.txt").write_text("x")
   before = snapshot(tmp_path)
-  for argv in (["run", str(setup["config"]), "--workdir", ""], ["import-hf", str(setup["hf"]), "--workdir", ""],
+  for argv in (["run", str(setup["config"]), "--workdir", ""], ["import", str(setup["hf"]), "--workdir", ""],
                ["uptrain", "--from", str(setup["run"]), "--workdir", "", "--kv-heads", "1"]):
     with pytest.raises(SystemExit) as exit_:
       cli.main(argv)

@@ -170,3 +170,9 @@ def test_windowed_layers_stop_growing_at_window_plus_sinks():
   mistral = plan(PRESETS["Mistral-7B-v0.1"], context=10**6, batch=1, device_memory=parse_bytes("24GB"))
   assert mistral["max_context"] is None and mistral["cache_bytes"] == 128 * 2**10 * 4096
   assert count_params(_kvjax_equivalent(PRESETS["Mistral-7B-v0.1"])) == PRESETS["Mistral-7B-v0.1"].params
+
+
+def test_named_pretrained_model_from_its_gguf_metadata():
+  arch = resolve("smollm2-135m")  # the metadata alone: no tensor is read
+  assert (arch.num_layers, arch.num_heads, arch.num_kv_heads, arch.head_dim) == (30, 9, 3, 64)
+  assert arch.bytes_per_token("bfloat16") == 2 * 30 * 3 * 64 * 2
