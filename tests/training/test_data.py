@@ -7,6 +7,8 @@ import hashlib
 import numpy as np
 import pytest
 
+from kvjax.interop.tokenizer import TextTokenizer
+
 from kvjax.training import data
 from kvjax.training.config import DataConfig
 
@@ -156,7 +158,7 @@ def test_load_dataset_with_a_tokenizer_gives_its_ids(tmp_path):
   tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
   tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
   config = DataConfig(source=str(path), seq_len=8, val_fraction=0.25)
-  ids = data.load_dataset(config, tok)
+  ids = data.load_dataset(config, TextTokenizer(tok))
   want = data.retokenize(data.load_dataset(config), lambda text: tok.encode(text, add_special_tokens=False).ids)
   np.testing.assert_array_equal(ids.train, want.train)
   np.testing.assert_array_equal(ids.val, want.val)

@@ -30,8 +30,11 @@ def test_a_teacher_equal_to_the_student_adds_nothing():
   taught_state, taught = step(state_of(params, optimizer), INPUTS, TARGETS)
   assert abs(float(taught["distill_kl"])) < 1e-6
   np.testing.assert_allclose(float(taught["loss"]), float(plain["loss"]), rtol=1e-6)
+  # Adam divides each update by the gradient's running scale, so where a parameter's gradient is
+  # near 0 the KL gradient's float rounding (about 1e-9, not exactly 0) moves its update by up to
+  # about 1e-4 of the step size lr = 1e-2.
   for a, b in zip(jax.tree.leaves(taught_state.params), jax.tree.leaves(plain_state.params)):
-    np.testing.assert_allclose(a, b, atol=1e-6)
+    np.testing.assert_allclose(a, b, atol=1e-5)
 
 
 def test_a_teacher_pulls_the_student_towards_itself():
