@@ -84,6 +84,14 @@ def _family(kind: str, of: str, what: str) -> Family:
   raise ValueError(f"{what} {kind!r} is not supported; kvjax imports {supported}")
 
 
+def _gguf_family(f: GGUFFile) -> Family:
+  """The family of a GGUF file's general.architecture; refused when kvjax does not read it from GGUF."""
+  family = _family(f.architecture, GGUF, f"GGUF architecture (general.architecture in {f.path})")
+  if family.config_from_gguf is None:
+    raise ValueError(f"kvjax reads the {family.name} family from safetensors only, not from GGUF ({f.path})")
+  return family
+
+
 def flatten(tree: dict, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], object]:
   """{path tuple: leaf} of a nested dict (a params tree)."""
   flat = {}
@@ -200,9 +208,7 @@ def read_gguf(path: str | pathlib.Path, *, dtype: str | None = None) -> tuple[di
   """
   _check_dtype(dtype)
   f = GGUFFile(path)
-  family = _family(f.architecture, GGUF, f"GGUF architecture (general.architecture in {f.path})")
-  if family.config_from_gguf is None:
-    raise ValueError(f"kvjax reads the {family.name} family from safetensors only, not from GGUF ({f.path})")
+  family = _gguf_family(f)
   cfg = family.config_from_gguf(f, dtype or "float32")
   _check_host_memory(f.path, cfg)
   tokenizer = TextTokenizer.from_gguf_metadata(f.metadata, source=str(f.path))
@@ -225,10 +231,7 @@ def read_config(source: str | pathlib.Path) -> ModelConfig:
   if not path.is_file():
     return config_from_hf(read_hf_config(path))
   f = GGUFFile(path)
-  family = _family(f.architecture, GGUF, f"GGUF architecture (general.architecture in {f.path})")
-  if family.config_from_gguf is None:
-    raise ValueError(f"kvjax reads the {family.name} family from safetensors only, not from GGUF ({f.path})")
-  return family.config_from_gguf(f, "float32")
+  return _gguf_family(f).config_from_gguf(f, "float32")
 
 
 def read_model(source: str | pathlib.Path, *, dtype: str | None = None
