@@ -1,9 +1,9 @@
 """Memory budgets: what a job will need, against the memory it has, checked before allocating.
 
-Every estimate is arithmetic on the config (nothing is traced, so a model too large for XLA's
-int64 sizes is refused rather than aborting the process) and errs high. In bytes:
+Every estimate is arithmetic on the config and the parameter tree's shapes (nothing is
+allocated, so a model too large for the machine is refused before it is built) and errs high. In bytes:
 
-  parameters     4 x param_count: kvjax keeps float32 weights whatever the compute dtype
+  parameters     4 x param_count (kvjax.model.params): float32 weights whatever the compute dtype
   training       parameters + gradients (4 x P) + AdamW's two moments (8 x P) + activations
   activations    what the backward pass keeps, counted in float32 for B x T tokens:
                    per layer and token  4D (block input, residual, the two norm outputs)
@@ -14,10 +14,7 @@ int64 sizes is refused rather than aborting the process) and errs high. In bytes
                  (coefficients fitted to XLA's memory plan of the train step, and rounded up:
                  the tests check that the estimate bounds that plan within a factor of two)
   forward        one layer's intermediates at a time plus the logits (prefill, extend, eval)
-  KV cache       contiguous: batch x kv_bytes(max_len) (+ lengths): max_len positions per global
-                   layer, at most window + sinks per sliding-window layer; for MLA the latent and
-                   rotary key (ModelConfig.kv_bytes_per_token);
-                 paged: num_pages x page_size x kv_bytes_per_token (+ page table and lengths)
+  KV cache       what the cache kind says it takes (kvjax.cache.kinds.cache_bytes)
 
 The corpus, compiled programs and XLA's scratch space are not counted. The memory a job has is
 the free memory of its devices: on accelerators memory_stats()'s bytes_limit less bytes_in_use,
@@ -36,6 +33,7 @@ from typing import Mapping, Sequence
 import jax
 
 from kvjax.config import ModelConfig
+from kvjax.model.params import param_count
 
 FLOAT32 = 4
 # XLA counts bytes in int64: a buffer past this aborts the process however much memory there is.
@@ -51,26 +49,6 @@ def format_bytes(n: int) -> str:
     if n >= size:
       return f"{n / size:,.1f} {unit}"
   return f"{n} bytes"
-
-
-def param_count(config: ModelConfig) -> int:
-  """Weights of Transformer(config), counted from the config (equal to the leaves of abstract_params)."""
-  d, n, k, h, f = config.d_model, config.num_heads, config.num_kv_heads, config.head_dim, config.mlp_dim
-  norm = d if config.norm == "rmsnorm" else 2 * d  # LayerNorm has a bias beside its scale
-  if config.is_latent:  # q, kv_down, k_rope, k_up, v_up, out (kvjax.model.mla)
-    r, w = config.kv_latent_rank, config.rope_dims
-    attn = (2 * d * n * h + d * (r + w) + r * n * (2 * h - config.rope_group_dims)
-            + (n * h + r + w if config.qkv_bias else 0) + (d if config.use_bias else 0))
-  else:
-    attn = d * h * (2 * n + 2 * k) + (h * (n + 2 * k) if config.qkv_bias else 0) + (d if config.use_bias else 0)
-  projections = 3 if config.activation == "swiglu" else 2
-  mlp = projections * d * f + ((projections - 1) * f + d if config.use_bias else 0)
-  total = config.vocab_size * d + config.num_layers * (2 * norm + attn + mlp) + norm
-  if config.positions == "learned":
-    total += config.max_len * d
-  if not config.tie_embeddings:
-    total += d * config.vocab_size
-  return total
 
 
 def param_bytes(config: ModelConfig) -> int:
@@ -109,18 +87,6 @@ def forward_bytes(config: ModelConfig, batch: int, seq_len: int) -> int:
   d, n, k, h, f = config.d_model, config.num_heads, _kv_heads(config), config.head_dim, config.mlp_dim
   layer = 4 * d + 3 * n * h + 4 * k * h + 6 * f + 4 * n * seq_len
   return FLOAT32 * batch * seq_len * (layer + 2 * config.vocab_size)
-
-
-def contiguous_cache_bytes(config: ModelConfig, batch: int, max_len: int) -> int:
-  """Bytes of ContiguousCache.create(config, batch, max_len): K and V of every row and of the
-  positions each layer keeps (ModelConfig.kv_bytes), and the lengths."""
-  return batch * config.kv_bytes(max_len) + 4 * batch
-
-
-def paged_cache_bytes(config: ModelConfig, num_pages: int, page_size: int, batch: int, max_pages: int) -> int:
-  """Bytes of PagedCache.create(config, num_pages, page_size, batch, max_pages): the page pools,
-  the int32 page table and lengths."""
-  return num_pages * page_size * config.kv_bytes_per_token + 4 * batch * (max_pages + 1)
 
 
 @dataclasses.dataclass(frozen=True)

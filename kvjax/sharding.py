@@ -6,9 +6,12 @@ Batch rows are split over `data`. Over `model`:
   out kernel [N, H, D]                   row-parallel on N: the one reduction of attention
   mlp gate, up [D, F]; down [F, D]       column- then row-parallel on F
   embed [V, D], lm_head [D, V]           on V (vocabulary)
-  KV cache k [B, K, H, S], v [B, K, S, H] on K, rows on `data`; lengths [B] on `data`;
-    a quantized cache's scales k_scale, v_scale [B, K, ...] the same (with their kv heads);
-    a paged cache's pools (values and scales) [K, P, Z, ...] on K, page table [B, M] on `data`
+  KV cache                               as its kind says (KVCache.partition_rule): a contiguous
+                                         cache's [B, heads, ...] arrays rows on `data`, heads on
+                                         `model`; a paged cache's pools [heads, P, Z, ...] heads on
+                                         `model`; lengths and page table on `data`. An MLA cache's
+                                         one latent "head" does not split: it is replicated over
+                                         `model`, and its sequence is never split
 Norms, position embeddings and output biases are replicated. Optimizer moments follow their
 parameters. Query head n reads kv head n // G (`kv_head_of`), so when K is a multiple of the
 model axis each device holds whole kv groups, the queries that read them and their cache:
@@ -45,8 +48,6 @@ MODEL_AXIS_RULES = {
     ("embed", "embedding"): ("model", None),
     ("lm_head", "kernel"): (None, "model"),
 }
-CACHE_RULE = ("data", "model", None, None)  # k [B, K, H, S], v [B, K, S, H]
-POOL_RULE = ("model", None, None, None)  # paged pools [K, P, Z, H]
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -130,16 +131,12 @@ def shard_batch(mesh: Mesh, *arrays) -> tuple:
 
 
 def cache_sharding(cache: Any, mesh: Mesh) -> Any:
-  """NamedShardings for a decode cache: every array of its layers (k, v and a quantized cache's
-  scales) on (data, model) (rows, kv heads), or, for a paged cache's pools shared by all rows,
-  kv heads on model; lengths and the page table on data."""
-  pooled = hasattr(cache, "page_table")
+  """NamedShardings for a decode cache, by the rules its kind gives (KVCache.partition_rule) for
+  its layers' arrays and its bookkeeping; an axis that does not divide is replicated."""
   def one(path, leaf):
     shape = np.shape(leaf)
-    if _names(path)[0] == "layers":
-      rule = (POOL_RULE if pooled else CACHE_RULE)[:2]
-      return NamedSharding(mesh, _fit(rule + (None,) * (len(shape) - 2), shape, mesh))
-    return NamedSharding(mesh, _fit(("data",), shape, mesh))
+    rule = cache.partition_rule(_names(path)[0])
+    return NamedSharding(mesh, _fit(rule + (None,) * (len(shape) - len(rule)), shape, mesh))
   return jax.tree_util.tree_map_with_path(one, cache)
 
 

@@ -10,7 +10,8 @@ import re
 
 import pytest
 
-from kvjax.config import ModelConfig, apply_overrides, check_positive_int, config_keys, from_dict, to_dict
+from kvjax.config import ModelConfig
+from kvjax.fields import apply_overrides, check_positive_int, config_keys, from_dict, to_dict
 from kvjax.training.config import DataConfig, TrainConfig, TrainRun
 
 

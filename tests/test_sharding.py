@@ -15,7 +15,8 @@ import pytest
 from kvjax import sharding
 from kvjax.training import checkpoint
 from kvjax.cli import main as cli
-from kvjax.config import ModelConfig, apply_overrides, to_dict
+from kvjax.config import ModelConfig
+from kvjax.fields import apply_overrides, to_dict
 from kvjax.model.params import abstract_params
 from kvjax.training.config import TrainConfig, TrainRun
 from kvjax.conversion.uptrain import uptrain_config

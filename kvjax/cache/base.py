@@ -1,39 +1,100 @@
-"""The cache interface: what every cache kind provides to the one forward path.
+"""The cache interface: a cache is a layout x a codec x the payload the attention declares.
+
+  payload  what a layer's attention hands its cache per token (kvjax.model.attention.Field):
+           {k, v} of num_kv_heads x head_dim for MHA / GQA / MQA, {latent, rope_key} of one
+           "head" for MLA (kvjax.model.mla). Each array is [B, heads, T, width].
+  codec    how each vector is stored (kvjax.cache.codec): float, int8, int4, fp8; a quantized
+           codec keeps float32 scales beside the values, under "{name}_scale".
+  layout   where a token's vectors go and how a read gathers them: the subclasses
+           (contiguous rows and rings, kvjax.cache.contiguous; pages, kvjax.cache.paged).
 
 A cache is plain data (a flax.struct pytree) returned new by every call: its per-layer arrays,
-which travel into the model as the Flax 'cache' collection, plus per-row bookkeeping (`lengths`,
-and whatever else the kind addresses its storage by, such as a page table). A kind decides
-  - what it stores per layer (`layers`, laid out by kvjax.model.transformer.cache_collection),
-  - how new K/V are written there (`write`),
-  - how a query reads what is stored (`read`),
-  - and, on the host before any compute, whether a call's new tokens fit (`check_room`).
-The layer loop, the decode functions and the engine only call these; see docs/design.md.
+which travel into the model as the Flax 'cache' collection, plus per-row bookkeeping. One write
+and one attend serve every payload and codec; a layout implements `write` (encoded arrays to
+its slots), `read` (the decoded arrays and the mask of what each query sees), and on the host
+`capacity`, `layer_spec` and `check_room`. Any layout takes any codec and any payload.
+The layer loop, the decode functions and the engine only call this interface; see docs/design.md.
 """
 
 from __future__ import annotations
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
-import flax.struct
 
-from kvjax.cache import quant
-from kvjax.config import ModelConfig
-from kvjax.model.attention import Span, attend, new_keys_mask
+from kvjax.cache.codec import Codec, codec as codec_named
+from kvjax.cache.config import CacheConfig
+from kvjax.config import ModelConfig, cached_positions
+from kvjax.model.attention import Field, Span, Window, new_keys_mask
 from kvjax.model.backend import Backend
-from kvjax.model.transformer import cache_layers
+from kvjax.model.transformer import cache_layers, cache_payload
+
+SCALE = "_scale"  # a quantized field's scales are stored as "{name}_scale"
 
 
-class KVCache(flax.struct.PyTreeNode):
-  """Base of the cache kinds.
+def scale_shape(values_shape: tuple[int, ...], codec: Codec, field: Field, width_axis: int) -> tuple[int, ...] | None:
+  """The shape of the scales stored beside values of `values_shape` whose width axis is
+  `width_axis`: that axis replaced by the codec's groups, or dropped for one scale per vector;
+  None for a float codec."""
+  groups = codec.scale_groups(field.width)
+  if not groups:
+    return None
+  shape = list(values_shape)
+  if codec.grouped:
+    shape[width_axis] = groups
+  else:
+    del shape[width_axis]
+  return tuple(shape)
+
+
+def encode(codec: Codec, new: dict) -> dict:
+  """This call's payload {name: [B, heads, T, width]} as stored: {name: values [B, heads, T, W']}
+  and, quantized, {name_scale: [B, heads, T] or [B, heads, T, groups]}."""
+  out = {}
+  for name, x in new.items():
+    out[name], scale = codec.encode(x)
+    if scale is not None:
+      out[name + SCALE] = scale
+  return out
+
+
+class KVCache(flax.struct.PyTreeNode, kw_only=True):
+  """Base of the cache layouts.
 
   layers: the 'cache' collection, {'layers_{i}': {'attn': {name: array}}}.
   lengths: int32[B], tokens each row holds; the next token of row b goes to position lengths[b].
+  codec, payload (static): how vectors are stored, and what each layer stores ((name, Field) pairs).
+  window, sink_tokens (static): the sliding windows the cache was made for (ModelConfig's, or a
+    CacheConfig's override); every layer's attention masks by them.
+  absorb (static): read an MLA payload in the absorbed form (kvjax.model.mla).
   """
 
   layers: dict
   lengths: jax.Array
-  latent = False  # a class attribute, not a field: the kind holds MLA latents (kvjax.cache.latent)
+  codec: Codec = flax.struct.field(pytree_node=False, default=codec_named("float32"))
+  payload: tuple = flax.struct.field(pytree_node=False, default=())
+  window: tuple[int, ...] = flax.struct.field(pytree_node=False, default=())
+  sink_tokens: int = flax.struct.field(pytree_node=False, default=0)
+  absorb: bool = flax.struct.field(pytree_node=False, default=True)
+
+  layout = ""  # the CacheConfig.layout name of a subclass
+
+  @classmethod
+  def statics(cls, config: ModelConfig, cache_config: CacheConfig) -> dict:
+    """The static fields of a cache of `cache_config` for a model of `config`."""
+    model = cache_config.model(config)
+    return dict(codec=cache_config.codec(config), payload=tuple(cache_payload(config).items()),
+                window=model.window, sink_tokens=model.sink_tokens, absorb=cache_config.absorb)
+
+  @property
+  def fields(self) -> dict[str, Field]:
+    return dict(self.payload)
+
+  @property
+  def route(self) -> tuple[str, str]:
+    """(layout, codec): how this kind names its storage to a decode kernel (Backend.cache_attention)."""
+    return (self.layout, self.codec.name)
 
   # Host side.
 
@@ -44,34 +105,62 @@ class KVCache(flax.struct.PyTreeNode):
 
   @property
   def nbytes(self) -> int:
-    """Bytes of the stored K/V (every layer's arrays; the per-row bookkeeping excluded)."""
+    """Bytes of what the layers store (the per-row bookkeeping excluded)."""
     return sum(x.nbytes for x in jax.tree.leaves(self.layers))
 
+  @classmethod
+  def position_bytes(cls, config: ModelConfig, cache_config: CacheConfig) -> int:
+    """Bytes one position of one layer takes in a cache of `cache_config`: every payload field's
+    vectors through the codec, scales included. The one formula every size in kvjax comes from."""
+    codec = cache_config.codec(config)
+    return sum(field.heads * codec.vector_bytes(field.width) for field in cache_payload(config).values())
+
+  @classmethod
+  def sequence_bytes(cls, config: ModelConfig, cache_config: CacheConfig, length: int) -> int:
+    """Bytes a layout of this kind keeps for one sequence of `length` tokens: every layer at
+    every position (the contiguous layout's rings keep fewer)."""
+    return config.num_layers * length * cls.position_bytes(config, cache_config)
+
+  def model_config(self, config: ModelConfig) -> ModelConfig:
+    """`config` with the windows this cache was made for."""
+    if (config.window, config.sink_tokens) == (self.window, self.sink_tokens):
+      return config
+    return config.replace(window=self.window, sink_tokens=self.sink_tokens)
+
+  def layer_window(self, config: ModelConfig, layer: int) -> Window:
+    return Window.of_layer(self.model_config(config), layer)
+
   def layer_spec(self, config: ModelConfig, layer: int = 0) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-    """{name: (shape, dtype)} of the arrays layer `layer` of this cache holds for a model of
-    `config`, at this cache's batch and capacity: what `check_model` compares against."""
+    """{name: (shape, dtype)} of the arrays layer `layer` holds for a model of `config`, at this
+    cache's sizes: what `check_model` compares against."""
     raise NotImplementedError
 
+  def partition_rule(self, name: str) -> tuple:
+    """The mesh axes of the leading axes of this cache's arrays under `name` ("layers" or a
+    bookkeeping field such as "lengths"), for kvjax.sharding; axes left out are replicated."""
+    return ("data",)
+
   def check_model(self, config: ModelConfig) -> None:
-    """Raises ValueError unless this cache was made for a model of `config`: its layers, kv
-    heads, head dim and dtype, and a capacity within ModelConfig.max_len. Called on the host
-    before compute: a cache of another model would otherwise give finite, wrong logits."""
+    """Raises ValueError unless this cache was made for a model of `config`: its payload, layers
+    and sizes. Called on the host before compute: a cache of another model would otherwise give
+    finite, wrong logits."""
     layers = cache_layers(self.layers)
     kind = type(self).__name__
-    if self.latent != config.is_latent:
-      raise ValueError(f"the {kind} does not fit the model: a model with kv_latent_rank={config.kv_latent_rank} "
-                       f"needs {'a latent cache (LatentCache, PagedLatentCache)' if config.is_latent else 'a K/V cache'}")
+    if self.fields != cache_payload(config):
+      raise ValueError(f"the {kind} does not fit the model: it stores {sorted(self.fields)} per token "
+                       f"({self.fields}), the model's attention hands it {cache_payload(config)}")
     if len(layers) != config.num_layers:
       raise ValueError(f"the {kind} has {len(layers)} layers but the model has num_layers={config.num_layers}")
+    model = self.model_config(config)
     for i, layer in enumerate(layers):
-      want = self.layer_spec(config, i)
+      want = self.layer_spec(model, i)
       got = {name: (tuple(x.shape), np.dtype(x.dtype)) for name, x in layer.items()}
       if got != want:
         name = next((n for n in sorted(set(want) | set(got)) if got.get(n) != want.get(n)))
         raise ValueError(
             f"the {kind} does not fit the model: layer {i} {name} is {got.get(name)}, but a model with "
-            f"num_kv_heads={config.num_kv_heads}, head_dim={config.head_dim}, cache_dtype={config.cache_dtype} "
-            f"and window={config.window} needs {want.get(name)}")
+            f"num_kv_heads={config.num_kv_heads}, head_dim={config.head_dim} and window={model.window} "
+            f"in a {self.codec.name} cache needs {want.get(name)}")
 
   def check_room(self, new_lengths: np.ndarray) -> None:
     """Raises ValueError, naming the row, unless row b can take new_lengths[b] more tokens.
@@ -85,45 +174,40 @@ class KVCache(flax.struct.PyTreeNode):
 
   # Device side (traced): per layer, with that layer's arrays `stored` ({name: array}).
 
-  def write(self, stored: dict, k: jax.Array, v: jax.Array, span: Span) -> dict:
-    """Stores the valid columns of k, v [B, K, T, H] at span.positions (quantized when the
-    cache's format is, kvjax.cache.quant); returns the new arrays."""
+  def write(self, stored: dict, new: dict, span: Span) -> dict:
+    """Stores the valid columns of the payload new {name: [B, heads, T, width]} at
+    span.positions, through the codec; returns the new arrays."""
     raise NotImplementedError
 
-  def read(self, stored: dict, q: jax.Array, q_positions: jax.Array, span: Span, backend: Backend) -> jax.Array:
-    """Queries q [B, Tq, N, H] at q_positions int[B, Tq] attend causally to what the rows hold
-    (this call's K/V already written) -> [B, Tq, N, H]."""
+  def read(self, stored: dict, query, q_positions: jax.Array, span: Span, backend: Backend) -> jax.Array:
+    """query (KVQuery, LatentQuery) at q_positions int[B, Tq] reads what the rows hold (this
+    call's payload already written) -> [B, Tq, N, H]."""
     raise NotImplementedError
 
-  def attend(self, stored: dict, q, q_positions, k, v, span: Span, backend: Backend):
-    """What the layer loop calls: write this call's K/V, then attend -> (new arrays, [B, Tq, N, H]).
-    From an empty cache the new K/V are all there is, so they are read without touching the
-    storage, but as it holds them (`as_stored`: rounded to a narrower float dtype, or
-    dequantize(quantize(.))), so a prefill's logits are those a later read of the same cache gives."""
-    stored = self.write(stored, k, v, span)
+  def as_stored(self, new: dict) -> dict:
+    """This call's payload as a read of the cache will see it: through the codec and back."""
+    return {name: self.codec.roundtrip(x) for name, x in new.items()}
+
+  def attend(self, stored: dict, query, q_positions, new: dict, span: Span, backend: Backend):
+    """What an attention module calls: write this call's payload, then read -> (new arrays,
+    [B, Tq, N, H]). From an empty cache the new payload is all there is, so it is read without
+    touching the storage, but as stored (`as_stored`), so a prefill's logits are those a later
+    read of the same cache gives; MLA reads it in the expanded form, as training does."""
+    stored = self.write(stored, new, span)
     if span.from_empty:
-      k, v = as_stored(k, stored), as_stored(v, stored)
-      return stored, attend(q, k, v, new_keys_mask(q_positions, span))
-    return stored, self.read(stored, q, q_positions, span, backend)
+      return stored, query.attend(self.as_stored(new), new_keys_mask(q_positions, span))
+    return stored, self.read(stored, query, q_positions, span, backend)
 
+  def decoded(self, stored: dict, width_axes: dict[str, int]) -> dict:
+    """{name: the field's arrays decoded} (float32 when quantized, as stored when float), each
+    field's width axis given by width_axes."""
+    return {name: self.codec.decode(stored[name], stored.get(name + SCALE), axis=width_axes[name])
+            for name in self.fields}
 
-def stored_format(stored: dict) -> str | None:
-  """The quantized format (kvjax.cache.quant) of one layer's arrays, or None for a float cache."""
-  return quant.format_of(stored["k"].dtype)
-
-
-def as_stored(x: jax.Array, stored: dict) -> jax.Array:
-  """New K or V [B, K, T, H] as a read of one layer's arrays `stored` would see them, in x's dtype."""
-  fmt = stored_format(stored)
-  if fmt is not None:
-    return quant.roundtrip(x, fmt)
-  return x.astype(stored["k"].dtype).astype(x.dtype)
-
-
-def scales(stored: dict) -> dict:
-  """The scale arrays of one layer ({} for a float cache): the keywords a quantized read hands
-  backend.cache_attention."""
-  return {name: stored[name] for name in ("k_scale", "v_scale") if name in stored}
+  def scales(self, stored: dict) -> dict:
+    """The k_scale and v_scale arrays of a quantized K/V layer ({} when float): the keywords a
+    decode kernel takes (kvjax.model.backend.Backend.cache_attention)."""
+    return {name: stored[name] for name in ("k" + SCALE, "v" + SCALE) if name in stored}
 
 
 def layer_arrays(spec: dict) -> dict:
@@ -131,25 +215,16 @@ def layer_arrays(spec: dict) -> dict:
   return {name: jnp.zeros(shape, dtype) for name, (shape, dtype) in spec.items()}
 
 
-def write_rows(buffer: jax.Array, new: jax.Array, starts: jax.Array, counts: jax.Array, axis: int) -> jax.Array:
-  """Writes new[b]'s first counts[b] entries along `axis` into buffer[b] from position starts[b].
-
-  buffer [B, ..., S, ...], new [B, ..., T, ...] (the sequence axis `axis`). One scatter for all
-  rows, in place when the buffer is donated. The columns past counts[b] (padding) are sent to
-  position S, out of range, and dropped: a row near its end may take a chunk padded past it, and
-  nothing it holds is overwritten. (A per-row lax.dynamic_update_slice would instead clamp such
-  a write back over the row's last tokens.) Callers check starts + counts <= S beforehand.
-  """
-  width, size = new.shape[axis], buffer.shape[axis]
-  columns = jnp.arange(width)[None, :]
-  positions = jnp.where(columns < counts[:, None], starts[:, None] + columns, size)  # [B, T]
-  return scatter_rows(buffer, new, positions, axis)
+def kept_positions(config: ModelConfig, layer: int, length: int) -> int:
+  """Positions layer `layer` of a contiguous cache keeps for `length` (a ring: window + sinks)."""
+  return cached_positions(config.layer_window(layer), config.sink_tokens, length)
 
 
 def scatter_rows(buffer: jax.Array, new: jax.Array, slots: jax.Array, axis: int) -> jax.Array:
   """Writes new[b]'s column j along `axis` into buffer[b] at slots[b, j] (int[B, T]); slots at
-  buffer.shape[axis] or past it are dropped. One scatter for all rows; the kept slots of a row
-  must be distinct (which of two writes to one slot lands is unspecified)."""
+  buffer.shape[axis] or past it are dropped (padding; a row never overwrites what it holds by a
+  clamped write). One scatter for all rows, in place when the buffer is donated; the kept slots
+  of a row must be distinct (which of two writes to one slot lands is unspecified)."""
   index = [jnp.arange(new.shape[0])[:, None]] + [slice(None)] * (buffer.ndim - 1)
   index[axis] = slots
   # The two advanced indices (rows, slots) broadcast to [B, T] and lead the update's axes.

@@ -1,81 +1,69 @@
-"""The contiguous cache: every row preallocates its positions per layer.
+"""The contiguous layout: every row preallocates its positions per layer.
 
-Per layer k [B, K, H, S] and v [B, K, S, H] in config.cache_dtype, kv-head major, so each
-(row, kv head) pair reads one contiguous block per decode step; keys are stored transposed so
-that the decode scores are a plain [G, H] x [H, S] product with S contiguous (the
-sequence-major layout [B, S, K, H] makes XLA's CPU dot transpose the whole cache every step).
-New K/V are scattered into place (`scatter_rows`), in place since the cache is donated.
+Per layer and payload field (kvjax.cache.base), values [B, heads, S, W'] in the codec's dtype,
+head major, so each (row, head) pair reads one contiguous block per decode step; a field read
+as the scores' right operand (keys, Field.transposed) is stored [B, heads, W', S], so that the
+decode scores are a plain [G, H] x [H, S] product with S contiguous (the sequence-major layout
+[B, S, K, H] makes XLA's CPU dot transpose the whole cache every step). A quantized codec's
+scales sit beside them with the same sequence axis: [B, heads, S] (one per vector), or
+[B, heads, S, G] ([B, heads, G, S] transposed) for grouped scales. New vectors are scattered
+into place (`scatter_rows`), in place since the cache is donated.
 
-A global layer keeps S = max_len positions. A sliding-window layer (ModelConfig.window) keeps a
+A global layer keeps S = max_len positions. A sliding-window layer (the cache's window) keeps a
 ring of S = window + sinks slots (max_len when that is fewer): the sinks in the first slots, then
 position p >= sinks in slot sinks + (p - sinks) % window (`ring_slot`), so its memory does not
 grow with the sequence. Reads mask by the position each slot holds (`ring_positions`). A model
 whose every layer is windowed holds more positions per row than any buffer, past
 ModelConfig.max_len with RoPE (ModelConfig.max_positions).
 
-A quantized format (config.cache_dtype int8 / int4 / float8_e4m3fn, kvjax.cache.quant) keeps the
-layout: k [B, K, H', S] and v [B, K, S, H'] hold the quantized values (H' = H/2 bytes for packed
-int4), with float32 k_scale [B, K, S] and v_scale [B, K, S] beside them (int4: k_scale
-[B, K, G, S] and v_scale [B, K, S, G], G scale groups along the head dim). A ring's scales sit in
-the same slots as its values; every read dequantizes them (int8 one-token reads in the CPU kernel).
+A one-token read of a K/V payload goes to the backend's decode route ("contiguous", codec):
+kvjax's CPU kernel for float32 and int8, XLA's `attend_one` otherwise.
 """
 
 from __future__ import annotations
+
+import functools
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 
 from kvjax import memory
-from kvjax.cache import quant
-from kvjax.cache.base import KVCache, as_stored, layer_arrays, scales, scatter_rows, stored_format
-from kvjax.config import ModelConfig, cache_scale_groups, check_positive_int
+from kvjax.cache.base import KVCache, encode, kept_positions, layer_arrays, scale_shape, scatter_rows
+from kvjax.cache.codec import Codec
+from kvjax.cache.config import CacheConfig
+from kvjax.config import ModelConfig
+from kvjax.fields import check_positive_int
 from kvjax.model.attention import Span, Window, attend, new_keys_mask, visible
 from kvjax.model.backend import Backend
-from kvjax.model.transformer import cache_collection, cache_layers
+from kvjax.model.transformer import cache_collection, cache_payload
 
-V_SEQ_AXIS = 2  # v [B, K, S, H] and v_scale; keys and their scales hold the sequence last
-
-
-def seq_axis(name: str, ndim: int) -> int:
-  """The sequence axis of a stored array: the last for k [B, K, H, S] and k_scale, 2 for v [B, K, S, H]
-  and v_scale."""
-  return ndim - 1 if name.startswith("k") else V_SEQ_AXIS
+SEQ_AXIS = 2  # of the values and scales of a field that is not transposed
 
 
-def layer_spec(config: ModelConfig, batch: int, capacity: int) -> dict:
-  """{name: (shape, dtype)} of one layer of a contiguous cache of `batch` rows x `capacity` positions."""
-  b, kv, s, dtype = batch, config.num_kv_heads, capacity, config.kv_dtype
-  h = config.head_dim // 2 if config.cache_dtype == "int4" else config.head_dim
-  spec = {"k": ((b, kv, h, s), dtype), "v": ((b, kv, s, h), dtype)}
-  if config.cache_quantized:
-    groups = cache_scale_groups(config.cache_dtype, config.head_dim)
-    group_axis = (groups,) if config.cache_dtype == "int4" else ()
-    spec["k_scale"] = ((b, kv, *group_axis, s), jnp.dtype(jnp.float32))
-    spec["v_scale"] = ((b, kv, s, *group_axis), jnp.dtype(jnp.float32))
+def layer_spec(config: ModelConfig, codec: Codec, batch: int, slots: int) -> dict:
+  """{name: (shape, dtype)} of one layer of `batch` rows x `slots` positions (module docstring)."""
+  spec = {}
+  for name, field in cache_payload(config).items():
+    width = codec.stored_width(field.width)
+    shape = (batch, field.heads, width, slots) if field.transposed else (batch, field.heads, slots, width)
+    spec[name] = (shape, codec.stored_dtype)
+    scales = scale_shape(shape, codec, field, 2 if field.transposed else 3)
+    if scales is not None:
+      spec[name + "_scale"] = (scales, jnp.dtype(jnp.float32))
   return spec
 
 
-def dequantized(k_cache, v_cache, k_scale, v_scale):
-  """The float32 k [B, K, H, S] and v [B, K, S, H] a quantized layer holds."""
-  fmt = quant.format_of(k_cache.dtype)
-  return quant.dequantize(k_cache, k_scale, fmt, axis=2), quant.dequantize(v_cache, v_scale, fmt, axis=-1)
+def seq_axis(transposed: bool, ndim: int) -> int:
+  """The sequence axis of a stored array: the last for a transposed field's values and scales."""
+  return ndim - 1 if transposed else SEQ_AXIS
 
 
-def readable(stored: dict) -> tuple[jax.Array, jax.Array]:
-  """One layer's k [B, K, H, S] and v [B, K, S, H] as a read sees them: dequantized to float32
-  for a quantized format, else as stored."""
-  if stored_format(stored) is None:
-    return stored["k"], stored["v"]
-  return dequantized(stored["k"], stored["v"], stored["k_scale"], stored["v_scale"])
-
-
-def attend_one(q, k_cache, v_cache, lengths, k_scale=None, v_scale=None):
-  """XLA's one-token attention over the buffers: q [B, 1, N, H] reads positions [0, lengths[b]];
-  a quantized cache's buffers are dequantized with their scales first."""
-  if k_scale is not None:
-    k_cache, v_cache = dequantized(k_cache, v_cache, k_scale, v_scale)
-  mask = (jnp.arange(v_cache.shape[V_SEQ_AXIS])[None, :] <= lengths[:, None])[:, None, :]  # [B, 1, S]
+def attend_one(q, k_cache, v_cache, lengths, k_scale=None, v_scale=None, *, codec: Codec):
+  """XLA's one-token attention over a K/V layer: q [B, 1, N, H] reads positions [0, lengths[b]]
+  of k_cache [B, K, H', S] and v_cache [B, K, S, H'], decoded by `codec` with their scales."""
+  k_cache, v_cache = codec.decode(k_cache, k_scale, axis=2), codec.decode(v_cache, v_scale, axis=-1)
+  mask = (jnp.arange(v_cache.shape[SEQ_AXIS])[None, :] <= lengths[:, None])[:, None, :]  # [B, 1, S]
   return attend(q, k_cache, v_cache, mask, k_transposed=True)
 
 
@@ -127,85 +115,119 @@ def slot_positions(held: jax.Array, slots: int, window: Window) -> jax.Array:
 class ContiguousCache(KVCache):
   """Preallocated per-row buffers; see the module docstring for the layout.
 
-  max_len (static): positions one row can hold; None for the longest buffer's length.
+  max_len (static): positions one row can hold.
   """
 
-  max_len: int | None = flax.struct.field(pytree_node=False, default=None)
+  max_len: int = flax.struct.field(pytree_node=False, default=0)
+
+  layout = "contiguous"
 
   @classmethod
-  def create(cls, config: ModelConfig, batch: int, max_len: int) -> "ContiguousCache":
+  def create(cls, config: ModelConfig, batch: int, max_len: int,
+             cache_config: CacheConfig = CacheConfig()) -> "ContiguousCache":
     """An empty cache of `batch` rows with room for max_len positions each (at most
     ModelConfig.max_len, or ModelConfig.max_positions for a RoPE model whose every layer is
     windowed); a windowed layer keeps min(max_len, window + sinks) slots."""
     check_positive_int(batch, "batch")
     check_positive_int(max_len, "max_len")
-    config.check_length(max_len, f"a cache of max_len={max_len} positions")
+    statics = cls.statics(config, cache_config)
+    model = cache_config.model(config)
+    model.check_length(max_len, f"a cache of max_len={max_len} positions")
     memory.check_fits(f"a contiguous cache of {batch} rows x {max_len} positions",
-                      memory.contiguous_cache_bytes(config, batch, max_len))
+                      cls.bytes_for(config, cache_config, batch, max_len))
 
     def layer(i):
-      return layer_arrays(layer_spec(config, batch, config.cached_positions(i, max_len)))
+      return layer_arrays(layer_spec(config, statics["codec"], batch, kept_positions(model, i, max_len)))
 
-    return cls(layers=cache_collection(config, layer), lengths=jnp.zeros((batch,), jnp.int32), max_len=max_len)
+    return cls(layers=cache_collection(config, layer), lengths=jnp.zeros((batch,), jnp.int32), max_len=max_len,
+               **statics)
+
+  @classmethod
+  def rows(cls, config: ModelConfig, batch: int, max_len: int, cache_config: CacheConfig) -> "ContiguousCache":
+    """create(config, batch, max_len, cache_config): the signature every layout's `rows` shares."""
+    return cls.create(config, batch, max_len, cache_config)
+
+  @classmethod
+  def sequence_bytes(cls, config: ModelConfig, cache_config: CacheConfig, length: int) -> int:
+    """Bytes one row of `length` positions takes: each windowed layer keeps at most window + sinks."""
+    model = cache_config.model(config)
+    positions = sum(kept_positions(model, i, length) for i in range(config.num_layers))
+    return positions * cls.position_bytes(config, cache_config)
+
+  @classmethod
+  def bytes_for(cls, config: ModelConfig, cache_config: CacheConfig, batch: int, max_len: int) -> int:
+    """Bytes of create(config, batch, max_len, cache_config): every row's layers and the lengths."""
+    return batch * cls.sequence_bytes(config, cache_config, max_len) + 4 * batch
 
   @property
   def capacity(self) -> int:
-    if self.max_len is not None:
-      return self.max_len
-    return max(layer["v"].shape[V_SEQ_AXIS] for layer in cache_layers(self.layers))
+    return self.max_len
 
   def layer_spec(self, config: ModelConfig, layer: int = 0):
-    return layer_spec(config, self.lengths.shape[0], config.cached_positions(layer, self.capacity))
+    return layer_spec(config, self.codec, self.lengths.shape[0], kept_positions(config, layer, self.capacity))
 
-  def write(self, stored, k, v, span: Span):
-    slots = write_slots(span, stored["v"].shape[V_SEQ_AXIS])
-    new = quant.encode(k, v, stored_format(stored))  # [B, K, T, ...]
+  def partition_rule(self, name: str) -> tuple:
+    return ("data", "model") if name == "layers" else ("data",)
+
+  def slots(self, stored: dict) -> int:
+    name, field = self.payload[0]
+    return stored[name].shape[seq_axis(field.transposed, stored[name].ndim)]
+
+  def write(self, stored, new, span: Span):
+    slots = write_slots(span, self.slots(stored))
     out = {}
-    for name, x in new.items():
-      if name.startswith("k") and x.ndim == 4:
-        x = x.swapaxes(2, 3)  # keys (and int4 key scales) hold the sequence last
-      out[name] = scatter_rows(stored[name], x, slots, seq_axis(name, x.ndim))
+    for name, x in encode(self.codec, new).items():  # [B, heads, T, ...]
+      transposed = self.fields[name.removesuffix("_scale")].transposed
+      if transposed and x.ndim == 4:
+        x = x.swapaxes(2, 3)
+      out[name] = scatter_rows(stored[name], x, slots, seq_axis(transposed, x.ndim))
     return out
 
-  def read(self, stored, q, q_positions, span: Span, backend: Backend):
+  def readable(self, stored: dict) -> dict:
+    """{field: decoded arrays} as stored: transposed fields [B, heads, W, S], others [B, heads, S, W]."""
+    return self.decoded(stored, {name: 2 if f.transposed else -1 for name, f in self.fields.items()})
+
+  def read(self, stored, query, q_positions, span: Span, backend: Backend):
     """As KVCache.read; a one-token query is at its row's last position (every decode step, and
     the last layer of a call asking for each row's last logits)."""
-    slots = stored["v"].shape[V_SEQ_AXIS]
-    if q.shape[1] == 1:
+    slots = self.slots(stored)
+    if q_positions.shape[1] == 1 and query.kernel_query is not None:
       lengths = filled_through(q_positions[:, 0], slots, span.window)
-      return backend.cache_attention(q, stored["k"], stored["v"], lengths, attend_one, **scales(stored))
+      return backend.cache_attention(self.route, query.kernel_query, stored["k"], stored["v"],
+                                     lengths, functools.partial(attend_one, codec=self.codec), **self.scales(stored))
     held = span.positions[:, 0] + span.lengths
     mask = visible(q_positions, slot_positions(held, slots, span.window), span.window)  # [B, Tq, S]
-    return attend(q, *readable(stored), mask, k_transposed=True)
+    return query.attend(self.readable(stored), mask, transposed=True, absorb=self.absorb)
 
-  def attend(self, stored, q, q_positions, k, v, span: Span, backend: Backend):
-    if not span.window.size or span.from_empty or q.shape[1] == 1:
-      return super().attend(stored, q, q_positions, k, v, span, backend)
+  def attend(self, stored, query, q_positions, new, span: Span, backend: Backend):
+    if not span.window.size or span.from_empty or q_positions.shape[1] == 1:
+      return super().attend(stored, query, q_positions, new, span, backend)
     # A windowed layer's chunk may overwrite ring slots that its own earlier queries read, so the
-    # queries read the ring as it was before the chunk, and the chunk's K/V beside it.
-    # A quantized ring is read dequantized, the chunk's K/V as the ring will hold them (as_stored).
-    slots = stored["v"].shape[V_SEQ_AXIS]
+    # queries read the ring as it was before the chunk, and the chunk's payload (as the ring will
+    # hold it) beside it.
+    slots = self.slots(stored)
     before = visible(q_positions, ring_positions(span.positions[:, 0], slots, span.window), span.window)
     mask = jnp.concatenate([before, new_keys_mask(q_positions, span)], axis=2)  # [B, Tq, S + T]
-    k_old, v_old = readable(stored)
-    new_k, new_v = as_stored(k, stored).astype(k_old.dtype), as_stored(v, stored).astype(v_old.dtype)
-    keys = jnp.concatenate([k_old, new_k.swapaxes(2, 3)], axis=3)  # [B, K, H, S + T]
-    values = jnp.concatenate([v_old, new_v], axis=2)  # [B, K, S + T, H]
-    out = attend(q, keys, values, mask, k_transposed=True)
-    return self.write(stored, k, v, span), out
+    old, fresh = self.readable(stored), self.as_stored(new)
+    arrays = {}
+    for name, field in self.fields.items():
+      x = fresh[name].astype(old[name].dtype)  # [B, heads, T, W]
+      x = x.swapaxes(2, 3) if field.transposed else x
+      arrays[name] = jnp.concatenate([old[name], x], axis=seq_axis(field.transposed, 4))
+    out = query.attend(arrays, mask, transposed=True, absorb=self.absorb)
+    return self.write(stored, new, span), out
 
   def resized(self, capacity: int) -> "ContiguousCache":
     """The same contents in buffers of `capacity` positions (at least what every row holds);
     a copy, as the literature's growing caches make (kvjax.decoding.baselines). Every layer must
     keep all its positions: a windowed layer's ring does not grow."""
-    lengths = {layer["v"].shape[V_SEQ_AXIS] for layer in cache_layers(self.layers)}
-    if lengths != {self.capacity}:
+    if any(self.window):
       raise ValueError(f"resized takes a cache whose every layer keeps its {self.capacity} positions; "
-                       f"this one has windowed layers of {sorted(lengths - {self.capacity})} slots")
+                       f"this one has windowed layers (window={self.window})")
 
-    def pad(x, axis):
+    def pad(path, x):
+      axis = seq_axis(self.fields[path[-1].key.removesuffix("_scale")].transposed, x.ndim)
       widths = [(0, 0)] * x.ndim
       widths[axis] = (0, capacity - x.shape[axis])
       return jnp.pad(x, widths)
-    layers = jax.tree_util.tree_map_with_path(lambda path, x: pad(x, seq_axis(path[-1].key, x.ndim)), self.layers)
-    return self.replace(layers=layers, max_len=capacity)
+    return self.replace(layers=jax.tree_util.tree_map_with_path(pad, self.layers), max_len=capacity)

@@ -1,19 +1,37 @@
-"""Which cache kind holds a model: the decode functions and the engine build their caches here,
-so an MLA model (ModelConfig.kv_latent_rank > 0) gets a latent cache and every other model K/V."""
+"""The cache layouts by name (CacheConfig.layout): where the decode functions, the engine, the
+memory budgets and the planner get a cache kind and its size. A new layout is one class with
+`rows` and `bytes_for` (kvjax.cache.base) and one entry here."""
 
 from __future__ import annotations
 
+from kvjax.cache.base import KVCache
+from kvjax.cache.config import CacheConfig
 from kvjax.cache.contiguous import ContiguousCache
-from kvjax.cache.latent import LatentCache, PagedLatentCache
 from kvjax.cache.paged import PagedCache
 from kvjax.config import ModelConfig
 
-
-def contiguous(config: ModelConfig) -> type:
-  """The contiguous kind for a model of `config`: LatentCache for MLA, else ContiguousCache."""
-  return LatentCache if config.is_latent else ContiguousCache
+LAYOUTS: dict[str, type[KVCache]] = {"contiguous": ContiguousCache, "paged": PagedCache}
 
 
-def paged(config: ModelConfig) -> type:
-  """The paged kind for a model of `config`: PagedLatentCache for MLA, else PagedCache."""
-  return PagedLatentCache if config.is_latent else PagedCache
+def kind(cache_config: CacheConfig) -> type[KVCache]:
+  return LAYOUTS[cache_config.layout]
+
+
+def create(config: ModelConfig, cache_config: CacheConfig, batch: int, max_len: int) -> KVCache:
+  """An empty cache of `cache_config` for `batch` rows of max_len positions of a model of `config`."""
+  return kind(cache_config).rows(config, batch, max_len, cache_config)
+
+
+def cache_bytes(config: ModelConfig, cache_config: CacheConfig, batch: int, max_len: int) -> int:
+  """Bytes of create(config, cache_config, batch, max_len), from the config alone."""
+  return kind(cache_config).bytes_for(config, cache_config, batch, max_len)
+
+
+def sequence_bytes(config: ModelConfig, cache_config: CacheConfig, length: int) -> int:
+  """Bytes the cache keeps for one sequence of `length` tokens (no bookkeeping)."""
+  return kind(cache_config).sequence_bytes(config, cache_config, length)
+
+
+def bytes_per_token(config: ModelConfig, cache_config: CacheConfig = CacheConfig()) -> int:
+  """Bytes one token takes at every layer (no window counted): KVCache.position_bytes x layers."""
+  return config.num_layers * KVCache.position_bytes(config, cache_config)

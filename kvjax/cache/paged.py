@@ -1,17 +1,17 @@
-"""The paged cache (PagedAttention): per-layer page pools addressed through page tables.
+"""The paged layout (PagedAttention): per-layer page pools addressed through page tables.
 
 Shapes (the alphabet of kvjax.model.attention, plus):
   P pages in the pool, Z page size (tokens per page), M page-table width (pages per row).
-  pool k, v per layer: [K, P, Z, H] in config.cache_dtype, kv-head major (the layout of JAX's
-    Pallas paged-attention kernels, so that kernel reads the pool without a copy).
+  pool per layer and payload field (kvjax.cache.base): [heads, P, Z, W'] in the codec's dtype,
+    head major (for K/V the layout of JAX's Pallas paged-attention kernels, so that kernel reads
+    the pool without a copy); a quantized codec's scale pools [heads, P, Z] or [heads, P, Z, G].
   page_table int32[B, M]: entry j of row b is the page holding positions [j*Z, (j+1)*Z).
-  A quantized format (kvjax.cache.quant) stores its values in the same pools (H/2 bytes for
-  packed int4) and float32 scale pools k_scale, v_scale [K, P, Z] ([K, P, Z, G] for int4).
 
 Page 0 is the null page (kvjax.cache.pages): the writes of padding columns and idle rows land
 in it, and nothing read from it is ever used, since every read is masked to the row's valid
-positions. Which pages a row owns is decided on the host by
-kvjax.serving.allocator; this module is the device side.
+positions. Which pages a row owns is decided on the host by kvjax.serving.allocator; this module
+is the device side. A windowed layer keeps every position in its pages, as a global one does;
+its reads mask to the window and sinks (kvjax.model.attention.visible).
 """
 
 from __future__ import annotations
@@ -24,53 +24,43 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import memory
-from kvjax.cache import quant
-from kvjax.cache.base import KVCache, layer_arrays, scales, stored_format
+from kvjax.cache.base import KVCache, encode, layer_arrays, scale_shape
+from kvjax.cache.codec import Codec
+from kvjax.cache.config import CacheConfig
 from kvjax.cache.pages import NULL_PAGE
-from kvjax.config import ModelConfig, cache_scale_groups, check_positive_int
+from kvjax.config import ModelConfig
+from kvjax.fields import check_positive_int
 from kvjax.model.attention import Span, attend, visible
 from kvjax.model.backend import Backend
-from kvjax.model.transformer import cache_collection, cache_layers
-
-ATTENTION_IMPLS = ("gather", "pallas", "pallas_interpret")
+from kvjax.model.transformer import cache_collection, cache_layers, cache_payload
 
 
-def layer_spec(config: ModelConfig, num_pages: int, page_size: int) -> dict:
-  """{name: (shape, dtype)} of one layer's pools: k, v [K, P, Z, H'] and, quantized, their scales."""
-  kv, dtype = config.num_kv_heads, config.kv_dtype
-  h = config.head_dim // 2 if config.cache_dtype == "int4" else config.head_dim
-  spec = {"k": ((kv, num_pages, page_size, h), dtype), "v": ((kv, num_pages, page_size, h), dtype)}
-  if config.cache_quantized:
-    groups = cache_scale_groups(config.cache_dtype, config.head_dim)
-    shape = (kv, num_pages, page_size) + ((groups,) if config.cache_dtype == "int4" else ())
-    spec["k_scale"] = spec["v_scale"] = (shape, jnp.dtype(jnp.float32))
+def layer_spec(config: ModelConfig, codec: Codec, num_pages: int, page_size: int) -> dict:
+  """{name: (shape, dtype)} of one layer's pools (module docstring)."""
+  spec = {}
+  for name, field in cache_payload(config).items():
+    shape = (field.heads, num_pages, page_size, codec.stored_width(field.width))
+    spec[name] = (shape, codec.stored_dtype)
+    scales = scale_shape(shape, codec, field, 3)
+    if scales is not None:
+      spec[name + "_scale"] = (scales, jnp.dtype(jnp.float32))
   return spec
 
 
 def gather(pool: jax.Array, page_table: jax.Array) -> jax.Array:
-  """pool [K, P, Z, ...], page_table int[B, M] -> [B, K, M*Z, ...], each row's pages in sequence
-  order (a value pool [K, P, Z, H] or a scale pool [K, P, Z] / [K, P, Z, G])."""
-  num_kv_heads, _, page_size = pool.shape[:3]
+  """pool [heads, P, Z, ...], page_table int[B, M] -> [B, heads, M*Z, ...], each row's pages in
+  sequence order (a value pool [heads, P, Z, W] or a scale pool [heads, P, Z] / [heads, P, Z, G])."""
+  heads, _, page_size = pool.shape[:3]
   batch, width = page_table.shape
-  pages = pool[:, page_table]  # [K, B, M, Z, ...]
-  return jnp.swapaxes(pages, 0, 1).reshape(batch, num_kv_heads, width * page_size, *pool.shape[3:])
+  pages = pool[:, page_table]  # [heads, B, M, Z, ...]
+  return jnp.swapaxes(pages, 0, 1).reshape(batch, heads, width * page_size, *pool.shape[3:])
 
 
-def gathered(k_pool, v_pool, page_table, k_scale=None, v_scale=None):
-  """Each row's keys and values in sequence order, k and v [B, K, M*Z, H], dequantized to
-  float32 when the pools are quantized (the scales given)."""
-  k, v = gather(k_pool, page_table), gather(v_pool, page_table)
-  if k_scale is None:
-    return k, v
-  fmt = quant.format_of(k_pool.dtype)
-  return (quant.dequantize(k, gather(k_scale, page_table), fmt),
-          quant.dequantize(v, gather(v_scale, page_table), fmt))
-
-
-def attend_pages(q, k_pool, v_pool, lengths, page_table, k_scale=None, v_scale=None):
-  """XLA's one-token attention over the pages: q [B, 1, N, H] reads positions [0, lengths[b]] of
+def attend_pages(q, k_pool, v_pool, lengths, page_table, k_scale=None, v_scale=None, *, codec: Codec):
+  """XLA's one-token attention over K/V pages: q [B, 1, N, H] reads positions [0, lengths[b]] of
   its row's pages (page_table int[B, M]) -> [B, 1, N, H]. The gather copies each row's pages."""
-  k, v = gathered(k_pool, v_pool, page_table, k_scale, v_scale)
+  k = codec.decode(gather(k_pool, page_table), None if k_scale is None else gather(k_scale, page_table))
+  v = codec.decode(gather(v_pool, page_table), None if v_scale is None else gather(v_scale, page_table))
   mask = (jnp.arange(k.shape[2])[None, :] <= lengths[:, None])[:, None, :]  # [B, 1, M*Z]
   return attend(q, k, v, mask)
 
@@ -122,40 +112,62 @@ def write_addresses(page_table: jax.Array, span: Span, page_size: int) -> tuple[
 class PagedCache(KVCache):
   """Page pools shared by all rows, a page table and lengths per row.
 
-  attention (static): how a decode step reads the pages: "gather" (the backend's cache_attention:
-  kvjax's CPU kernel reads the pages in place, XLA gathers them), "pallas"
-  (JAX's Pallas GPU kernel; see `pallas_available`) or "pallas_interpret" (that kernel
-  interpreted, for checking it on the CPU). Longer queries, and the queries of a sliding-window
-  layer, always gather.
-
-  A windowed layer (ModelConfig.window) keeps every position in its pages, as a global one does;
-  its reads mask to the window and sinks (kvjax.model.attention.visible).
+  paged_read (static): how a one-token K/V read goes: "gather" (the backend's decode route:
+  kvjax's CPU kernel reads the pages in place, XLA gathers them), "pallas" (JAX's Pallas GPU
+  kernel; see `pallas_available`) or "pallas_interpret" (that kernel interpreted, for checking
+  it on the CPU). Longer queries, windowed layers and MLA payloads always gather.
   """
 
   page_table: jax.Array
-  attention: str = flax.struct.field(pytree_node=False, default="gather")
+  paged_read: str = flax.struct.field(pytree_node=False, default="gather")
+
+  layout = "paged"
 
   @classmethod
   def create(cls, config: ModelConfig, num_pages: int, page_size: int, batch: int, max_pages: int,
-             attention: str = "gather") -> "PagedCache":
+             cache_config: CacheConfig = CacheConfig()) -> "PagedCache":
     """Empty pools of num_pages pages (page 0 is the null page) of page_size tokens, and `batch`
     rows of max_pages page-table entries, all pointing at the null page."""
     check_pool(num_pages, page_size, batch, max_pages)
-    if attention not in ATTENTION_IMPLS:
-      raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {attention!r}")
-    if attention != "gather" and config.cache_quantized:
-      raise ValueError(f"attention={attention!r} reads float pools only; a cache_dtype={config.cache_dtype!r} "
-                       "cache takes attention='gather'")
-    if attention == "pallas" and not pallas_available():
-      raise ValueError(f"attention='pallas' needs a GPU backend and JAX's Pallas paged-attention kernel; "
-                       f"the backend is {jax.default_backend()!r}")
-    if attention == "pallas_interpret" and pallas_kernel() is None:
-      raise ValueError("attention='pallas_interpret' needs JAX's Pallas paged-attention kernel, which this JAX lacks")
+    statics = cls.statics(config, cache_config)
+    read = cache_config.paged_read
+    if read == "pallas" and not pallas_available():
+      raise ValueError(f"CacheConfig.paged_read='pallas' needs a GPU backend and JAX's Pallas paged-attention "
+                       f"kernel; the backend is {jax.default_backend()!r}")
+    if read == "pallas_interpret" and pallas_kernel() is None:
+      raise ValueError("CacheConfig.paged_read='pallas_interpret' needs JAX's Pallas paged-attention kernel, "
+                       "which this JAX lacks")
+    if read != "gather" and config.is_latent:
+      raise ValueError(f"CacheConfig.paged_read={read!r} reads K/V pools; an MLA model's pages are read by 'gather'")
     memory.check_fits(f"a paged cache of {num_pages} pages x {page_size} tokens",
-                      memory.paged_cache_bytes(config, num_pages, page_size, batch, max_pages))
-    spec = layer_spec(config, num_pages, page_size)
+                      cls.pool_bytes(config, cache_config, num_pages, page_size, batch, max_pages))
+    spec = layer_spec(config, statics["codec"], num_pages, page_size)
     return cls(layers=cache_collection(config, lambda i: layer_arrays(spec)), lengths=jnp.zeros((batch,), jnp.int32),
-               page_table=jnp.zeros((batch, max_pages), jnp.int32), attention=attention)
+               page_table=jnp.zeros((batch, max_pages), jnp.int32), paged_read=read, **statics)
+
+  @classmethod
+  def rows(cls, config: ModelConfig, batch: int, max_len: int, cache_config: CacheConfig) -> "PagedCache":
+    """A cache of `batch` rows of max_len positions each, row b owning pages [1 + b*M, 1 + (b+1)*M)
+    of cache_config.page_size tokens (M = ceil(max_len / page_size)): what prefill and generate
+    make for layout="paged" (the engine allocates its pages itself)."""
+    check_positive_int(batch, "batch")
+    check_positive_int(max_len, "max_len")
+    cache_config.model(config).check_length(max_len, f"a cache of max_len={max_len} positions")
+    width = -(-max_len // cache_config.page_size)
+    empty = cls.create(config, 1 + batch * width, cache_config.page_size, batch, width, cache_config)
+    return empty.replace(page_table=jnp.arange(1, 1 + batch * width, dtype=jnp.int32).reshape(batch, width))
+
+  @classmethod
+  def pool_bytes(cls, config: ModelConfig, cache_config: CacheConfig, num_pages: int, page_size: int, batch: int,
+                 max_pages: int) -> int:
+    """Bytes of create(...): the page pools, the int32 page table and lengths."""
+    return num_pages * page_size * cls.sequence_bytes(config, cache_config, 1) + 4 * batch * (max_pages + 1)
+
+  @classmethod
+  def bytes_for(cls, config: ModelConfig, cache_config: CacheConfig, batch: int, max_len: int) -> int:
+    """Bytes of rows(config, batch, max_len, cache_config)."""
+    width = -(-max_len // cache_config.page_size)
+    return cls.pool_bytes(config, cache_config, 1 + batch * width, cache_config.page_size, batch, width)
 
   @property
   def num_pages(self) -> int:
@@ -170,7 +182,10 @@ class PagedCache(KVCache):
     return self.page_table.shape[1] * self.page_size
 
   def layer_spec(self, config: ModelConfig, layer: int = 0):
-    return layer_spec(config, self.num_pages, self.page_size)
+    return layer_spec(config, self.codec, self.num_pages, self.page_size)
+
+  def partition_rule(self, name: str) -> tuple:
+    return ("model",) if name == "layers" else ("data",)
 
   def with_rows(self, page_table, lengths) -> "PagedCache":
     """The same pools addressed by another batch of rows: page_table int[B', M'], lengths int[B']
@@ -196,22 +211,27 @@ class PagedCache(KVCache):
       raise ValueError(f"row {row} has no page for positions [{col * self.page_size}, "
                        f"{(col + 1) * self.page_size}): page_table[{row}, {col}] is the null page")
 
-  def write(self, stored, k, v, span: Span):
-    pages, slots = write_addresses(self.page_table, span, stored["k"].shape[2])
-    store = lambda pool, new: pool.at[:, pages, slots].set(jnp.swapaxes(new, 0, 1).astype(pool.dtype))  # [K, B, T, ...]
-    new = quant.encode(k, v, stored_format(stored))  # [B, K, T, ...]
-    return {name: store(stored[name], x) for name, x in new.items()}
+  def write(self, stored, new, span: Span):
+    page_size = next(iter(stored.values())).shape[2]  # inside the model the arrays are in `stored`, not layers
+    pages, slots = write_addresses(self.page_table, span, page_size)
+    # x [B, heads, T, ...] -> the pool's [heads, B, T, ...] at each column's page and slot.
+    return {name: stored[name].at[:, pages, slots].set(jnp.swapaxes(x, 0, 1).astype(stored[name].dtype))
+            for name, x in encode(self.codec, new).items()}
 
-  def read(self, stored, q, q_positions, span: Span, backend: Backend):
-    if q.shape[1] == 1 and not span.window.size:
-      if self.attention != "gather":
+  def read(self, stored, query, q_positions, span: Span, backend: Backend):
+    if q_positions.shape[1] == 1 and not span.window.size and query.kernel_query is not None:
+      q = query.kernel_query
+      if self.paged_read != "gather":
         return pallas_attend(q, stored["k"], stored["v"], self.page_table, q_positions[:, 0] + 1,
-                             interpret=self.attention == "pallas_interpret")
-      return backend.cache_attention(q, stored["k"], stored["v"], q_positions[:, 0], attend_pages,
-                                     page_table=self.page_table, **scales(stored))
-    k, v = gathered(stored["k"], stored["v"], self.page_table, **scales(stored))
-    mask = visible(q_positions, jnp.arange(k.shape[2])[None, :], span.window)  # [B, Tq, M*Z]
-    return attend(q, k, v, mask)
+                             interpret=self.paged_read == "pallas_interpret")
+      return backend.cache_attention(self.route, q, stored["k"], stored["v"], q_positions[:, 0],
+                                     functools.partial(attend_pages, codec=self.codec), page_table=self.page_table,
+                                     **self.scales(stored))
+    gathered = {name: gather(x, self.page_table) for name, x in stored.items()}  # [B, heads, M*Z, ...]
+    arrays = self.decoded(gathered, dict.fromkeys(self.fields, -1))
+    positions = jnp.arange(next(iter(gathered.values())).shape[2])[None, :]
+    mask = visible(q_positions, positions, span.window)  # [B, Tq, M*Z]
+    return query.attend(arrays, mask, absorb=self.absorb)
 
   def copy_pages(self, src, dst) -> "PagedCache":
     """Copies pages src[i] -> dst[i] in every pool (copy-on-write after a fork). src, dst int[C]."""

@@ -18,7 +18,8 @@ from typing import Any
 from jax.sharding import Mesh
 
 from kvjax import sharding
-from kvjax.config import ModelConfig, apply_overrides
+from kvjax.config import ModelConfig
+from kvjax.fields import apply_overrides
 
 SET_HELP = ("override config fields (Python literals, checked against the field's type); several per "
             "--set, and --set repeats, e.g. --set model.num_kv_heads=2 train.steps=10")

@@ -30,7 +30,7 @@ from types import ModuleType
 from typing import Any, Callable, ContextManager
 
 from kvjax.cli import options
-from kvjax.config import apply_overrides, config_keys, to_dict
+from kvjax.fields import apply_overrides, config_keys, to_dict
 from kvjax.training import checkpoint, train
 from kvjax.training.config import TrainRun
 from kvjax.training import workdir as workdirs

@@ -29,7 +29,8 @@ from jax import lax
 from kvjax import memory, sharding
 from kvjax.cache.base import KVCache
 from kvjax.cache import kinds
-from kvjax.config import check_positive_int
+from kvjax.cache.config import CacheConfig
+from kvjax.fields import check_positive_int
 from kvjax.decoding.sampling import Sampling, sample
 from kvjax.kernels import attention as attention_kernel
 from kvjax.kernels import build, matmul
@@ -97,7 +98,7 @@ def check_cache(model: Transformer, cache, new_lengths: np.ndarray) -> None:
   cache.check_room(new_lengths)
   ends = np.asarray(cache.lengths) + new_lengths
   row = int(np.argmax(ends))
-  model.config.check_length(int(ends[row]), f"row {row} would hold {int(ends[row])} tokens")
+  cache.model_config(model.config).check_length(int(ends[row]), f"row {row} would hold {int(ends[row])} tokens")
 
 
 def forward(model: Transformer, params, cache: KVCache, tokens, lengths, *, last: bool = False,
@@ -146,19 +147,20 @@ def extend(model: Transformer, params, cache: KVCache, tokens, lengths, *, logit
                   last=logits == "last", from_empty=from_empty)
 
 
-def prefill(model: Transformer, params, tokens, lengths, max_len: int, *, logits: str = "all", mesh=None):
-  """Runs right-padded prompts through the model into a new contiguous cache of max_len positions
-  per row (at most ModelConfig.max_positions): `extend` on an empty ContiguousCache (a LatentCache
-  for an MLA model, kvjax.cache.kinds).
+def prefill(model: Transformer, params, tokens, lengths, max_len: int, *, logits: str = "all", mesh=None,
+            cache_config: CacheConfig = CacheConfig()):
+  """Runs right-padded prompts through the model into a new cache of `cache_config` (default:
+  contiguous, in the model's dtype) of max_len positions per row (at most
+  ModelConfig.max_positions): `extend` on an empty cache (kvjax.cache.kinds.create).
 
   tokens int[B, T], lengths int[B] each in [1, T]; see `extend` for `logits`.
   """
   check_positive_int(max_len, "max_len")
   tokens, lengths = check_tokens(model, tokens, lengths)
-  model.config.check_length(max_len, f"cache length max_len={max_len}")
+  cache_config.model(model.config).check_length(max_len, f"cache length max_len={max_len}")
   if tokens.shape[1] > max_len:
     raise ValueError(f"prompt of {tokens.shape[1]} tokens does not fit the cache length max_len={max_len}")
-  cache = kinds.contiguous(model.config).create(model.config, tokens.shape[0], max_len)
+  cache = kinds.create(model.config, cache_config, tokens.shape[0], max_len)
   return extend(model, params, cache, tokens, lengths, logits=logits, mesh=mesh)
 
 
@@ -192,10 +194,10 @@ class DecodeState:
   rng: jax.Array
 
 
-@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "max_len"))
-def _generate(model, params, prompts, lengths, rng, sampling, stop_ids, max_new_tokens, max_len):
+@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "max_len", "cache_config"))
+def _generate(model, params, prompts, lengths, rng, sampling, stop_ids, max_new_tokens, max_len, cache_config):
   batch = prompts.shape[0]
-  cache = kinds.contiguous(model.config).create(model.config, batch, max_len)
+  cache = kinds.create(model.config, cache_config, batch, max_len)
   logits, cache = forward(model, params, cache, prompts, lengths, last=True, from_empty=True)
   rng, key = jax.random.split(rng)
   first = sample(logits, key, sampling)
@@ -230,7 +232,8 @@ def size_bucket(n: int, limit: int, floor: int = 16) -> int:
 
 def generate(model: Transformer, params, prompts, lengths, max_new_tokens: int, *,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-             stop_ids: Sequence[int] | int = (), rng: jax.Array | None = None, mesh=None) -> jax.Array:
+             stop_ids: Sequence[int] | int = (), rng: jax.Array | None = None, mesh=None,
+             cache_config: CacheConfig = CacheConfig()) -> jax.Array:
   """Prefill, then the whole decode loop in one jitted lax.while_loop.
 
   Args:
@@ -240,11 +243,12 @@ def generate(model: Transformer, params, prompts, lengths, max_new_tokens: int, 
     stop_ids: a row stops after producing any of these token ids (a tokenizer's eos and
       end-of-turn tokens, kvjax.interop.tokenizer.TextTokenizer.stop_ids); its later positions
       repeat that stop token (`until_stop` cuts them). The loop ends when every row has stopped.
+    cache_config: the KV cache's layout, codec and windows (kvjax.cache.config).
   Returns:
     int32[B, max_new_tokens].
   Compiles once per (batch, prompt bucket, max_new_tokens); sampling settings are traced.
   """
-  cfg = model.config
+  cfg = cache_config.model(model.config)
   check_positive_int(max_new_tokens, "max_new_tokens")
   prompts, lengths = check_tokens(model, prompts, lengths)
   longest = int(lengths.max())
@@ -256,13 +260,13 @@ def generate(model: Transformer, params, prompts, lengths, max_new_tokens: int, 
   padded = np.zeros((prompts.shape[0], bucket), np.int32)
   padded[:, :longest] = prompts[:, :longest]
   max_len = bucket + max_new_tokens - 1
-  memory.check_fits("generation", {"KV cache": memory.contiguous_cache_bytes(cfg, prompts.shape[0], max_len),
+  memory.check_fits("generation", {"KV cache": kinds.cache_bytes(model.config, cache_config, prompts.shape[0], max_len),
                                    "prefill": memory.forward_bytes(cfg, prompts.shape[0], bucket)},
                     devices=None if mesh is None else list(mesh.devices.flat))
   rng = jax.random.key(0) if rng is None else rng
   params, (padded, lengths) = sharding.place(mesh, params, padded, lengths)
   return _generate(for_decoding(model, mesh), params, padded, lengths, rng, sampling,
-                   jnp.asarray(stop_ids, jnp.int32), max_new_tokens, max_len)
+                   jnp.asarray(stop_ids, jnp.int32), max_new_tokens, max_len, cache_config)
 
 
 def check_stop_ids(stop_ids: Sequence[int] | int, vocab_size: int) -> tuple[int, ...]:

@@ -17,7 +17,7 @@ from typing import Callable, Iterator, Sequence
 import jax
 import numpy as np
 
-from kvjax.config import check_positive_int
+from kvjax.fields import check_positive_int
 from kvjax.decoding.decode import check_stop_ids, check_tokens, decode_step, prefill, size_bucket
 from kvjax.decoding.sampling import Sampling, sample
 from kvjax.model.transformer import Transformer

@@ -30,8 +30,8 @@ import math
 import re
 from pathlib import Path
 
-from kvjax.config import (CACHE_DTYPES, DTYPES, ModelConfig, cache_bytes_per_head, cache_stored_dtype,
-                          cached_positions, check_nonnegative, check_positive, check_positive_int, from_dict)
+from kvjax.config import DTYPES, ModelConfig, cached_positions
+from kvjax.fields import CACHE_DTYPES, cache_bytes_per_head, cache_stored_dtype, check_nonnegative, check_positive, check_positive_int, from_dict
 from kvjax.interop.hf_files import read_hf_config
 from kvjax.interop.gguf_file import is_gguf
 from kvjax.interop.importer import NAMED_MODELS, config_from_hf, read_config

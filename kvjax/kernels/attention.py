@@ -2,10 +2,10 @@
 
 The kernel reads only each row's valid positions, in place, where XLA's masked attention reads
 the whole buffer (and over pages, a gathered copy of it). `cache_attention` is the route a decode
-backend plugs in (kvjax.model.backend); it takes a cache kind's storage as it is, by the keyword
-arrays the kind passes (its addressing):
+backend plugs in (kvjax.model.backend); the cache kind names its storage by a route
+(layout, codec) and passes it as it is, with its addressing arrays:
 
-  storage              k_cache, v_cache                                   addressing
+  route                k_cache, v_cache                                   addressing
   contiguous float32   [B, K, H, S], [B, K, S, H]                          none
   contiguous int8      the same in int8                                    k_scale, v_scale float32[B, K, S]
   paged float32        page pools [K, P, Z, H]                             page_table int32[B, M]
@@ -27,31 +27,32 @@ import jax.numpy as jnp
 
 from kvjax.kernels import build
 
-# (paged, int8) -> the kernel's FFI target.
-TARGETS = {(False, False): "kvjax_decode_attention", (False, True): "kvjax_decode_attention_int8",
-           (True, False): "kvjax_paged_attention", (True, True): "kvjax_paged_attention_int8"}
-TARGET = TARGETS[False, False]
+# The cache kinds' routes (layout, codec) -> the kernel's FFI target.
+TARGETS = {("contiguous", "float32"): "kvjax_decode_attention", ("contiguous", "int8"): "kvjax_decode_attention_int8",
+           ("paged", "float32"): "kvjax_paged_attention", ("paged", "int8"): "kvjax_paged_attention_int8"}
+TARGET = TARGETS["contiguous", "float32"]
 # The kernel addresses a page pool with int32 offsets: pools of this many entries or more stay with XLA.
 MAX_POOL_ENTRIES = 2 ** 31 - 4
 # The addressing arrays in the kernel's operand order (after q, k_cache, v_cache).
 ADDRESSING = ("k_scale", "v_scale", "page_table")
 
 
-def uses_kernel(compute_dtype, kv_dtype=jnp.float32) -> bool:
-  """Whether `cache_attention` of `compute_dtype` queries over a cache storing `kv_dtype` (a cache
-  kind's own layout: ModelConfig.compute_dtype and kv_dtype) runs in the CPU kernel: float32
-  queries over a float32 or int8 cache (whose kind passes its scales) on a single CPU device."""
-  return (jnp.dtype(compute_dtype) == jnp.float32 and jnp.dtype(kv_dtype) in (jnp.float32, jnp.int8)
-          and build.single_cpu() and build.available("attention"))
+def uses_kernel(compute_dtype, route: tuple[str, str]) -> bool:
+  """Whether `cache_attention` of `compute_dtype` queries over a cache kind's `route` (KVCache.route)
+  runs in the CPU kernel: float32 queries over a float32 or int8 cache on a single CPU device."""
+  return (jnp.dtype(compute_dtype) == jnp.float32 and route in TARGETS and build.single_cpu()
+          and build.available("attention"))
 
 
-def kernel_layout(q, k_cache, v_cache, addressing: dict) -> tuple[bool, bool] | None:
-  """(paged, int8) when the operands are one of the kernel's storages (names, dtypes and shapes
-  as in the module docstring), else None."""
-  names = set(addressing)
-  if names not in (set(), {"k_scale", "v_scale"}, {"page_table"}, {"k_scale", "v_scale", "page_table"}):
+def kernel_layout(route, q, k_cache, v_cache, addressing: dict) -> tuple[bool, bool] | None:
+  """(paged, int8) when `route` is one of the kernel's and the operands are as the module
+  docstring says it stores them (names, dtypes and shapes), else None."""
+  if route not in TARGETS:
     return None
-  paged, int8 = "page_table" in names, "k_scale" in names
+  paged, int8 = route[0] == "paged", route[1] == "int8"
+  want = ({"k_scale", "v_scale"} if int8 else set()) | ({"page_table"} if paged else set())
+  if set(addressing) != want:
+    return None
   stored = jnp.int8 if int8 else jnp.float32
   if q.dtype != jnp.float32 or k_cache.dtype != stored or v_cache.dtype != stored or q.ndim != 4 or k_cache.ndim != 4:
     return None
@@ -74,22 +75,24 @@ def kernel_layout(q, k_cache, v_cache, addressing: dict) -> tuple[bool, bool] | 
   return paged, int8
 
 
-def kernel_target(q, k_cache, v_cache, addressing: dict) -> str | None:
+def kernel_target(route, q, k_cache, v_cache, addressing: dict) -> str | None:
   """The kernel's FFI target for these operands, or None where they stay with XLA."""
-  layout = kernel_layout(q, k_cache, v_cache, addressing)
-  if layout is None or not (build.single_cpu() and build.available("attention")):
+  if kernel_layout(route, q, k_cache, v_cache, addressing) is None:
     return None
-  return TARGETS[layout]
+  if not (build.single_cpu() and build.available("attention")):
+    return None
+  return TARGETS[route]
 
 
-def cache_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array,
-                    xla: Callable, **addressing) -> jax.Array:
-  """q [B, 1, N, H] (rotated), a cache's k_cache and v_cache and its addressing arrays (see the
-  module docstring), lengths int32[B]: row b reads positions [0, lengths[b]] -> [B, 1, N, H].
-  `xla(q, k_cache, v_cache, lengths, **addressing)` is the same computation in XLA."""
+def cache_attention(route: tuple[str, str], q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                    lengths: jax.Array, xla: Callable, **addressing) -> jax.Array:
+  """q [B, 1, N, H] (rotated), a cache's k_cache and v_cache and its addressing arrays as its
+  route (layout, codec) says (module docstring), lengths int32[B]: row b reads positions
+  [0, lengths[b]] -> [B, 1, N, H]. `xla(q, k_cache, v_cache, lengths, **addressing)` is the same
+  computation in XLA."""
   if q.shape[1] != 1:
     raise ValueError(f"cache_attention takes one query token per row, got q of shape {q.shape}")
-  target = kernel_target(q, k_cache, v_cache, addressing)
+  target = kernel_target(route, q, k_cache, v_cache, addressing)
   if target is None:
     return xla(q, k_cache, v_cache, lengths, **addressing)
   names = [n for n in ADDRESSING if n in addressing]

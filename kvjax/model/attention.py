@@ -8,13 +8,15 @@ Query head n reads kv head n // G (contiguous groups); `kv_head_of` is that rule
 everything that groups heads (attention, conversion, sharding) goes through it.
 
 Attention projects queries and this call's keys and values, then hands them to the cache kind
-it is given (kvjax.cache): the kind stores what it keeps of the new K/V in the Flax 'cache'
-collection and decides how the queries read it. `NoCache`, the kind of a plain forward pass
-(training, evaluation), keeps nothing.
+it is given (kvjax.cache) as a payload: the arrays it declares per token (`Field`; {k, v} here,
+{latent, rope_key} for MLA, kvjax.model.mla) and a query object that knows how to read them. The
+kind stores what it keeps in the Flax 'cache' collection and hands the query what it reads.
+`NoCache`, the kind of a plain forward pass (training, evaluation), keeps nothing.
 
 Which keys a query reads is decided in one place, `visible`: causal, and within a windowed
-layer's sliding window and sinks (`Window`). Each Attention knows its layer's window and hands it
-to the cache kind on the Span (`span.window`), so every kind masks as training does.
+layer's sliding window and sinks (`Window`). Each Attention asks the cache kind for its layer's
+window (the model's, or the one the cache was made with) and puts it on the Span
+(`span.window`), so every kind masks alike.
 """
 
 from __future__ import annotations
@@ -76,6 +78,40 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
   # (prefill, training) the swapped form is the faster one.
   spec = "bkgts,bksh->bkgth" if t == 1 else "bkgts,bksh->btkgh"
   return jnp.einsum(spec, probs, v).reshape(b, t, n, h)
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+  """One array a layer's attention hands its cache per token: `heads` vectors of `width`.
+  transposed: read as the right operand of the scores, so a contiguous cache stores it
+  [B, heads, width, S] (kvjax.cache.contiguous)."""
+
+  heads: int
+  width: int
+  transposed: bool = False
+
+
+def kv_payload(config: ModelConfig) -> dict[str, Field]:
+  """What an Attention layer caches per token: k and v, num_kv_heads vectors of head_dim."""
+  return {"k": Field(config.num_kv_heads, config.head_dim, transposed=True),
+          "v": Field(config.num_kv_heads, config.head_dim)}
+
+
+@flax.struct.dataclass
+class KVQuery:
+  """Queries q [B, Tq, N, H] (rotated) of an Attention layer, as its cache kind reads them."""
+
+  q: jax.Array
+
+  @property
+  def kernel_query(self) -> jax.Array:
+    """The queries a decode kernel takes (backend.cache_attention)."""
+    return self.q
+
+  def attend(self, arrays: dict, mask: jax.Array, *, transposed: bool = False, absorb: bool = False) -> jax.Array:
+    """Reads k and v [B, K, S, H] (k [B, K, H, S] when `transposed`) under mask bool [B, Tq, S]
+    -> [B, Tq, N, H]."""
+    return attend(self.q, arrays["k"], arrays["v"], mask, k_transposed=transposed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,16 +179,15 @@ def new_keys_mask(q_positions: jax.Array, span: Span) -> jax.Array:
 
 
 class NoCache:
-  """The cache kind of a plain forward pass: stores nothing; queries read this call's keys."""
+  """The cache kind of a plain forward pass: stores nothing; queries read this call's payload."""
 
-  def attend(self, stored, q, q_positions, k, v, span: Span, backend: Backend):
-    """(stored {}, q [B, Tq, N, H], q_positions int[B, Tq], k and v [B, K, T, H]) -> ({}, [B, Tq, N, H])."""
-    return stored, attend(q, k, v, new_keys_mask(q_positions, span))
+  def layer_window(self, config: ModelConfig, layer: int) -> Window:
+    return Window.of_layer(config, layer)
 
-  def attend_latent(self, stored, query, q_positions, latent, rope_key, span: Span, backend: Backend):
-    """MLA (kvjax.model.mla): query (a LatentQuery) reads this call's latent [B, T, R] and
-    rope_key [B, T, K*W] in the expanded form -> ({}, [B, Tq, N, H])."""
-    return stored, query.expanded(latent, rope_key, new_keys_mask(q_positions, span))
+  def attend(self, stored, query, q_positions, new: dict, span: Span, backend: Backend):
+    """(stored {}, query (KVQuery, LatentQuery) at q_positions int[B, Tq], new {name: [B, heads,
+    T, width]}) -> ({}, [B, Tq, N, H])."""
+    return stored, query.attend(new, new_keys_mask(q_positions, span))
 
 
 NO_CACHE = NoCache()
@@ -203,14 +238,20 @@ class Attention(nn.Module):
   def __call__(self, x: jax.Array, span: Span, cache=NO_CACHE, outputs_at: jax.Array | None = None) -> jax.Array:
     """x [B, T, D] -> [B, T, D]; with outputs_at int[B, T'] only those columns' queries attend
     (every column's K/V are still stored) -> [B, T', D]."""
-    span = span.replace(window=Window.of_layer(self.config, self.layer))
+    span = span.replace(window=cache.layer_window(self.config, self.layer))
     k, v = self.key_value(x, span.positions)
     positions = span.positions
     if outputs_at is not None:
       x, positions = take_rows(x, outputs_at), take_rows(positions, outputs_at)
-    q = self.query(x, positions)
-    stored = dict(self.variables.get("cache", {}))
-    stored, out = cache.attend(stored, q, positions, k, v, span, self.backend)
-    for name, value in stored.items():
-      self.put_variable("cache", name, value)
-    return self.out(out)
+    query = KVQuery(self.query(x, positions))
+    return self.out(cached_attention(self, cache, query, positions, {"k": k, "v": v}, span))
+
+
+def cached_attention(module: nn.Module, cache, query, q_positions, new: dict, span: Span) -> jax.Array:
+  """What every attention module does with its cache: hands it the payload and the query and
+  keeps what it stores in the module's 'cache' collection -> [B, Tq, N, H]."""
+  stored = dict(module.variables.get("cache", {}))
+  stored, out = cache.attend(stored, query, q_positions, new, span, module.backend)
+  for name, value in stored.items():
+    module.put_variable("cache", name, value)
+  return out

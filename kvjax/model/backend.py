@@ -15,7 +15,7 @@ from typing import Callable
 from jax import lax
 
 
-def xla_cache_attention(q, k_cache, v_cache, lengths, xla: Callable, **addressing):
+def xla_cache_attention(route, q, k_cache, v_cache, lengths, xla: Callable, **addressing):
   """The default route of one-token attention over a cache: XLA's computation, `xla`, as it is."""
   return xla(q, k_cache, v_cache, lengths, **addressing)
 
@@ -25,13 +25,14 @@ class Backend:
   """Routes for the products a forward pass computes. Hashable: it is part of the jitted model.
 
   dot_general: every Dense layer's product (lax.dot_general's signature).
-  cache_attention: (q [B, 1, N, H], k_cache [B, K, H, S], v_cache [B, K, S, H], lengths int32[B],
-    xla, **addressing) -> [B, 1, N, H], one query token per row reading positions [0, lengths[b]];
-    `xla` is the reference computation with the same signature, which a route may fall back to
-    (at lowering time, on another platform, or for dtypes or addressing it does not take).
-    Keyword arrays a cache kind may add: page_table int32[B, M] (then k_cache and v_cache are
-    page pools [K, P, Z, H], kvjax.cache.paged), k_scale and v_scale float32 (a quantized
-    cache's scales: k_cache's and v_cache's shapes without the head axis H).
+  cache_attention: (route, q [B, 1, N, H], k_cache, v_cache, lengths int32[B], xla, **addressing)
+    -> [B, 1, N, H], one query token per row reading positions [0, lengths[b]] of a K/V cache.
+    `route` is what the cache kind says it is: (layout, codec name), e.g. ("contiguous", "int8")
+    with k_cache [B, K, H, S] and v_cache [B, K, S, H] (kvjax.cache.contiguous) or ("paged",
+    "float32") with page pools [K, P, Z, H] and the keyword page_table int32[B, M]
+    (kvjax.cache.paged); a quantized codec adds its scales as k_scale and v_scale. `xla` is the
+    reference computation (xla(q, k_cache, v_cache, lengths, **addressing)), which a route falls
+    back to for what it does not take.
   """
 
   dot_general: Callable = lax.dot_general

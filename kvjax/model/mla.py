@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.config import ModelConfig
-from kvjax.model.attention import NEG_INF, NO_CACHE, Span, take_rows
+from kvjax.model.attention import NEG_INF, NO_CACHE, Field, Span, cached_attention, take_rows
 from kvjax.model.backend import XLA, Backend
 from kvjax.model.rope import apply_rope, frequencies
 
@@ -48,6 +48,15 @@ def rope_frequencies(config: ModelConfig, layer: int) -> np.ndarray:
   return frequencies(config.rope_theta, config.head_dim, config.rope_scaling)[index]
 
 
+def latent_payload(config: ModelConfig) -> dict[str, Field]:
+  """What an MLA layer caches per token: the latent [R] and, with RoPE, the rotary key [rope_dims],
+  one of each whatever the number of heads (one "head" in the cache's layout)."""
+  payload = {"latent": Field(1, config.kv_latent_rank)}
+  if config.rope_dims:
+    payload["rope_key"] = Field(1, config.rope_dims)
+  return payload
+
+
 @flax.struct.dataclass
 class LatentQuery:
   """What an MLA layer hands its cache kind: the queries and the up-projections they need.
@@ -60,6 +69,18 @@ class LatentQuery:
   rope: jax.Array
   k_up: jax.Array
   v_up: jax.Array
+
+  @property
+  def kernel_query(self) -> None:
+    """No decode kernel reads latents: every read is the absorbed (or expanded) form."""
+    return None
+
+  def attend(self, arrays: dict, mask: jax.Array, *, transposed: bool = False, absorb: bool = False) -> jax.Array:
+    """Reads the latent [B, 1, S, R] and rope_key [B, 1, S, K*W] a cache holds (or this call's)
+    under mask bool [B, Tq, S], absorbed or expanded -> [B, Tq, N, H]."""
+    latent = arrays["latent"][:, 0]
+    rope_key = arrays["rope_key"][:, 0] if "rope_key" in arrays else jnp.zeros(latent.shape[:2] + (0,), latent.dtype)
+    return (self.absorbed if absorb else self.expanded)(latent, rope_key, mask)
 
   def _rope_scores(self, rope: jax.Array, rope_key: jax.Array) -> jax.Array:
     """One row: rope [Tq, N, W] against rope_key [S, K*W] -> [N, Tq, S] (query head n against
@@ -112,8 +133,8 @@ class LatentQuery:
 
 
 class LatentAttention(nn.Module):
-  """MLA over whatever latent cache kind it is given: `cache.attend_latent(stored, query,
-  q_positions, latent, rope_key, span, backend)` (NoCache reads this call's latents expanded)."""
+  """MLA over whatever cache kind it is given, which stores `latent_payload` (NoCache reads this
+  call's latents expanded)."""
 
   config: ModelConfig
   layer: int = 0
@@ -159,13 +180,12 @@ class LatentAttention(nn.Module):
 
   def __call__(self, x: jax.Array, span: Span, cache=NO_CACHE, outputs_at: jax.Array | None = None) -> jax.Array:
     """x [B, T, D] -> [B, T, D], or [B, T', D] at the columns outputs_at int[B, T']."""
+    span = span.replace(window=cache.layer_window(self.config, self.layer))
     latent, rope_key = self.latent(x, span.positions)
     positions = span.positions
     if outputs_at is not None:
       x, positions = take_rows(x, outputs_at), take_rows(positions, outputs_at)
-    query = self.query(x, positions)
-    stored = dict(self.variables.get("cache", {}))
-    stored, out = cache.attend_latent(stored, query, positions, latent, rope_key, span, self.backend)
-    for name, value in stored.items():
-      self.put_variable("cache", name, value)
-    return self.out(out)
+    new = {"latent": latent[:, None]}  # [B, 1, T, R]: one "head"
+    if self.config.rope_dims:
+      new["rope_key"] = rope_key[:, None]
+    return self.out(cached_attention(self, cache, self.query(x, positions), positions, new, span))

@@ -6,6 +6,8 @@ structure, shapes and dtypes but none of its values; they all take them from `ab
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Any
 
 import jax
@@ -19,6 +21,12 @@ def abstract_params(config: ModelConfig) -> Any:
   """The 'params' tree of Transformer(config) as jax.ShapeDtypeStructs; nothing is allocated."""
   tokens = jnp.zeros((1, 1), jnp.int32)  # [B, T]: init's parameter shapes do not depend on them
   return jax.eval_shape(lambda: Transformer(config).init(jax.random.key(0), tokens))["params"]
+
+
+@functools.cache
+def param_count(config: ModelConfig) -> int:
+  """Weights of Transformer(config): the one count kvjax has (memory budgets, the planner, reports)."""
+  return sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_params(config)))
 
 
 def param_signature(params: Any) -> dict[str, tuple[tuple[int, ...], str]]:

@@ -22,15 +22,20 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.config import ModelConfig
-from kvjax.model.attention import NO_CACHE, Attention, Span, take_rows
+from kvjax.model.attention import NO_CACHE, Attention, Field, Span, kv_payload, take_rows
 from kvjax.model.backend import XLA, Backend
-from kvjax.model.mla import LatentAttention
+from kvjax.model.mla import LatentAttention, latent_payload
 
 
 def make_norm(cfg: ModelConfig, name: str) -> nn.Module:
   if cfg.norm == "rmsnorm":
     return nn.RMSNorm(epsilon=cfg.norm_eps, dtype=cfg.compute_dtype, name=name)
   return nn.LayerNorm(epsilon=cfg.norm_eps, dtype=cfg.compute_dtype, name=name)
+
+
+def cache_payload(config: ModelConfig) -> dict[str, Field]:
+  """What each layer's attention hands its cache per token (kvjax.model.attention.Field)."""
+  return latent_payload(config) if config.is_latent else kv_payload(config)
 
 
 def cache_collection(config: ModelConfig, layer: Callable[[int], dict]) -> dict:

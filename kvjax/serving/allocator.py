@@ -19,7 +19,7 @@ from collections.abc import Hashable, Iterable
 import numpy as np
 
 from kvjax.cache.pages import NULL_PAGE
-from kvjax.config import check_positive_int
+from kvjax.fields import check_positive_int
 
 
 class OutOfPages(RuntimeError):

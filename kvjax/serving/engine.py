@@ -27,9 +27,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache import kinds
-from kvjax.cache.paged import ATTENTION_IMPLS
-from kvjax.config import check_choice, check_positive, check_positive_int
+from kvjax.cache.paged import PagedCache
+from kvjax.cache.config import CacheConfig
+from kvjax.fields import check_choice, check_positive, check_positive_int
 from kvjax.decoding.decode import for_decoding, forward, size_bucket
 from kvjax.decoding.sampling import Sampling, sample
 from kvjax.model.transformer import Transformer
@@ -42,26 +42,28 @@ GREEDY = (0.0, 0, 1.0)
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-  """num_pages counts the null page, so num_pages - 1 pages of page_size tokens hold KV.
-  max_len (longest context, prompt + generated) defaults to ModelConfig.max_len."""
+  """num_pages counts the null page, so num_pages - 1 pages of cache.page_size tokens hold KV.
+  max_len (longest context, prompt + generated) defaults to ModelConfig.max_len. cache is the
+  paged cache's codec, page size and read (kvjax.cache.config; its layout must be "paged")."""
 
   num_slots: int = 8
   num_pages: int = 257
-  page_size: int = 16
   max_len: int | None = None
   allocation: str = "paged"
-  attention: str = "gather"  # kvjax.cache.paged.ATTENTION_IMPLS: "pallas" is JAX's GPU kernel
+  cache: CacheConfig = CacheConfig(layout="paged")
   stop_ids: tuple[int, ...] = ()  # a request finishes after any of these tokens (the tokenizer's stop_ids)
   seed: int = 0
 
   def __post_init__(self):
-    check_positive(self, "num_slots", "num_pages", "page_size")
+    check_positive(self, "num_slots", "num_pages")
+    if not isinstance(self.cache, CacheConfig) or self.cache.layout != "paged":
+      raise ValueError(f"EngineConfig.cache must be a CacheConfig with layout='paged' (the engine allocates "
+                       f"pages), got {self.cache!r}")
     if self.max_len is not None:
       check_positive(self, "max_len")
     if self.num_pages < 2:
       raise ValueError(f"EngineConfig.num_pages={self.num_pages} leaves no page besides the null page")
     check_choice(self, "allocation", ALLOCATIONS)
-    check_choice(self, "attention", ATTENTION_IMPLS)
     if isinstance(self.seed, bool) or not isinstance(self.seed, int):
       raise ValueError(f"EngineConfig.seed must be an integer, got {self.seed!r}")
     if not isinstance(self.stop_ids, (tuple, list)) or any(
@@ -140,13 +142,10 @@ class Engine:
     self.max_len = config.max_len or cfg.max_len
     if self.max_len > cfg.max_len:
       raise ValueError(f"EngineConfig.max_len={self.max_len} exceeds ModelConfig.max_len={cfg.max_len}")
-    self.allocator = PageAllocator(config.num_pages, config.page_size)
+    self.allocator = PageAllocator(config.num_pages, config.cache.page_size)
     self.max_pages = self.allocator.pages_for(self.max_len)
-    try:
-      self.cache = kinds.paged(cfg).create(cfg, config.num_pages, config.page_size, config.num_slots, self.max_pages,
-                                     attention=config.attention)
-    except ValueError as err:
-      raise ValueError(f"EngineConfig.attention={config.attention!r}: {err}") from None
+    self.cache = PagedCache.create(cfg, config.num_pages, config.cache.page_size, config.num_slots, self.max_pages,
+                                   config.cache)
     self.waiting: list[Request] = []  # by id: preempted requests go back in arrival order
     self.slots: list[Request | None] = [None] * config.num_slots
     self.finished: dict[int, Request] = {}
@@ -222,7 +221,7 @@ class Engine:
       self._run_decode([None] * self.config.num_slots, width)
       if width >= self.max_pages:
         break
-      width = self._width(width * self.config.page_size + 1)
+      width = self._width(width * self.config.cache.page_size + 1)
 
   # Memory policy.
 

@@ -34,7 +34,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from kvjax import sharding
-from kvjax.config import ModelConfig, from_dict
+from kvjax.config import ModelConfig
+from kvjax.fields import from_dict
 from kvjax.model.params import abstract_params, check_params
 from kvjax.model.transformer import Transformer
 from kvjax.training import workdir as workdirs

@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from kvjax.config import (ModelConfig, apply_overrides, check_choice, check_nonnegative,
-                          check_positive, check_real, config_keys, from_dict, to_dict)
+from kvjax.config import ModelConfig
+from kvjax.fields import apply_overrides, check_choice, check_nonnegative, check_positive, check_real, config_keys, from_dict, to_dict
 from kvjax.sharding import parse_mesh
 
 __all__ = ["DataConfig", "TrainConfig", "TrainRun", "apply_overrides", "config_keys", "from_dict",

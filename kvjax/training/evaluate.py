@@ -26,7 +26,7 @@ from jax.sharding import Mesh
 from kvjax import sharding
 from kvjax.training.checkpoint import latest_step, load_model, read_meta
 from kvjax.cache.contiguous import ContiguousCache
-from kvjax.config import from_dict
+from kvjax.fields import from_dict
 from kvjax.decoding.decode import forward
 from kvjax.training.data import PROSE, Dataset, eval_batches, load_dataset
 from kvjax.interop.tokenizer import TextTokenizer

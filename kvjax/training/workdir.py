@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterator
 import jax
 import numpy as np
 
-from kvjax.config import to_dict
+from kvjax.fields import to_dict
 
 MARKER = "kvjax-workdir.json"
 LOCK = "kvjax-workdir.lock"

@@ -16,7 +16,7 @@ import kvjax
 from kvjax import memory
 from kvjax.cache import quant
 from kvjax.cache.contiguous import dequantized
-from kvjax.config import CACHE_DTYPES, QUANTIZED_CACHE_DTYPES, cache_bytes_per_head
+from kvjax.fields import CACHE_DTYPES, QUANTIZED_CACHE_DTYPES, cache_bytes_per_head
 from kvjax.interop import kv_size
 from kvjax.model.transformer import cache_collection, cache_layers
 from conftest import init_params, tiny_config

@@ -16,7 +16,7 @@ from conftest import init_params, tiny_config
 from kvjax import memory
 from kvjax.cache import quant
 from kvjax.model import attention
-from kvjax.config import apply_overrides
+from kvjax.fields import apply_overrides
 from kvjax.model.attention import Window, visible
 
 PAGE_SIZE, MAX_PAGES, NUM_PAGES = 4, 10, 34

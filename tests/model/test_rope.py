@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.config import RopeScaling, apply_overrides, from_dict, to_dict
+from kvjax.config import RopeScaling
+from kvjax.fields import apply_overrides, from_dict, to_dict
 from kvjax.interop.importer import config_from_hf, from_hf
 from kvjax.interop.hf_export import export_hf
 from kvjax.model.mla import rope_frequencies

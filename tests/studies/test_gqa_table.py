@@ -66,7 +66,7 @@ def test_stages_recorded_before_new_fields_still_read(tmp_path):
   """A stages.json written before ModelConfig.window / sink_tokens and GqaStudy.mla_rows existed
   (runs/gqa_cpu's) is the same study: those fields take their defaults, mla_rows selects stages."""
   from kvjax.cli.run import load_config
-  from kvjax.config import to_dict
+  from kvjax.fields import to_dict
   from kvjax.studies import gqa as gs
   from kvjax.training.workdir import claim_study
   study = load_config(ROOT / "configs/gqa_table/cpu.py")

@@ -26,7 +26,8 @@ import pytest
 from kvjax.training import checkpoint
 from kvjax.cli import main as cli
 from kvjax.training import train
-from kvjax.config import ModelConfig, apply_overrides, to_dict
+from kvjax.config import ModelConfig
+from kvjax.fields import apply_overrides, to_dict
 from kvjax.training.data import eval_batches, load_dataset
 from kvjax.model.transformer import Transformer
 from kvjax.training.config import DataConfig, TrainConfig, TrainRun

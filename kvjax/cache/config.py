@@ -1,0 +1,87 @@
+"""CacheConfig: the runtime choices of a KV cache, apart from the network (ModelConfig).
+
+The same trained model can be decoded through caches of several layouts and codecs; the
+commands that decode take them as `--set cache.dtype=int8`, `--set cache.layout=paged`, ...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvjax.cache import codec as codecs
+from kvjax.fields import check_choice, check_nonnegative, check_positive
+from kvjax.config import ModelConfig
+from kvjax.model.transformer import cache_payload
+
+LAYOUTS = ("contiguous", "paged")
+PAGED_READS = ("gather", "pallas", "pallas_interpret")
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+  """How a KV cache stores what the model's attention hands it.
+
+  layout: "contiguous" (each row preallocates its positions; a sliding-window layer keeps a ring
+    of window + sinks slots) or "paged" (page pools shared by the rows, kvjax.cache.paged).
+  dtype: the codec (kvjax.cache.codec): a float dtype, "int8", "int4" or "float8_e4m3fn"; None
+    stores the model's compute dtype.
+  page_size: tokens per page of a paged cache.
+  paged_read: how a paged decode step reads its pages ("gather"; "pallas" is JAX's GPU kernel,
+    "pallas_interpret" the same kernel interpreted on the CPU).
+  window, sink_tokens: a sliding-window pattern and sinks to decode with in place of the model's
+    (ModelConfig.window, sink_tokens; StreamingLLM on a model trained with full attention); None
+    keeps the model's.
+  absorb: an MLA model's cache is read in the absorbed form (kvjax.model.mla); False reads it
+    expanded, the form the tests compare with.
+  """
+
+  layout: str = "contiguous"
+  dtype: str | None = None
+  page_size: int = 16
+  paged_read: str = "gather"
+  window: tuple[int, ...] | None = None
+  sink_tokens: int | None = None
+  absorb: bool = True
+
+  def __post_init__(self):
+    check_choice(self, "layout", LAYOUTS)
+    if self.dtype is not None:
+      try:
+        object.__setattr__(self, "dtype", codecs.codec(self.dtype).name)
+      except ValueError:
+        raise ValueError(f"CacheConfig.dtype must be one of {codecs.NAMES} or None, got {self.dtype!r}") from None
+    check_positive(self, "page_size")
+    check_choice(self, "paged_read", PAGED_READS)
+    if self.paged_read != "gather" and (self.layout != "paged" or codecs.codec(self.dtype or "float32").quantized):
+      raise ValueError(f"CacheConfig.paged_read={self.paged_read!r} reads float page pools only; use 'gather' "
+                       f"with layout={self.layout!r} and dtype={self.dtype!r}")
+    if self.window is not None:
+      ModelConfig(window=self.window, max_len=max(self.window, default=0) + 1)  # per-width checks
+      object.__setattr__(self, "window", tuple(self.window))
+    if self.sink_tokens is not None:
+      check_nonnegative(self, "sink_tokens")
+    if not isinstance(self.absorb, bool):
+      raise ValueError(f"CacheConfig.absorb must be True or False, got {self.absorb!r}")
+
+  def codec(self, config: ModelConfig) -> codecs.Codec:
+    """The codec of a cache for a model of `config`; ValueError when its vectors cannot take it."""
+    codec = codecs.codec(self.dtype or config.dtype)
+    for name, field in cache_payload(config).items():
+      codec.check_width(field.width, f"the model's cached {name}")
+    return codec
+
+  def model(self, config: ModelConfig) -> ModelConfig:
+    """`config` with this cache's window and sinks, the masks its decoding keeps; ValueError when
+    the model cannot take them."""
+    window = config.window if self.window is None else self.window
+    sinks = config.sink_tokens if self.sink_tokens is None else self.sink_tokens
+    if (window, sinks) == (config.window, config.sink_tokens):
+      return config
+    try:
+      return config.replace(window=window, sink_tokens=sinks)
+    except ValueError as e:
+      raise ValueError(f"CacheConfig.window={self.window}, sink_tokens={self.sink_tokens} do not fit the model: "
+                       f"{e}") from None
+
+  def replace(self, **changes) -> "CacheConfig":
+    return dataclasses.replace(self, **changes)

@@ -1,0 +1,194 @@
+"""Config fields: the checks every config's __post_init__ uses, and the generic machinery
+(to_dict, from_dict, apply_overrides) that works for any nested frozen-dataclass config.
+
+Run configs (kvjax.training.config.TrainRun and the run configs of other jobs) nest these
+dataclasses and carry a `job` field naming what `kvjax run` executes.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import math
+import types
+import typing
+from typing import Any, Sequence
+
+
+def check_positive_int(value: Any, name: str) -> None:
+  """Raises ValueError naming `name` unless `value` is an int >= 1 (bools are not ints here)."""
+  if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def check_positive(obj: Any, *names: str) -> None:
+  """Raises ValueError naming the first field of `obj` that is not a positive int."""
+  for name in names:
+    check_positive_int(getattr(obj, name), f"{type(obj).__name__}.{name}")
+
+
+def check_choice(obj: Any, name: str, choices: tuple[str, ...]) -> None:
+  value = getattr(obj, name)
+  if value not in choices:
+    raise ValueError(f"{type(obj).__name__}.{name} must be one of {choices}, got {value!r}")
+
+
+def check_nonnegative(obj: Any, *names: str) -> None:
+  """Raises ValueError naming the first field of `obj` that is not an int >= 0."""
+  for name in names:
+    value = getattr(obj, name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+      raise ValueError(f"{type(obj).__name__}.{name} must be a non-negative integer, got {value!r}")
+
+
+def check_real(obj: Any, name: str, low: float, high: float, *, open_low: bool = False,
+               open_high: bool = False) -> None:
+  """Raises ValueError unless field `name` is a real number in [low, high] (ends optionally open)."""
+  value = getattr(obj, name)
+  ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+  ok = ok and (value > low if open_low else value >= low) and (value < high if open_high else value <= high)
+  if not ok:
+    interval = f"{'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}"
+    raise ValueError(f"{type(obj).__name__}.{name} must be a finite number in {interval}, got {value!r}")
+
+
+# Generic machinery for any nested frozen-dataclass config (TrainRun and other jobs' run configs).
+
+def to_dict(config: Any) -> dict:
+  """Nested dataclass -> dict of JSON types (tuples become lists)."""
+  def plain(value):
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+      return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+      return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+      return [plain(v) for v in value]
+    return value
+  return plain(config)
+
+
+def from_dict(cls: type, data: dict) -> Any:
+  """Inverse of to_dict: builds `cls` (nested dataclasses, tuples) and so re-runs validation.
+  Missing keys take their defaults; unknown keys raise ValueError."""
+  if not isinstance(data, dict):
+    raise ValueError(f"{cls.__name__} expects a dict, got {data!r}")
+  names = [f.name for f in dataclasses.fields(cls) if f.init]
+  unknown = sorted(set(data) - set(names))
+  if unknown:
+    raise ValueError(f"unknown {cls.__name__} keys {unknown}; valid keys: {', '.join(names)}")
+  hints = typing.get_type_hints(cls)
+  return cls(**{k: _coerce(hints[k], v, f"{cls.__name__}.{k}") for k, v in data.items()})
+
+
+def config_keys(config: Any, prefix: str = "") -> list[str]:
+  """Dotted names of every leaf field, e.g. ['job', 'model.d_model', ...]."""
+  keys = []
+  for f in dataclasses.fields(config):
+    value = getattr(config, f.name)
+    if dataclasses.is_dataclass(value):
+      keys += config_keys(value, f"{prefix}{f.name}.")
+    elif f.init:
+      keys.append(f"{prefix}{f.name}")
+  return keys
+
+
+def apply_overrides(config: Any, overrides: Sequence[str]) -> Any:
+  """Applies "section.field=value" strings to a nested frozen dataclass, re-validating each level.
+
+  Values are Python literals (ast.literal_eval); anything that does not parse is taken as a
+  string, so `data.source=/tmp/a.txt` works. Fields left at a default derived in __post_init__
+  (None resolved there, such as ModelConfig.head_dim) are derived again from the new values.
+  Raises ValueError on a malformed item, an unknown key (listing the valid ones) or a wrong type.
+  """
+  for item in overrides:
+    key, sep, text = item.partition("=")
+    key, text = key.strip(), text.strip()
+    if not sep or not key:
+      raise ValueError(f"override {item!r} is not of the form key=value")
+    try:
+      value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+      value = text
+    try:
+      config = _replace_path(config, key.split("."), value, key)
+    except KeyError:
+      raise ValueError(f"unknown config key {key!r}; valid keys: {', '.join(config_keys(config))}") from None
+  return config
+
+
+def _replace_path(obj: Any, parts: list[str], value: Any, key: str) -> Any:
+  fields = {f.name: f for f in dataclasses.fields(obj) if f.init}
+  if parts[0] not in fields:
+    raise KeyError(key)
+  current = getattr(obj, parts[0])
+  if len(parts) > 1:
+    if not dataclasses.is_dataclass(current):
+      raise KeyError(key)
+    new = _replace_path(current, parts[1:], value, key)
+  elif dataclasses.is_dataclass(current):
+    raise KeyError(key)
+  else:
+    new = _coerce(typing.get_type_hints(type(obj))[parts[0]], value, key)
+  return _rebuild(obj, parts[0], new)
+
+
+def _rebuild(obj: Any, name: str, value: Any) -> Any:
+  kwargs = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.init}
+  for f in dataclasses.fields(obj):
+    if f.init and f.default is None and f.name != name:
+      try:
+        derived = getattr(dataclasses.replace(obj, **{f.name: None}), f.name)
+      except ValueError:
+        continue
+      if derived == kwargs[f.name]:
+        kwargs[f.name] = None
+  kwargs[name] = value
+  return type(obj)(**kwargs)
+
+
+def _type_name(tp: Any) -> str:
+  return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(tp: Any, value: Any, where: str) -> Any:
+  """Checks `value` against annotation `tp`; returns it converted (int -> float, list -> tuple,
+  dict -> dataclass). Raises ValueError naming `where`."""
+  origin, args = typing.get_origin(tp), typing.get_args(tp)
+  if tp is Any:
+    return value
+  if origin in (typing.Union, types.UnionType):
+    if value is None and type(None) in args:
+      return None
+    for arg in args:
+      if arg is not type(None):
+        try:
+          return _coerce(arg, value, where)
+        except ValueError:
+          pass
+  elif origin is typing.Literal:
+    if value in args:
+      return value
+  elif dataclasses.is_dataclass(tp):
+    if isinstance(value, tp):
+      return value
+    if isinstance(value, dict):
+      return from_dict(tp, value)
+  elif origin in (tuple, list) and isinstance(value, (list, tuple)):
+    if origin is tuple and args and args[-1] is not Ellipsis:
+      if len(args) == len(value):
+        return tuple(_coerce(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+    else:
+      items = [_coerce(args[0], v, f"{where}[{i}]") if args else v for i, v in enumerate(value)]
+      return tuple(items) if origin is tuple else items
+  elif origin is dict:
+    if isinstance(value, dict):
+      return value
+  elif tp is float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+      return float(value)
+  elif tp is int:
+    if isinstance(value, int) and not isinstance(value, bool):
+      return value
+  elif isinstance(tp, type) and isinstance(value, tp):
+    return value
+  raise ValueError(f"{where} expects {_type_name(tp)}, got {value!r} ({type(value).__name__})")
