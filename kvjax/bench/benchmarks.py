@@ -22,7 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache.contiguous import ContiguousCache
+from kvjax.cache import kinds
+from kvjax.cache.base import KVCache
+from kvjax.cache.config import CacheConfig
 from kvjax.config import ModelConfig
 from kvjax.decoding import baselines, decode
 from kvjax.kernels import attention as attention_kernel
@@ -86,25 +88,33 @@ def alternate_decode_steps(models: dict, caches: dict, batch: int, steps: int) -
   return timed_alternating({name: stepper(name) for name in caches}, steps), first
 
 
-def filled_cache(model: Transformer, params, batch: int, context: int, max_len: int) -> ContiguousCache:
-  """A contiguous cache of max_len positions whose rows hold `context` random positions, without
-  running a prefill: random normal K/V written by the cache itself, so in its format (quantized
-  with their scales for an int8 / int4 / fp8 cache)."""
-  cfg = model.config
-  cache = ContiguousCache.create(cfg, batch, max_len)
-  shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)  # [B, K, S, H]
-  span = Span(positions=jnp.broadcast_to(jnp.arange(max_len, dtype=jnp.int32), (batch, max_len)),
-              lengths=jnp.full((batch,), max_len, jnp.int32))
-  keys = jax.random.split(jax.random.key(1), (cfg.num_layers, 2))
+def filled_cache(model: Transformer, params, batch: int, context: int, max_len: int,
+                 cache_config: CacheConfig = CacheConfig()) -> KVCache:
+  """A cache of `cache_config` of max_len positions whose rows hold `context` random positions."""
+  return filled(kinds.create(model.config, cache_config, batch, max_len), model.config, context)
+
+
+def filled(cache: KVCache, cfg: ModelConfig, context: int) -> KVCache:
+  """`cache` (empty) with every row holding `context` random positions, without running a
+  prefill: a random normal payload written by the cache itself, so in its codec (quantized, with
+  scales, for an int8 / int4 / fp8 cache) and its layout (the rows' pages for a paged cache)."""
+  batch, length = cache.lengths.shape[0], cache.capacity
+  span = Span(positions=jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length)),
+              lengths=jnp.full((batch,), length, jnp.int32))
+  keys = jax.random.split(jax.random.key(1), cfg.num_layers)
   stored = cache_layers(cache.layers)
-  layers = cache_collection(cfg, lambda i: _write(cache, stored[i], jax.random.normal(keys[i, 0], shape),
-                                                  jax.random.normal(keys[i, 1], shape), span))
+
+  def payload(i):
+    draws = jax.random.split(keys[i], len(cache.fields))
+    return {name: jax.random.normal(key, (batch, field.heads, length, field.width))  # [B, heads, S, width]
+            for key, (name, field) in zip(draws, cache.fields.items())}
+  layers = cache_collection(cfg, lambda i: _write(cache, stored[i], payload(i), span))
   return cache.replace(layers=layers, lengths=jnp.full((batch,), context, jnp.int32))
 
 
 @functools.partial(jax.jit, donate_argnames=("stored",))
-def _write(cache, stored, k, v, span):
-  return cache.write(stored, k, v, span)
+def _write(cache, stored, new, span):
+  return cache.write(stored, new, span)
 
 
 def time_decode_step(model, params, cache, steps: int = STEP_REPEATS) -> float:
@@ -134,7 +144,7 @@ def bench_decode(cfg: ModelConfig = BENCH_MODEL, *, batch: int = 8, prompt: int 
   bandwidth, flops = memory_bandwidth(), peak_flops()[0]
   result = {"benchmark": "decode", "model": cfg.to_dict(), "batch": batch, "prompt": prompt,
             "new_tokens": new_tokens, "small_matmul_kernel": matmul.uses_kernel(batch, cfg.compute_dtype),
-            "decode_attention_kernel": attention_kernel.uses_kernel(cfg.compute_dtype, cfg.kv_dtype),
+            "decode_attention_kernel": attention_kernel.uses_kernel(cfg.compute_dtype, ("contiguous", cfg.dtype)),
             "memory_bandwidth_GBps": bandwidth / 1e9, "matmul_GFLOPs": flops / 1e9}
 
   cache = filled_cache(model, params, batch, prompt, prompt + STEP_REPEATS + 1)
@@ -219,7 +229,7 @@ def bench_hf(cfg: ModelConfig = BENCH_MODEL, *, batch: int = 8, prompt: int = 12
   return {"benchmark": "hf", "model": imported.to_dict(), "batch": batch, "prompt": prompt,
           "new_tokens": new_tokens, "torch_threads": torch.get_num_threads(),
           "small_matmul_kernel": matmul.uses_kernel(batch, imported.compute_dtype),
-          "decode_attention_kernel": attention_kernel.uses_kernel(imported.compute_dtype, imported.kv_dtype),
+          "decode_attention_kernel": attention_kernel.uses_kernel(imported.compute_dtype, ("contiguous", imported.dtype)),
           "transformers_version": transformers.__version__, "torch_version": torch.__version__,
           "kvjax_tokens_per_s": tokens / kvjax_s, "hf_tokens_per_s": tokens / hf_s,
           "kvjax_over_hf": hf_s / kvjax_s, "kvjax_over_hf_per_round": ratios,

@@ -18,12 +18,13 @@ import numpy as np
 
 from kvjax.bench.benchmarks import BENCH_MODEL, alternate_decode_steps, init_model
 from kvjax.cache import kinds
+from kvjax.cache.config import CacheConfig
 from kvjax.config import ModelConfig
 
 
-def filled(model, batch: int, held: int, max_len: int, **options):
-  """The model's contiguous cache kind with `held` random positions in each row."""
-  cache = kinds.contiguous(model.config).create(model.config, batch, max_len, **options)
+def filled(model, batch: int, held: int, max_len: int, absorb: bool = True):
+  """A contiguous cache of the model with `held` random positions in each row."""
+  cache = kinds.create(model.config, CacheConfig(absorb=absorb), batch, max_len)
   leaves, tree = jax.tree.flatten(cache.layers)
   keys = jax.random.split(jax.random.key(1), len(leaves))
   layers = jax.tree.unflatten(tree, [jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)])
@@ -51,7 +52,7 @@ def bench_mla(cfg: ModelConfig = BENCH_MODEL, *, batch: int = 32, repeats: int =
   ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
   result = {"benchmark": "mla", "backend": jax.default_backend(), "gqa_model": cfg.to_dict(),
             "mla_model": mla.to_dict(), "batch": batch, "context": context, "steps": steps,
-            "kv_bytes_per_token": {"gqa": cfg.kv_bytes_per_token, "mla": mla.kv_bytes_per_token},
+            "kv_bytes_per_token": {"gqa": kinds.bytes_per_token(cfg), "mla": kinds.bytes_per_token(mla)},
             "gqa_step_ms": ms["gqa"], "mla_step_ms": ms["mla"], "mla_over_gqa": ms["mla"] / ms["gqa"],
             "mla_over_gqa_per_round": [m / g for m, g in zip(times["mla"], times["gqa"])]}
   if expanded:

@@ -1,6 +1,6 @@
 """`kvjax bench paged`: the paged decode step against the contiguous one at equal batch and context.
 
-Both caches hold the same K/V (the contiguous cache's rows scattered over randomly ordered pages),
+Both caches hold the same K/V (the same random rows, written over randomly ordered pages),
 so the first step's logits are compared too. Steps alternate between the caches so that both see
 the same machine load.
 """
@@ -13,11 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.bench.benchmarks import BENCH_MODEL, alternate_decode_steps, filled_cache, init_model
+from kvjax.bench.benchmarks import BENCH_MODEL, alternate_decode_steps, filled, filled_cache, init_model
+from kvjax.cache.config import CacheConfig
 from kvjax.cache.paged import PagedCache, pallas_available
 from kvjax.config import ModelConfig
 from kvjax.kernels import attention as attention_kernel
-from kvjax.model.transformer import cache_collection, cache_layers
 
 
 def bench_paged(cfg: ModelConfig = BENCH_MODEL, *, batch: int = 8, repeats: int = 5, context: int = 1024,
@@ -36,26 +36,15 @@ def bench_paged(cfg: ModelConfig = BENCH_MODEL, *, batch: int = 8, repeats: int 
   width = context // page_size
   table = np.random.default_rng(0).permutation(np.arange(1, batch * width + 1)).reshape(batch, width)
 
-  def scatter(name, rows):  # a contiguous array [B, K, ...] -> its pool [K, P, Z, ...], pages in table order
-    if name.startswith("k") and rows.ndim == 4:
-      rows = rows.swapaxes(2, 3)  # keys (and int4 key scales) hold the sequence last: -> [B, K, S, ...]
-    rest = rows.shape[3:]
-    pool = jnp.zeros((cfg.num_kv_heads, batch * width + 1, page_size, *rest), rows.dtype)
-    pages = rows.reshape(batch, cfg.num_kv_heads, width, page_size, *rest).swapaxes(0, 1)
-    return pool.at[:, table].set(pages)
-
-  layers = cache_layers(contiguous.layers)
-  pools = cache_collection(cfg, lambda i: {name: scatter(name, x) for name, x in layers[i].items()})
   caches = {"contiguous": contiguous}
   for impl in impls:
-    empty = PagedCache.create(cfg, 2, page_size, batch, width, attention=impl)
-    caches[impl] = empty.replace(layers=jax.tree.map(jnp.copy, pools)).with_rows(table, np.asarray(contiguous.lengths))
-  del layers, pools
+    empty = PagedCache.create(cfg, batch * width + 1, page_size, batch, width, CacheConfig(layout="paged", paged_read=impl))
+    caches[impl] = filled(empty.with_rows(table, np.zeros(batch, np.int32)), cfg, start)  # the same random K/V
   times, first = alternate_decode_steps({name: (model, params) for name in caches}, caches, batch, steps)
   ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
   result = {"benchmark": "paged", "backend": jax.default_backend(), "model": cfg.to_dict(), "batch": batch,
             "context": context, "page_size": page_size, "steps": steps,
-            "decode_attention_kernel": attention_kernel.uses_kernel(cfg.compute_dtype, cfg.kv_dtype),
+            "decode_attention_kernel": attention_kernel.uses_kernel(cfg.compute_dtype, caches["gather"].route),
             "contiguous_step_ms": ms["contiguous"], "paged_step_ms": ms["gather"],
             "paged_over_contiguous": ms["gather"] / ms["contiguous"],
             "paged_over_contiguous_per_round": [p / c for p, c in zip(times["gather"], times["contiguous"])],

@@ -1,7 +1,7 @@
 """`kvjax bench quant`: one decode step's attention over an int8 cache against a float32 cache.
 
 Every layer's contiguous cache (k [B, K, H, S], v [B, K, S, H]) is filled with random values
-quantized by the int8 cache format's codec (kvjax.cache.quant: one absmax scale per position and
+quantized by the int8 codec (kvjax.cache.codec: one absmax scale per position and
 kv head, the storage the kernel reads, kvjax.kernels.attention); the float32 cache holds the
 dequantized values (kvjax.cache.contiguous.dequantized), so both
 compute the same attention and their outputs are compared. A timed step runs the one-token
@@ -18,6 +18,7 @@ alternating the two so that both see the same machine load.
 
 from __future__ import annotations
 
+import functools
 import statistics
 
 import jax
@@ -25,10 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.bench.benchmarks import BENCH_MODEL, alternate_decode_steps, filled_cache, init_model
-from kvjax.cache import quant
-from kvjax.cache.contiguous import attend_one, dequantized
+from kvjax.cache.codec import codec
+from kvjax.cache.config import CacheConfig
+from kvjax.cache.contiguous import attend_one
 from kvjax.config import ModelConfig
-from kvjax.model.transformer import Transformer
 from kvjax.kernels import attention as attention_kernel
 from kvjax.timing import timed_alternating
 
@@ -43,24 +44,27 @@ def bench_quant(cfg: ModelConfig = BENCH_MODEL, *, batch: int = 32, context: int
   b, kv, h, n = batch, cfg.num_kv_heads, cfg.head_dim, cfg.num_heads
   keys = jax.random.split(jax.random.key(0), 2 * cfg.num_layers + 1)
   int8, float32 = [], []
+  codecs = {"int8": codec("int8"), "float32": codec("float32")}
   for i in range(cfg.num_layers):
-    stored = quant.encode(jax.random.normal(keys[2 * i], (b, kv, context, h)),
-                          jax.random.normal(keys[2 * i + 1], (b, kv, context, h)), "int8")  # [B, K, S, ...]
-    k, v = stored["k"].swapaxes(2, 3), stored["v"]  # keys stored [B, K, H, S]
-    int8.append((k, v, {"k_scale": stored["k_scale"], "v_scale": stored["v_scale"]}))
-    float32.append((*dequantized(k, v, stored["k_scale"], stored["v_scale"]), {}))
+    (k, k_scale), (v, v_scale) = (codecs["int8"].encode(jax.random.normal(keys[2 * i + j], (b, kv, context, h)))
+                                  for j in (0, 1))  # [B, K, S, H], [B, K, S]
+    k = k.swapaxes(2, 3)  # keys stored [B, K, H, S]
+    int8.append((k, v, {"k_scale": k_scale, "v_scale": v_scale}))
+    float32.append((codecs["int8"].decode(k, k_scale, axis=2), codecs["int8"].decode(v, v_scale), {}))
   q = jax.random.normal(keys[-1], (b, 1, n, h))
   lengths = jnp.full((b,), context - 1, jnp.int32)
 
-  def step(layers):
+  def step(name, layers):
+    route, xla = ("contiguous", name), functools.partial(attend_one, codec=codecs[name])
+
     @jax.jit
     def run(q, layers):
       for k, v, addressing in layers:
-        q = attention_kernel.cache_attention(q, k, v, lengths, attend_one, **addressing)
+        q = attention_kernel.cache_attention(route, q, k, v, lengths, xla, **addressing)
       return q
     return lambda: run(q, layers)
 
-  calls = {"float32": step(float32), "int8": step(int8)}
+  calls = {"float32": step("float32", float32), "int8": step("int8", int8)}
   outputs = {name: np.asarray(call()) for name, call in calls.items()}
   times = timed_alternating(calls, repeats)
   ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
@@ -68,8 +72,8 @@ def bench_quant(cfg: ModelConfig = BENCH_MODEL, *, batch: int = 32, context: int
                  for name, layers in (("float32", float32), ("int8", int8))}
   result = {"benchmark": "quant", "backend": jax.default_backend(), "model": cfg.to_dict(), "batch": batch,
             "context": context, "repeats": repeats,
-            "float32_kernel": attention_kernel.kernel_target(q, *float32[0][:2], {}),
-            "int8_kernel": attention_kernel.kernel_target(q, int8[0][0], int8[0][1], int8[0][2]),
+            "float32_kernel": attention_kernel.kernel_target(("contiguous", "float32"), q, *float32[0][:2], {}),
+            "int8_kernel": attention_kernel.kernel_target(("contiguous", "int8"), q, int8[0][0], int8[0][1], int8[0][2]),
             "float32_cache_bytes": cache_bytes["float32"], "int8_cache_bytes": cache_bytes["int8"],
             "float32_step_ms": ms["float32"], "int8_step_ms": ms["int8"],
             "int8_speedup": ms["float32"] / ms["int8"],
@@ -86,9 +90,10 @@ def time_decode_steps(cfg: ModelConfig, batch: int, context: int, repeats: int) 
   """Median ms of one kvjax.decode_step of one model over a float32 and an int8 contiguous cache
   holding `context` positions per row, in `repeats` alternating rounds (each cache donated from
   step to step), and the first steps' largest logit difference."""
-  model, params = init_model(cfg.replace(cache_dtype="float32"))
-  models = {"float32": model, "int8": Transformer(model.config.replace(cache_dtype="int8"))}
-  caches = {name: filled_cache(m, params, batch, context, context + repeats + 1) for name, m in models.items()}
+  model, params = init_model(cfg)
+  models = {"float32": model, "int8": model}
+  caches = {name: filled_cache(model, params, batch, context, context + repeats + 1, CacheConfig(dtype=name))
+            for name in models}
   times, logits = alternate_decode_steps({name: (m, params) for name, m in models.items()}, caches, batch, repeats)
   ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
   return {"float32_decode_step_ms": ms["float32"], "int8_decode_step_ms": ms["int8"],

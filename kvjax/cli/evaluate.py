@@ -6,7 +6,7 @@ and the window length in tokens (an imported model: English prose by default).
 JSON object: for a model with a tokenizer (an imported model), a pass key hidden in English prose
 that many tokens back and asked for (kvjax.studies.passkey); for a byte-level model trained here,
 greedy copies of needles planted that many bytes back (kvjax.studies.recall). Both decode through
-the KV cache (--set model.cache_dtype=..., --paged)."""
+the KV cache (--set cache.dtype=int8 cache.layout=paged ...)."""
 
 from __future__ import annotations
 
@@ -42,12 +42,11 @@ def command(args: argparse.Namespace) -> int:
         raise ValueError("--needle-bytes applies to byte-level models; a tokenized model's needle is a "
                          f"{PasskeyConfig.digits}-digit pass key")
       config = PasskeyConfig(distances=args.recall, needles=args.needles or PasskeyConfig.needles, seed=args.seed)
-      result = passkey_checkpoint(args.workdir, config, step=args.step, cache_dtype=options.cache_dtype(args),
-                                  paged=args.paged)
+      result = passkey_checkpoint(args.workdir, config, step=args.step, cache_config=options.cache_config(args))
     else:
-      if args.overrides or args.paged:
-        raise ValueError("the byte-level recall test decodes through the checkpoint's own contiguous cache: "
-                         "--set and --paged apply to tokenized models")
+      if args.overrides:
+        raise ValueError("the byte-level recall test decodes through a float contiguous cache: "
+                         "--set cache.* applies to tokenized models")
       config = RecallConfig(distances=args.recall, needles=args.needles or RecallConfig.needles, seed=args.seed,
                             needle_bytes=args.needle_bytes or RecallConfig.needle_bytes)
       result = recall_checkpoint(args.workdir, config, step=args.step)
@@ -55,7 +54,7 @@ def command(args: argparse.Namespace) -> int:
     return 0
   result = evaluate_checkpoint(args.workdir, step=args.step, split=args.split, batch_size=args.batch_size,
                                num_batches=args.batches, mesh=options.mesh(args),
-                               cache_dtype=options.cache_dtype(args), corpus=args.corpus, seq_len=args.seq_len)
+                               cache_config=options.cache_config(args), corpus=args.corpus, seq_len=args.seq_len)
   trained_on = result["trained_corpus_sha256"]
   if trained_on and trained_on != result["corpus_sha256"]:
     print(f"kvjax eval: warning: corpus {result['corpus']} differs from the one this model was trained "
@@ -63,7 +62,8 @@ def command(args: argparse.Namespace) -> int:
   if args.json:
     print(json.dumps(result))
   else:
-    through = f" through the {result['cache_dtype']} cache" if result["cache_dtype"] else ""
+    cache = result["cache"]
+    through = f" through a {cache['layout']} {cache['dtype'] or 'float'} cache" if cache else ""
     print(f"step {result['step']}  {result['split']}{through} loss/token {result['loss']:.4f}  "
           f"perplexity {result['perplexity']:.3f}  bits/byte {result['bits_per_byte']:.4f}  "
           f"accuracy {result['accuracy']:.4f}  ({result['tokens']} tokens in windows of {result['seq_len']})")
@@ -84,9 +84,7 @@ def add_parser(subparsers) -> None:
   parser.add_argument("--seq-len", type=options.positive_int,
                       help="tokens per window, up to the model's context (default: the run's)")
   parser.add_argument("--json", action="store_true", help="print one JSON object")
-  parser.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
-                      help="model.cache_dtype=FORMAT: score a prefill through a KV cache of that format "
-                           "(int8, int4, float8_e4m3fn, ...) instead of the plain forward pass")
+  options.add_cache_set_option(parser)  # scores a prefill through that cache instead of the plain forward
   options.add_mesh_option(parser)
   recall = parser.add_argument_group("long-range recall (kvjax.studies.recall)")
   recall.add_argument("--recall", type=distances, metavar="D1,D2,...",
@@ -96,7 +94,5 @@ def add_parser(subparsers) -> None:
                       help="needles per distance")
   recall.add_argument("--needle-bytes", type=options.positive_int,
                       help=f"byte-level models: bytes per needle (default {RecallConfig.needle_bytes})")
-  recall.add_argument("--paged", action="store_true",
-                      help="tokenized models: decode through the engine's paged cache instead of the contiguous one")
   recall.add_argument("--seed", type=int, default=RecallConfig.seed, help="seed of needles and filler")
   parser.set_defaults(func=command)

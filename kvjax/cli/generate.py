@@ -15,6 +15,7 @@ from typing import Callable
 
 import jax
 
+from kvjax.cache.config import CacheConfig
 from kvjax.cli import options
 from kvjax.decoding.stream import TextStream, stream
 from kvjax.interop.tokenizer import TextTokenizer
@@ -40,22 +41,21 @@ def prompt_tokens(tokenizer: TextTokenizer | None, prompt: str, *, chat: bool = 
 
 def continue_text(workdir, prompt: str, *, max_new_tokens: int, temperature: float = 0.0,
                   top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-                  step: int | None = None, mesh=None, cache_dtype: str | None = None, chat: bool = False,
+                  step: int | None = None, mesh=None, cache_config: CacheConfig | None = None, chat: bool = False,
                   system: str | None = None, on_text: Callable[[str], None] | None = None) -> str:
   """The continuation of `prompt` from the workdir's checkpoint (latest unless `step`), up to its
   tokenizer's first stop token (not included), sharded over `mesh` when one is given, decoding
-  with a KV cache of `cache_dtype` (default: the checkpoint's). on_text(increment) is called as
+  through a KV cache of `cache_config` (default: contiguous, the model's dtype). on_text(increment) is called as
   the text grows (a terminal prints it)."""
   model, params, _ = load_model(workdir, step)
-  if cache_dtype is not None:
-    model = model.clone(config=model.config.replace(cache_dtype=cache_dtype))
   tokenizer = TextTokenizer.load(workdir, model.config.vocab_size)
   tokens = prompt_tokens(tokenizer, prompt, chat=chat, system=system)
   stop_ids = () if tokenizer is None else tokenizer.stop_ids
   text = TextStream(data.decode if tokenizer is None else tokenizer.decode)
   pieces = []
   for token in stream(model, params, tokens, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                      stop_ids=stop_ids, rng=jax.random.key(seed), mesh=mesh):
+                      stop_ids=stop_ids, rng=jax.random.key(seed), mesh=mesh,
+                      cache_config=cache_config or CacheConfig()):
     if token in stop_ids:
       break
     pieces.append(text.push(token))
@@ -75,7 +75,7 @@ def _print(text: str) -> None:
 def command(args: argparse.Namespace) -> int:
   continue_text(args.workdir, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                 top_k=args.top_k, top_p=args.top_p, seed=args.seed, step=args.step, mesh=options.mesh(args),
-                cache_dtype=options.cache_dtype(args), chat=args.chat, system=args.system, on_text=_print)
+                cache_config=options.cache_config(args), chat=args.chat, system=args.system, on_text=_print)
   _print("\n")
   return 0
 
@@ -95,7 +95,6 @@ def add_parser(subparsers) -> None:
   parser.add_argument("--top-p", type=float, help="sample within the top-p probability mass")
   parser.add_argument("--seed", type=int, default=0, help="sampling seed")
   parser.add_argument("--step", type=int, help="checkpoint step (default: latest)")
-  parser.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
-                      help="model.cache_dtype=FORMAT: the KV cache's format (int8, int4, float8_e4m3fn, ...)")
+  options.add_cache_set_option(parser)
   options.add_mesh_option(parser)
   parser.set_defaults(func=command)

@@ -3,8 +3,9 @@
   --set KEY=VALUE ...    config overrides, applied with kvjax.config.apply_overrides: values are
                          Python literals checked against the field's type, unknown keys are
                          refused with the valid ones listed. One --set takes several items, and
-                         --set may be repeated. Commands that load a trained checkpoint
-                         (generate, eval) take only model.cache_dtype (`cache_dtype`).
+                         --set may be repeated. Commands that decode a trained checkpoint
+                         (generate, eval) take only the cache's runtime choices, cache.*
+                         (`cache_config`: cache.dtype=int8, cache.layout=paged, ...).
   --mesh data=D,model=M  a device mesh (kvjax.sharding.parse_mesh / make_mesh); the text is
                          checked when the command line is parsed, the mesh made when it is used.
 """
@@ -18,7 +19,7 @@ from typing import Any
 from jax.sharding import Mesh
 
 from kvjax import sharding
-from kvjax.config import ModelConfig
+from kvjax.cache.config import CacheConfig
 from kvjax.fields import apply_overrides
 
 SET_HELP = ("override config fields (Python literals, checked against the field's type); several per "
@@ -38,21 +39,31 @@ def apply_set(config: Any, args: argparse.Namespace) -> Any:
   return apply_overrides(config, args.overrides)
 
 
+CACHE_SET_HELP = ("the KV cache's runtime choices (kvjax.cache.config.CacheConfig), e.g. cache.dtype=int8 "
+                  "cache.layout=paged cache.page_size=16 cache.window=(256,) cache.sink_tokens=4")
+
+
 @dataclasses.dataclass(frozen=True)
-class CheckpointSet:
-  """What --set may change in a command that loads a trained checkpoint: model.cache_dtype."""
+class DecodeSet:
+  """What --set may change in a command that decodes a trained checkpoint: its cache."""
 
-  model: ModelConfig = ModelConfig()
+  cache: CacheConfig = CacheConfig()
 
 
-def cache_dtype(args: argparse.Namespace) -> str | None:
-  """The model.cache_dtype that --set gives a command loading a trained checkpoint (the KV cache's
-  format, the one model field a trained model may change); None when --set does not name it."""
+def add_cache_set_option(parser: argparse.ArgumentParser) -> None:
+  """--set cache.KEY=VALUE ..., collected in args.overrides."""
+  parser.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[],
+                      metavar="cache.KEY=VALUE", help=CACHE_SET_HELP)
+
+
+def cache_config(args: argparse.Namespace) -> CacheConfig | None:
+  """The CacheConfig that --set gives a command decoding a trained checkpoint; None when --set is
+  not given. Only cache.* keys: a trained network's config is what it was trained as."""
   for item in args.overrides:
-    key = item.partition("=")[0].strip()
-    if key != "model.cache_dtype":
-      raise ValueError(f"--set {item!r}: a trained checkpoint's config can only change model.cache_dtype")
-  return apply_overrides(CheckpointSet(), args.overrides).model.cache_dtype if args.overrides else None
+    if not item.partition("=")[0].strip().startswith("cache."):
+      raise ValueError(f"--set {item!r}: a trained checkpoint is decoded as it was trained; --set takes only "
+                       "the cache's runtime choices, cache.KEY=VALUE")
+  return apply_overrides(DecodeSet(), args.overrides).cache if args.overrides else None
 
 
 def mesh_text(text: str) -> str:

@@ -17,6 +17,7 @@ from typing import Callable, Iterator, Sequence
 import jax
 import numpy as np
 
+from kvjax.cache.config import CacheConfig
 from kvjax.fields import check_positive_int
 from kvjax.decoding.decode import check_stop_ids, check_tokens, decode_step, prefill, size_bucket
 from kvjax.decoding.sampling import Sampling, sample
@@ -27,21 +28,23 @@ _sample = jax.jit(sample)
 
 def stream(model: Transformer, params, prompt, max_new_tokens: int, *, temperature: float = 0.0,
            top_k: int | None = None, top_p: float | None = None, stop_ids: Sequence[int] | int = (),
-           rng: jax.Array | None = None, mesh=None) -> Iterator[int]:
+           rng: jax.Array | None = None, mesh=None, cache_config: CacheConfig = CacheConfig()) -> Iterator[int]:
   """Yields the tokens generated after `prompt` (int [T]), one at a time: at most max_new_tokens,
   ending after the first of `stop_ids` (which is yielded). Settings as in `generate`."""
   check_positive_int(max_new_tokens, "max_new_tokens")
   prompt, _ = check_tokens(model, np.asarray(prompt)[None, :], [len(prompt)])
   stop_ids = check_stop_ids(stop_ids, model.config.vocab_size)
   length = prompt.shape[1]
-  model.config.check_length(length + max_new_tokens - 1, f"prompt of {length} tokens + max_new_tokens="
+  config = cache_config.model(model.config)
+  config.check_length(length + max_new_tokens - 1, f"prompt of {length} tokens + max_new_tokens="
                             f"{max_new_tokens} needs {length + max_new_tokens - 1} cache positions")
   sampling = Sampling.create(temperature, top_k, top_p)
   # Prompts padded to a bucket compile prefill once per bucket, as generate's do.
-  bucket = size_bucket(length, model.config.max_positions - max_new_tokens + 1)
+  bucket = size_bucket(length, config.max_positions - max_new_tokens + 1)
   padded = np.zeros((1, bucket), np.int32)
   padded[:, :length] = prompt
-  logits, cache = prefill(model, params, padded, [length], bucket + max_new_tokens - 1, logits="last", mesh=mesh)
+  logits, cache = prefill(model, params, padded, [length], bucket + max_new_tokens - 1, logits="last", mesh=mesh,
+                          cache_config=cache_config)
   rng = jax.random.key(0) if rng is None else rng
   for step in range(max_new_tokens):
     rng, key = jax.random.split(rng)

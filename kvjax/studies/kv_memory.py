@@ -8,7 +8,7 @@ the same KV budget of `budget_tokens` token slots (budget_tokens x kv_bytes_per_
   paged     PagedAttention at each page size in `page_sizes`.
 The baselines run on pages of `baseline_page_size` tokens, which only sets their granularity
 (their capacities are multiples of it), so every policy uses the same kernels and the
-differences come from memory alone. Each of `cache_dtypes` (quantized formats, kvjax.cache.quant)
+differences come from memory alone. Each of `cache_dtypes` (quantized formats, kvjax.cache.codec)
 then serves the workload paged, at the headline page size, within the same budget in bytes:
 a format of fewer bytes per token gets as many more pages. Per policy: utilisation (tokens
 cached / slots allocated, summed over decode steps), peak and mean concurrent requests,
@@ -26,7 +26,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.config import CACHE_DTYPES, ModelConfig, check_nonnegative, check_positive, check_positive_int, check_real
+from kvjax.cache import kinds
+from kvjax.cache.config import CacheConfig
+from kvjax.config import ModelConfig
+from kvjax.fields import check_nonnegative, check_positive, check_positive_int, check_real
 from kvjax.serving.engine import Engine, EngineConfig
 from kvjax.model.transformer import Transformer
 from kvjax.studies.report import figure, markdown_table, write_table
@@ -70,8 +73,9 @@ class WorkloadConfig:
 @dataclasses.dataclass(frozen=True)
 class KVMemoryStudy:
   """The study run by `kvjax run` for job "kv_memory". Contexts are capped at model.max_len.
-  budget_tokens counts token slots in model.cache_dtype; cache_dtypes are further cache formats
-  served within the same bytes (`policies`); baselines=False leaves out max_len and doubling."""
+  budget_tokens counts token slots in cache_dtype (None: the model's dtype); cache_dtypes are
+  further cache formats served within the same bytes (`policies`); baselines=False leaves out
+  max_len and doubling."""
 
   job: str = "kv_memory"
   model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
@@ -80,6 +84,7 @@ class KVMemoryStudy:
   page_sizes: tuple[int, ...] = (8, 16, 32)
   baseline_page_size: int = 16
   num_slots: int = 64
+  cache_dtype: str | None = None
   cache_dtypes: tuple[str, ...] = ()
   baselines: bool = True
   seed: int = 0
@@ -105,10 +110,14 @@ class KVMemoryStudy:
                        f"ModelConfig.max_len={self.model.max_len} positions")
     if not isinstance(self.baselines, bool):
       raise ValueError(f"KVMemoryStudy.baselines must be a bool, got {self.baselines!r}")
-    for i, name in enumerate(self.cache_dtypes):
-      if name not in CACHE_DTYPES:
-        raise ValueError(f"KVMemoryStudy.cache_dtypes[{i}] must be one of {CACHE_DTYPES}, got {name!r}")
-      self.model.replace(cache_dtype=name)  # refuses a format the heads cannot take (odd head_dim for int4)
+    for where, name in [("cache_dtype", self.cache_dtype)] + [(f"cache_dtypes[{i}]", n)
+                                                               for i, n in enumerate(self.cache_dtypes)]:
+      if name is None and where == "cache_dtype":
+        continue
+      try:
+        CacheConfig(layout="paged", dtype=name).codec(self.model)  # a format the heads can take (int4: even)
+      except ValueError as err:
+        raise ValueError(f"KVMemoryStudy.{where}: {err}") from None
     check_nonnegative(self, "seed")
 
   @property
@@ -118,7 +127,7 @@ class KVMemoryStudy:
 
   def policies(self) -> list[tuple[str, int, str]]:
     """(allocation, page size, cache dtype) triples, baselines first, then the other cache formats."""
-    own = self.model.cache_dtype
+    own = CacheConfig(dtype=self.cache_dtype).codec(self.model).name
     baselines = [("max_len", self.baseline_page_size, own), ("doubling", self.baseline_page_size, own)]
     return ((baselines if self.baselines else []) + [("paged", size, own) for size in self.page_sizes]
             + [("paged", self.headline_page_size, name) for name in self.cache_dtypes])
@@ -148,13 +157,14 @@ def serve(model: Transformer, params, workload, config: EngineConfig) -> tuple[d
   outputs = engine.run()
   seconds = time.perf_counter() - start
   stats = engine.stats
-  budget = (config.num_pages - 1) * config.page_size
+  page_size = config.cache.page_size
+  budget = (config.num_pages - 1) * page_size
   metrics = {
-      "policy": config.allocation if config.allocation != "paged" else f"paged{config.page_size}",
-      "cache_dtype": model.config.cache_dtype,
-      "page_size": config.page_size,
+      "policy": config.allocation if config.allocation != "paged" else f"paged{page_size}",
+      "cache_dtype": config.cache.codec(model.config).name,
+      "page_size": page_size,
       "budget_tokens": budget,
-      "budget_bytes": budget * model.config.kv_bytes_per_token,
+      "budget_bytes": budget * kinds.bytes_per_token(model.config, config.cache),
       "utilisation": stats.utilisation,
       "peak_concurrent": max(stats.running),
       "mean_concurrent": float(np.mean(stats.running)),
@@ -175,13 +185,14 @@ def run_study(study: KVMemoryStudy, workdir: str | Path) -> list[dict]:
     cfg = study.model
     params = Transformer(cfg).init(jax.random.key(study.seed), jnp.zeros((1, 1), jnp.int32))["params"]
     workload = make_workload(study.workload, cfg.max_len, cfg.vocab_size)
-    budget_bytes = study.budget_tokens * cfg.kv_bytes_per_token
+    budget_bytes = study.budget_tokens * kinds.bytes_per_token(cfg, CacheConfig(dtype=study.cache_dtype))
     rows, reference = [], None
+    model = Transformer(cfg)
     for allocation, page_size, cache_dtype in study.policies():
-      model = Transformer(cfg.replace(cache_dtype=cache_dtype))
-      pages = budget_bytes // (page_size * model.config.kv_bytes_per_token)
-      engine_config = EngineConfig(num_slots=study.num_slots, num_pages=pages + 1,
-                                   page_size=page_size, allocation=allocation, seed=study.seed)
+      cache = CacheConfig(layout="paged", dtype=cache_dtype, page_size=page_size)
+      pages = budget_bytes // (page_size * kinds.bytes_per_token(cfg, cache))
+      engine_config = EngineConfig(num_slots=study.num_slots, num_pages=pages + 1, cache=cache,
+                                   allocation=allocation, seed=study.seed)
       row, outputs = serve(model, params, workload, engine_config)
       reference = outputs if reference is None else reference
       row["identical_outputs"] = sum(np.array_equal(reference[i], outputs[i]) for i in reference)
@@ -230,8 +241,8 @@ def report(study: KVMemoryStudy, workload, rows: list[dict]) -> str:
       f"Workload: {len(workload)} requests queued at once; prompt length median {int(np.median(prompts))}, "
       f"mean {prompts.mean():.0f}, max {prompts.max()}; output length median {int(np.median(outputs))}, "
       f"mean {outputs.mean():.0f}, max {outputs.max()}; contexts capped at max_len={study.model.max_len}.",
-      f"KV budget: {study.budget_tokens} token slots in {study.model.cache_dtype} = "
-      f"{study.budget_tokens * study.model.kv_bytes_per_token} bytes for every policy (a quantized cache fits "
+      f"KV budget: {study.budget_tokens} token slots in {rows[0]['cache_dtype']} = "
+      f"{rows[0]['budget_bytes']} bytes for every policy (a quantized cache fits "
       f"more token slots in them); {study.num_slots} batch slots. Model: d_model {study.model.d_model}, "
       f"{study.model.num_layers} layers, {study.model.num_heads} heads, {study.model.num_kv_heads} kv heads.",
       f"Requests whose greedy tokens match the {rows[0]['policy']} run, per policy: "

@@ -26,9 +26,8 @@ that sequence of ids (re-encoding its text may merge a token across a part bound
 
 Scored by exact match: the first number of the greedy answer equals the key. Everything is drawn
 from a generator seeded by (seed, D): the same config gives the same examples for every model
-with the same tokenizer. The answers are decoded through a KV cache: the contiguous cache of the
-model's cache_dtype (kvjax.generate), or, with paged=True, the paged cache of the
-continuous-batching engine.
+with the same tokenizer. The answers are decoded through the KV cache of a CacheConfig: a
+contiguous one by kvjax.generate, a paged one by the continuous-batching engine.
 """
 
 from __future__ import annotations
@@ -40,7 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kvjax.config import check_nonnegative, check_positive, check_positive_int
+from kvjax.cache.config import CacheConfig
+from kvjax.fields import check_nonnegative, check_positive, check_positive_int, to_dict
 from kvjax.decoding.decode import generate
 from kvjax.interop.tokenizer import TextTokenizer
 from kvjax.model.transformer import Transformer
@@ -202,28 +202,29 @@ def answered(text: str, key: str) -> bool:
 
 
 def answers(model: Transformer, params, prompts: np.ndarray, lengths: np.ndarray, new_tokens: int,
-            stop_ids, *, paged: bool = False) -> list[np.ndarray]:
-  """Greedy answers [n] of int32 tokens (cut at the first stop token) through the contiguous
-  cache (generate) or the engine's paged cache."""
-  if not paged:
-    out = np.asarray(generate(model, params, prompts, lengths, new_tokens, stop_ids=stop_ids))
+            stop_ids, *, cache_config: CacheConfig = CacheConfig()) -> list[np.ndarray]:
+  """Greedy answers [n] of int32 tokens (cut at the first stop token) through a contiguous cache
+  (generate) or the engine's paged cache, of cache_config."""
+  if cache_config.layout != "paged":
+    out = np.asarray(generate(model, params, prompts, lengths, new_tokens, stop_ids=stop_ids,
+                              cache_config=cache_config))
     cut = [np.flatnonzero(np.isin(row, stop_ids)) for row in out]
     return [row[:c[0]] if c.size else row for row, c in zip(out, cut)]
-  page_size = 16
+  page_size = cache_config.page_size
   longest = int(lengths.max()) + new_tokens
   pages = -(-longest // page_size)
   engine = Engine(model, params, EngineConfig(num_slots=len(prompts), num_pages=len(prompts) * pages + 1,
-                                              page_size=page_size, max_len=pages * page_size, stop_ids=tuple(stop_ids)))
+                                              cache=cache_config, max_len=pages * page_size, stop_ids=tuple(stop_ids)))
   ids = [engine.submit(prompt[:length], new_tokens) for prompt, length in zip(prompts, lengths)]
   out = engine.run()
   return [out[i][:-1] if len(out[i]) and out[i][-1] in stop_ids else out[i] for i in ids]
 
 
 def passkey(model: Transformer, params, tokenizer: TextTokenizer, config: PasskeyConfig, *,
-            paged: bool = False) -> dict[str, dict]:
+            cache_config: CacheConfig = CacheConfig()) -> dict[str, dict]:
   """Exact-match recall per distance -> {str(D): {"distance", "exact_match", "needles", "answers"}}."""
   longest = Frame.of(tokenizer).length(config.lead, max(config.distances)) + config.answer_tokens
-  model.config.check_length(longest, f"PasskeyConfig.distances: distance {max(config.distances)} needs {longest} "
+  cache_config.model(model.config).check_length(longest, f"PasskeyConfig.distances: distance {max(config.distances)} needs {longest} "
                                      "positions")
   prose = Prose.of(tokenizer)
   out = {}
@@ -232,7 +233,7 @@ def passkey(model: Transformer, params, tokenizer: TextTokenizer, config: Passke
     texts = [tokenizer.decode(a) for start in range(0, config.needles, config.batch_size)
              for a in answers(model, params, prompts[start:start + config.batch_size],
                               lengths[start:start + config.batch_size], config.answer_tokens, tokenizer.stop_ids,
-                              paged=paged)]
+                              cache_config=cache_config)]
     hits = [answered(text, key) for text, key in zip(texts, keys)]
     out[str(distance)] = {"distance": distance, "exact_match": float(np.mean(hits)), "needles": config.needles,
                           "answers": [{"key": k, "answer": t} for k, t in zip(keys, texts)]}
@@ -240,17 +241,15 @@ def passkey(model: Transformer, params, tokenizer: TextTokenizer, config: Passke
 
 
 def passkey_checkpoint(workdir: str | Path, config: PasskeyConfig, *, step: int | None = None,
-                       cache_dtype: str | None = None, paged: bool = False) -> dict:
+                       cache_config: CacheConfig | None = None) -> dict:
   """`passkey` of a workdir's checkpoint (latest unless `step`) with its tokenizer, through a cache
-  of `cache_dtype` (default: the model's), paged or contiguous."""
+  of `cache_config` (default: contiguous, the model's dtype)."""
   step = latest_step(workdir) if step is None else step
   model, params, _ = load_model(workdir, step)
   tokenizer = TextTokenizer.load(workdir, model.config.vocab_size)
   if tokenizer is None:
     raise ValueError(f"{workdir} has no tokenizer: the pass-key test is for tokenized models (the byte-level "
                      "recall test serves models trained here)")
-  if cache_dtype is not None:
-    model = model.clone(config=model.config.replace(cache_dtype=cache_dtype))
+  cache_config = cache_config or CacheConfig()
   return {"step": step, "test": "passkey", "digits": config.digits, "seed": config.seed,
-          "cache_dtype": model.config.cache_dtype, "cache": "paged" if paged else "contiguous",
-          "recall": passkey(model, params, tokenizer, config, paged=paged)}
+          "cache": to_dict(cache_config), "recall": passkey(model, params, tokenizer, config, cache_config=cache_config)}

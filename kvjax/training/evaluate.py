@@ -5,9 +5,9 @@ A model that predicts the uniform distribution scores exactly 8 bits per byte. A
 tokenizer (an imported model) is evaluated in that tokenizer's ids, by default on held-out English
 prose (Python's documentation, the "prose" corpus of kvjax.training.data) in windows of a chosen
 token length; bits per byte then divides by the held-out text's bytes per token.
-Given a `cache_dtype`, the logits are those of a prefill through an empty contiguous cache of
-that format, which attends to the K/V as the cache stores them (kvjax.cache.quant): the quality
-a quantized cache costs.
+Given a `cache_config` (kvjax.cache.config.CacheConfig), the logits are those of a prefill through
+an empty cache of that layout, codec and window, which attends to the K/V as the cache stores them
+(kvjax.cache.codec): the quality a quantized or windowed cache costs.
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ from jax.sharding import Mesh
 
 from kvjax import sharding
 from kvjax.training.checkpoint import latest_step, load_model, read_meta
-from kvjax.cache.contiguous import ContiguousCache
-from kvjax.fields import from_dict
+from kvjax.cache import kinds
+from kvjax.cache.config import CacheConfig
+from kvjax.fields import from_dict, to_dict
 from kvjax.decoding.decode import forward
 from kvjax.training.data import PROSE, Dataset, eval_batches, load_dataset
 from kvjax.interop.tokenizer import TextTokenizer
@@ -34,13 +35,13 @@ from kvjax.model.transformer import Transformer
 from kvjax.training.config import DataConfig
 
 
-@functools.partial(jax.jit, static_argnames=("model", "through_cache"))
-def _eval_sums(model: Transformer, params, inputs, targets, through_cache: bool = False):
+@functools.partial(jax.jit, static_argnames=("model", "cache_config"))
+def _eval_sums(model: Transformer, params, inputs, targets, cache_config: CacheConfig | None = None):
   """inputs, targets int32 [B, T] -> (summed loss, number of correct argmax predictions); with
-  through_cache, the logits of a prefill into an empty ContiguousCache of model.config.cache_dtype."""
-  if through_cache:
+  a cache_config, the logits of a prefill into an empty cache of it."""
+  if cache_config is not None:
     batch, seq = inputs.shape
-    cache = ContiguousCache.create(model.config, batch, seq)
+    cache = kinds.create(model.config, cache_config, batch, seq)
     logits, _ = forward(model, params, cache, inputs, jnp.full((batch,), seq, jnp.int32), from_empty=True)
   else:
     logits = model.apply({"params": params}, inputs)  # [B, T, V]
@@ -49,23 +50,23 @@ def _eval_sums(model: Transformer, params, inputs, targets, through_cache: bool 
 
 
 def evaluate(model: Transformer, params, data: Dataset, *, batch_size: int, num_batches: int,
-             split: str = "val", mesh: Mesh | None = None, cache_dtype: str | None = None) -> dict:
+             split: str = "val", mesh: Mesh | None = None, cache_config: CacheConfig | None = None) -> dict:
   """Mean next-token loss (nats), bits per byte and accuracy over fixed windows of a split,
   sharded over `mesh` (kvjax.sharding's rules; batch_size must split over `data`) when given.
   Bits per byte is loss / ln 2 / data.bytes_per_token (exact for bytes, a corpus average otherwise).
-  cache_dtype: score a prefill through a cache of that format (module docstring); None, the
-  plain forward pass."""
+  cache_config: score a prefill through such a cache (module docstring); None, the plain
+  forward pass."""
   if split not in ("val", "train"):
     raise ValueError(f"split must be 'val' or 'train', got {split!r}")
-  through_cache = cache_dtype is not None
-  if through_cache:
-    model = Transformer(model.config.replace(cache_dtype=cache_dtype), backend=model.backend)
+  if cache_config is not None:
+    cache_config.codec(model.config)  # refuses a codec the model's vectors cannot take, before compiling
+    cache_config.model(model.config).check_length(data.seq_len, f"windows of seq_len={data.seq_len} tokens")
   tokens = data.val if split == "val" else data.train
   batches = eval_batches(tokens, data.seq_len, batch_size, num_batches)
   if mesh is not None:
     params = sharding.shard_params(params, mesh)
     batches = (sharding.shard_batch(mesh, x, y) for x, y in batches)
-  sums = [_eval_sums(model, params, x, y, through_cache) for x, y in batches]
+  sums = [_eval_sums(model, params, x, y, cache_config) for x, y in batches]
   count = batch_size * num_batches * data.seq_len
   loss = float(np.sum([np.float64(s[0]) for s in sums])) / count
   correct = int(np.sum([int(s[1]) for s in sums]))
@@ -75,7 +76,7 @@ def evaluate(model: Transformer, params, data: Dataset, *, batch_size: int, num_
 
 def evaluate_checkpoint(workdir: str | Path, *, step: int | None = None, split: str = "val",
                         batch_size: int | None = None, num_batches: int | None = None,
-                        mesh: Mesh | None = None, cache_dtype: str | None = None,
+                        mesh: Mesh | None = None, cache_config: CacheConfig | None = None,
                         corpus: str | None = None, seq_len: int | None = None) -> dict:
   """`evaluate` of a workdir's checkpoint (latest unless `step`) on the corpus of its run's config.
 
@@ -86,7 +87,7 @@ def evaluate_checkpoint(workdir: str | Path, *, step: int | None = None, split: 
   replace the run's.
   Returns the metrics with the step, split, tokens evaluated, the corpus source and sha256, and
   trained_corpus_sha256: the corpus the checkpoint was trained on, when its metadata records one.
-  cache_dtype: as in `evaluate`.
+  cache_config: as in `evaluate`.
   """
   step = latest_step(workdir) if step is None else step
   model, params, config = load_model(workdir, step, mesh=mesh)
@@ -102,8 +103,9 @@ def evaluate_checkpoint(workdir: str | Path, *, step: int | None = None, split: 
   num_batches = num_batches or train.get("eval_batches", 8)
   data = load_dataset(data_config, tokenizer)
   metrics = evaluate(model, params, data, batch_size=batch_size, num_batches=num_batches, split=split,
-                     mesh=mesh, cache_dtype=cache_dtype)
-  return {"step": step, "split": split, "cache_dtype": cache_dtype, **metrics, "seq_len": data_config.seq_len,
+                     mesh=mesh, cache_config=cache_config)
+  cache = None if cache_config is None else to_dict(cache_config)
+  return {"step": step, "split": split, "cache": cache, **metrics, "seq_len": data_config.seq_len,
           "tokens": batch_size * num_batches * data_config.seq_len,
           "corpus": data.info.source, "corpus_sha256": data.info.sha256,
           "trained_corpus_sha256": meta.get("corpus", {}).get("sha256")}

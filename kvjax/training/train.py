@@ -193,27 +193,14 @@ def claim_workdir(config: TrainRun, workdir: str | Path):
   """kvjax.training.workdir.claim of `workdir` for the run `config`, a context manager. Its kind is
   the config's job ("train"; "uptrain" for kvjax uptrain). A marked workdir of that kind is taken
   when it holds no checkpoint yet or its latest checkpoint's config is one this run may resume
-  (checkpoint.check_resume); so is a run written before workdirs were marked, by the same
-  rule, when its latest checkpoint is a training checkpoint of that job."""
+  (checkpoint.check_resume)."""
   config_dict = to_dict(config)
 
   def same_job(_recorded: dict) -> None:
     if checkpoint.latest_step(workdir) is not None:
       checkpoint.check_resume(checkpoint.read_meta(workdir), config_dict, Path(workdir).resolve())
 
-  def legacy(path: Path) -> bool:
-    if not checkpoint.checkpoint_dir(path).is_dir():
-      return False
-    try:
-      meta = checkpoint.read_meta(path)
-    except ValueError:
-      return False  # no kvjax checkpoint: an unknown folder
-    if meta.get("kind") != "train" or meta["config"].get("job", "train") != config.job:
-      return False
-    checkpoint.check_resume(meta, config_dict, path)
-    return True
-
-  return workdirs.claim(workdir, config.job, {"config": config_dict}, same_job=same_job, legacy=legacy)
+  return workdirs.claim(workdir, config.job, {"config": config_dict}, same_job=same_job)
 
 
 def run(config: TrainRun, workdir: str | Path, init_params=None, teacher=None) -> dict:

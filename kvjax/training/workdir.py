@@ -8,10 +8,9 @@ may be claimed when it
     "study") and its job (what identifies the run: an uptraining's source and settings, an
     import's source, a study's config class, ...);
   - holds a marker of the same kind whose job the caller accepts (`same_job`, by default: the
-    same job); the marker is then rewritten with this job (a resumed run's new step count);
-  - holds a workdir that kvjax wrote before it marked them, which the caller recognises
-    (`legacy`); it is marked then.
-Anything else -- a Hugging Face model folder, another kind's workdir, a folder of unknown files,
+    same job); the marker is then rewritten with this job (a resumed run's new step count).
+Every marker records the kvjax version that wrote it; a marker without one (written before
+kvjax recorded versions) is refused with a message saying so. Anything else -- a Hugging Face model folder, another kind's workdir, a folder of unknown files,
 a file, a directory this process may not write -- is refused with a WorkdirRefused (a ValueError)
 saying why, before a byte is written into it.
 
@@ -26,13 +25,13 @@ and uptraining runs, each claimed by its own run.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
 import fcntl
 import hashlib
 import json
 import os
 import shlex
+import importlib.metadata
 import socket
 import sys
 from pathlib import Path
@@ -41,7 +40,6 @@ from typing import Any, Callable, Iterator
 import jax
 import numpy as np
 
-from kvjax.fields import to_dict
 
 MARKER = "kvjax-workdir.json"
 LOCK = "kvjax-workdir.lock"
@@ -74,18 +72,18 @@ def held(path: str | os.PathLike) -> str | None:
 
 
 def check(path: str | os.PathLike, kind: str, job: dict | None = None, *,
-          same_job: Callable[[dict], None] | None = None, legacy: Callable[[Path], bool] | None = None) -> Path:
+          same_job: Callable[[dict], None] | None = None) -> Path:
   """Reads `path` and raises WorkdirRefused unless `claim` could take it (job None: any job of
   `kind`); writes nothing. Returns the resolved path. For refusing early, before a slow step
   that the claim's job depends on."""
   path = resolve(path)
-  _inspect(path, kind, job, same_job, legacy)
+  _inspect(path, kind, job, same_job)
   return path
 
 
 @contextlib.contextmanager
-def claim(path: str | os.PathLike, kind: str, job: dict, *, same_job: Callable[[dict], None] | None = None,
-          legacy: Callable[[Path], bool] | None = None) -> Iterator[Path]:
+def claim(path: str | os.PathLike, kind: str, job: dict, *,
+          same_job: Callable[[dict], None] | None = None) -> Iterator[Path]:
   """Claims the workdir `path` for a `kind` job identified by `job` (JSON) and holds its lock until
   the block ends; yields the resolved path.
 
@@ -100,7 +98,7 @@ def claim(path: str | os.PathLike, kind: str, job: dict, *, same_job: Callable[[
       raise WorkdirRefused(f"{path} is claimed by this process for another kind of job ({_held[path]}, not {kind})")
     yield path
     return
-  _inspect(path, kind, job, same_job, legacy)  # before the lock file: a refused directory is not touched
+  _inspect(path, kind, job, same_job)  # before the lock file: a refused directory is not touched
   try:
     path.mkdir(parents=True, exist_ok=True)
     fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -115,7 +113,7 @@ def claim(path: str | os.PathLike, kind: str, job: dict, *, same_job: Callable[[
     except OSError as err:
       raise WorkdirRefused(f"cannot lock {path / LOCK}: {err.strerror or err}") from None
     # Again under the lock: another process may have claimed the directory since.
-    recorded = _inspect(path, kind, job, same_job, legacy)
+    recorded = _inspect(path, kind, job, same_job)
     try:
       if recorded != job:
         _write_marker(path, kind, job)
@@ -141,18 +139,8 @@ def study_job(config: Any) -> dict:
 
 
 def claim_study(path: str | os.PathLike, config: Any) -> contextlib.AbstractContextManager[Path]:
-  """claim(path, STUDY, study_job(config)); a study workdir from before markers is recognised by
-  its config.json, a config with the same fields as `config`."""
-  fields = set(to_dict(config)) if dataclasses.is_dataclass(config) else None
-
-  def legacy(found: Path) -> bool:
-    try:
-      saved = json.loads((found / "config.json").read_text())
-    except (OSError, ValueError):
-      return False
-    return isinstance(saved, dict) and set(saved) == fields
-
-  return claim(path, STUDY, study_job(config), legacy=legacy)
+  """claim(path, STUDY, study_job(config))."""
+  return claim(path, STUDY, study_job(config))
 
 
 def fingerprint(config: dict, params) -> str:
@@ -166,7 +154,7 @@ def fingerprint(config: dict, params) -> str:
   return digest.hexdigest()
 
 
-def _inspect(path: Path, kind: str, job: dict | None, same_job, legacy) -> dict | None:
+def _inspect(path: Path, kind: str, job: dict | None, same_job) -> dict | None:
   """Raises WorkdirRefused unless `path` may be claimed; returns the job its marker records
   (None: no marker yet). Only reads."""
   if not path.exists():
@@ -193,7 +181,7 @@ def _inspect(path: Path, kind: str, job: dict | None, same_job, legacy) -> dict 
     entries = sorted(entry.name for entry in os.scandir(path) if entry.name not in (LOCK, _MARKER_TMP))
   except OSError as err:
     raise WorkdirRefused(f"cannot read {path}: {err.strerror or err}") from None
-  if entries and not (legacy is not None and legacy(path)):
+  if entries:
     shown = ", ".join(entries[:4]) + (", ..." if len(entries) > 4 else "")
     counted = f"{len(entries)} {'entry' if len(entries) == 1 else 'entries'}"
     raise WorkdirRefused(f"{path} is not empty ({counted}: {shown}) and no {MARKER} marks it "
@@ -218,7 +206,16 @@ def _read_marker(marker: Path) -> dict:
   if not (isinstance(recorded, dict) and isinstance(recorded.get("kind"), str)
           and isinstance(recorded.get("job"), dict)):
     raise WorkdirRefused(f"the workdir marker {marker} is damaged (no kind and job)")
+  if not isinstance(recorded.get("kvjax_version"), str):
+    raise WorkdirRefused(f"{marker.parent} was written by a kvjax from before workdirs recorded their version "
+                         f"(its {MARKER} has no kvjax_version); kvjax {version()} does not read it: use a new "
+                         "workdir, and import or train the model again")
   return recorded
+
+
+def version() -> str:
+  """The installed kvjax's version, recorded in every workdir marker."""
+  return importlib.metadata.version("kvjax")
 
 
 def _write_marker(path: Path, kind: str, job: dict) -> None:
@@ -226,7 +223,7 @@ def _write_marker(path: Path, kind: str, job: dict) -> None:
   now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
   tmp = path / _MARKER_TMP
   with open(tmp, "w") as f:
-    f.write(json.dumps({"kind": kind, "job": job, "written": now}, indent=2) + "\n")
+    f.write(json.dumps({"kind": kind, "job": job, "kvjax_version": version(), "written": now}, indent=2) + "\n")
     f.flush()
     os.fsync(f.fileno())
   os.replace(tmp, path / MARKER)

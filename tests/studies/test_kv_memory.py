@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from kvjax.cache.config import CacheConfig
+from kvjax.cache.kinds import bytes_per_token
 from kvjax.config import ModelConfig
 from kvjax.studies.kv_memory import CSV_FIELDS, KVMemoryStudy, WorkloadConfig, make_workload
 
@@ -90,9 +92,9 @@ def test_quantized_formats_hold_more_requests_within_the_same_bytes(tmp_path):
   assert [(r["policy"], r["cache_dtype"]) for r in rows] == [("paged16", "float32"), ("paged16", "int8")]
   own, int8 = rows
   assert own["budget_tokens"] == study.budget_tokens
-  assert int8["budget_bytes"] <= own["budget_bytes"] < int8["budget_bytes"] + 16 * study.model.replace(
-      cache_dtype="int8").kv_bytes_per_token
+  assert int8["budget_bytes"] <= own["budget_bytes"] < int8["budget_bytes"] + 16 * bytes_per_token(
+      study.model, CacheConfig(dtype="int8"))
   assert int8["budget_tokens"] == 16 * (study.budget_tokens * 128 // (16 * 36))  # (32 + 4) bytes vs 4 x 32
   assert int8["peak_concurrent"] >= own["peak_concurrent"]
-  with pytest.raises(ValueError, match=r"cache_dtypes\[0\] must be one of"):
+  with pytest.raises(ValueError, match=r"cache_dtypes\[0\]: CacheConfig.dtype must be one of"):
     dataclasses.replace(tiny, cache_dtypes=("int3",))

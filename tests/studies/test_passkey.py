@@ -10,6 +10,7 @@ import re
 import numpy as np
 import pytest
 
+from kvjax.cache.config import CacheConfig
 from kvjax.interop.tokenizer import TextTokenizer
 from kvjax.studies.passkey import (ANSWER, INSTRUCTION, NEEDLE, PARAGRAPH, QUESTION, SEPARATOR, Frame, PasskeyConfig,
                                    Prose, answered, answers, examples, passkey, prose_sentences)
@@ -95,7 +96,7 @@ def test_paged_answers_in_batches_equal_the_contiguous_cache():
   config = PasskeyConfig(distances=(48, 52), needles=2, lead=20, answer_tokens=6, batch_size=2)
   contiguous = passkey(model, params, tokenizer, config)
   paged = dataclasses.replace(config, batch_size=1)  # and one example at a time
-  assert passkey(model, params, tokenizer, paged, paged=True) == contiguous
+  assert passkey(model, params, tokenizer, paged, cache_config=CacheConfig(layout="paged")) == contiguous
   assert list(contiguous) == ["48", "52"]
   for distance, result in contiguous.items():
     prompts, lengths, keys = examples(tokenizer, config, int(distance), Prose.of(tokenizer))
