@@ -1,15 +1,15 @@
-"""MLA configs: clear errors for impossible shapes, and the parameter count the memory budgets use."""
+"""MLA configs: clear errors for impossible shapes, the payload its cache stores, and the
+parameter count the memory budgets use, against the shapes of the module docstring by hand."""
 
 from __future__ import annotations
 
-import math
-
-import jax
 import pytest
 
 import kvjax
-from kvjax import memory
-from kvjax.model.params import abstract_params
+from kvjax.model.attention import Field, kv_payload
+from kvjax.model.mla import latent_payload
+from kvjax.model.params import param_count
+from kvjax.model.transformer import cache_payload
 from conftest import tiny_config
 
 
@@ -23,21 +23,58 @@ from conftest import tiny_config
     (dict(kv_latent_rank=-1), "kv_latent_rank must be a non-negative"),
     (dict(kv_latent_rank=8, rope_dims=4, rope_pairs=((0,), (1,))), "rope_pairs must hold"),
     (dict(kv_latent_rank=8, rope_dims=4, rope_pairs=((0, 4), (1, 2))), "frequency index 4"),
-    (dict(kv_latent_rank=8, rope_dims=4, window=(16, 0)), r"window=\(16, 0\) asks for sliding-window layers in an MLA"),
-    (dict(kv_latent_rank=8, rope_dims=4, cache_dtype="int8"), "cache_dtype='int8' asks for a quantized cache of an MLA"),
 ])
 def test_config_errors(changes, match):
   with pytest.raises(ValueError, match=match):
     tiny_config(2, **changes)
 
 
+def test_windowed_mla_is_a_model():
+  """Sliding windows and sinks are the network's (its masks), whatever its attention stores:
+  an MLA model takes them (its caches: tests/cache/test_compose.py)."""
+  config = tiny_config(2, kv_latent_rank=8, rope_dims=4, window=(16, 0), sink_tokens=2)
+  assert (config.layer_window(0), config.layer_window(1), config.is_latent) == (16, 0, True)
+
+
+def test_payload_is_what_the_attention_declares():
+  """An MLA layer caches one latent [R] and one rotary key [rope_dims] per token, one "head"
+  whatever num_heads; without RoPE only the latent. K/V layers cache k (read transposed) and v."""
+  mla = tiny_config(2, kv_latent_rank=12, rope_dims=8)
+  assert cache_payload(mla) == latent_payload(mla) == {"latent": Field(1, 12), "rope_key": Field(1, 8)}
+  learned = tiny_config(2, kv_latent_rank=12, positions="learned")
+  assert cache_payload(learned) == {"latent": Field(1, 12)}
+  gqa = tiny_config(2)
+  assert cache_payload(gqa) == kv_payload(gqa) == {"k": Field(2, 8, transposed=True), "v": Field(2, 8)}
+
+
+def mla_params_by_hand(config: kvjax.ModelConfig) -> int:
+  """The parameters of kvjax.model.mla's docstring, q [D, N, H], kv_down [D, R], k_rope [D, K*W],
+  k_up [R, N, E], v_up [R, N, H], out [N, H, D] (biases with qkv_bias / use_bias), plus the
+  embeddings, norms and MLPs of the layer loop."""
+  d, n, h, f = config.d_model, config.num_heads, config.head_dim, config.mlp_dim
+  r, w, e = config.kv_latent_rank, config.rope_dims, config.head_dim - config.rope_group_dims
+  attn = d * n * h + d * r + d * w + r * n * e + r * n * h + n * h * d
+  if config.qkv_bias:
+    attn += n * h + r + w
+  if config.use_bias:
+    attn += d
+  norm = d if config.norm == "rmsnorm" else 2 * d
+  projections = 3 if config.activation == "swiglu" else 2
+  mlp = projections * d * f + ((projections - 1) * f + d if config.use_bias else 0)
+  total = config.vocab_size * d + config.num_layers * (2 * norm + attn + mlp) + norm
+  if config.positions == "learned":
+    total += config.max_len * d
+  if not config.tie_embeddings:
+    total += d * config.vocab_size
+  return total
+
+
 @pytest.mark.parametrize("changes", [dict(), dict(qkv_bias=True, use_bias=True, num_kv_heads=1, rope_dims=4),
-                                     dict(positions="learned", rope_dims=0)])
+                                     dict(positions="learned", rope_dims=0, norm="layernorm", activation="gelu")])
 def test_param_count(changes):
   changes = {"num_kv_heads": 2, "kv_latent_rank": 12, "rope_dims": 8, **changes}
   config = tiny_config(changes.pop("num_kv_heads"), **changes)
-  leaves = jax.tree.leaves(abstract_params(config))
-  assert memory.param_count(config) == sum(math.prod(x.shape) for x in leaves)
+  assert param_count(config) == mla_params_by_hand(config)
 
 
 def test_round_trip_and_overrides():
