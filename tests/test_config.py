@@ -17,9 +17,8 @@ from kvjax.training.config import DataConfig, TrainConfig, TrainRun
 
 def test_defaults_are_derived():
   cfg = ModelConfig(d_model=96, num_heads=6, num_kv_heads=2)
-  assert (cfg.head_dim, cfg.q_per_kv, cfg.mlp_dim, cfg.cache_dtype) == (16, 3, 256, "float32")
+  assert (cfg.head_dim, cfg.q_per_kv, cfg.mlp_dim) == (16, 3, 256)
   assert ModelConfig(d_model=64, activation="gelu").mlp_dim == 256
-  assert cfg.kv_bytes_per_token == 2 * cfg.num_layers * 2 * 16 * 4
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -31,7 +30,6 @@ def test_defaults_are_derived():
     (dict(norm="batchnorm"), "norm must be one of"),
     (dict(positions="alibi"), "positions must be one of"),
     (dict(dtype="float8"), "dtype must be one of"),
-    (dict(cache_dtype="int3"), "cache_dtype must be one of"),
     (dict(d_model=100, num_heads=3), "d_model=100 is not divisible by num_heads=3"),
     (dict(head_dim=7, d_model=28, num_heads=4), "head_dim=7 must be even for RoPE"),
     (dict(max_len=0), "max_len must be a positive integer"),
@@ -83,7 +81,6 @@ def test_derived_defaults_follow_their_inputs():
   run = apply_overrides(base, ["model.d_model=256", "model.dtype=bfloat16"])
   assert run.model.head_dim == 256 // base.model.num_heads
   assert run.model.mlp_dim == ModelConfig(d_model=256).mlp_dim
-  assert run.model.cache_dtype == "bfloat16"
   explicit = TrainRun(model=ModelConfig(head_dim=48))
   assert apply_overrides(explicit, ["model.d_model=256"]).model.head_dim == 48
 

@@ -25,6 +25,7 @@ import numpy as np
 from kvjax.cache import kinds
 from kvjax.cache.base import KVCache
 from kvjax.cache.config import CacheConfig
+from kvjax.fields import to_dict
 from kvjax.config import ModelConfig
 from kvjax.decoding import baselines, decode
 from kvjax.kernels import attention as attention_kernel
@@ -51,10 +52,10 @@ def weight_bytes(cfg: ModelConfig) -> int:
   return matmul_params(cfg) * 4
 
 
-def decode_step_bytes(cfg: ModelConfig, batch: int, context: int) -> int:
+def decode_step_bytes(cfg: ModelConfig, batch: int, context: int, cache_config: CacheConfig = CacheConfig()) -> int:
   """Bytes one decode step at `context` positions per row reads: the weights and each row's
-  cache (values and scales, a windowed layer's window and sinks only: ModelConfig.kv_bytes)."""
-  return weight_bytes(cfg) + batch * cfg.kv_bytes(context)
+  cache (values and scales, a windowed layer's window and sinks only: kinds.sequence_bytes)."""
+  return weight_bytes(cfg) + batch * kinds.sequence_bytes(cfg, cache_config, context)
 
 
 def prefill_flops(cfg: ModelConfig, batch: int, prompt: int) -> float:
@@ -136,29 +137,30 @@ def random_prompts(cfg: ModelConfig, batch: int, prompt: int, seed: int = 0):
 
 
 def bench_decode(cfg: ModelConfig = BENCH_MODEL, *, batch: int = 8, prompt: int = 128,
-                 new_tokens: int = 128, repeats: int = 5) -> dict:
-  """Decode step (ms) on a cache of `prompt` positions per row and, for new_tokens > 1, generate
-  tokens/s from prompts of `prompt` tokens, each against its roofline; generate is timed as the
-  median of `repeats` runs."""
+                 new_tokens: int = 128, repeats: int = 5, cache_config: CacheConfig = CacheConfig()) -> dict:
+  """Decode step (ms) on a cache of `cache_config` of `prompt` positions per row and, for
+  new_tokens > 1, generate tokens/s from prompts of `prompt` tokens, each against its roofline;
+  generate is timed as the median of `repeats` runs."""
   model, params = init_model(cfg)
   bandwidth, flops = memory_bandwidth(), peak_flops()[0]
   result = {"benchmark": "decode", "model": cfg.to_dict(), "batch": batch, "prompt": prompt,
             "new_tokens": new_tokens, "small_matmul_kernel": matmul.uses_kernel(batch, cfg.compute_dtype),
-            "decode_attention_kernel": attention_kernel.uses_kernel(cfg.compute_dtype, ("contiguous", cfg.dtype)),
-            "memory_bandwidth_GBps": bandwidth / 1e9, "matmul_GFLOPs": flops / 1e9}
+            "cache": to_dict(cache_config), "memory_bandwidth_GBps": bandwidth / 1e9, "matmul_GFLOPs": flops / 1e9}
 
-  cache = filled_cache(model, params, batch, prompt, prompt + STEP_REPEATS + 1)
+  cache = filled_cache(model, params, batch, prompt, prompt + STEP_REPEATS + 1, cache_config)
+  result["decode_attention_kernel"] = attention_kernel.uses_kernel(cfg.compute_dtype, cache.route)
   step = time_decode_step(model, params, cache)
-  step_bytes = decode_step_bytes(cfg, batch, prompt)
+  step_bytes = decode_step_bytes(cfg, batch, prompt, cache_config)
   result.update(decode_step_ms=step * 1e3, decode_step_bytes=step_bytes,
                 decode_step_roofline_ms=step_bytes / bandwidth * 1e3,
                 decode_roofline_fraction=step_bytes / bandwidth / step)
 
   if new_tokens > 1:
     prompts, lengths = random_prompts(cfg, batch, prompt)
-    seconds = timed(lambda: decode.generate(model, params, prompts, lengths, new_tokens), repeats)
+    seconds = timed(lambda: decode.generate(model, params, prompts, lengths, new_tokens, cache_config=cache_config),
+                    repeats)
     ceiling = prefill_flops(cfg, batch, prompt) / flops + sum(
-        decode_step_bytes(cfg, batch, prompt + i) / bandwidth for i in range(new_tokens - 1))
+        decode_step_bytes(cfg, batch, prompt + i, cache_config) / bandwidth for i in range(new_tokens - 1))
     tokens = batch * new_tokens
     result.update(generate_s=seconds, tokens_per_s=tokens / seconds,
                   ceiling_tokens_per_s=tokens / ceiling, fraction_of_ceiling=ceiling / seconds)

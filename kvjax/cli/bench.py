@@ -10,15 +10,18 @@ import dataclasses
 import json
 
 from kvjax.bench import benchmarks, mla, paged, quant, real_model
+from kvjax.cache.config import CacheConfig
 from kvjax.cli import options
 from kvjax.config import ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)
 class BenchConfig:
-  """What --set changes in `kvjax bench`: the benchmark model, keys model.FIELD."""
+  """What --set changes in `kvjax bench`: the benchmark model (model.FIELD) and, for decode, its
+  cache (cache.FIELD, kvjax.cache.config.CacheConfig)."""
 
   model: ModelConfig = benchmarks.BENCH_MODEL
+  cache: CacheConfig = CacheConfig()
 
 
 BENCHMARKS = {"decode": benchmarks.bench_decode, "nocache": benchmarks.bench_nocache, "hf": benchmarks.bench_hf,
@@ -67,8 +70,13 @@ def command(args: argparse.Namespace) -> int:
       raise ValueError(f"--model runs {' and '.join(REAL_MODEL_BENCHMARKS)} only, and perplexity needs --model")
     print(json.dumps(real_model_result(args), indent=None if args.json else 2))
     return 0
-  model = options.apply_set(BenchConfig(), args).model
-  result = BENCHMARKS[args.benchmark](model, **benchmark_kwargs(args))
+  config = options.apply_set(BenchConfig(), args)
+  kwargs = benchmark_kwargs(args)
+  if config.cache != CacheConfig():
+    if args.benchmark != "decode":
+      raise ValueError(f"--set cache.* applies to the decode benchmark; {args.benchmark} sets its own caches")
+    kwargs["cache_config"] = config.cache
+  result = BENCHMARKS[args.benchmark](config.model, **kwargs)
   print(json.dumps(result, indent=None if args.json else 2))
   return 0
 

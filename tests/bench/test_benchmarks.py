@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from kvjax.bench import benchmarks, mla, paged, quant
+from kvjax.cache.config import CacheConfig
+from kvjax.cache.kinds import bytes_per_token
 from kvjax.config import ModelConfig
 
 TINY = ModelConfig(vocab_size=64, d_model=32, num_layers=1, num_heads=4, num_kv_heads=2, mlp_dim=64, max_len=64)
@@ -44,15 +46,14 @@ def test_bench_quant_compares_equal_caches():
   assert result["int8_cache_bytes"] * 4 * TINY.head_dim == result["float32_cache_bytes"] * (TINY.head_dim + 4)
   # Whole decode steps: the int8 cache holds the float32 cache's values quantized; its bytes as counted.
   assert result["decode_first_step_max_logit_diff"] < 0.05 and result["int8_decode_step_ms"] > 0
-  int8 = TINY.replace(cache_dtype="int8")
-  assert result["decode_cache_bytes"] == {"float32": 2 * (40 + 2) * TINY.kv_bytes_per_token,
-                                          "int8": 2 * (40 + 2) * int8.kv_bytes_per_token}
+  assert result["decode_cache_bytes"] == {name: 2 * (40 + 2) * bytes_per_token(TINY, CacheConfig(dtype=name))
+                                          for name in ("float32", "int8")}
 
 
 def test_bench_decode_takes_an_int8_cache():
-  """`kvjax bench decode --set model.cache_dtype=int8`: a whole decode step over an int8 cache,
+  """`kvjax bench decode --set cache.dtype=int8`: a whole decode step over an int8 cache,
   whose bytes (values and scales) the step's byte count takes."""
-  int8 = TINY.replace(cache_dtype="int8")
-  result = benchmarks.bench_decode(int8, batch=2, prompt=8, new_tokens=1, repeats=1)
-  assert result["decode_step_ms"] > 0
-  assert result["decode_step_bytes"] == benchmarks.weight_bytes(int8) + 2 * int8.kv_bytes(8)
+  int8 = CacheConfig(dtype="int8")
+  result = benchmarks.bench_decode(TINY, batch=2, prompt=8, new_tokens=1, repeats=1, cache_config=int8)
+  assert result["decode_step_ms"] > 0 and result["cache"]["dtype"] == "int8"
+  assert result["decode_step_bytes"] == benchmarks.weight_bytes(TINY) + 2 * 8 * bytes_per_token(TINY, int8)

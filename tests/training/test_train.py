@@ -103,9 +103,9 @@ def test_eval_command_matches_the_run(trained, capsys):
   assert result["loss"] == pytest.approx(summary["val_loss"], rel=1e-6)
   assert result["accuracy"] == summary["accuracy"]
   # Through an int8 cache: a prefill that reads the quantized K/V, close to the float model.
-  assert cli.main(["eval", "--workdir", str(workdir), "--json", "--set", "model.cache_dtype=int8"]) == 0
+  assert cli.main(["eval", "--workdir", str(workdir), "--json", "--set", "cache.dtype=int8"]) == 0
   quantized = json.loads(capsys.readouterr().out)
-  assert quantized["cache_dtype"] == "int8" and quantized["loss"] != result["loss"]
+  assert quantized["cache"]["dtype"] == "int8" and quantized["loss"] != result["loss"]
   assert quantized["loss"] == pytest.approx(result["loss"], rel=0.01)
 
 

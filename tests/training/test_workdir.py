@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import pytest
 
+import kvjax
 from kvjax.config import ModelConfig
 from kvjax.conversion.import_model import import_model
 from kvjax.interop.importer import from_hf
@@ -47,6 +48,7 @@ def test_a_new_directory_is_marked_first_and_taken_again_for_its_job(tmp_path):
     assert sorted(p.name for p in path.iterdir()) == sorted([workdirs.LOCK, workdirs.MARKER])
     marker = json.loads((path / workdirs.MARKER).read_text())
     assert (marker["kind"], marker["job"]) == ("train", {"run": 1})
+    assert marker["kvjax_version"] == workdirs.version() == kvjax.__version__
     holder = json.loads((path / workdirs.LOCK).read_text())
     assert holder["pid"] == os.getpid()
     (path / "config.json").write_text("{}")
@@ -81,6 +83,9 @@ def _victims(tmp_path: Path) -> dict[str, tuple[Path, str]]:
   (unknown / "sub").mkdir(parents=True)
   (unknown / "sub" / "todo.txt").write_text("mine")
   imported, other_run, damaged = tmp_path / "imported", tmp_path / "other_run", tmp_path / "damaged"
+  unversioned = tmp_path / "unversioned"  # a workdir of a kvjax from before markers recorded versions
+  unversioned.mkdir()
+  (unversioned / workdirs.MARKER).write_text('{"kind": "train", "job": {"run": 1}}')
   with workdirs.claim(imported, "import", {"source": "hf"}):
     (imported / "config.json").write_text("{}")
   with workdirs.claim(other_run, "train", {"run": 2}):
@@ -95,6 +100,7 @@ def _victims(tmp_path: Path) -> dict[str, tuple[Path, str]]:
           "another_kind": (imported, r"is a kvjax workdir of another kind \(import, not train\)"),
           "another_job": (other_run, r'workdir of another train job: it records \{"run": 2\}'),
           "damaged_marker": (damaged, "cannot read the workdir marker"),
+          "no_version": (unversioned, r"from before workdirs recorded their version .* no kvjax_version"),
           "a_file": (a_file, "is a file, not a directory"),
           "below_a_file": (below_a_file, f"cannot create {below_a_file}: {a_file} is a file")}
 
