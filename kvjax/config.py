@@ -11,7 +11,7 @@ import math
 
 import jax.numpy as jnp
 
-from kvjax.fields import OMIT_DEFAULT, check_choice, check_nonnegative, check_positive, check_real, to_dict
+from kvjax.fields import check_choice, check_nonnegative, check_positive, check_real, to_dict
 
 ACTIVATIONS = ("swiglu", "gelu")
 NORMS = ("rmsnorm", "layernorm")
@@ -99,13 +99,12 @@ class ModelConfig:
   tie_embeddings: bool = False
   max_len: int = 1024
   dtype: str = "float32"
-  # Written out only when set (OMIT_DEFAULT), so the configs recorded before these fields read as before.
-  window: tuple[int, ...] = dataclasses.field(default=(), metadata=OMIT_DEFAULT)
-  sink_tokens: int = dataclasses.field(default=0, metadata=OMIT_DEFAULT)
-  kv_latent_rank: int = dataclasses.field(default=0, metadata=OMIT_DEFAULT)
-  rope_dims: int = dataclasses.field(default=0, metadata=OMIT_DEFAULT)
-  rope_pairs: tuple[tuple[int, ...], ...] | None = dataclasses.field(default=None, metadata=OMIT_DEFAULT)
-  rope_scaling: RopeScaling | None = dataclasses.field(default=None, metadata=OMIT_DEFAULT)
+  window: tuple[int, ...] = ()
+  sink_tokens: int = 0
+  kv_latent_rank: int = 0
+  rope_dims: int = 0
+  rope_pairs: tuple[tuple[int, ...], ...] | None = None
+  rope_scaling: RopeScaling | None = None
 
   def __post_init__(self):
     check_positive(self, "vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "max_len")

@@ -54,17 +54,11 @@ def check_real(obj: Any, name: str, low: float, high: float, *, open_low: bool =
 
 # Generic machinery for any nested frozen-dataclass config (TrainRun and other jobs' run configs).
 
-# Field metadata: written out by to_dict only when it differs from its default, so configs
-# recorded before the field was added read (and fingerprint) as before.
-OMIT_DEFAULT = {"omit_default": True}
-
-
 def to_dict(config: Any) -> dict:
-  """Nested dataclass -> dict of JSON types (tuples become lists); OMIT_DEFAULT fields only when set."""
+  """Nested dataclass -> dict of JSON types (tuples become lists)."""
   def plain(value):
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-      return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)
-              if not (f.metadata.get("omit_default") and getattr(value, f.name) == f.default)}
+      return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, dict):
       return {k: plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
