@@ -14,7 +14,8 @@ allocated, so a model too large for the machine is refused before it is built) a
                  (coefficients fitted to XLA's memory plan of the train step, and rounded up:
                  the tests check that the estimate bounds that plan within a factor of two)
   forward        one layer's intermediates at a time plus the logits (prefill, extend, eval)
-  KV cache       what the cache kind says it takes (kvjax.cache.kinds.cache_bytes)
+  KV cache       what the cache kind says it takes, checked by its create: kvjax.cache.kinds.cache_bytes
+                 (rows of max_len positions), PagedCache.pool_bytes (a pool of given pages)
 
 The corpus, compiled programs and XLA's scratch space are not counted. The memory a job has is
 the free memory of its devices: on accelerators memory_stats()'s bytes_limit less bytes_in_use,

@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import itertools
 import json
-import math
 import re
 import subprocess
 import sys
@@ -17,10 +16,11 @@ import jax.numpy as jnp
 import pytest
 
 from kvjax import memory
-from kvjax.cache.contiguous import ContiguousCache
+from kvjax.cache import kinds
+from kvjax.cache.config import CacheConfig
 from kvjax.cache.paged import PagedCache
 from kvjax.config import ModelConfig
-from kvjax.model.params import abstract_params
+from kvjax.model.params import abstract_params, param_count
 from kvjax.model.transformer import Transformer
 from kvjax.training import train
 from kvjax.training.config import DataConfig, TrainConfig, TrainRun
@@ -31,19 +31,43 @@ TINY = ModelConfig(vocab_size=256, d_model=64, num_layers=2, num_heads=4, num_kv
                    max_len=128)
 
 
+def counted_by_hand(config: ModelConfig) -> int:
+  """Weights of Transformer(config) from the architecture: embeddings, per layer two norms, the
+  attention's projections (MLA: q, kv_down, k_rope, k_up, v_up, out) and the MLP, a final norm."""
+  d, n, k, h, f = config.d_model, config.num_heads, config.num_kv_heads, config.head_dim, config.mlp_dim
+  norm = d if config.norm == "rmsnorm" else 2 * d  # LayerNorm has a bias beside its scale
+  if config.is_latent:
+    r, w = config.kv_latent_rank, config.rope_dims
+    attn = (2 * d * n * h + d * (r + w) + r * n * (2 * h - config.rope_group_dims)
+            + (n * h + r + w if config.qkv_bias else 0) + (d if config.use_bias else 0))
+  else:
+    attn = d * h * (2 * n + 2 * k) + (h * (n + 2 * k) if config.qkv_bias else 0) + (d if config.use_bias else 0)
+  projections = 3 if config.activation == "swiglu" else 2
+  mlp = projections * d * f + ((projections - 1) * f + d if config.use_bias else 0)
+  total = config.vocab_size * d + config.num_layers * (2 * norm + attn + mlp) + norm
+  total += config.max_len * d if config.positions == "learned" else 0
+  return total + (0 if config.tie_embeddings else d * config.vocab_size)
+
+
 def test_param_count_is_the_size_of_the_parameter_tree():
-  for activation, norm, positions, qkv_bias, use_bias, tie in itertools.product(
-      ("swiglu", "gelu"), ("rmsnorm", "layernorm"), ("rope", "learned"), *[(False, True)] * 3):
-    config = ModelConfig(vocab_size=50, d_model=24, num_layers=3, num_heads=6, num_kv_heads=2, head_dim=6,
-                         mlp_dim=40, activation=activation, norm=norm, positions=positions, qkv_bias=qkv_bias,
-                         use_bias=use_bias, tie_embeddings=tie, max_len=17)
-    want = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_params(config)))
-    assert memory.param_count(config) == want, config
+  configs = [ModelConfig(vocab_size=50, d_model=24, num_layers=3, num_heads=6, num_kv_heads=2, head_dim=6, mlp_dim=40,
+                         activation=activation, norm=norm, positions=positions, qkv_bias=qkv_bias, use_bias=use_bias,
+                         tie_embeddings=tie, max_len=17)
+             for activation, norm, positions, qkv_bias, use_bias, tie in itertools.product(
+                 ("swiglu", "gelu"), ("rmsnorm", "layernorm"), ("rope", "learned"), *[(False, True)] * 3)]
+  # MLA changes only the attention's weights: with and without biases and a rotary key.
+  configs += [c.replace(kv_latent_rank=10, rope_dims=4 if c.positions == "rope" else 0) for c in configs
+              if (c.activation, c.norm, c.tie_embeddings) == ("swiglu", "rmsnorm", False)]
+  for config in configs:
+    assert param_count(config) == counted_by_hand(config), config
+  # And the tree init builds, leaf by leaf.
+  built = Transformer(TINY).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
+  assert param_count(TINY) == sum(x.size for x in jax.tree.leaves(built)) == counted_by_hand(TINY)
 
 
 def test_training_estimate_of_the_tiny_config():
   # embed 256*64 + 2 layers * (norms 2*64 + q,k,v,out 4*64*64 + MLP 3*64*192) + final norm 64 + lm_head 64*256
-  assert memory.param_count(TINY) == 16384 + 2 * (128 + 16384 + 36864) + 64 + 16384 == 139_584
+  assert param_count(TINY) == 16384 + 2 * (128 + 16384 + 36864) + 64 + 16384 == 139_584
   # Per token: 2 layers * (4D + 3NH + 4KH + 6F + 4NT) + 2D + 3V floats, for 16 x 64 tokens.
   activations = 4 * 16 * 64 * (2 * (256 + 192 + 256 + 1152 + 4 * 4 * 64) + 128 + 768)
   assert memory.train_parts(TINY, 16, 64) == {
@@ -70,14 +94,27 @@ def test_training_estimate_bounds_what_xla_plans(config, batch, seq_len):
   assert used <= memory.train_bytes(config, batch, seq_len) <= 2 * used
 
 
-def test_cache_estimates_are_the_caches_sizes():
-  config = ModelConfig(vocab_size=64, d_model=32, num_layers=3, num_heads=4, num_kv_heads=2, max_len=64,
-                       cache_dtype="bfloat16")
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8", "int4", "float8_e4m3fn"])
+@pytest.mark.parametrize("model", ["kv", "kv_windowed", "mla_windowed"])
+def test_cache_estimates_are_the_caches_sizes(model, dtype):
+  """The sizes the caches' create checks against the free memory are those of what they allocate:
+  every array, the bookkeeping (lengths, page table) included."""
+  config = ModelConfig(vocab_size=64, d_model=32, num_layers=3, num_heads=4, num_kv_heads=2, max_len=64)
+  config = config.replace(window=(8, 0), sink_tokens=2) if model.endswith("windowed") else config
+  config = config.replace(kv_latent_rank=16, rope_dims=4) if model.startswith("mla") else config
   nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
-  contiguous = jax.eval_shape(lambda: ContiguousCache.create(config, 5, 48))
-  assert memory.contiguous_cache_bytes(config, 5, 48) == nbytes(contiguous)
-  paged = jax.eval_shape(lambda: PagedCache.create(config, num_pages=9, page_size=8, batch=3, max_pages=4))
-  assert memory.paged_cache_bytes(config, 9, 8, 3, 4) == nbytes(paged)
+  for layout in ("contiguous", "paged"):
+    cache_config = CacheConfig(layout=layout, dtype=dtype, page_size=8)
+    cache = jax.eval_shape(lambda: kinds.create(config, cache_config, 5, 48))
+    assert kinds.cache_bytes(config, cache_config, 5, 48) == nbytes(cache), layout
+  cache_config = CacheConfig(layout="paged", dtype=dtype)
+  paged = jax.eval_shape(lambda: PagedCache.create(config, 9, 8, 3, 4, cache_config))
+  assert PagedCache.pool_bytes(config, cache_config, 9, 8, 3, 4) == nbytes(paged)
+  # By hand, for K/V without windows: 5 rows x 48 positions x 3 layers x K and V x 2 kv heads x
+  # 8 dims through the codec (bytes per vector, scales included), and 4 bytes of length a row.
+  vector = {"bfloat16": 16, "int8": 8 + 4, "int4": 4 + 4, "float8_e4m3fn": 8 + 4}[dtype]
+  if model == "kv":
+    assert kinds.cache_bytes(config, CacheConfig(dtype=dtype), 5, 48) == 5 * 48 * 3 * 2 * 2 * vector + 4 * 5
 
 
 def test_check_fits_gives_the_estimate_and_the_limit():
