@@ -67,6 +67,9 @@ class KVCache(flax.struct.PyTreeNode, kw_only=True):
   codec, payload (static): how vectors are stored, and what each layer stores ((name, Field) pairs).
   window, sink_tokens (static): the sliding windows the cache was made for (ModelConfig's, or a
     CacheConfig's override); every layer's attention masks by them.
+  window_override (static): they are a CacheConfig's, decoding any model in place of its own;
+    otherwise they are the model's, and a model of other windows decodes with its own (a
+    contiguous cache's rings then no longer fit it: `check_model` refuses it).
   absorb (static): read an MLA payload in the absorbed form (kvjax.model.mla).
   """
 
@@ -76,16 +79,18 @@ class KVCache(flax.struct.PyTreeNode, kw_only=True):
   payload: tuple = flax.struct.field(pytree_node=False, default=())
   window: tuple[int, ...] = flax.struct.field(pytree_node=False, default=())
   sink_tokens: int = flax.struct.field(pytree_node=False, default=0)
+  window_override: bool = flax.struct.field(pytree_node=False, default=False)
   absorb: bool = flax.struct.field(pytree_node=False, default=True)
 
-  layout = ""  # the CacheConfig.layout name of a subclass
+  layout = ""  # the CacheConfig.layout name a subclass registers (kvjax.cache.config.register)
 
   @classmethod
   def statics(cls, config: ModelConfig, cache_config: CacheConfig) -> dict:
     """The static fields of a cache of `cache_config` for a model of `config`."""
     model = cache_config.model(config)
     return dict(codec=cache_config.codec(config), payload=tuple(cache_payload(config).items()),
-                window=model.window, sink_tokens=model.sink_tokens, absorb=cache_config.absorb)
+                window=model.window, sink_tokens=model.sink_tokens, absorb=cache_config.absorb,
+                window_override=cache_config.window is not None or cache_config.sink_tokens is not None)
 
   @property
   def fields(self) -> dict[str, Field]:
@@ -122,8 +127,8 @@ class KVCache(flax.struct.PyTreeNode, kw_only=True):
     return config.num_layers * length * cls.position_bytes(config, cache_config)
 
   def model_config(self, config: ModelConfig) -> ModelConfig:
-    """`config` with the windows this cache was made for."""
-    if (config.window, config.sink_tokens) == (self.window, self.sink_tokens):
+    """`config` with the windows this cache decodes by: its CacheConfig's override, else the model's."""
+    if not self.window_override or (config.window, config.sink_tokens) == (self.window, self.sink_tokens):
       return config
     return config.replace(window=self.window, sink_tokens=self.sink_tokens)
 

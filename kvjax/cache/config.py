@@ -13,8 +13,19 @@ from kvjax.fields import check_choice, check_nonnegative, check_positive
 from kvjax.config import ModelConfig
 from kvjax.model.transformer import cache_payload
 
-LAYOUTS = ("contiguous", "paged")
+# The cache layouts by name: each layout module registers its class (`register`), so a new layout
+# is one module; kvjax.cache.kinds imports them all.
+LAYOUTS: dict[str, type] = {}
 PAGED_READS = ("gather", "pallas", "pallas_interpret")
+
+
+def register(name: str):
+  """Class decorator: the cache layout CacheConfig(layout=name) makes (KVCache.rows)."""
+  def add(cls):
+    LAYOUTS[name] = cls
+    cls.layout = name
+    return cls
+  return add
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +55,10 @@ class CacheConfig:
   absorb: bool = True
 
   def __post_init__(self):
-    check_choice(self, "layout", LAYOUTS)
+    # LAYOUTS fills as kvjax imports its layout modules (kvjax/__init__ imports them all); only the
+    # default configs that those modules build while importing meet it empty.
+    if LAYOUTS and self.layout not in LAYOUTS:
+      raise ValueError(f"CacheConfig.layout must be one of {tuple(LAYOUTS)}, got {self.layout!r}")
     if self.dtype is not None:
       try:
         object.__setattr__(self, "dtype", codecs.codec(self.dtype).name)

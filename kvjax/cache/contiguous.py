@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from kvjax import memory
 from kvjax.cache.base import KVCache, encode, kept_positions, layer_arrays, scale_shape, scatter_rows
 from kvjax.cache.codec import Codec
-from kvjax.cache.config import CacheConfig
+from kvjax.cache.config import CacheConfig, register
 from kvjax.config import ModelConfig
 from kvjax.fields import check_positive_int
 from kvjax.model.attention import Span, Window, attend, new_keys_mask, visible
@@ -112,6 +112,7 @@ def slot_positions(held: jax.Array, slots: int, window: Window) -> jax.Array:
   return ring_positions(held, slots, window)
 
 
+@register("contiguous")
 class ContiguousCache(KVCache):
   """Preallocated per-row buffers; see the module docstring for the layout.
 
@@ -120,7 +121,6 @@ class ContiguousCache(KVCache):
 
   max_len: int = flax.struct.field(pytree_node=False, default=0)
 
-  layout = "contiguous"
 
   @classmethod
   def create(cls, config: ModelConfig, batch: int, max_len: int,

@@ -1,16 +1,14 @@
 """The cache layouts by name (CacheConfig.layout): where the decode functions, the engine, the
-memory budgets and the planner get a cache kind and its size. A new layout is one class with
-`rows` and `bytes_for` (kvjax.cache.base) and one entry here."""
+memory budgets and the planner get a cache kind and its size. A new layout is one module whose
+class (with `rows` and `bytes_for`, kvjax.cache.base) is registered by name
+(kvjax.cache.config.register) and imported here."""
 
 from __future__ import annotations
 
 from kvjax.cache.base import KVCache
-from kvjax.cache.config import CacheConfig
-from kvjax.cache.contiguous import ContiguousCache
-from kvjax.cache.paged import PagedCache
+from kvjax.cache import contiguous, paged  # noqa: F401  (each registers its layout)
+from kvjax.cache.config import LAYOUTS, CacheConfig
 from kvjax.config import ModelConfig
-
-LAYOUTS: dict[str, type[KVCache]] = {"contiguous": ContiguousCache, "paged": PagedCache}
 
 
 def kind(cache_config: CacheConfig) -> type[KVCache]:

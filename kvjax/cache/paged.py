@@ -26,7 +26,7 @@ import numpy as np
 from kvjax import memory
 from kvjax.cache.base import KVCache, encode, layer_arrays, scale_shape
 from kvjax.cache.codec import Codec
-from kvjax.cache.config import CacheConfig
+from kvjax.cache.config import CacheConfig, register
 from kvjax.cache.pages import NULL_PAGE
 from kvjax.config import ModelConfig
 from kvjax.fields import check_positive_int
@@ -109,6 +109,7 @@ def write_addresses(page_table: jax.Array, span: Span, page_size: int) -> tuple[
   return pages, span.positions % page_size
 
 
+@register("paged")
 class PagedCache(KVCache):
   """Page pools shared by all rows, a page table and lengths per row.
 
@@ -121,7 +122,6 @@ class PagedCache(KVCache):
   page_table: jax.Array
   paged_read: str = flax.struct.field(pytree_node=False, default="gather")
 
-  layout = "paged"
 
   @classmethod
   def create(cls, config: ModelConfig, num_pages: int, page_size: int, batch: int, max_pages: int,
