@@ -83,17 +83,19 @@ def test_round_trip_and_overrides():
   assert kvjax.apply_overrides(config, ["kv_latent_rank=10"]).kv_latent_rank == 10
 
 
-def test_other_models_serialise_as_before():
-  """The MLA fields are written only when set: a GQA model's config dict (and so the saved configs
-  of runs recorded before MLA, their resume checks and fingerprints) is unchanged."""
+def test_run_configs_record_every_field_and_read_back():
+  """A run's config dict records every ModelConfig field, the MLA ones at their defaults too
+  (kvjax reads only workdirs that record its version), and reads back to the same config, GQA
+  and MLA alike; a resume check finds no difference."""
+  import dataclasses
   from kvjax.training import checkpoint
   from kvjax.training.config import TrainRun
-  gqa = kvjax.to_dict(TrainRun(model=tiny_config(2, vocab_size=256, max_len=128)))
-  assert not {"kv_latent_rank", "rope_dims", "rope_pairs"} & set(gqa["model"])
-  assert kvjax.from_dict(TrainRun, gqa).model == tiny_config(2, vocab_size=256, max_len=128)
-  assert checkpoint.config_diffs(gqa, kvjax.to_dict(TrainRun(model=tiny_config(2, vocab_size=256, max_len=128)))) == []
-  mla = kvjax.to_dict(TrainRun(model=tiny_config(2, vocab_size=256, max_len=128, kv_latent_rank=8, rope_dims=4)))
-  assert mla["model"]["kv_latent_rank"] == 8 and "rope_pairs" not in mla["model"]
+  for model in (tiny_config(2, vocab_size=256, max_len=128), tiny_config(2, vocab_size=256, max_len=128, kv_latent_rank=8, rope_dims=4)):
+    recorded = kvjax.to_dict(TrainRun(model=model))
+    assert set(recorded["model"]) == {f.name for f in dataclasses.fields(kvjax.ModelConfig)}
+    assert recorded["model"]["kv_latent_rank"] == model.kv_latent_rank and recorded["model"]["rope_pairs"] is None
+    assert kvjax.from_dict(TrainRun, recorded).model == model
+    assert checkpoint.config_diffs(recorded, kvjax.to_dict(TrainRun(model=model))) == []
 
 
 def test_hf_export_refuses_mla():
