@@ -211,13 +211,13 @@ def mla_variant(config: ModelConfig, rank: int, rope_dims: int) -> ModelConfig:
 
 
 def device_share(config: ModelConfig, devices: int) -> ModelConfig:
-  """The model whose cache is the part of `config`'s that one of `devices` holds under tensor
-  parallelism: ceil(kv heads / devices) kv heads, at least one (with fewer kv heads than devices
-  each is replicated, vLLM's rule), with their query heads; an MLA cache whole (its latent is
-  every head's)."""
-  if config.is_latent or devices == 1:
+  """The model whose cache is the part of `config`'s that one of `devices` holds under kvjax's
+  tensor parallelism (kvjax.sharding: the cache's kv-head axis on the model axis): kv heads /
+  devices kv heads, with their query heads, when they divide; otherwise the whole cache, which
+  kvjax replicates, as it does an MLA cache (its one latent is every head's)."""
+  if config.is_latent or config.num_kv_heads % devices:
     return config
-  kv = -(-config.num_kv_heads // devices)
+  kv = config.num_kv_heads // devices
   return config.replace(num_heads=kv * config.q_per_kv, num_kv_heads=kv)
 
 

@@ -111,13 +111,14 @@ def test_fitting_is_the_largest_that_fits():
   assert paged["max_context"] % 64 == 0  # a row holds whole pages
 
 
-def test_tensor_parallel_replicates_kv_heads_beyond_their_count():
+def test_tensor_parallel_splits_kv_heads_as_kvjax_shards_them():
   result = plan(PRESETS["Llama-3-70B"], context=8192, batch=1, device_memory=parse_bytes("80GB"),
                 devices=8)
   by_heads = {row["kv_heads"]: row["max_batch"] for row in result["variants"]}
-  # With 8 devices each holds one of the 8 kv heads; fewer kv heads are replicated, so MQA
-  # saves nothing per device. On one device the weights alone do not fit.
-  assert by_heads[8] == by_heads[4] == by_heads[1] > by_heads[16] > 0
+  # kvjax's sharding splits the cache's kv heads over the model axis when they divide and
+  # replicates it whole otherwise: 8 heads put one on each of 8 devices, 16 two; 4 and 2 heads do
+  # not divide, so each device holds all of them. On one device the weights alone do not fit.
+  assert by_heads[8] == by_heads[1] > by_heads[16] == by_heads[2] > by_heads[4] > 0
   one_head = kv_size.kv_variant(PRESETS["Llama-3-70B"].config, 1)
   assert by_heads[8] == kv_size.max_batch(one_head, CacheConfig(dtype="bf16"), 8192, result["free_bytes_per_device"])
   assert plan(PRESETS["Llama-3-70B"], context=1, batch=1, device_memory=parse_bytes("80GB"))["max_batch"] == 0
