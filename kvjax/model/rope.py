@@ -11,6 +11,8 @@ absorbed read, a converted model's kept pairs) turns by the same numbers.
 
 from __future__ import annotations
 
+import functools
+
 from typing import Callable
 
 import jax
@@ -45,6 +47,7 @@ def llama3_scaled(freq: np.ndarray, scaling: RopeScaling) -> np.ndarray:
 SCALINGS: dict[str, Callable[[np.ndarray, RopeScaling], np.ndarray]] = {"llama3": llama3_scaled}
 
 
+@functools.lru_cache(maxsize=64)  # every layer of a model traces the same table
 def frequencies(theta: float, dims: int, scaling: RopeScaling | None = None) -> np.ndarray:
   """The frequency of each rotate-half pair of a RoPE head `dims` wide.
 
@@ -56,7 +59,7 @@ def frequencies(theta: float, dims: int, scaling: RopeScaling | None = None) -> 
     dims: rotary dims of the head, even.
     scaling: None for plain RoPE.
   Returns:
-    float32 numpy [dims / 2].
+    float32 numpy [dims / 2], read-only (shared between calls).
   """
   if isinstance(dims, bool) or not isinstance(dims, (int, np.integer)) or dims < 2 or dims % 2:
     raise ValueError(f"RoPE frequencies need a positive even number of dims (rotate-half pairs), got dims={dims!r}")
@@ -64,7 +67,9 @@ def frequencies(theta: float, dims: int, scaling: RopeScaling | None = None) -> 
   freq = float(theta) ** (-np.arange(half, dtype=np.float64) / half)
   if scaling is not None:
     freq = SCALINGS[scaling.kind](freq, scaling)
-  return freq.astype(np.float32)
+  freq = freq.astype(np.float32)
+  freq.flags.writeable = False
+  return freq
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, freq: np.ndarray | jax.Array) -> jax.Array:
