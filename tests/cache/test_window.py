@@ -1,6 +1,7 @@
 """Oracles for sliding-window layers with sink tokens: the mask against its definition, cached
 decode (contiguous ring, paged) == the full forward under the same mask past the ring's wrap,
-constant cache bytes, and an all-window model generating 4x its max_len."""
+for K/V and MLA's latents, float and int8; CacheConfig.window on a global model == the model of
+that window; constant cache bytes, and an all-window model generating 4x its max_len."""
 
 from __future__ import annotations
 
@@ -13,15 +14,16 @@ import pytest
 
 import kvjax
 from conftest import init_params, tiny_config
-from kvjax import memory
-from kvjax.cache import quant
-from kvjax.model import attention
+from kvjax.cache import kinds
+from kvjax.cache.codec import Codec, codec
+from kvjax.cache.config import CacheConfig
 from kvjax.fields import apply_overrides
-from kvjax.model.attention import Window, visible
+from kvjax.model.attention import NoCache, Window, new_keys_mask, visible
 
 PAGE_SIZE, MAX_PAGES, NUM_PAGES = 4, 10, 34
 # Layer 0 windowed (6 wide, 2 sinks: a ring of 8 slots), layer 1 global.
 LOCAL_GLOBAL = dict(window=(6, 0), sink_tokens=2, max_len=40)
+PAYLOADS = {"kv": {}, "latent": dict(kv_latent_rank=12, rope_dims=8)}  # ModelConfig changes
 
 
 def random_tokens(shape, seed):
@@ -55,27 +57,36 @@ def test_windowed_forward_reads_only_the_window():
   assert not np.allclose(full[:, 15], np.asarray(run_plain({"params": params}, tokens))[:, 15], atol=1e-3)
 
 
-def empty_cache(kind, config, batch=3):
-  if kind == "contiguous":
-    return kvjax.ContiguousCache.create(config, batch, MAX_PAGES * PAGE_SIZE)
+def empty_cache(layout, config, cache_config=CacheConfig(), batch=3):
+  if layout == "contiguous":
+    return kvjax.ContiguousCache.create(config, batch, MAX_PAGES * PAGE_SIZE, cache_config)
   table = np.random.default_rng(0).permutation(np.arange(1, NUM_PAGES))[:batch * MAX_PAGES]
-  cache = kvjax.PagedCache.create(config, NUM_PAGES, PAGE_SIZE, batch, MAX_PAGES)
+  cache = kvjax.PagedCache.create(config, NUM_PAGES, PAGE_SIZE, batch, MAX_PAGES,
+                                  cache_config.replace(layout="paged", page_size=PAGE_SIZE))
   return cache.with_rows(table.reshape(batch, MAX_PAGES), np.zeros(batch, np.int32))
 
 
-def chunk(seqs, held, lengths):
-  out = np.zeros((len(held), max(int(lengths.max()), 1)), np.int32)
+def forward(model, params, tokens, kind=None) -> np.ndarray:
+  """The full forward's logits, jitted (eager apply runs op by op)."""
+  return np.asarray(jax.jit(lambda p, t: model.apply({"params": p}, t, kind))(params, tokens))
+
+
+def chunk(seqs, held, lengths, width=11):
+  """Each row's next lengths[b] tokens after held[b], right-padded to `width` (one compiled
+  shape for every chunk)."""
+  out = np.zeros((len(held), width), np.int32)
   for row, (start, n) in enumerate(zip(held, lengths)):
     out[row, :n] = seqs[row, start:start + n]
   return out
 
 
-def decode_against_forward(model, params, kind, seqs, full=None, atol=1e-5):
+def decode_against_forward(model, params, kind, seqs, full=None, atol=1e-5, cache_config=CacheConfig()):
   """Ragged prefill, chunked extends (one longer than the ring), then decode steps well past the
-  ring's wrap; every logit is checked against the full forward (or `full`, its logits given) to
-  `atol`. Returns the decode logits."""
-  full = np.asarray(model.apply({"params": params}, seqs)) if full is None else full
-  cache, held = empty_cache(kind, model.config), np.zeros(3, int)
+  ring's wrap, through a `kind` ("contiguous" or "paged") cache of `cache_config`; every logit is
+  checked against the full forward (or `full`, its logits given) to `atol`. Returns the decode
+  logits."""
+  full = forward(model, params, seqs) if full is None else full
+  cache, held = empty_cache(kind, model.config, cache_config), np.zeros(3, int)
   for lengths in (np.array([3, 7, 1]), np.array([11, 0, 4]), np.array([1, 2, 9])):
     logits, cache = kvjax.extend(model, params, cache, chunk(seqs, held, lengths), lengths)
     for row in range(3):
@@ -91,48 +102,77 @@ def decode_against_forward(model, params, kind, seqs, full=None, atol=1e-5):
   return np.stack(steps)
 
 
-def test_cached_decode_matches_windowed_forward_and_paged_matches_contiguous():
-  model, params = init_params(tiny_config(2, **LOCAL_GLOBAL))
+@pytest.mark.parametrize("payload", list(PAYLOADS))
+def test_cached_decode_matches_windowed_forward_and_paged_matches_contiguous(payload):
+  """K/V and MLA's latents alike: the contiguous cache keeps the windowed layer in a ring of
+  window + sinks slots (a chunk of 11 tokens crosses it), and both layouts decode past its wrap
+  to the windowed model's full forward."""
+  model, params = init_params(tiny_config(2, **LOCAL_GLOBAL, **PAYLOADS[payload]))
   ring = kvjax.ContiguousCache.create(model.config, 3, 40).layers
-  assert ring["layers_0"]["attn"]["v"].shape[2] == 8 and ring["layers_1"]["attn"]["v"].shape[2] == 40
+  name = "v" if payload == "kv" else "latent"
+  assert ring["layers_0"]["attn"][name].shape[2] == 8 and ring["layers_1"]["attn"][name].shape[2] == 40
   seqs = random_tokens((3, 40), seed=1)  # rows reach 27, 21, 26 positions: the 8-slot ring wraps
   contiguous = decode_against_forward(model, params, "contiguous", seqs)
   paged = decode_against_forward(model, params, "paged", seqs)
   np.testing.assert_allclose(paged, contiguous, atol=1e-5)
 
 
-class DequantizedForward:
-  """The plain forward pass (every query over the call's keys under its layer's window mask), with
-  each layer's K/V as the quantized format `fmt` stores them: dequantize(quantize(k, v))."""
+class StoredForward(NoCache):
+  """The plain forward pass (every query over the call's payload under its layer's window mask),
+  with each layer's payload as `codec` stores it: decode(encode(x))."""
 
-  def __init__(self, fmt: str, batch: int):
-    self.fmt, self.lengths = fmt, jnp.zeros((batch,), jnp.int32)
+  def __init__(self, codec: Codec, batch: int):
+    self.codec, self.lengths = codec, jnp.zeros((batch,), jnp.int32)
 
-  def attend(self, stored, q, q_positions, k, v, span, backend):
-    k, v = quant.roundtrip(k, self.fmt), quant.roundtrip(v, self.fmt)
-    return stored, attention.attend(q, k, v, attention.new_keys_mask(q_positions, span))
+  def attend(self, stored, query, q_positions, new, span, backend):
+    stored_new = {name: self.codec.roundtrip(x) for name, x in new.items()}
+    return stored, query.attend(stored_new, new_keys_mask(q_positions, span))
 
 
-# |logit| gap between an int8 cache's decode and the dequantized forward: the K/V of layers past
-# the first come from inputs that differ by float rounding (and the CPU kernel applies the scales
-# to scores), so a value may rarely round to the neighbouring int8 step; measured 1e-6, where the
-# quantization itself moves the logits by 0.009.
+# |logit| gap between an int8 cache's decode and the dequantized forward: the payload of layers
+# past the first comes from inputs that differ by float rounding (and the CPU kernel applies the
+# scales to scores; MLA's cache reads absorbed where the forward reads expanded), so a value may
+# rarely round to the neighbouring int8 step; measured 1e-6, where the quantization itself moves
+# the logits by 0.009.
 INT8_TOLERANCE = 1e-4
 
 
-def test_int8_ring_decode_matches_the_dequantized_windowed_forward():
+@pytest.mark.parametrize("payload", list(PAYLOADS))
+def test_int8_ring_decode_matches_the_dequantized_windowed_forward(payload):
   """An int8 cache with a windowed layer (the contiguous ring, scales in the same slots; the
-  paged pools) decodes past the ring's wrap to the full forward's logits under the window mask
-  over the dequantized K/V, within INT8_TOLERANCE."""
-  model, params = init_params(tiny_config(2, cache_dtype="int8", **LOCAL_GLOBAL))
-  ring = kvjax.ContiguousCache.create(model.config, 3, 40).layers["layers_0"]["attn"]
-  assert ring["v"].shape[2] == ring["k_scale"].shape[2] == ring["v_scale"].shape[2] == 8
+  paged pools), of K/V or of MLA's latents, decodes past the ring's wrap to the full forward's
+  logits under the window mask over the dequantized payload, within INT8_TOLERANCE."""
+  model, params = init_params(tiny_config(2, **LOCAL_GLOBAL, **PAYLOADS[payload]))
+  int8 = CacheConfig(dtype="int8")
+  ring = kvjax.ContiguousCache.create(model.config, 3, 40, int8).layers["layers_0"]["attn"]
+  assert {x.shape[2 if name != "k" else 3] for name, x in ring.items()} == {8}
   seqs = random_tokens((3, 40), seed=1)
-  full = np.asarray(model.apply({"params": params}, seqs, DequantizedForward("int8", 3)))
-  assert np.abs(full - np.asarray(model.apply({"params": params}, seqs))).max() > 10 * INT8_TOLERANCE
-  contiguous = decode_against_forward(model, params, "contiguous", seqs, full, INT8_TOLERANCE)
-  paged = decode_against_forward(model, params, "paged", seqs, full, INT8_TOLERANCE)
+  full = forward(model, params, seqs, StoredForward(codec("int8"), 3))
+  assert np.abs(full - forward(model, params, seqs)).max() > 10 * INT8_TOLERANCE
+  contiguous = decode_against_forward(model, params, "contiguous", seqs, full, INT8_TOLERANCE, int8)
+  paged = decode_against_forward(model, params, "paged", seqs, full, INT8_TOLERANCE, int8)
   np.testing.assert_allclose(paged, contiguous, atol=INT8_TOLERANCE)
+
+
+def test_cache_window_is_the_model_with_that_window():
+  """CacheConfig.window and sink_tokens on a model trained with full attention decode it as the
+  model of that window (StreamingLLM): both layouts give that model's full forward, which the
+  global model's differs from; the contiguous cache keeps the ring of that window. A cache made
+  without them decodes by the model's own windows: a paged one made for the global model gives
+  the windowed model's forward."""
+  windowed, params = init_params(tiny_config(2, **LOCAL_GLOBAL))
+  plain = kvjax.Transformer(windowed.config.replace(window=(), sink_tokens=0))
+  override = CacheConfig(window=LOCAL_GLOBAL["window"], sink_tokens=LOCAL_GLOBAL["sink_tokens"])
+  seqs = random_tokens((3, 40), seed=2)
+  full = forward(windowed, params, seqs)
+  assert not np.allclose(full, forward(plain, params, seqs), atol=1e-2)
+  ring = kvjax.ContiguousCache.create(plain.config, 3, 40, override)
+  assert ring.layers["layers_0"]["attn"]["v"].shape[2] == 8 and ring.model_config(plain.config) == windowed.config
+  for layout in ("contiguous", "paged"):
+    decode_against_forward(plain, params, layout, seqs, full, cache_config=override)
+  paged = empty_cache("paged", plain.config)
+  logits, _ = kvjax.extend(windowed, params, paged, seqs[:, :20], np.array([20, 13, 17]))
+  np.testing.assert_allclose(logits[0], full[0, :20], atol=1e-5)
 
 
 def test_sinks_are_kept():
@@ -157,17 +197,21 @@ def test_cache_bytes_stop_growing_at_the_window():
   config = tiny_config(2, **LOCAL_GLOBAL)
   per_position = 2 * config.num_kv_heads * config.head_dim * 4  # K and V of one layer, float32
   for length in (4, 8, 20, 40):
-    cache = kvjax.ContiguousCache.create(config, 3, length)
-    assert cache.nbytes == 3 * per_position * (min(length, 8) + length) == 3 * config.kv_bytes(length)
-    assert memory.contiguous_cache_bytes(config, 3, length) == cache.nbytes + 4 * 3
-    for fmt, per_head in (("int8", 8 + 4), ("int4", 4 + 4), ("float8_e4m3fn", 8 + 4)):  # head_dim 8: values + scales
-      quantized = config.replace(cache_dtype=fmt)
-      cache = kvjax.ContiguousCache.create(quantized, 3, length)
-      assert cache.nbytes == 3 * 2 * config.num_kv_heads * per_head * (min(length, 8) + length) == 3 * quantized.kv_bytes(length)
-      assert memory.contiguous_cache_bytes(quantized, 3, length) == cache.nbytes + 4 * 3
+    for fmt, per_head in (("float32", 8 * 4), ("int8", 8 + 4), ("int4", 4 + 4), ("float8_e4m3fn", 8 + 4)):
+      # head_dim 8: values + scales
+      cache_config = CacheConfig(dtype=fmt)
+      cache = kvjax.ContiguousCache.create(config, 3, length, cache_config)
+      assert cache.nbytes == 3 * 2 * config.num_kv_heads * per_head * (min(length, 8) + length)
+      assert cache.nbytes == 3 * kinds.sequence_bytes(config, cache_config, length)
+      assert kinds.cache_bytes(config, cache_config, 3, length) == cache.nbytes + 4 * 3
+    assert kvjax.ContiguousCache.create(config, 3, length).nbytes == 3 * per_position * (min(length, 8) + length)
   every = tiny_config(2, window=(6,), sink_tokens=2, max_len=40)
   sizes = {kvjax.ContiguousCache.create(every, 3, n).nbytes for n in (8, 40, 160, 10_000)}
   assert sizes == {3 * 2 * per_position * 8}
+  # The same rings for a global model given the window by its CacheConfig.
+  override = CacheConfig(window=(6,), sink_tokens=2)
+  assert kvjax.ContiguousCache.create(tiny_config(2, max_len=40), 3, 40, override).nbytes == 3 * 2 * per_position * 8
+  assert kinds.cache_bytes(tiny_config(2, max_len=40), override, 3, 10_000) == 3 * 2 * per_position * 8 + 4 * 3
 
 
 def greedy_reference(model, params, prompt, total):
@@ -184,6 +228,7 @@ def greedy_reference(model, params, prompt, total):
 
 
 def test_all_window_model_generates_four_times_max_len_in_constant_memory():
+  """And so does the global model decoded with that window by its CacheConfig."""
   model, params = init_params(tiny_config(2, window=(5,), sink_tokens=2, max_len=16))
   prompt = random_tokens((1, 6), seed=5)[0]
   total = 4 * model.config.max_len
@@ -191,9 +236,14 @@ def test_all_window_model_generates_four_times_max_len_in_constant_memory():
   tokens = np.asarray(kvjax.generate(model, params, prompt[None], np.array([6]), new))[0]
   fed, last = greedy_reference(model, params, prompt, total)
   np.testing.assert_array_equal(tokens, np.append(fed, last))
+  plain = kvjax.Transformer(model.config.replace(window=(), sink_tokens=0))
+  override = CacheConfig(window=(5,), sink_tokens=2)
+  np.testing.assert_array_equal(kvjax.generate(plain, params, prompt[None], np.array([6]), new,
+                                               cache_config=override)[0], tokens)
   # The cache of 4x max_len positions is the cache of max_len: 7 slots per layer.
   assert (kvjax.ContiguousCache.create(model.config, 1, total).nbytes
-          == kvjax.ContiguousCache.create(model.config, 1, 16).nbytes == model.config.kv_bytes(7))
+          == kvjax.ContiguousCache.create(model.config, 1, 16).nbytes
+          == kinds.sequence_bytes(model.config, CacheConfig(), 7) == 2 * 7 * 2 * 2 * 8 * 4)
   # decode_step goes past max_len on a cache made for it, and its arrays keep their shapes.
   logits, cache = kvjax.prefill(model, params, prompt[None], np.array([6]), total, logits="last")
   shapes = jax.tree.map(np.shape, cache.layers)
@@ -226,7 +276,16 @@ def test_bad_windows_are_refused():
     kvjax.generate(learned, learned_params, np.ones((1, 4), np.int32), np.array([4]), 62)
   with pytest.raises(ValueError, match="max_len=80 positions, more than ModelConfig.max_len=64; learned"):
     kvjax.ContiguousCache.create(learned.config, 1, 80)
-  with pytest.raises(ValueError, match="layer 0 k is .* and window=\\(8, 0\\) needs"):
+  # A contiguous cache made for the global model has no ring for the windowed model's layer 0.
+  with pytest.raises(ValueError, match=r"layer 0 k is .* and window=\(8, 0\) in a float32 cache needs"):
     kvjax.decode_step(local_global, params, kvjax.ContiguousCache.create(tiny_config(2), 1, 64), np.array([1]))
-  with pytest.raises(ValueError, match="windowed layers of \\[8\\] slots"):
+  with pytest.raises(ValueError, match=r"this one has windowed layers \(window=\(8, 0\)\)"):
     kvjax.ContiguousCache.create(local_global.config, 1, 32).resized(64)
+  with pytest.raises(ValueError, match=r"CacheConfig.window=\(65,\), sink_tokens=None do not fit the model: "
+                                       r"ModelConfig.window\[0\]=65 is larger than max_len=64"):
+    kvjax.ContiguousCache.create(tiny_config(2), 1, 64, CacheConfig(window=(65,)))
+  with pytest.raises(ValueError, match=r"window\[1\] must be a non-negative integer"):
+    CacheConfig(window=(4, -1))
+  with pytest.raises(ValueError, match=r"do not fit the model: ModelConfig.sink_tokens=2 needs a windowed layer"):
+    kvjax.prefill(local_global, params, np.ones((1, 4), np.int32), np.array([4]), 8,
+                  cache_config=CacheConfig(window=(0,), sink_tokens=2))
