@@ -5,7 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import jax
+import jax.numpy as jnp
+
 import kvjax
+from kvjax.cache.config import CacheConfig
 from conftest import init_params, tiny_config
 
 
@@ -14,20 +18,28 @@ def contiguous(config, **changes):
 
 
 def paged(config, **changes):
-  cache = kvjax.PagedCache.create(config.replace(**changes), 9, 4, 2, 4)
+  cache = kvjax.PagedCache.create(config.replace(**changes), 9, 4, 2, 4, CacheConfig(layout="paged", page_size=4))
   return cache.with_rows(np.arange(1, 9).reshape(2, 4), np.zeros(2, np.int32))
+
+
+def as_bfloat16(cache):
+  """The cache with its arrays cast to bfloat16 behind its float32 codec's back."""
+  return cache.replace(layers=jax.tree.map(lambda x: x.astype(jnp.bfloat16), cache.layers))
 
 
 @pytest.mark.parametrize("make", [contiguous, paged], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("changes, message", [
-    (dict(num_kv_heads=2), r"layer 0 k is \(.*\), but a model with num_kv_heads=1"),
-    (dict(num_kv_heads=1, head_dim=16), r"head_dim=8"),
-    (dict(num_kv_heads=1, cache_dtype="bfloat16"), r"cache_dtype=float32"),
+    (dict(num_kv_heads=2), r"it stores \['k', 'v'\] per token \(\{'k': Field\(heads=2, width=8.*\), "
+                           r"the model's attention hands it \{'k': Field\(heads=1, width=8"),
+    (dict(num_kv_heads=1, head_dim=16), r"Field\(heads=1, width=16.* hands it \{'k': Field\(heads=1, width=8,"),
     (dict(num_kv_heads=1, num_layers=3), r"has 3 layers but the model has num_layers=2"),
+    (dict(num_kv_heads=1, kv_latent_rank=8, rope_dims=2),
+     r"it stores \['latent', 'rope_key'\] per token .* the model's attention hands it \{'k'"),
+    ("bfloat16 arrays", r"layer 0 k is \(.*bfloat16.*\), but .* in a float32 cache needs \(.*float32"),
 ])
 def test_a_cache_of_another_model_is_refused(make, changes, message):
   model, params = init_params(tiny_config(1))
-  cache = make(model.config, **changes)
+  cache = as_bfloat16(make(model.config)) if changes == "bfloat16 arrays" else make(model.config, **changes)
   with pytest.raises(ValueError, match=message):
     kvjax.decode_step(model, params, cache, np.zeros(2, np.int32))
   with pytest.raises(ValueError, match=message):

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.cache import paged
+from kvjax.cache import kinds, paged
+from kvjax.cache.config import CacheConfig
 from kvjax.cache.pages import NULL_PAGE
 from kvjax.model.transformer import cache_layers
 from kvjax.serving.allocator import PageAllocator
@@ -30,8 +31,9 @@ def random_tokens(shape, seed):
   return np.array(jax.random.randint(jax.random.key(seed), shape, 0, 64), np.int32)
 
 
-def new_cache(config, table=None, lengths=None, attention="gather") -> kvjax.PagedCache:
-  cache = kvjax.PagedCache.create(config, NUM_PAGES, PAGE_SIZE, 3, MAX_PAGES, attention=attention)
+def new_cache(config, table=None, lengths=None, paged_read="gather") -> kvjax.PagedCache:
+  cache_config = CacheConfig(layout="paged", page_size=PAGE_SIZE, paged_read=paged_read)
+  cache = kvjax.PagedCache.create(config, NUM_PAGES, PAGE_SIZE, 3, MAX_PAGES, cache_config)
   if table is None:
     return cache
   return cache.with_rows(table, np.zeros(3, np.int32) if lengths is None else lengths)
@@ -112,17 +114,27 @@ def test_pallas_kernel_matches_gather():
   table = scattered_table(seed=1)
   logits = {}
   for impl in ("gather", "pallas_interpret"):
-    _, cache = kvjax.extend(model, params, new_cache(model.config, table, attention=impl), prompts, LENGTHS)
+    _, cache = kvjax.extend(model, params, new_cache(model.config, table, paged_read=impl), prompts, LENGTHS)
+    assert cache.paged_read == impl
     logits[impl], _ = kvjax.decode_step(model, params, cache, prompts[:, 0])
   np.testing.assert_allclose(logits["pallas_interpret"], logits["gather"], atol=1e-5)
 
 
-def test_pool_size_follows_kv_bytes_per_token():
+def test_pool_size_follows_bytes_per_token():
+  """A pool of P pages of Z tokens holds P x Z x (K and V of num_kv_heads x head_dim in the
+  codec's dtype, per layer); rows() gives each row its own pages after the null page."""
+  bf16 = CacheConfig(layout="paged", page_size=16, dtype="bfloat16")
   for num_kv_heads in (4, 2, 1):
-    config = tiny_config(num_kv_heads, cache_dtype="bfloat16")
-    cache = kvjax.PagedCache.create(config, 9, 16, 2, 4)
-    assert cache.nbytes == 9 * 16 * config.kv_bytes_per_token
+    config = tiny_config(num_kv_heads)
+    per_token = config.num_layers * 2 * num_kv_heads * config.head_dim * 2
+    assert kinds.bytes_per_token(config, bf16) == per_token
+    cache = kvjax.PagedCache.create(config, 9, 16, 2, 4, bf16)
+    assert cache.nbytes == 9 * 16 * per_token
+    assert (cache.num_pages, cache.page_size, cache.capacity) == (9, 16, 64)
     assert cache_layers(cache.layers)[0]["k"].dtype == np.dtype("bfloat16")
+    rows = kvjax.PagedCache.rows(config, 2, 40, bf16)  # 3 pages per row
+    np.testing.assert_array_equal(rows.page_table, [[1, 2, 3], [4, 5, 6]])
+    assert rows.nbytes == 7 * 16 * per_token and rows.capacity == 48
 
 
 def test_bad_input_is_rejected_before_compute():
@@ -145,11 +157,11 @@ def test_bad_input_is_rejected_before_compute():
   ready = new_cache(model.config, table, LENGTHS)
   with pytest.raises(ValueError, match="token id 64 at row 0"):
     kvjax.decode_step(model, params, ready, np.array([64, 0, 0]))
-  with pytest.raises(ValueError, match="attention must be one of"):
-    new_cache(model.config, attention="flash")
+  with pytest.raises(ValueError, match="CacheConfig.paged_read must be one of"):
+    new_cache(model.config, paged_read="flash")
   if not paged.pallas_available():
-    with pytest.raises(ValueError, match="needs a GPU backend"):
-      new_cache(model.config, attention="pallas")
+    with pytest.raises(ValueError, match="paged_read='pallas' needs a GPU backend .* the backend is 'cpu'"):
+      new_cache(model.config, paged_read="pallas")
   with pytest.raises(ValueError, match="real pages"):
     ready.copy_pages([0], [3])
   with pytest.raises(ValueError, match="leaves no page besides the reserved null page"):
