@@ -9,17 +9,16 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import kvjax
 from kvjax.cache import kinds
-from kvjax.cache.codec import QUANTIZED, Codec, codec
+from kvjax.cache.codec import QUANTIZED, codec
 from kvjax.cache.config import CacheConfig
-from kvjax.model.attention import NoCache, new_keys_mask
 from kvjax.model.mla import latent_payload
 from conftest import init_params, tiny_config
+from oracles import StoredForward, forward
 
 LENGTHS = np.array([10, 4, 7])
 PAGE_SIZE, MAX_PAGES, NUM_PAGES = 4, 8, 30
@@ -65,11 +64,6 @@ def decode_logits(model, params, cache, seqs, steps):
     out, cache = kvjax.decode_step(model, params, cache, seqs[np.arange(3), LENGTHS + step])
     logits.append(np.asarray(out))
   return np.stack(logits)
-
-
-def forward(model, params, tokens, kind=None) -> np.ndarray:
-  """The full forward's logits, jitted (eager apply runs op by op)."""
-  return np.asarray(jax.jit(lambda p, t: model.apply({"params": p}, t, kind))(params, tokens))
 
 
 def at_steps(full, steps):
@@ -127,18 +121,6 @@ def test_generate_and_engine_match_forward_greedy():
   results = engine.run()
   for row, i in enumerate(ids):
     np.testing.assert_array_equal(results[i], tokens[row])
-
-
-class StoredForward(NoCache):
-  """The plain forward pass (every query over the call's latents, read expanded), with each
-  layer's payload as `codec` stores it: decode(encode(latent)), decode(encode(rope_key))."""
-
-  def __init__(self, codec: Codec, batch: int):
-    self.codec, self.lengths = codec, jnp.zeros((batch,), jnp.int32)
-
-  def attend(self, stored, query, q_positions, new, span, backend):
-    stored_new = {name: self.codec.roundtrip(x) for name, x in new.items()}
-    return stored, query.attend(stored_new, new_keys_mask(q_positions, span))
 
 
 @functools.cache

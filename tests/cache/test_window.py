@@ -15,10 +15,11 @@ import pytest
 import kvjax
 from conftest import init_params, tiny_config
 from kvjax.cache import kinds
-from kvjax.cache.codec import Codec, codec
+from kvjax.cache.codec import codec
 from kvjax.cache.config import CacheConfig
 from kvjax.fields import apply_overrides
-from kvjax.model.attention import NoCache, Window, new_keys_mask, visible
+from kvjax.model.attention import Window, visible
+from oracles import StoredForward, forward
 
 PAGE_SIZE, MAX_PAGES, NUM_PAGES = 4, 10, 34
 # Layer 0 windowed (6 wide, 2 sinks: a ring of 8 slots), layer 1 global.
@@ -66,11 +67,6 @@ def empty_cache(layout, config, cache_config=CacheConfig(), batch=3):
   return cache.with_rows(table.reshape(batch, MAX_PAGES), np.zeros(batch, np.int32))
 
 
-def forward(model, params, tokens, kind=None) -> np.ndarray:
-  """The full forward's logits, jitted (eager apply runs op by op)."""
-  return np.asarray(jax.jit(lambda p, t: model.apply({"params": p}, t, kind))(params, tokens))
-
-
 def chunk(seqs, held, lengths, width=11):
   """Each row's next lengths[b] tokens after held[b], right-padded to `width` (one compiled
   shape for every chunk)."""
@@ -115,18 +111,6 @@ def test_cached_decode_matches_windowed_forward_and_paged_matches_contiguous(pay
   contiguous = decode_against_forward(model, params, "contiguous", seqs)
   paged = decode_against_forward(model, params, "paged", seqs)
   np.testing.assert_allclose(paged, contiguous, atol=1e-5)
-
-
-class StoredForward(NoCache):
-  """The plain forward pass (every query over the call's payload under its layer's window mask),
-  with each layer's payload as `codec` stores it: decode(encode(x))."""
-
-  def __init__(self, codec: Codec, batch: int):
-    self.codec, self.lengths = codec, jnp.zeros((batch,), jnp.int32)
-
-  def attend(self, stored, query, q_positions, new, span, backend):
-    stored_new = {name: self.codec.roundtrip(x) for name, x in new.items()}
-    return stored, query.attend(stored_new, new_keys_mask(q_positions, span))
 
 
 # |logit| gap between an int8 cache's decode and the dequantized forward: the payload of layers

@@ -1,5 +1,6 @@
 """One-token attention over the contiguous cache: the CPU kernel against numpy, its routing and its gradients."""
 
+import functools
 import shutil
 
 import jax
@@ -8,14 +9,18 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from kvjax.cache.codec import codec
 from kvjax.cache.contiguous import attend_one
 from kvjax.kernels import attention as attention_kernel
 from kvjax.kernels import build as cpu_kernels
 from kvjax.model import attention
 
+ROUTE = ("contiguous", "float32")  # ContiguousCache.route of a float32 cache
 
-def attend_cache(q, k, v, lengths):
-  return attention_kernel.cache_attention(q, k, v, lengths, attend_one)
+
+def attend_cache(q, k, v, lengths, route=ROUTE):
+  xla = functools.partial(attend_one, codec=codec(route[1]))
+  return attention_kernel.cache_attention(route, q, k, v, lengths, xla)
 
 pytestmark = pytest.mark.skipif(
     jax.default_backend() != "cpu" or shutil.which("g++") is None and shutil.which("c++") is None,
@@ -86,11 +91,21 @@ def test_kernel_propagates_nan():
 
 
 def test_routing():
+  """A float32 cache's route goes to the kernel; a bfloat16 cache (its own route, or operands
+  that are not what the float32 route names) stays with XLA, and gives XLA's result."""
   q, k, v, lengths = inputs(2, 2, 2, 8, 32, [3, 31])
-  lowered = lambda *a: jax.jit(attend_cache).lower(*a).as_text()
+  lowered = lambda *a, route=ROUTE: jax.jit(attend_cache, static_argnames="route").lower(*a, route=route).as_text()
   target = attention_kernel.TARGET
-  assert target in lowered(q, k, v, lengths)
-  assert target not in lowered(q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), lengths)  # bf16 cache: XLA
+  assert target == attention_kernel.TARGETS[ROUTE] and target in lowered(q, k, v, lengths)
+  k16, v16 = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+  assert target not in lowered(q, k16, v16, lengths)
+  assert "kvjax_" not in lowered(q, k16, v16, lengths, route=("contiguous", "bfloat16"))
+  np.testing.assert_allclose(attend_cache(q, k16, v16, lengths, route=("contiguous", "bfloat16")),
+                             reference(q, k16.astype(np.float32), v16.astype(np.float32), lengths), rtol=1e-5, atol=2e-6)
+  assert attention_kernel.uses_kernel(jnp.float32, ROUTE)
+  assert not attention_kernel.uses_kernel(jnp.bfloat16, ROUTE)
+  assert not any(attention_kernel.uses_kernel(jnp.float32, ("contiguous", name))
+                 for name in ("bfloat16", "float16", "int4", "float8_e4m3fn"))
 
 
 def test_gradients_are_xla():

@@ -1,6 +1,8 @@
-"""The CPU decode-attention kernel over each cache storage (contiguous or paged, float32 or int8)
-against XLA's computation on the same values, its routing, its gradients and its input checks."""
+"""The CPU decode-attention kernel over each cache storage, named by its route (contiguous or
+paged, float32 or int8), against XLA's computation on the same values, its routing, its gradients
+and its input checks."""
 
+import functools
 import re
 import shutil
 
@@ -10,6 +12,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from kvjax.cache.codec import codec
+from kvjax.cache.config import CacheConfig
 from kvjax.cache.contiguous import ContiguousCache, attend_one
 from kvjax.cache.paged import PagedCache, attend_pages
 from kvjax.config import ModelConfig
@@ -23,17 +27,13 @@ pytestmark = pytest.mark.skipif(
     reason="the kernel is built for the CPU with the system's C++ compiler")
 
 
-def attend_int8(q, k, v, lengths, k_scale, v_scale):
-  """XLA on the dequantized contiguous cache: k [B, K, H, S] * k_scale [B, K, S], v [B, K, S, H] * v_scale."""
-  return attend_one(q, k * k_scale[:, :, None, :], v * v_scale[..., None], lengths)
-
-
-def attend_pages_int8(q, k, v, lengths, k_scale, v_scale, page_table):
-  """XLA on the dequantized pools: [K, P, Z, H] * scales [K, P, Z]."""
-  return attend_pages(q, k * k_scale[..., None], v * v_scale[..., None], lengths, page_table)
-
-
-XLA = {(False, False): attend_one, (False, True): attend_int8, (True, False): attend_pages, (True, True): attend_pages_int8}
+# (paged, int8) -> the route the cache kind names its storage by, and the XLA computation it hands
+# the kernel as its reference (the codec decodes an int8 storage with its scales).
+ROUTES = {(paged, int8): ("paged" if paged else "contiguous", "int8" if int8 else "float32")
+          for paged in (False, True) for int8 in (False, True)}
+XLA = {key: functools.partial(attend_pages if route[0] == "paged" else attend_one, codec=codec(route[1]))
+       for key, route in ROUTES.items()}
+FLOAT = functools.partial(attend_one, codec=codec("float32"))  # the contiguous float32 reference
 
 
 def storage(batch, kv_heads, groups, head_dim, page_size, pages, lengths, paged, int8, seed=0):
@@ -87,13 +87,13 @@ IDS = ["contiguous", "contiguous-int8", "paged", "paged-int8"]
 def test_kernel_matches_xla(paged, int8, batch, kv_heads, groups, head_dim, page_size, pages, lengths):
   q, k, v, lengths, addressing, (k_float, v_float) = storage(batch, kv_heads, groups, head_dim, page_size, pages,
                                                               lengths, paged, int8)
-  xla = XLA[paged, int8]
-  kernel = jax.jit(lambda *a, **kw: attention_kernel.cache_attention(*a, xla, **kw))
-  assert attention_kernel.TARGETS[paged, int8] in kernel.lower(q, k, v, lengths, **addressing).as_text()
+  xla, route = XLA[paged, int8], ROUTES[paged, int8]
+  kernel = jax.jit(lambda *a, **kw: attention_kernel.cache_attention(route, *a, xla, **kw))
+  assert attention_kernel.TARGETS[route] in kernel.lower(q, k, v, lengths, **addressing).as_text()
   out = np.asarray(kernel(q, k, v, lengths, **addressing))
   assert np.isfinite(out).all()  # nothing read from the NaN pages
   # XLA on the contiguous dequantized values: the same attention.
-  np.testing.assert_allclose(out, attend_one(q, k_float, v_float, lengths), rtol=1e-5, atol=2e-6)
+  np.testing.assert_allclose(out, FLOAT(q, k_float, v_float, lengths), rtol=1e-5, atol=2e-6)
   if paged or int8:  # and XLA's own computation on the storage (for paged, without the NaN pages' rows)
     clean = {**addressing, "page_table": np.where(addressing["page_table"] == 0, 1, addressing["page_table"])} \
         if paged else addressing
@@ -109,16 +109,20 @@ def test_kernel_matches_xla_any_shape(variant, batch, kv_heads, groups, head_dim
   lengths = data.draw(st.lists(st.integers(0, page_size * pages - 1), min_size=batch, max_size=batch))
   q, k, v, lengths, addressing, (k_float, v_float) = storage(batch, kv_heads, groups, head_dim, page_size, pages,
                                                               lengths, *variant)
-  out = attention_kernel.cache_attention(q, k, v, lengths, XLA[variant], **addressing)
-  np.testing.assert_allclose(out, attend_one(q, k_float, v_float, lengths), rtol=1e-5, atol=2e-6)
+  out = attention_kernel.cache_attention(ROUTES[variant], q, k, v, lengths, XLA[variant], **addressing)
+  np.testing.assert_allclose(out, FLOAT(q, k_float, v_float, lengths), rtol=1e-5, atol=2e-6)
 
 
 def test_bf16_and_unknown_storage_stay_with_xla():
   q, k, v, lengths, addressing, _ = storage(2, 1, 2, 8, 4, 2, [3, 7], paged=True, int8=False)
-  lowered = lambda *a, **kw: jax.jit(lambda *a, **kw: attention_kernel.cache_attention(*a, attend_pages, **kw)).lower(
-      *a, **kw).as_text()
-  assert "kvjax_paged_attention" not in lowered(q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), lengths, **addressing)
-  assert "kvjax_paged_attention" in lowered(q, np.nan_to_num(k), np.nan_to_num(v), lengths, **addressing)
+  k, v = np.nan_to_num(k), np.nan_to_num(v)
+  def lowered(route, *a, **kw):
+    xla = functools.partial(attend_pages, codec=codec(route[1]))
+    return jax.jit(lambda *a, **kw: attention_kernel.cache_attention(route, *a, xla, **kw)).lower(*a, **kw).as_text()
+  k16, v16 = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+  assert "kvjax_paged_attention" not in lowered(("paged", "bfloat16"), q, k16, v16, lengths, **addressing)
+  assert "kvjax_paged_attention" not in lowered(("paged", "float32"), q, k16, v16, lengths, **addressing)
+  assert "kvjax_paged_attention" in lowered(("paged", "float32"), q, k, v, lengths, **addressing)
 
 
 @pytest.mark.parametrize("paged,int8", [(True, False), (True, True), (False, True)], ids=["paged", "paged-int8", "int8"])
@@ -128,47 +132,61 @@ def test_gradients_are_xla(paged, int8):
   addressing = {n: np.nan_to_num(a) for n, a in addressing.items()}
   if paged:
     addressing["page_table"] = np.where(addressing["page_table"] == 0, 1, addressing["page_table"]).astype(np.int32)
-  xla = XLA[paged, int8]
+  xla, route = XLA[paged, int8], ROUTES[paged, int8]
   floats = (0,) if int8 else (0, 1, 2)  # the int8 data has no gradient
-  ours = jax.grad(lambda *a: (attention_kernel.cache_attention(*a, lengths, xla, **addressing) ** 2).sum(), floats)
+  ours = jax.grad(lambda *a: (attention_kernel.cache_attention(route, *a, lengths, xla, **addressing) ** 2).sum(),
+                  floats)
   theirs = jax.grad(lambda *a: (xla(*a, lengths, **addressing) ** 2).sum(), floats)
   for a, b in zip(ours(q, k, v), theirs(q, k, v)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
 def test_other_layouts_stay_with_xla():
-  # Only the four storages go to the kernel; another kind's addressing (grouped scales, another
-  # keyword) is XLA's business.
+  # Only the four routes go to the kernel, and only with the storage each names; another kind's
+  # route (int4's grouped scales, fp8) or addressing (another keyword) is XLA's business.
   q, k, v, lengths, addressing, _ = storage(2, 1, 2, 8, 4, 2, [3, 7], paged=True, int8=True)
+  route = ("paged", "int8")
   grouped = {**addressing, "k_scale": np.repeat(addressing["k_scale"][..., None], 2, -1)}
-  assert attention_kernel.kernel_target(q, k, v, addressing) == "kvjax_paged_attention_int8"
-  assert attention_kernel.kernel_target(q, k, v, grouped) is None
-  assert attention_kernel.kernel_target(q, k, v, {**addressing, "window": np.zeros(2)}) is None
-  assert attention_kernel.kernel_target(q, k, v, {"page_table": addressing["page_table"]}) is None  # int8 without scales
+  assert attention_kernel.kernel_target(route, q, k, v, addressing) == "kvjax_paged_attention_int8"
+  assert attention_kernel.kernel_target(route, q, k, v, grouped) is None
+  assert attention_kernel.kernel_target(route, q, k, v, {**addressing, "window": np.zeros(2)}) is None
+  assert attention_kernel.kernel_target(route, q, k, v, {"page_table": addressing["page_table"]}) is None  # no scales
+  for other in (("paged", "int4"), ("paged", "float8_e4m3fn"), ("paged", "float32"), ("contiguous", "int8")):
+    assert attention_kernel.kernel_target(other, q, k, v, addressing) is None, other
+  assert set(attention_kernel.TARGETS) == set(ROUTES.values())
 
 
 @pytest.mark.parametrize("fmt,target", [("float32", "kvjax_decode_attention"), ("int8", "kvjax_decode_attention_int8"),
-                                        ("int4", None), ("float8_e4m3fn", None)])
+                                        ("int4", None), ("float8_e4m3fn", None), ("bfloat16", None)])
 def test_decode_step_of_each_cache_format_routes_to_its_target(fmt, target):
   """The lowered decode step (kvjax.decoding.decode.forward with the CPU backend) of a contiguous
-  cache calls the kernel's target for its format (the int8 cache's k_scale, v_scale [B, K, S]
-  reach the int8 kernel), in the global and the windowed (ring) layer alike; a paged int8 cache's
-  global layer calls the paged int8 target. int4 and fp8 stay with XLA; so does a paged
-  windowed layer (its reads mask to the window)."""
+  cache of CacheConfig(dtype=fmt) on a float32 model calls the kernel's target for its route (the
+  int8 cache's k_scale, v_scale [B, K, S] reach the int8 kernel), in the global and the windowed
+  (ring) layer alike; a paged int8 cache's global layer calls the paged int8 target. int4, fp8
+  and bfloat16 stay with XLA; so does a paged windowed layer (its reads mask to the window), and
+  an MLA cache of any codec (no kernel reads latents)."""
   config = ModelConfig(vocab_size=32, d_model=32, num_layers=2, num_heads=2, num_kv_heads=2, max_len=16,
-                       cache_dtype=fmt, window=(4, 0))
+                       window=(4, 0))
   model = for_decoding(Transformer(config))
   assert model.backend is not XLA_BACKEND  # the CPU kernels' backend
   params = model.init(jax.random.key(0), np.zeros((1, 2), np.int32))["params"]
   tokens, ones = jnp.zeros((2, 1), jnp.int32), jnp.ones((2,), jnp.int32)
-  lower = lambda cache: jax.jit(forward, static_argnames=("model", "last")).lower(
+  lower = lambda model, params, cache: jax.jit(forward, static_argnames=("model", "last")).lower(
       model, params, cache, tokens, ones, last=True).as_text()
   calls = lambda text: sorted(set(re.findall(r'@(kvjax_\w*attention\w*)\(', text)))
-  contiguous = lower(ContiguousCache.create(config, 2, 16).replace(lengths=jnp.array([3, 9], jnp.int32)))
+  contiguous_cache = ContiguousCache.create(config, 2, 16, CacheConfig(dtype=fmt))
+  assert attention_kernel.uses_kernel(config.dtype, contiguous_cache.route) == (target is not None)
+  contiguous = lower(model, params, contiguous_cache.replace(lengths=jnp.array([3, 9], jnp.int32)))
   assert calls(contiguous) == ([target] if target else [])
   assert contiguous.count(f"@{target}(") == (2 if target else 0)  # both layers
-  paged = PagedCache.create(config, 9, 4, 2, 4).with_rows(np.arange(1, 9, dtype=np.int32).reshape(2, 4), [3, 9])
+  paged = PagedCache.create(config, 9, 4, 2, 4, CacheConfig(layout="paged", page_size=4, dtype=fmt))
+  paged = paged.with_rows(np.arange(1, 9, dtype=np.int32).reshape(2, 4), [3, 9])
   paged_target = {"float32": "kvjax_paged_attention", "int8": "kvjax_paged_attention_int8"}.get(fmt)
-  paged_text = lower(paged)
+  paged_text = lower(model, params, paged)
   assert calls(paged_text) == ([paged_target] if paged_target else [])
   assert paged_text.count(f"@{paged_target}(") == (1 if paged_target else 0)  # the global layer only
+  mla_config = config.replace(kv_latent_rank=8, rope_dims=4)
+  mla = for_decoding(Transformer(mla_config))
+  mla_params = mla.init(jax.random.key(0), np.zeros((1, 2), np.int32))["params"]
+  latent = ContiguousCache.create(mla_config, 2, 16, CacheConfig(dtype=fmt)).replace(lengths=jnp.array([3, 9]))
+  assert latent.route == ("contiguous", fmt) and calls(lower(mla, mla_params, latent)) == []

@@ -6,13 +6,14 @@ import numpy as np
 import pytest
 
 import kvjax
+from kvjax.cache.config import CacheConfig
 from kvjax.serving.engine import Engine, EngineConfig
 from conftest import init_params, tiny_config
 
 MAX_LEN = 48
 PROMPT_PAD = 32
 # 16 usable pages of 4 tokens: four slots of long requests cannot all fit, so requests are preempted.
-CONFIG = EngineConfig(num_slots=4, num_pages=17, page_size=4, max_len=MAX_LEN)
+CONFIG = EngineConfig(num_slots=4, num_pages=17, max_len=MAX_LEN, cache=CacheConfig(layout="paged", page_size=4))
 
 
 @pytest.fixture(scope="module")
@@ -126,8 +127,15 @@ def test_bad_requests_are_rejected_and_lose_nothing(model_params):
     EngineConfig(num_slots=0)
   with pytest.raises(ValueError, match="exceeds ModelConfig.max_len=64"):
     Engine(model, params, EngineConfig(max_len=65))
-  with pytest.raises(ValueError, match="EngineConfig.attention must be one of"):
-    EngineConfig(attention="flash")
+  with pytest.raises(ValueError, match="CacheConfig.paged_read must be one of"):
+    EngineConfig(cache=CacheConfig(layout="paged", paged_read="flash"))
+  with pytest.raises(ValueError, match=r"EngineConfig.cache must be a CacheConfig with layout='paged'"):
+    EngineConfig(cache=CacheConfig(page_size=4))
+  with pytest.raises(ValueError, match=r"EngineConfig.cache must be a CacheConfig .* got \{'layout': 'paged'\}"):
+    EngineConfig(cache={"layout": "paged"})
   if not kvjax.cache.paged.pallas_available():
     with pytest.raises(ValueError, match="needs a GPU backend"):
-      Engine(model, params, EngineConfig(attention="pallas"))
+      Engine(model, params, EngineConfig(cache=CacheConfig(layout="paged", paged_read="pallas")))
+  # The engine's pool is its CacheConfig's: pages of page_size tokens in its codec.
+  int8 = Engine(model, params, EngineConfig(**{**vars(CONFIG), "cache": CONFIG.cache.replace(dtype="int8")}))
+  assert (int8.cache.page_size, int8.cache.num_pages, int8.cache.route) == (4, 17, ("paged", "int8"))
