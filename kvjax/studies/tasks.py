@@ -21,8 +21,9 @@ part and held-out sources from the held-out part (dropping any that occur in the
 recall draws train and held-out pairs from different seeded streams. rot13 and recall train with
 the loss on the answer and its newline only. An example is right-padded to seq_len + 1 bytes and
 shifted by one into inputs and targets int32 [B, T], T = seq_len, with a float32 [B, T] loss mask,
-so one jitted train step serves every task and every step. The data depend only on the task and
-TaskConfig, never on the model: every row of a table gets the same fine-tuning.
+so one jitted train step (kvjax.training.train's, given that mask) serves every task and every
+step. The data depend only on the task and TaskConfig, never on the model: every row of a table
+gets the same fine-tuning.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ import codecs
 import dataclasses
 import functools
 import math
-import re
 from typing import Iterator
 
 import jax
@@ -39,25 +39,26 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from kvjax.config import check_nonnegative, check_positive, check_real
+from kvjax.fields import check_nonnegative, check_positive, check_real
 from kvjax.decoding.decode import generate
 from kvjax.model.transformer import Transformer
+from kvjax.training import train
+from kvjax.training.config import TrainConfig
 from kvjax.training.data import documentation, paragraphs_of
 
 TASKS = ("prose", "rot13", "recall")
 MIN_SEQ_LEN = 64  # rot13 sources of 20 bytes and recall with a handful of pairs need this much
 ROT13_SOURCE_BYTES = (20, 60)
 NEWLINE = ord("\n")
-# The optimizer around TaskConfig.lr: pre-training's AdamW settings (kvjax.training.config.TrainConfig).
-CLIP_NORM, B1, B2, WEIGHT_DECAY = 1.0, 0.9, 0.95, 0.1
 
 
 @dataclasses.dataclass(frozen=True)
 class TaskConfig:
   """The fine-tuning every model gets on each task, and how many held-out examples score it.
 
-  AdamW at `lr`, warmed up linearly over warmup_steps, then constant. steps = 0 scores the model
-  as it is. `seed` fixes the training data order and the held-out examples.
+  Pre-training's AdamW at `lr`, warmed up linearly over warmup_steps, then constant (`tuning`).
+  steps = 0 scores the model as it is. `seed` fixes the training data order and the held-out
+  examples.
   """
 
   steps: int = 100
@@ -247,15 +248,6 @@ def held_out(task: str, config: TaskConfig) -> Examples:
 
 # Fine-tuning and scoring.
 
-def make_optimizer(lr: float, warmup_steps: int) -> optax.GradientTransformation:
-  """Clipping, then AdamW at lr after a linear warmup (weight decay on matrices only)."""
-  schedule = lambda count: lr * jnp.minimum(1.0, (count + 1) / max(warmup_steps, 1))
-  return optax.chain(
-      optax.clip_by_global_norm(CLIP_NORM),
-      optax.adamw(schedule, b1=B1, b2=B2, weight_decay=WEIGHT_DECAY,
-                  mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)))
-
-
 def masked_loss(model: Transformer, params, inputs, targets, mask):
   """-> (per-token cross entropy float32 [B, T], argmax hits bool [B, T])."""
   logits = model.apply({"params": params}, inputs)  # [B, T, V]
@@ -263,21 +255,17 @@ def masked_loss(model: Transformer, params, inputs, targets, mask):
   return loss * mask, (logits.argmax(-1) == targets) & (mask > 0)
 
 
+def tuning(config: TaskConfig) -> TrainConfig:
+  """The optimizer settings of fine-tuning: pre-training's AdamW (kvjax.training.config.TrainConfig)
+  at config.lr, warmed up over config.warmup_steps, then constant (min_lr_ratio 1)."""
+  return TrainConfig(steps=config.steps, lr=config.lr, warmup_steps=config.warmup_steps, min_lr_ratio=1.0)
+
+
 @functools.cache
-def train_step(model: Transformer, lr: float, warmup_steps: int):
-  """-> jitted step(params, opt_state, inputs, targets, mask) -> (params, opt_state, loss), the loss
-  averaged over the masked targets; donates params and opt_state. One per (model, optimizer)."""
-  optimizer = make_optimizer(lr, warmup_steps)
-
-  def step(params, opt_state, inputs, targets, mask):
-    def loss_fn(p):
-      return masked_loss(model, p, inputs, targets, mask)[0].sum() / jnp.maximum(mask.sum(), 1.0)
-
-    loss, grads = jax.value_and_grad(loss_fn)(params)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-
-  return jax.jit(step, donate_argnums=(0, 1))
+def tuning_step(model: Transformer, config: TrainConfig):
+  """kvjax.training.train's jitted train step for `model` under `config`'s optimizer, made once per
+  (model, optimizer) so every task's fine-tuning runs one compiled step."""
+  return train.make_train_step(model, train.make_optimizer(config))
 
 
 @functools.partial(jax.jit, static_argnames="model")
@@ -287,18 +275,20 @@ def _sums(model: Transformer, params, inputs, targets, mask):
 
 
 def finetune(model: Transformer, params, task: str, config: TaskConfig):
-  """-> (fine-tuned params, the last step's train loss or None when config.steps is 0).
-  `params` are copied first and left as they are."""
+  """-> (fine-tuned params, the last step's train loss or None when config.steps is 0), trained by
+  kvjax.training.train's step with the loss on each example's masked targets. `params` are copied
+  first and left as they are (the step donates its state)."""
   check_task(task)
   check_model(model, config)
   if config.steps == 0:
     return params, None
-  params = jax.tree.map(jnp.copy, params)
-  opt_state = make_optimizer(config.lr, config.warmup_steps).init(params)
-  step = train_step(model, float(config.lr), config.warmup_steps)
+  optimizer_config = tuning(config)
+  step = tuning_step(model, optimizer_config)
+  state = train.init_state(model, train.make_optimizer(optimizer_config), jax.random.key(0),
+                           jax.tree.map(jnp.copy, params))
   for batch in train_batches(task, config):
-    params, opt_state, loss = step(params, opt_state, batch.inputs, batch.targets, batch.mask)
-  return params, float(loss)
+    state, metrics = step(state, batch.inputs, batch.targets, batch.mask)
+  return state.params, float(metrics["loss"])
 
 
 def teacher_forced(model: Transformer, params, examples: Examples, batch_size: int) -> dict:

@@ -104,21 +104,25 @@ def init_state(model: Transformer, optimizer: optax.GradientTransformation, key:
 
 def make_train_step(model: Transformer, optimizer: optax.GradientTransformation, state_sharding=None, *,
                     teacher: tuple[Transformer, Any] | None = None, distill: float = 0.0):
-  """-> jitted step(state, inputs, targets) -> (state, {"loss", "grad_norm"[, "distill_kl"]});
+  """-> jitted step(state, inputs, targets, mask=None) -> (state, {"loss", "grad_norm"[, "distill_kl"]});
   donates `state`. `state_sharding` (kvjax.sharding.param_sharding of the state) pins the new state
-  to the layout the step was given, so that feeding it back hits the one compiled step.
+  to the layout the step was given, so that feeding it back hits the one compiled step. A float32
+  [B, T] `mask` averages the loss over the targets where it is 1 (fine-tuning on answers only)
+  instead of over every token.
 
   With a teacher (model, params) and distill > 0 the objective adds distill x KL(teacher || model)
   of the next-token distributions, averaged over tokens (knowledge distillation); "loss" stays the
   data's cross-entropy and "distill_kl" is the KL term."""
-  def step(state: TrainState, inputs: jax.Array, targets: jax.Array, teacher_params):
+  def step(state: TrainState, inputs: jax.Array, targets: jax.Array, mask, teacher_params):
+    average = (lambda x: x.mean()) if mask is None else (lambda x: (x * mask).sum() / jnp.maximum(mask.sum(), 1.0))
+
     def loss_fn(params):
       logits = model.apply({"params": params}, inputs)  # [B, T, V] float32
-      loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+      loss = average(optax.softmax_cross_entropy_with_integer_labels(logits, targets))
       if teacher_params is None:
         return loss, {}
       target = jax.lax.stop_gradient(teacher[0].apply({"params": teacher_params}, inputs))
-      kl = (jax.nn.softmax(target) * (jax.nn.log_softmax(target) - jax.nn.log_softmax(logits))).sum(-1).mean()
+      kl = average((jax.nn.softmax(target) * (jax.nn.log_softmax(target) - jax.nn.log_softmax(logits))).sum(-1))
       return loss + distill * kl, {"loss": loss, "distill_kl": kl}
 
     (objective, parts), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
@@ -130,10 +134,10 @@ def make_train_step(model: Transformer, optimizer: optax.GradientTransformation,
   jitted = jax.jit(step, donate_argnums=0, out_shardings=(state_sharding, None))
   # The teacher's own buffers: a student made from it (uptraining) shares arrays it would donate.
   teacher_params = jax.tree.map(jnp.copy, teacher[1]) if teacher is not None and distill > 0 else None
-  def run_step(state: TrainState, inputs: jax.Array, targets: jax.Array):
-    return jitted(state, inputs, targets, teacher_params)
+  def run_step(state: TrainState, inputs: jax.Array, targets: jax.Array, mask: jax.Array | None = None):
+    return jitted(state, inputs, targets, mask, teacher_params)
   run_step.jitted = jitted  # the one compiled step, e.g. to count its compilations
-  run_step.lower = lambda state, inputs, targets: jitted.lower(state, inputs, targets, teacher_params)
+  run_step.lower = lambda state, inputs, targets, mask=None: jitted.lower(state, inputs, targets, mask, teacher_params)
   return run_step
 
 

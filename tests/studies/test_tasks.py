@@ -1,5 +1,6 @@
 """The downstream tasks of the paper's protocol: well-formed, disjoint splits, masks on the answers,
-fine-tuning that learns, exact-match scoring, determinism and refusals."""
+fine-tuning that learns (by the training module's step, its loss on the mask), exact-match
+scoring, determinism and refusals."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 
 import kvjax
 from kvjax.studies import tasks
+from kvjax.training import train
 
 # seq_len 64 keeps the compiled shapes small; the data tests also run the default 128.
 # One optimizer (lr, warmup) for every test: one compiled train step.
@@ -142,6 +144,37 @@ def test_finetuning_reduces_the_task_loss_and_leaves_the_input_alone(tiny):
     end = tasks.teacher_forced(model, tuned, held, config.batch_size)["loss"]
     assert end < start - 1.0 and np.isfinite(loss)  # from ln 256 = 5.5 nats: the answer's bytes
   jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.array, params), before)
+
+
+def test_finetuning_steps_average_the_loss_over_the_mask_only(tiny):
+  """The training module's step with a mask: all ones is the plain step; otherwise its loss is the
+  teacher-forced mean over the masked targets, and targets outside the mask leave the update as it
+  is, bit for bit."""
+  model, params = tiny
+  optimizer_config = tasks.tuning(CONFIG)
+  optimizer = train.make_optimizer(optimizer_config)
+  batch = next(tasks.train_batches("rot13", CONFIG))
+
+  def two_steps(step, *args):
+    """The params after two steps on the batch (the first has the warmup's learning rate 0), and
+    the first step's loss."""
+    state = train.init_state(model, optimizer, jax.random.key(0), jax.tree.map(jnp.copy, params))
+    state, metrics = step(state, batch.inputs, *args)
+    state, _ = step(state, batch.inputs, *args)
+    return jax.tree.map(np.asarray, state.params), float(metrics["loss"])
+
+  masked = tasks.tuning_step(model, optimizer_config)
+  ones, ones_loss = two_steps(masked, batch.targets, np.ones_like(batch.mask))
+  plain, plain_loss = two_steps(train.make_train_step(model, optimizer), batch.targets)
+  assert ones_loss == pytest.approx(plain_loss, rel=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), ones, plain)
+  tuned, loss = two_steps(masked, batch.targets, batch.mask)
+  assert 0 < batch.mask.sum() < batch.mask.size / 2  # the answers: a minority of the targets
+  want = tasks.teacher_forced(model, params, dataclasses.replace(batch, prompts=(), answers=()), CONFIG.batch_size)
+  assert loss == pytest.approx(want["loss"], rel=1e-5)
+  unscored = np.where(batch.mask > 0, batch.targets, (batch.targets + 1) % 256)
+  jax.tree.map(np.testing.assert_array_equal, two_steps(masked, unscored, batch.mask)[0], tuned)
+  assert np.abs(tuned["layers_0"]["attn"]["q"]["kernel"] - ones["layers_0"]["attn"]["q"]["kernel"]).max() > 1e-6
 
 
 def test_score_all_is_deterministic_and_averages_the_tasks(tiny):
