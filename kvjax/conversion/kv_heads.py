@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.config import ModelConfig, check_positive_int
+from kvjax.config import ModelConfig
+from kvjax.fields import check_positive_int
 from kvjax.conversion import pca
 from kvjax.model.attention import kv_head_of
 

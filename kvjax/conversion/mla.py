@@ -25,7 +25,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.config import ModelConfig, check_positive_int
+from kvjax.config import ModelConfig
+from kvjax.fields import check_positive_int
 from kvjax.conversion import pca
 from kvjax.conversion.kv_heads import check_calibration
 from kvjax.model.attention import kv_head_of
@@ -38,7 +39,7 @@ def check_target(config: ModelConfig, rank: int, rope_dims: int) -> None:
   rank `rank` with `rope_dims` rotary dims: checked before anything is computed."""
   if config.is_latent:
     raise ValueError(f"the model is already MLA (kv_latent_rank={config.kv_latent_rank})")
-  check_positive_int(rank, "rank")
+  check_positive_int(rank, "kv_latent_rank")
   if isinstance(rope_dims, bool) or not isinstance(rope_dims, int) or rope_dims < 0:
     raise ValueError(f"rope_dims must be a non-negative integer, got {rope_dims!r}")
   if rope_dims and config.positions != "rope":
@@ -55,7 +56,7 @@ def check_target(config: ModelConfig, rank: int, rope_dims: int) -> None:
                      f"head_dim={h}")
   limit = min(config.d_model, k * (2 * h - rope_dims // k))
   if rank > limit:
-    raise ValueError(f"rank={rank} is larger than possible: the position-free keys and the values of "
+    raise ValueError(f"kv_latent_rank={rank} is larger than possible: the position-free keys and the values of "
                      f"{k} kv heads span at most min(d_model={config.d_model}, {k} x (2 x {h} - {rope_dims // k}))"
                      f" = {limit} dims")
 

@@ -23,7 +23,6 @@ tokens; covariances are accumulated in float64.
 
 from __future__ import annotations
 
-import flax.linen as nn
 import jax
 import numpy as np
 

@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 
 import kvjax
+from kvjax.cache import kinds
+from kvjax.conversion.conversions import ToMLA
 from kvjax.conversion.mla import convert_to_mla
 from conftest import init_params, tiny_config
 
@@ -29,9 +31,9 @@ def test_full_rank_every_frequency_kept_is_exact(num_kv_heads, changes):
   h = config.head_dim
   rope_dims = 0 if config.positions == "learned" else num_kv_heads * h
   rank = min(config.d_model, num_kv_heads * (2 * h - rope_dims // num_kv_heads))
-  new_params, new_config = convert_to_mla(params, config, rank, rope_dims, calibration=CALIBRATION)
+  new_params, new_config = ToMLA(rank, rope_dims).convert(params, config, CALIBRATION)
   assert new_config.is_latent and new_config.kv_latent_rank == rank
-  assert new_config.kv_bytes_per_token <= config.kv_bytes_per_token
+  assert kinds.bytes_per_token(new_config) <= kinds.bytes_per_token(config)
   np.testing.assert_allclose(logits(new_config, new_params), logits(config, params), atol=2e-5)
 
 
@@ -62,7 +64,7 @@ def test_partial_rope_low_rank_model_is_exact():
   params = structured(params, config, kept, rank=6)
   new_params, new_config = convert_to_mla(params, config, 6, 8, calibration=CALIBRATION)
   assert new_config.rope_pairs == ((1, 3, 0, 2),) * 2
-  assert new_config.kv_bytes_per_token == 2 * (6 + 8) * 4
+  assert kinds.bytes_per_token(new_config) == 2 * (6 + 8) * 4
   np.testing.assert_allclose(logits(new_config, new_params), logits(config, params), atol=2e-5)
 
 
@@ -86,7 +88,7 @@ def test_errors():
   _, params = init_params(config)
   convert = lambda cfg=config, rank=8, rope_dims=8, calibration=CALIBRATION: convert_to_mla(
       params, cfg, rank, rope_dims, calibration=calibration)
-  with pytest.raises(ValueError, match="rank=33 is larger than possible"):
+  with pytest.raises(ValueError, match="kv_latent_rank=33 is larger than possible"):
     convert(rank=33)
   with pytest.raises(ValueError, match="more than head_dim=8"):
     convert(rope_dims=20)

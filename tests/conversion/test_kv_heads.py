@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import kvjax
+from kvjax.conversion.conversions import KVHeads
 from conftest import init_params, tiny_config
 
 TOKENS = np.asarray(jax.random.randint(jax.random.key(7), (2, 12), 0, 64))
@@ -43,8 +44,8 @@ def mha():
 def test_equal_heads_within_groups_convert_exactly(mha, method, target, blocks):
   config, params = mha
   tied = tie_heads(params, config, blocks)
-  new_params, new_config = kvjax.convert_kv_heads(tied, config, target, method)
-  assert new_config.num_kv_heads == target
+  new_params, new_config = KVHeads(target, method).convert(tied, config)
+  assert new_config == KVHeads(target, method).target(config) and new_config.num_kv_heads == target
   assert new_params["layers_0"]["attn"]["k"]["kernel"].shape == (32, target, 8)
   np.testing.assert_allclose(logits(new_config, new_params), logits(config, tied), atol=1e-5)
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import kvjax
+from kvjax.conversion.conversions import KVHeads
 from conftest import init_params, tiny_config
 
 TOKENS = np.asarray(jax.random.randint(jax.random.key(7), (2, 12), 0, 64))
@@ -53,7 +54,7 @@ def test_pca_is_exact_where_mean_pooling_is_not(positions, target):
   config = tiny_config(4, qkv_bias=True, positions=positions)
   params = transformed_heads(init_params(config)[1], config, 4 // target)
   want = logits(config, params)
-  pca_params, pca_config = kvjax.convert_kv_heads(params, config, target, "pca", calibration=CALIBRATION)
+  pca_params, pca_config = KVHeads(target, "pca").convert(params, config, CALIBRATION)
   assert pca_config.num_kv_heads == target
   assert pca_params["layers_0"]["attn"]["k"]["kernel"].dtype == params["layers_0"]["attn"]["k"]["kernel"].dtype
   np.testing.assert_allclose(logits(pca_config, pca_params), want, atol=2e-4, rtol=1e-4)
@@ -120,7 +121,7 @@ def test_regroup_finds_strided_partners_that_index_order_splits():
     strided[f"layers_{i}"] = {**contiguous[f"layers_{i}"], "attn": pca.permute_heads(
         contiguous[f"layers_{i}"]["attn"], config, np.argsort(order))}
   want = logits(config, strided)
-  regrouped, new_config = kvjax.convert_kv_heads(strided, config, 2, "regroup", calibration=CALIBRATION)
+  regrouped, new_config = KVHeads(2, "regroup").convert(strided, config, CALIBRATION)
   np.testing.assert_allclose(logits(new_config, regrouped), want, atol=2e-4, rtol=1e-4)
   plain, _ = kvjax.convert_kv_heads(strided, config, 2, "pca", calibration=CALIBRATION)
   assert np.abs(logits(new_config, plain) - want).max() > 0.05
