@@ -1,5 +1,6 @@
 """The GQA paper's Figure 4: quality after uptraining (alpha = study.fraction) for each way of
-building the new K/V heads: mean-pooling, the first head of each group, or random initialisation.
+building the new K/V heads (study.methods: mean-pooling, the first head of each group, random
+initialisation, and kvjax's data-aware pca and regroup), to MQA and to GQA.
 Writes gqa_figure4.{csv,json,png}. Run: kvjax run configs/gqa_figures/figure4_tiny.py
 """
 
@@ -7,20 +8,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvjax.conversion.conversions import KVHeads
 from kvjax.studies import gqa as gs
 from kvjax.studies import report
 
 
 def main(study: gs.GqaStudy, workdir: Path) -> list[dict]:
-  stages = gs.Stages(workdir, study)
-  gs.pretrain(study, stages, workdir, "big")
+  stages = gs.open_stages(study, workdir)
+  gs.pretrain(study, stages, "big")
   rows = []
-  for kv in (1, study.gqa_kv_heads):
-    for method in study.methods:
-      record = stages.done[gs.uptrained(study, stages, workdir, kv, method).name]
-      rows.append({"model": study.row_name(kv), "num_kv_heads": kv, "method": method,
-                   "converted_bits_per_byte": record["converted"]["bits_per_byte"],
-                   "bits_per_byte": record["after"]["bits_per_byte"], "accuracy": record["after"]["accuracy"]})
+  for conversion in [KVHeads(kv, method) for kv in (1, study.gqa_kv_heads) for method in study.methods]:
+    record = stages.done[gs.uptrained(study, stages, conversion).name]
+    rows.append({"model": study.model_name(conversion.target(study.big)), "num_kv_heads": conversion.num_kv_heads,
+                 "method": conversion.method, "converted_bits_per_byte": record["converted"]["bits_per_byte"],
+                 "bits_per_byte": record["after"]["bits_per_byte"], "accuracy": record["after"]["accuracy"]})
   stem = workdir / "gqa_figure4"
   print(report.write_table(rows, stem, report.columns_of(rows[0])))
   series = [(name, list(range(len(study.methods))), [r["bits_per_byte"] for r in rows if r["model"] == name])

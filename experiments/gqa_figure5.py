@@ -1,7 +1,7 @@
-"""The GQA paper's Figure 5: quality against the uptraining proportion alpha for MQA and GQA,
-mean-pooled as in the paper and by kvjax's best conversion with distillation (study.best_method,
-study.distill), with MHA-big as the reference line. Writes gqa_figure5.{csv,json,png}.
-Run: kvjax run configs/gqa_figures/figure5_tiny.py
+"""The GQA paper's Figure 5: quality against the uptraining proportion alpha for every uptraining
+of the table (study.uptrainings(): MQA and GQA mean-pooled as in the paper, and each of kvjax's
+conversions with distillation), with MHA-big as the reference line.
+Writes gqa_figure5.{csv,json,png}. Run: kvjax run configs/gqa_figures/figure5_tiny.py
 """
 
 from __future__ import annotations
@@ -13,19 +13,18 @@ from kvjax.studies import report
 
 
 def main(study: gs.GqaStudy, workdir: Path) -> list[dict]:
-  stages = gs.Stages(workdir, study)
-  mha = gs.pretrain(study, stages, workdir, "big")
+  stages = gs.open_stages(study, workdir)
+  mha = gs.pretrain(study, stages, "big")
   rows = [{"model": "MHA-big", "num_kv_heads": study.big.num_heads, "alpha": alpha,
            "bits_per_byte": mha["bits_per_byte"], "accuracy": mha["accuracy"]} for alpha in study.fractions]
-  best = f"{study.best_method}" + (" + distill" if study.distill else "")
-  for method, distill, label in (("mean", 0.0, "mean"), (study.best_method, study.distill, best)):
-    for kv in (1, study.gqa_kv_heads):
-      for alpha in study.fractions:
-        # Distillation needs training steps: at alpha = 0 the row is the conversion alone.
-        weight = distill if alpha > 0 else 0.0
-        after = stages.done[gs.uptrained(study, stages, workdir, kv, method, alpha, weight).name]["after"]
-        rows.append({"model": f"{study.row_name(kv)} ({label})", "num_kv_heads": kv, "alpha": alpha,
-                     "bits_per_byte": after["bits_per_byte"], "accuracy": after["accuracy"]})
+  for conversion, distill in study.uptrainings():
+    for alpha in study.fractions:
+      # Distillation needs training steps: at alpha = 0 the row is the conversion alone.
+      weight = distill if alpha > 0 else 0.0
+      after = stages.done[gs.uptrained(study, stages, conversion, alpha, weight).name]["after"]
+      rows.append({"model": study.row_name(conversion, distill),
+                   "num_kv_heads": study.kv_heads_at_bytes(conversion.target(study.big)), "alpha": alpha,
+                   "bits_per_byte": after["bits_per_byte"], "accuracy": after["accuracy"]})
   stem = workdir / "gqa_figure5"
   print(report.write_table(rows, stem, [(k, k, ".4f" if k in ("bits_per_byte", "accuracy") else "") for k in rows[0]]))
   series = [(name, [r["alpha"] for r in rows if r["model"] == name],

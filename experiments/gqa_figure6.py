@@ -8,24 +8,25 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvjax import convert_kv_heads
-from kvjax.training import checkpoint
+from kvjax.cache import kinds
+from kvjax.conversion.conversions import KVHeads
+from kvjax.model.transformer import Transformer
 from kvjax.studies import gqa as gs
 from kvjax.studies import report
-from kvjax.model.transformer import Transformer
+from kvjax.studies.stages import time_per_sample
+from kvjax.training import checkpoint
 
 
 def main(study: gs.GqaStudy, workdir: Path) -> list[dict]:
-  stages = gs.Stages(workdir, study)
-  gs.pretrain(study, stages, workdir, "big")
+  stages = gs.open_stages(study, workdir)
+  gs.pretrain(study, stages, "big")
   model, params, _ = checkpoint.load_model(workdir / "mha_big")
   heads = study.big.num_heads
-  models = {f"kv{kv}": convert_kv_heads(params, model.config, kv)
-            for kv in range(1, heads + 1) if heads % kv == 0}
-  timing = stages.run("timing_kv_sweep", lambda: gs.time_per_sample(
+  models = {f"kv{kv}": KVHeads(kv).convert(params, model.config) for kv in range(1, heads + 1) if heads % kv == 0}
+  timing = stages.run("timing_kv_sweep", lambda: time_per_sample(
       {name: (Transformer(config), converted) for name, (converted, config) in models.items()}, study.timing))
   rows = [{"num_kv_heads": config.num_kv_heads, "time_per_sample_s": timing[name]["time_per_sample_s"],
-           "kv_bytes_per_token": config.kv_bytes_per_token} for name, (_, config) in models.items()]
+           "kv_bytes_per_token": kinds.bytes_per_token(config)} for name, (_, config) in models.items()]
   stem = workdir / "gqa_figure6"
   print(report.write_table(rows, stem, [("num_kv_heads", "kv heads", "d"), ("time_per_sample_s", "time/sample (s)", ".6f"),
                                         ("kv_bytes_per_token", "KV bytes/token", ",")]))

@@ -1,8 +1,7 @@
 """The GQA paper's Table 1 and Figure 3: time per sample vs quality for MHA-small, MHA-big,
 MHA-big uptrained into GQA and MQA as the paper does (mean-pooled, alpha = study.fraction), and
-the same by kvjax's best conversion (study.best_method) with distillation (study.distill), and
-MHA-big converted to multi-head latent attention at the KV bytes of GQA / MQA (study.mla_rows),
-uptrained alike and timed with the others.
+MHA-big uptrained by each of kvjax's conversions (study.conversions: data-aware regrouping,
+multi-head latent attention, ...) with distillation (study.distill), all timed together.
 Quality is measured both ways: held-out bits per byte right after (up)training, and the paper's
 protocol, every model fine-tuned on each downstream task and scored there (kvjax.studies.tasks).
 
@@ -16,7 +15,7 @@ from pathlib import Path
 from kvjax.studies import gqa as gs
 from kvjax.studies import report
 
-COLUMNS = [("model", "model", ""), ("num_kv_heads", "kv heads", "d"), ("params", "params", ","),
+COLUMNS = [("model", "model", ""), ("num_kv_heads", "kv heads", "g"), ("params", "params", ","),
            ("kv_bytes_per_token", "KV bytes/token", ","), ("time_per_sample_s", "time/sample (s)", ".5f"),
            ("speedup_vs_mha_big", "speedup vs MHA-big", ".2f"), ("bits_per_byte", "val bits/byte", ".4f"),
            ("gap_closed_bits", "gap closed (bits)", ".0%"), ("converted_bits_per_byte", "bits/byte at alpha=0", ".4f"),
@@ -32,38 +31,33 @@ def gap_closed(row: dict, small: dict, big: dict, key: str) -> float | None:
 
 
 def main(study: gs.GqaStudy, workdir: Path) -> list[dict]:
-  stages = gs.Stages(workdir, study)
-  gs.pretrain(study, stages, workdir, "small")
-  gs.pretrain(study, stages, workdir, "big")
-  models = [("MHA-small", study.small.num_kv_heads, workdir / "mha_small", None),
-            ("MHA-big", study.big.num_kv_heads, workdir / "mha_big", None)]
-  for kv in (study.gqa_kv_heads, 1):
-    dest = gs.uptrained(study, stages, workdir, kv)
-    models.append((study.row_name(kv), kv, dest, stages.done[dest.name]["converted"]))
-  # kvjax's best conversion: the same architectures, so their generation is timed by the rows above.
-  best = {}
-  for kv in (study.gqa_kv_heads, 1):
-    dest = gs.uptrained(study, stages, workdir, kv, method=study.best_method, distill=study.distill)
-    name = f"{study.row_name(kv)} ({study.best_method}" + (" + distill)" if study.distill else ")")
-    best[name] = study.row_name(kv)
-    models.append((name, kv, dest, stages.done[dest.name]["converted"]))
+  stages = gs.open_stages(study, workdir)
+  gs.pretrain(study, stages, "small")
+  gs.pretrain(study, stages, "big")
+  # (name, kv heads or their bytes, workdir, quality right after conversion or None, model config)
+  models = [("MHA-small", study.small.num_kv_heads, workdir / "mha_small", None, study.small),
+            ("MHA-big", study.big.num_kv_heads, workdir / "mha_big", None, study.big)]
+  for conversion, distill in study.uptrainings():
+    dest = gs.uptrained(study, stages, conversion, distill=distill)
+    target = conversion.target(study.big)
+    models.append((study.row_name(conversion, distill), study.kv_heads_at_bytes(target), dest,
+                   stages.done[dest.name]["converted"], target))
+  # A model of the architecture of one above (pca's GQA-2 beside mean's) is timed by that one.
+  timed_as, first_of = {}, {}
+  for name, _, _, _, config in models:
+    timed_as[name] = first_of.setdefault(config, name)
 
-  for kv, rope in study.mla_rows:
-    rank = gs.mla_rank(study.big, kv, rope)
-    dest = gs.uptrained_mla(study, stages, workdir, rank, rope, distill=study.distill)
-    name = f"MLA-big ({rank}+{rope}, {study.row_name(kv).removesuffix('-big')} bytes)"
-    models.append((name, kv, dest, stages.done[dest.name]["converted"]))
-
-  paths = {name: path for name, _, path, _ in models}
-  measured = gs.measure(study, stages, {name: path for name, path in paths.items() if name not in best})
-  quality = gs.measure_quality(study, stages, {name: paths[name] for name in best})
-  for name, same in best.items():
-    timed = {k: measured[same][k] for k in ("time_per_sample_s", "times_s", "kv_bytes_per_token", "params")}
+  paths = {name: path for name, _, path, _, _ in models}
+  measured = gs.measure(study, stages, {name: path for name, path in paths.items() if timed_as[name] == name})
+  shared = [name for name in paths if timed_as[name] != name]
+  quality = gs.measure_quality(study, stages, {name: paths[name] for name in shared})
+  for name in shared:
+    timed = {k: measured[timed_as[name]][k] for k in ("time_per_sample_s", "times_s", "kv_bytes_per_token", "params")}
     measured[name] = {**timed, **quality[name]}
   scores = gs.task_scores(study, stages, paths)
   rows = [{"model": name, "num_kv_heads": kv, **measured[name], **scores[name],
            "converted_bits_per_byte": converted["bits_per_byte"] if converted else None}
-          for name, kv, _, converted in models]
+          for name, kv, _, converted, _ in models]
   small, big = rows[0], rows[1]
   for row in rows:
     row["speedup_vs_mha_big"] = big["time_per_sample_s"] / row["time_per_sample_s"]
@@ -76,20 +70,19 @@ def main(study: gs.GqaStudy, workdir: Path) -> list[dict]:
                             [("model", "paper model", ""), ("time", "time/sample (s)", ".2f"),
                              ("score", "avg score", ".1f")])
   t, ft = study.timing, study.tasks
+  kvjax_rows = ", ".join(study.row_name(c, study.distill) for c in study.conversions)
   text = (f"# GQA table (alpha = {study.fraction})\n\n{table}\n\n"
           f"- time/sample: median of {t.repeats} jitted `generate` calls, batch {t.batch}, prompt {t.prompt}, "
-          f"{t.new_tokens} new tokens, divided by the batch; the {study.best_method} rows have the same "
-          "architecture as the mean-pooled rows above them and share their timing.\n"
+          f"{t.new_tokens} new tokens, divided by the batch; a row with the architecture of a row above it "
+          "shares that row's timing.\n"
           "- val bits/byte: held-out bits per byte of the pre-training corpus right after (up)training, no "
           "task fine-tuning (lower is better); bits/byte at alpha=0: right after conversion.\n"
-          f"- GQA / MQA rows: MHA-big converted (mean: the paper's mean-pooling; {study.best_method}: "
-          f"kvjax's data-aware conversion), then uptrained for alpha = {study.fraction} of MHA-big's "
-          f"pre-training steps" + (f", the {study.best_method} rows with distillation weight {study.distill} "
-          "towards MHA-big" if study.distill else "") + ".\n"
-          + ("- MLA rows: MHA-big converted to multi-head latent attention (latent rank + rotary dims, "
-             "convert_to_mla calibrated on the training data) at the KV bytes per token of the kv heads "
-             f"shown (its kv heads column), uptrained as the {study.best_method} rows are; timed with the "
-             "rows above.\n" if study.mla_rows else "")
+          f"- GQA / MQA rows: MHA-big converted by the paper's mean-pooling, then uptrained for alpha = "
+          f"{study.fraction} of MHA-big's pre-training steps.\n"
+          f"- {kvjax_rows}: MHA-big converted by kvjax's conversions (in parentheses: the kv-head method, "
+          "or for MLA the latent rank + rotary dims, calibrated on the training data), uptrained alike"
+          + (f", with distillation weight {study.distill} towards MHA-big" if study.distill else "")
+          + "; an MLA row's kv heads are those whose KV bytes per token it matches.\n"
           + f"- prose, rot13, recall, avg score: the paper's protocol. Every model is fine-tuned for {ft.steps} "
           f"steps (batch {ft.batch_size}, lr {ft.lr}) on each task and scored on its held-out split: prose "
           "next-byte accuracy (%) on Python's documentation text (held out of pre-training); rot13 "

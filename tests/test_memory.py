@@ -189,6 +189,7 @@ def test_kvjax_run_refuses_in_one_line(d_model, tmp_path):
 
 def test_uptraining_that_cannot_fit_is_refused_before_loading(tmp_path, monkeypatch):
   from kvjax.conversion import uptrain as uptraining
+  from kvjax.conversion.conversions import KVHeads
   from kvjax.training.checkpoint import save_params
   source = tmp_path / "source"
   params = jax.jit(lambda: Transformer(TINY).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))()
@@ -196,7 +197,7 @@ def test_uptraining_that_cannot_fit_is_refused_before_loading(tmp_path, monkeypa
   monkeypatch.setattr(uptraining.checkpoint, "load_model", lambda *a, **k: pytest.fail("loaded the source"))
   with pytest.raises(ValueError, match=r"uptraining needs about .*\(source parameters 558\.3 KB \+ parameters "
                                        r".* activations for 1000000 x 64 tokens"):
-    uptraining.uptrain(source, tmp_path / "gqa", 2, overrides=["train.steps=1", "train.batch_size=1000000",
+    uptraining.uptrain(source, tmp_path / "gqa", KVHeads(2), overrides=["train.steps=1", "train.batch_size=1000000",
                                                                "data.seq_len=64"])
   assert not (tmp_path / "gqa").exists()
 

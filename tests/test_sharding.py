@@ -19,6 +19,7 @@ from kvjax.config import ModelConfig
 from kvjax.fields import apply_overrides, to_dict
 from kvjax.model.params import abstract_params
 from kvjax.training.config import TrainConfig, TrainRun
+from kvjax.conversion.conversions import KVHeads
 from kvjax.conversion.uptrain import uptrain_config
 
 
@@ -70,8 +71,8 @@ def test_train_mesh_is_validated_resumable_and_not_inherited_by_uptraining():
   with pytest.raises(ValueError, match="train.batch_size"):
     checkpoint.check_compatible(to_dict(TrainRun()), to_dict(apply_overrides(run, ["train.batch_size=8"])), "w")
   source = to_dict(run)
-  assert uptrain_config(source, 100, 2, 0.1).train.mesh is None
-  assert uptrain_config(source, 100, 2, 0.1, ["train.mesh=model=2"]).train.mesh == "model=2"
+  assert uptrain_config(source, 100, KVHeads(2), 0.1).train.mesh is None
+  assert uptrain_config(source, 100, KVHeads(2), 0.1, ["train.mesh=model=2"]).train.mesh == "model=2"
 
 
 def test_mesh_options_on_run_eval_generate_uptrain(tmp_path, capsys):

@@ -7,7 +7,8 @@ byte-level models; MHA-big has 32 heads, so GQA-4 keeps the paper's 8 query head
 from pathlib import Path
 
 from kvjax.config import ModelConfig
-from kvjax.studies.gqa import GqaStudy, TimingConfig
+from kvjax.studies.gqa import GqaStudy
+from kvjax.studies.stages import TimingConfig
 from kvjax.studies.tasks import TaskConfig
 from kvjax.training.config import DataConfig, TrainConfig
 

@@ -1,8 +1,7 @@
-"""The KV frontier at toy size: every family and every stage (pre-training, four uptrainings to
-GQA-2 / MQA and one to MLA, every measurement, the files) at a size the test suite runs. The
-numbers only show the pipeline works. MHA-big's 16 heads of 4 dims keep at least 32 rotary dims
-in MLA (a pair per head), more than GQA-2's 16 values per layer and token, so the MLA row is at
-the bytes of 8 kv heads: latent 32 + 32 rotary dims.
+"""The KV frontier at toy size: every family and every stage (pre-training, the GQA table's five
+uptrainings: GQA-2 / MQA mean-pooled and by pca with distillation, MLA at the bytes of 8 kv heads;
+every measurement, the files) at a size the test suite runs. The numbers only show the pipeline
+works.
 
   kvjax run configs/kv_frontier/tiny.py --workdir runs/kv_frontier_tiny
 """
@@ -10,9 +9,9 @@ the bytes of 8 kv heads: latent 32 + 32 rotary dims.
 from pathlib import Path
 
 from kvjax.cli.run import load_config
-from kvjax.studies.gqa import TimingConfig
-from kvjax.studies.kv_frontier import KVFrontierStudy, mla_variants, standard_variants
+from kvjax.studies.kv_frontier import KVFrontierStudy, standard_variants
 from kvjax.studies.recall import RecallConfig
+from kvjax.studies.stages import TimingConfig
 
 DRIVER = Path(__file__).parents[2] / "experiments" / "kv_frontier.py"
 GQA_TABLE = Path(__file__).parents[1] / "gqa_table" / "tiny.py"
@@ -22,7 +21,7 @@ def get_config() -> KVFrontierStudy:
   gqa = load_config(GQA_TABLE)
   return KVFrontierStudy(
       gqa=gqa,
-      variants=standard_variants(gqa, windows=(16,), sink_tokens=2) + mla_variants(gqa, {8: 32}),
+      variants=standard_variants(gqa, windows=(16,), sink_tokens=2),
       recall=RecallConfig(distances=(24, 40), needles=4, needle_bytes=8),
       # Timed at the recall test's shapes (4 rows, prompts in the 64-byte bucket, 8 new tokens), so
       # that the timed generate is the one recall compiled.

@@ -1,25 +1,36 @@
-"""`kvjax uptrain --from SRC --workdir DEST --kv-heads K` (or `--to-mla RANK --rope-dims D`):
-convert an MHA checkpoint to GQA / MQA (or to multi-head latent attention) and continue training
-it (kvjax.conversion.uptrain); prints quality before, at and after."""
+"""`kvjax uptrain --from SRC --workdir DEST --kv-heads K [--method M]` (or `--to-mla RANK
+--rope-dims D`): the conversion these flags name (kvjax.conversion.conversions: KVHeads or ToMLA),
+then continued training (kvjax.conversion.uptrain); prints quality before, at and after."""
 
 from __future__ import annotations
 
 import argparse
 
 from kvjax.cli import options
+from kvjax.conversion.conversions import KVHeads, ToMLA
 from kvjax.conversion.kv_heads import METHODS
 from kvjax.conversion.uptrain import uptrain
 
 
-def command(args: argparse.Namespace) -> int:
-  overrides = args.overrides + ([f"train.mesh={args.mesh}"] if args.mesh is not None else [])
+def conversion(args: argparse.Namespace) -> KVHeads | ToMLA:
+  """The one conversion the flags name, or a ValueError saying which flags go together."""
   if (args.kv_heads is None) == (args.to_mla is None):
     raise ValueError("give exactly one of --kv-heads K (GQA / MQA) and --to-mla RANK (MLA)")
-  if (args.to_mla is None) != (args.rope_dims is None):
+  if args.to_mla is None:
+    if args.rope_dims is not None:
+      raise ValueError("--rope-dims D goes with --to-mla RANK, not --kv-heads")
+    return KVHeads(args.kv_heads, args.method, args.seed)
+  if args.rope_dims is None:
     raise ValueError("--to-mla RANK and --rope-dims D go together")
-  to_mla = None if args.to_mla is None else (args.to_mla, args.rope_dims)
-  record = uptrain(args.source, args.workdir, args.kv_heads, method=args.method, fraction=args.fraction,
-                   distill=args.distill, overrides=overrides, seed=args.seed, to_mla=to_mla)
+  if args.method != "mean" or args.seed:
+    raise ValueError("--method and --seed choose how kv heads are regrouped (--kv-heads), not --to-mla")
+  return ToMLA(args.to_mla, args.rope_dims)
+
+
+def command(args: argparse.Namespace) -> int:
+  overrides = args.overrides + ([f"train.mesh={args.mesh}"] if args.mesh is not None else [])
+  record = uptrain(args.source, args.workdir, conversion(args), fraction=args.fraction, distill=args.distill,
+                   overrides=overrides)
   rows = [("before conversion", record["before"]), ("converted (alpha=0)", record["converted"]),
           (f"uptrained (alpha={record['fraction']})", record["after"])]
   for name, q in rows:
@@ -33,18 +44,18 @@ def add_parser(subparsers) -> None:
                       help="training (or imported) workdir to convert; never modified")
   parser.add_argument("--workdir", required=True, type=options.workdir_text, help="where the uptrained run is written")
   parser.add_argument("--kv-heads", type=int, help="target number of kv heads (GQA / MQA)")
+  parser.add_argument("--method", choices=METHODS, default="mean",
+                      help="with --kv-heads: mean (the paper's), first, random, or the data-aware pca / regroup")
+  parser.add_argument("--seed", type=int, default=0, help="rng seed for --method random")
   parser.add_argument("--to-mla", type=int, metavar="RANK",
                       help="convert to multi-head latent attention with this latent rank (needs --rope-dims)")
   parser.add_argument("--rope-dims", type=int, metavar="D",
                       help="with --to-mla: rotary dims of the shared key, 2 x kept pairs x kv heads (0 for "
                            "learned positions)")
-  parser.add_argument("--method", choices=METHODS, default="mean",
-                      help="mean (the paper's), first, random, or the data-aware pca / regroup")
   parser.add_argument("--fraction", type=float, default=0.05,
                       help="uptraining steps as a fraction of the source's pre-training steps (alpha)")
   parser.add_argument("--distill", type=float, default=0.0, metavar="W",
                       help="add W x KL to the source model's next-token distribution to the loss (distillation)")
-  parser.add_argument("--seed", type=int, default=0, help="rng seed for --method random")
   options.add_set_option(parser)
   options.add_mesh_option(parser)
   parser.set_defaults(func=command)

@@ -1,21 +1,20 @@
 """The KV frontier study: the families of KV-cache compression side by side on one trained model,
 quality against KV bytes per token (experiments/kv_frontier.py writes the table and figure).
 
-From one pre-trained MHA-big (kvjax.studies.gqa's: pre-trained in the study's workdir, or read
-from a GQA table's workdir), each variant changes what the cache keeps:
+From one pre-trained MHA-big (the GQA study's: pre-trained in the study's workdir, or read from a
+GQA table's workdir), each variant changes what the cache keeps:
   dtype   the element type it stores (ModelConfig.cache_dtype: float32, bfloat16, int8, int4,
           float8_e4m3fn), MHA-big's params;
-  heads   fewer kv heads (GQA, MQA): MHA-big converted (mean pooling, or the GQA study's best
-          method with distillation) and uptrained for alpha = gqa.fraction of its pre-training;
+  heads   fewer kv heads (GQA, MQA): MHA-big converted by a KVHeads conversion and uptrained for
+          alpha = gqa.fraction of its pre-training (kvjax.studies.stages);
   window  sliding-window layers, with or without sink tokens (ModelConfig.window, sink_tokens),
           applied to MHA-big as trained, no retraining;
-  mla     multi-head latent attention (ModelConfig.kv_latent_rank, rope_dims): MHA-big converted
-          by convert_to_mla (calibrated on its training data) and uptrained with the same alpha
-          and distillation as the heads family's best rows; `mla_variants` sizes the latent to
-          the KV bytes per token of a kv-head count, so both families meet at equal cache.
-A variant is data (`Variant`): a name, the ModelConfig fields it changes and whose params it
-runs. Every variant is checked against this kvjax's ModelConfig before anything runs, so a
-cache kind the installed kvjax lacks is one error naming the field.
+  mla     multi-head latent attention: MHA-big converted by a ToMLA conversion (calibrated on its
+          training data) and uptrained alike.
+A variant is data (`Variant`): a name, the ModelConfig fields it changes, and the conversion
+(with its distillation weight) whose uptrained params it runs; standard_variants takes them from
+the GQA study's uptrainings, so both studies read the same models. Every variant is checked
+against this kvjax's ModelConfig before anything runs: a lacking cache kind is one error.
 
 Each is measured through the cache its config selects (decode.prefill / generate build it):
   kv_bytes_per_token    what a prefill into a one-row cache of `context` positions allocates
@@ -48,22 +47,23 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from kvjax.config import (ModelConfig, check_choice, check_nonnegative, check_positive, check_real, from_dict,
-                          to_dict)
-from kvjax.conversion.kv_heads import METHODS
-from kvjax.conversion.mla import check_target
+from kvjax.config import ModelConfig
+from kvjax.fields import check_choice, check_positive, check_real, from_dict, to_dict
+from kvjax.conversion.conversions import KINDS, Conversion
 from kvjax.decoding import decode
 from kvjax.model.transformer import Transformer
 from kvjax.studies import gqa as gs
 from kvjax.studies import recall as recall_test
-from kvjax.studies import report
+from kvjax.studies import report, stages
 from kvjax.studies.recall import RecallConfig
+from kvjax.studies.stages import TimingConfig
 from kvjax.training import checkpoint
 from kvjax.training.data import Dataset, eval_batches, load_dataset
 from kvjax.training.evaluate import evaluate
 
 FAMILIES = ("dtype", "heads", "window", "mla")
-MLA_FIELDS = ("kv_latent_rank", "rope_dims", "rope_pairs")
+CONVERTED_FAMILIES = ("heads", "mla")  # the kinds of kvjax.conversion.conversions
+CONVERTED_FIELDS = ("num_kv_heads", "kv_latent_rank", "rope_dims", "rope_pairs")
 MHA_BIG = "mha_big"
 DTYPES = ("float32", "bfloat16", "int8", "int4", "float8_e4m3fn")
 SHORT_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float8_e4m3fn": "fp8"}
@@ -71,19 +71,16 @@ SHORT_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float8_e4m3fn": "fp8"}
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-  """One point of the frontier: `changes` to the ModelConfig of the params it runs: MHA-big's
-  (kv_heads = 0 and kv_latent_rank = 0), MHA-big uptrained to `kv_heads` kv heads by `method`,
-  or MHA-big converted to MLA of latent rank `kv_latent_rank` with `rope_dims` rotary dims and
-  uptrained (family "mla"); either uptraining with distillation weight `distill`."""
+  """One point of the frontier: `changes` to the ModelConfig of the params it runs, MHA-big's
+  (conversion None) or MHA-big's uptrained by `conversion` with distillation weight `distill`.
+  The families "heads" and "mla" are the conversions of that kind; a dtype or window variant may
+  change the cache of converted params too."""
 
   name: str
   family: str
   changes: dict[str, Any] = dataclasses.field(default_factory=dict)
-  kv_heads: int = 0
-  method: str = "mean"
+  conversion: Conversion | None = None
   distill: float = 0.0
-  kv_latent_rank: int = 0
-  rope_dims: int = 0
 
   def __post_init__(self):
     if not isinstance(self.name, str) or not self.name.strip():
@@ -91,23 +88,17 @@ class Variant:
     check_choice(self, "family", FAMILIES)
     if not isinstance(self.changes, dict) or not all(isinstance(k, str) for k in self.changes):
       raise ValueError(f"Variant.changes must map ModelConfig field names to values, got {self.changes!r}")
-    if "num_kv_heads" in self.changes:
-      raise ValueError(f"Variant {self.name!r}: set kv_heads, not changes.num_kv_heads: fewer kv heads need "
-                       "uptrained params")
-    if set(MLA_FIELDS) & set(self.changes):
-      raise ValueError(f"Variant {self.name!r}: set kv_latent_rank and rope_dims, not changes.{MLA_FIELDS}: "
-                       "an MLA model needs converted, uptrained params")
-    check_nonnegative(self, "kv_heads", "kv_latent_rank", "rope_dims")
-    check_choice(self, "method", METHODS)
+    if converted := sorted(set(CONVERTED_FIELDS) & set(self.changes)):
+      raise ValueError(f"Variant {self.name!r}: changes.{converted[0]} needs converted, uptrained params: give a "
+                       "conversion (kvjax.conversion.conversions: KVHeads, ToMLA) instead")
+    if self.conversion is not None and not isinstance(self.conversion, KINDS):
+      raise ValueError(f"Variant {self.name!r}: conversion must be a KVHeads or ToMLA, got {self.conversion!r}")
+    if self.family in CONVERTED_FAMILIES and getattr(self.conversion, "kind", None) != self.family:
+      raise ValueError(f"Variant {self.name!r}: family {self.family!r} runs params converted by a conversion of "
+                       f"that kind, got conversion={getattr(self.conversion, 'name', None)}")
     check_real(self, "distill", 0.0, 1e6)
-    if (self.family == "mla") != (self.kv_latent_rank > 0):
-      raise ValueError(f"Variant {self.name!r}: family {self.family!r} with kv_latent_rank={self.kv_latent_rank}; "
-                       "a variant of family 'mla' and only such a variant has kv_latent_rank > 0")
-    if self.kv_latent_rank and self.kv_heads:
-      raise ValueError(f"Variant {self.name!r}: kv_heads={self.kv_heads} with kv_latent_rank={self.kv_latent_rank}; "
-                       "an MLA variant is converted from MHA-big itself (kv_heads=0)")
-    if self.rope_dims and not self.kv_latent_rank:
-      raise ValueError(f"Variant {self.name!r}: rope_dims={self.rope_dims} needs kv_latent_rank > 0")
+    if self.distill and self.conversion is None:
+      raise ValueError(f"Variant {self.name!r}: distill={self.distill} needs a conversion to uptrain")
 
   def describe(self) -> str:
     """The changes as text, e.g. "cache_dtype=int8, window=(32,)"; "as trained" without any."""
@@ -117,15 +108,14 @@ class Variant:
 
 def standard_variants(gqa: gs.GqaStudy, windows: tuple[int, ...] = (), sink_tokens: int = 4,
                       dtypes: tuple[str, ...] = DTYPES) -> tuple[Variant, ...]:
-  """Every family: a cache of each of `dtypes`; GQA (gqa.gqa_kv_heads) and MQA, mean-pooled and by
-  gqa.best_method with gqa.distill; each window in `windows` on every layer, without sinks and,
-  when sink_tokens > 0, with them."""
+  """Every family: a cache of each of `dtypes`; every uptraining of the GQA study
+  (gqa.uptrainings(): GQA and MQA mean-pooled, each of gqa.conversions with gqa.distill); each
+  window in `windows` on every layer, without sinks and, when sink_tokens > 0, with them."""
   out = [Variant(SHORT_DTYPES.get(d, d), "dtype", {"cache_dtype": d}) for d in dtypes]
-  best = gqa.best_method + (f"+distill{gqa.distill:g}" if gqa.distill else "")
-  for kv in (gqa.gqa_kv_heads, 1):
-    label = gqa.row_name(kv).removesuffix("-big")
-    out += [Variant(f"{label} mean", "heads", kv_heads=kv),
-            Variant(f"{label} {best}", "heads", kv_heads=kv, method=gqa.best_method, distill=gqa.distill)]
+  for conversion, distill in gqa.uptrainings():
+    label = gqa.model_name(conversion.target(gqa.big)).removesuffix("-big")
+    tag = f"+distill{distill:g}" if distill else ""
+    out.append(Variant(f"{label} {conversion.label}{tag}", conversion.kind, conversion=conversion, distill=distill))
   for window in windows:
     out.append(Variant(f"window {window}", "window", {"window": (window,)}))
     if sink_tokens:
@@ -134,28 +124,13 @@ def standard_variants(gqa: gs.GqaStudy, windows: tuple[int, ...] = (), sink_toke
   return tuple(out)
 
 
-def mla_variants(gqa: gs.GqaStudy, rope_dims: dict[int, int]) -> tuple[Variant, ...]:
-  """MLA variants, one per {kv heads: rotary dims} item, each at exactly the KV bytes per token of
-  MHA-big with that many kv heads: latent rank = 2 x kv heads x head_dim - rotary dims (MLA
-  caches rank + rope_dims per layer, K/V 2 x kv heads x head_dim). Uptrained with gqa.distill,
-  as the heads family's best rows are (gs.mla_rank: ValueError when no latent is left)."""
-  out = []
-  for kv, rope in rope_dims.items():
-    rank = gs.mla_rank(gqa.big, kv, rope)
-    label = gqa.row_name(kv).removesuffix("-big")
-    tag = f" distill{gqa.distill:g}" if gqa.distill else ""
-    out.append(Variant(f"MLA {rank}+{rope}{tag} ({label} bytes)", "mla", kv_latent_rank=rank, rope_dims=rope,
-                       distill=gqa.distill))
-  return tuple(out)
-
-
 @dataclasses.dataclass(frozen=True)
 class KVFrontierStudy:
   """The study run by `kvjax run` for job "kv_frontier".
 
-  gqa: the GQA study whose MHA-big (and uptrainings) the variants run: its big, data, train,
-    fraction, best_method and distill are used. gqa_workdir: a workdir of that same study (a GQA
-    table's) to read them from, read only; empty: pre-train and uptrain them here.
+  gqa: the GQA study whose MHA-big (and uptrainings) the variants run: its big, data, train and
+    fraction are used. gqa_workdir: a workdir of that same study (a GQA table's) to read them
+    from, read only; empty: pre-train and uptrain them here.
   context: the sequence length KV bytes per token are stated at (default gqa.big.max_len).
   eval_batch_size, eval_batches: the held-out windows (default the run's train.batch_size and
     train.eval_batches, as `kvjax eval`).
@@ -167,14 +142,14 @@ class KVFrontierStudy:
   variants: tuple[Variant, ...] = ()
   context: int | None = None
   recall: RecallConfig = dataclasses.field(default_factory=RecallConfig)
-  timing: gs.TimingConfig = dataclasses.field(default_factory=gs.TimingConfig)
+  timing: TimingConfig = dataclasses.field(default_factory=TimingConfig)
   eval_batch_size: int | None = None
   eval_batches: int | None = None
 
   def __post_init__(self):
     if self.job != "kv_frontier":
       raise ValueError(f"KVFrontierStudy.job must be 'kv_frontier', got {self.job!r}")
-    for name, cls in (("gqa", gs.GqaStudy), ("recall", RecallConfig), ("timing", gs.TimingConfig)):
+    for name, cls in (("gqa", gs.GqaStudy), ("recall", RecallConfig), ("timing", TimingConfig)):
       if not isinstance(getattr(self, name), cls):
         raise ValueError(f"KVFrontierStudy.{name} must be a {cls.__name__}, got {getattr(self, name)!r}")
     if not isinstance(self.variants, tuple) or not self.variants or not all(isinstance(v, Variant) for v in self.variants):
@@ -184,14 +159,10 @@ class KVFrontierStudy:
       raise ValueError(f"KVFrontierStudy.variants: names must be distinct, got {names}")
     big = self.gqa.big
     for v in self.variants:
-      if v.kv_heads and (v.kv_heads >= big.num_heads or big.num_heads % v.kv_heads):
-        raise ValueError(f"Variant {v.name!r}: kv_heads={v.kv_heads} must be a divisor of MHA-big's "
-                         f"num_heads={big.num_heads} below it (0 runs MHA-big itself)")
-      if v.kv_latent_rank:
-        try:
-          check_target(big, v.kv_latent_rank, v.rope_dims)
-        except ValueError as err:
-          raise ValueError(f"Variant {v.name!r}: MHA-big does not convert to MLA: {err}") from None
+      try:
+        source_config(self, v)
+      except ValueError as err:
+        raise ValueError(f"Variant {v.name!r}: {v.conversion.name} does not convert MHA-big: {err}") from None
     if not isinstance(self.gqa_workdir, str):
       raise ValueError(f"KVFrontierStudy.gqa_workdir must be a path or '', got {self.gqa_workdir!r}")
     defaults = {"context": big.max_len, "eval_batch_size": self.gqa.train.batch_size,
@@ -216,10 +187,8 @@ def apply_changes(config: ModelConfig, variant: Variant) -> ModelConfig:
 
 
 def source_config(study: KVFrontierStudy, variant: Variant) -> ModelConfig:
-  """The shape of the params a variant runs: MHA-big, or its uptrained GQA / MQA or MLA form."""
-  big = study.gqa.big
-  return big.replace(num_kv_heads=variant.kv_heads or big.num_heads, kv_latent_rank=variant.kv_latent_rank,
-                     rope_dims=variant.rope_dims)
+  """The shape of the params a variant runs: MHA-big, or the target of its conversion."""
+  return study.gqa.big if variant.conversion is None else variant.conversion.target(study.gqa.big)
 
 
 def check_variants(study: KVFrontierStudy) -> None:
@@ -231,17 +200,16 @@ def check_variants(study: KVFrontierStudy) -> None:
 
 def source(study: KVFrontierStudy, variant: Variant) -> str:
   """The folder of the params a variant runs, inside the study's (or the GQA table's) workdir."""
-  if variant.kv_latent_rank:
-    return gs.mla_name(study.gqa, variant.kv_latent_rank, variant.rope_dims, distill=variant.distill)
-  if not variant.kv_heads:
+  if variant.conversion is None:
     return MHA_BIG
-  return gs.uptrained_name(study.gqa, variant.kv_heads, variant.method, distill=variant.distill)
+  return stages.uptrained_name(variant.conversion, study.gqa.fraction, variant.distill)
 
 
 def prepare_sources(study: KVFrontierStudy, workdir: Path) -> dict[str, Path]:
   """{source folder: workdir} of every params source of the variants. With study.gqa_workdir,
   that GQA study's finished stages, only read (its recorded settings must be study.gqa's);
-  otherwise pre-trained and uptrained here, each a stage of WORKDIR/stages.json (kvjax.studies.gqa)."""
+  otherwise pre-trained and uptrained here, each a stage of WORKDIR/stages.json
+  (kvjax.studies.stages, recorded under study.gqa's settings as a GQA study's are)."""
   names = list(dict.fromkeys(source(study, v) for v in study.variants))
   if study.gqa_workdir:
     root = Path(study.gqa_workdir)
@@ -249,9 +217,8 @@ def prepare_sources(study: KVFrontierStudy, workdir: Path) -> dict[str, Path]:
       done = json.loads((root / "stages.json").read_text())
     except (OSError, ValueError) as err:
       raise ValueError(f"KVFrontierStudy.gqa_workdir={root} is not a GQA study's workdir: {err}") from None
-    current = gs.stage_settings(study.gqa)
-    if gs.recorded_settings(done.get("study") or {}) != current:
-      diffs = checkpoint.config_diffs(done.get("study") or {}, current)
+    diffs = stages.settings_diffs(done.get("study") or {}, gs.stage_settings(study.gqa), gs.recorded_settings)
+    if diffs:
       raise ValueError(f"KVFrontierStudy.gqa_workdir={root} holds a GQA study with other settings than "
                        f"KVFrontierStudy.gqa ({'; '.join(diffs)})")
     missing = [n for n in names if ("pretrain_big" if n == MHA_BIG else n) not in done]
@@ -259,16 +226,14 @@ def prepare_sources(study: KVFrontierStudy, workdir: Path) -> dict[str, Path]:
       raise ValueError(f"KVFrontierStudy.gqa_workdir={root} has not finished {missing}: run that study first, "
                        "or set gqa_workdir='' to train them in this workdir")
     return {name: root / name for name in names}
-  stages = gs.Stages(workdir, study.gqa)
-  gs.pretrain(study.gqa, stages, workdir, "big")
-  paths = {MHA_BIG: workdir / MHA_BIG}
+  gqa = study.gqa
+  study_stages = gs.open_stages(gqa, workdir)
+  stages.pretrain(study_stages, "big", gqa.pretraining("big"))
+  paths = {MHA_BIG: stages.pretrained(workdir, "big")}
   for variant in study.variants:
-    if variant.kv_latent_rank:
-      paths[source(study, variant)] = gs.uptrained_mla(study.gqa, stages, workdir, variant.kv_latent_rank,
-                                                       variant.rope_dims, distill=variant.distill)
-    elif variant.kv_heads:
-      paths[source(study, variant)] = gs.uptrained(study.gqa, stages, workdir, variant.kv_heads, variant.method,
-                                                   distill=variant.distill)
+    if variant.conversion is not None:
+      paths[source(study, variant)] = stages.uptrained(study_stages, paths[MHA_BIG], variant.conversion,
+                                                       gqa.fraction, variant.distill, mesh=gqa.train.mesh)
   return {name: paths[name] for name in names}
 
 
@@ -352,7 +317,7 @@ def measure(study: KVFrontierStudy, paths: dict[str, Path]) -> list[dict]:
       row[f"recall_{distance}"] = result["exact_match"]
       row[f"recall_bytes_{distance}"] = result["byte_accuracy"]
     rows.append(row)
-  timing = gs.time_per_sample({v.name: (models[v.name], loaded[source(study, v)][1]) for v in study.variants},
+  timing = stages.time_per_sample({v.name: (models[v.name], loaded[source(study, v)][1]) for v in study.variants},
                               study.timing)
   for row, on_front in zip(rows, pareto(rows, "kv_bytes_per_token", "bits_per_byte")):
     times = timing[row["variant"]]["times_s"]

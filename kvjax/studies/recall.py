@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvjax.config import check_nonnegative, check_positive, check_positive_int, from_dict
+from kvjax.fields import check_nonnegative, check_positive, check_positive_int, from_dict
 from kvjax.decoding.decode import generate
 from kvjax.interop.hf_files import TOKENIZER_FILE
 from kvjax.model.transformer import Transformer

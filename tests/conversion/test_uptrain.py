@@ -1,6 +1,7 @@
 """Uptraining's provenance: its workdir records the source (path, step, fingerprint of config and
-params) and refuses to be resumed from another source, or from its own source once that has
-changed, naming both and leaving every byte of the workdir as it was."""
+params) and the conversion, and refuses to be resumed from another source, from its own source
+once that has changed, or by another conversion, naming both and leaving every byte of the
+workdir as it was."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvjax.config import ModelConfig
+from kvjax.conversion.conversions import KVHeads
 from kvjax.conversion.uptrain import uptrain
 from kvjax.training import checkpoint, train
 from kvjax.training import workdir as workdirs
@@ -48,28 +50,29 @@ def marker(path: Path) -> dict:
 def test_an_uptraining_records_its_source_and_refuses_another(sources, tmp_path, snapshot):
   a, b = sources
   dest = tmp_path / "mqa"
-  record = uptrain(a, dest, 1, fraction=0.5)
+  record = uptrain(a, dest, KVHeads(1), fraction=0.5)
   assert record["source"] == str(a) and checkpoint.latest_step(dest) == 2
   recorded = marker(dest)
   assert recorded["kind"] == "uptrain" and recorded["job"]["source"] == source_id(a)
+  assert recorded["job"]["conversion"] == record["conversion"] == {"num_kv_heads": 1, "method": "mean", "seed": 0}
   assert source_id(a)["fingerprint"] != source_id(b)["fingerprint"]
   before = snapshot(dest)
   fp_a, fp_b = source_id(a)["fingerprint"][:12], source_id(b)["fingerprint"][:12]
   with pytest.raises(workdirs.WorkdirRefused, match=rf"{dest} holds an uptraining of {a} at step 4 \(fingerprint "
                      rf"{fp_a}\), not of {b} at step 4 \(fingerprint {fp_b}\)"):
-    uptrain(b, dest, 1, fraction=0.5)
-  with pytest.raises(workdirs.WorkdirRefused, match=r"holds an uptraining with kv heads 1, method 'mean', "
-                     r"fraction 0.5, not kv heads 1, method 'first', fraction 0.5"):
-    uptrain(a, dest, 1, method="first", fraction=0.5)
+    uptrain(b, dest, KVHeads(1), fraction=0.5)
+  with pytest.raises(workdirs.WorkdirRefused, match=r"holds an uptraining with conversion kv1_mean, fraction 0.5, "
+                     r"not conversion kv1_first, fraction 0.5"):
+    uptrain(a, dest, KVHeads(1, "first"), fraction=0.5)
   assert snapshot(dest) == before
-  assert uptrain(a, dest, 1, fraction=0.5)["after"] == record["after"]  # its own source: resumed, finished
+  assert uptrain(a, dest, KVHeads(1), fraction=0.5)["after"] == record["after"]  # its own source: resumed, finished
 
 
 def test_a_source_changed_in_place_is_refused(sources, tmp_path, snapshot):
   a, b = sources
   source, dest = tmp_path / "source", tmp_path / "mqa"
   shutil.copytree(a, source)
-  uptrain(source, dest, 1, fraction=0)
+  uptrain(source, dest, KVHeads(1), fraction=0)
   shutil.rmtree(source)
   shutil.copytree(b, source)  # the same path, other weights
   before = snapshot(dest)
@@ -77,18 +80,5 @@ def test_a_source_changed_in_place_is_refused(sources, tmp_path, snapshot):
   with pytest.raises(workdirs.WorkdirRefused, match=rf"holds an uptraining of {source} at step 4 \(fingerprint "
                      rf"{fp_a}\), and that source has changed since: it is now {source} at step 4 "
                      rf"\(fingerprint {fp_b}\)"):
-    uptrain(source, dest, 1, fraction=0)
+    uptrain(source, dest, KVHeads(1), fraction=0)
   assert snapshot(dest) == before
-
-
-def test_an_uptraining_from_before_markers_is_checked_by_its_record(sources, tmp_path, snapshot):
-  a, b = sources
-  dest = tmp_path / "mqa"
-  uptrain(a, dest, 1, fraction=0)
-  (dest / workdirs.MARKER).unlink()  # as kvjax wrote it before it marked workdirs
-  before = snapshot(dest)
-  with pytest.raises(workdirs.WorkdirRefused, match=rf"holds an uptraining of {a} at step 4, not of {b} at step 4"):
-    uptrain(b, dest, 1, fraction=0)
-  assert snapshot(dest) == before
-  uptrain(a, dest, 1, fraction=0)
-  assert marker(dest)["job"]["source"] == source_id(a)  # adopted: marked now

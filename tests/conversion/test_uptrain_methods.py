@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvjax.config import ModelConfig
+from kvjax.conversion.conversions import KVHeads
 from kvjax.conversion.uptrain import uptrain
 from kvjax.training import train
 from kvjax.training.config import DataConfig, TrainConfig, TrainRun
@@ -28,16 +29,25 @@ def source(tmp_path_factory) -> Path:
 
 
 def test_pca_with_distillation_uptrains_and_records_its_settings(source, tmp_path):
-  record = uptrain(source, tmp_path / "gqa", 2, method="pca", fraction=0.5, distill=0.5)
-  assert record["method"] == "pca" and record["distill"] == 0.5 and record["steps"] == 4
+  record = uptrain(source, tmp_path / "gqa", KVHeads(2, "pca"), fraction=0.5, distill=0.5)
+  assert record["conversion"] == {"num_kv_heads": 2, "method": "pca", "seed": 0}
+  assert record["distill"] == 0.5 and record["steps"] == 4
   saved = json.loads((tmp_path / "gqa" / "config.json").read_text())
   assert saved["train"]["distill"] == 0.5 and saved["model"]["num_kv_heads"] == 2
   assert record["converted"]["loss"] < record["before"]["loss"] + 5  # finite and measured
   # The same workdir with another distillation weight is another job: refused.
   with pytest.raises(ValueError, match="distill"):
-    uptrain(source, tmp_path / "gqa", 2, method="pca", fraction=0.5, distill=1.0)
+    uptrain(source, tmp_path / "gqa", KVHeads(2, "pca"), fraction=0.5, distill=1.0)
 
 
 def test_regroup_at_alpha_zero(source, tmp_path):
-  record = uptrain(source, tmp_path / "mqa", 1, method="regroup", fraction=0.0)
-  assert record["method"] == "regroup" and record["after"] == record["converted"]
+  record = uptrain(source, tmp_path / "mqa", KVHeads(1, "regroup"), fraction=0.0)
+  assert record["conversion"] == {"num_kv_heads": 1, "method": "regroup", "seed": 0} and record["after"] == record["converted"]
+
+
+def test_a_conversion_that_does_not_fit_the_source_is_refused_before_anything_is_written(source, tmp_path):
+  with pytest.raises(ValueError, match="KVHeads.num_kv_heads=3: cannot convert 4 kv heads to 3"):
+    uptrain(source, tmp_path / "gqa", KVHeads(3))
+  with pytest.raises(ValueError, match="conversion must be a KVHeads or ToMLA"):
+    uptrain(source, tmp_path / "gqa", 2)
+  assert not (tmp_path / "gqa").exists()

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import kvjax
+from kvjax.cache import kinds
 from kvjax.cli.main import main
 from kvjax.config import ModelConfig
 from kvjax.training import checkpoint, train
@@ -36,10 +37,10 @@ def test_uptrain_to_mla_gives_a_checkpoint_that_generates(source, tmp_path, caps
                "--fraction", "0.5", "--distill", "0.5"]) == 0
   assert "uptrained (alpha=0.5)" in capsys.readouterr().out
   record = json.loads((dest / "uptrain.json").read_text())
-  assert record["method"] == "mla" and record["kv_latent_rank"] == 12 and record["steps"] == 4
+  assert record["conversion"] == {"kv_latent_rank": 12, "rope_dims": 4, "factorisation": "activation"} and record["steps"] == 4
   model, params, config = checkpoint.load_model(dest)
   assert model.config.is_latent and model.config.rope_dims == 4 and len(model.config.rope_pairs) == 1
-  assert model.config.kv_bytes_per_token == (12 + 4) * 4
+  assert kinds.bytes_per_token(model.config) == (12 + 4) * 4
   prompts, lengths = np.array([[5, 6, 7, 8], [9, 10, 0, 0]]), np.array([4, 2])
   tokens = np.asarray(kvjax.generate(model, params, prompts, lengths, 6))
   # The greedy tokens through the latent cache are the full forward pass's, one by one.
@@ -52,10 +53,18 @@ def test_uptrain_to_mla_gives_a_checkpoint_that_generates(source, tmp_path, caps
 def test_uptrain_to_mla_errors(source, tmp_path, capsys):
   dest = tmp_path / "mla"
   assert main(["uptrain", "--from", str(source), "--workdir", str(dest), "--to-mla", "40", "--rope-dims", "4"]) == 2
-  assert "rank=40 is larger than possible" in capsys.readouterr().err
+  assert "kvjax uptrain: error: kv_latent_rank=40 is larger than possible" in capsys.readouterr().err
   assert main(["uptrain", "--from", str(source), "--workdir", str(dest), "--to-mla", "8"]) == 2
   assert "--rope-dims D go together" in capsys.readouterr().err
   assert main(["uptrain", "--from", str(source), "--workdir", str(dest), "--kv-heads", "1", "--to-mla", "8",
                "--rope-dims", "4"]) == 2
   assert "exactly one of --kv-heads" in capsys.readouterr().err
+  assert main(["uptrain", "--from", str(source), "--workdir", str(dest), "--to-mla", "8", "--rope-dims", "4",
+               "--method", "pca"]) == 2
+  assert "--method and --seed choose how kv heads are regrouped (--kv-heads), not --to-mla" in capsys.readouterr().err
+  assert main(["uptrain", "--from", str(source), "--workdir", str(dest), "--kv-heads", "1", "--rope-dims", "4"]) == 2
+  assert "--rope-dims D goes with --to-mla RANK" in capsys.readouterr().err
+  assert main(["uptrain", "--from", str(source), "--workdir", str(dest), "--kv-heads", "1", "--seed", "2"]) == 2
+  err = capsys.readouterr().err
+  assert err.startswith("kvjax uptrain: error: KVHeads.seed=2 seeds method='random' only") and err.count("\n") == 1
   assert not dest.exists()

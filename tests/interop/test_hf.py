@@ -254,6 +254,7 @@ def test_imported_gpt2_converts_to_gqa_and_uptrains(tmp_path):
   import torch
 
   from kvjax.training.checkpoint import load_model
+  from kvjax.conversion.conversions import KVHeads
   from kvjax.conversion.import_model import import_model
   from kvjax.conversion.uptrain import uptrain
   tf = _transformers()
@@ -264,7 +265,7 @@ def test_imported_gpt2_converts_to_gqa_and_uptrains(tmp_path):
   import_model(tmp_path / "hf", tmp_path / "imported")
   corpus = tmp_path / "corpus.txt"
   corpus.write_text("the quick brown fox jumps over the lazy dog. " * 400)
-  record = uptrain(tmp_path / "imported", tmp_path / "gqa", 2, method="mean", overrides=[
+  record = uptrain(tmp_path / "imported", tmp_path / "gqa", KVHeads(2, "mean"), overrides=[
       f"data.source={corpus}", "data.seq_len=32", "train.steps=6", "train.batch_size=4",
       "train.lr=3e-3", "train.warmup_steps=1", "train.eval_batches=2"])
   model, _, _ = load_model(tmp_path / "gqa")
@@ -387,6 +388,7 @@ def test_tokenizer_travels_to_the_uptrained_workdir_and_is_used(tmp_path):
   import torch
 
   from kvjax.cli.generate import continue_text
+  from kvjax.conversion.conversions import KVHeads
   from kvjax.conversion.import_model import import_model
   from kvjax.conversion.uptrain import uptrain
   from kvjax.training.checkpoint import load_model
@@ -401,7 +403,7 @@ def test_tokenizer_travels_to_the_uptrained_workdir_and_is_used(tmp_path):
   import_model(tmp_path / "hf", tmp_path / "imported")
   corpus = tmp_path / "corpus.txt"
   corpus.write_text("the quick brown fox jumps over the lazy dog. " * 400)
-  record = uptrain(tmp_path / "imported", tmp_path / "gqa", 2, method="mean", overrides=[
+  record = uptrain(tmp_path / "imported", tmp_path / "gqa", KVHeads(2, "mean"), overrides=[
       f"data.source={corpus}", "data.seq_len=16", "train.steps=4", "train.batch_size=4",
       "train.lr=3e-3", "train.warmup_steps=1", "train.eval_batches=2"])
   copied = tmp_path / "gqa" / "tokenizer.json"

@@ -6,7 +6,6 @@ import dataclasses
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from kvjax.training import checkpoint
@@ -32,7 +31,7 @@ def test_tiny_table_writes_every_file_with_the_paper_rows(table):
   rows = json.loads((table / "gqa_table.json").read_text())
   assert [(r["model"], r["num_kv_heads"]) for r in rows] == [
       ("MHA-small", 4), ("MHA-big", 16), ("GQA-2-big", 2), ("MQA-big", 1),
-      ("GQA-2-big (pca + distill)", 2), ("MQA-big (pca + distill)", 1), ("MLA-big (32+32, GQA-8 bytes)", 8)]
+      ("GQA-2-big (pca + distill)", 2), ("MQA-big (pca + distill)", 1), ("MLA-big (32+32 + distill)", 8)]
   small, big = rows[0], rows[1]
   for row in rows[2:]:
     assert row["kv_bytes_per_token"] * 16 == big["kv_bytes_per_token"] * row["num_kv_heads"]
@@ -48,7 +47,8 @@ def test_tiny_table_writes_every_file_with_the_paper_rows(table):
   assert rows[6]["time_per_sample_s"] not in {r["time_per_sample_s"] for r in rows[:6]}  # MLA: timed itself
   mla = json.loads((table / "mla_r32_rope32_alpha0.1_distill1" / "uptrain.json").read_text())
   pca = json.loads((table / "kv2_pca_alpha0.1_distill1" / "uptrain.json").read_text())
-  assert (mla["kv_latent_rank"], mla["rope_dims"]) == (32, 32)
+  assert mla["conversion"] == {"kv_latent_rank": 32, "rope_dims": 32, "factorisation": "activation"}
+  assert pca["conversion"] == {"num_kv_heads": 2, "method": "pca", "seed": 0}
   assert {k: mla[k] for k in ("fraction", "distill", "steps")} == {k: pca[k] for k in ("fraction", "distill", "steps")}
   text = (table / "gqa_table.md").read_text()
   assert "GQA-8-XXL" in text and "| GQA-2-big | 2 |" in text
@@ -63,22 +63,24 @@ def test_rerun_skips_finished_stages(table, capsys):
 
 
 def test_stages_recorded_before_new_fields_still_read(tmp_path):
-  """A stages.json written before ModelConfig.window / sink_tokens and GqaStudy.mla_rows existed
-  (runs/gqa_cpu's) is the same study: those fields take their defaults, mla_rows selects stages."""
+  """A stages.json written before ModelConfig.window / sink_tokens and GqaStudy.conversions existed
+  (runs/gqa_cpu's, which records best_method) is the same study: those fields take their defaults,
+  best_method is retired, conversions selects stages."""
   from kvjax.cli.run import load_config
   from kvjax.fields import to_dict
   from kvjax.studies import gqa as gs
   from kvjax.training.workdir import claim_study
   study = load_config(ROOT / "configs/gqa_table/cpu.py")
-  assert study.mla_rows
-  old = {k: v for k, v in to_dict(study).items() if k not in ("job", "fractions", "methods", "mla_rows")}
+  assert len(study.conversions) == 4
+  old = {k: v for k, v in to_dict(study).items() if k not in ("job", "fractions", "methods", "conversions")}
+  old["best_method"] = "pca"
   for name in ("small", "big"):
     old[name] = {k: v for k, v in old[name].items() if k not in ("window", "sink_tokens")}
   with claim_study(tmp_path, study):
     (tmp_path / "stages.json").write_text(json.dumps({"study": old, "pretrain_big": {}}))
-    assert "pretrain_big" in gs.Stages(tmp_path, study).done
+    assert "pretrain_big" in gs.open_stages(study, tmp_path).done
     with pytest.raises(ValueError, match="fraction: 0.05 -> 0.2"):
-      gs.Stages(tmp_path, dataclasses.replace(study, fraction=0.2))
+      gs.open_stages(dataclasses.replace(study, fraction=0.2), tmp_path)
 
 
 def test_rerun_with_other_settings_is_refused(table, capsys):
@@ -96,7 +98,8 @@ def test_uptrain_cli_records_quality_and_leaves_the_source_alone(table, tmp_path
   assert main(["uptrain", "--from", str(source), "--workdir", str(dest), "--kv-heads", "4",
                "--fraction", "0.1"]) == 0
   record = json.loads((dest / "uptrain.json").read_text())
-  assert record["source_step"] == 60 and record["steps"] == 6 and record["num_kv_heads"] == 4
+  assert record["source_step"] == 60 and record["steps"] == 6
+  assert record["conversion"] == {"num_kv_heads": 4, "method": "mean", "seed": 0}
   assert set(record) >= {"before", "converted", "after"}
   assert "uptrained (alpha=0.1)" in capsys.readouterr().out
   model, params, _ = checkpoint.load_model(dest)
@@ -108,7 +111,7 @@ def test_uptrain_cli_records_quality_and_leaves_the_source_alone(table, tmp_path
 def test_uptrain_errors_name_the_problem(table, tmp_path, capsys):
   source = table / "mha_big"
   assert main(["uptrain", "--from", str(source), "--workdir", str(tmp_path / "x"), "--kv-heads", "3"]) == 2
-  assert "cannot convert 16 kv heads to 3" in capsys.readouterr().err
+  assert "kvjax uptrain: error: KVHeads.num_kv_heads=3: cannot convert 16 kv heads to 3" in capsys.readouterr().err
   assert main(["uptrain", "--from", str(source), "--workdir", str(source / "inside"), "--kv-heads", "4"]) == 2
   assert "never modified" in capsys.readouterr().err
   assert main(["uptrain", "--from", str(tmp_path / "empty"), "--workdir", str(tmp_path / "y"), "--kv-heads", "4"]) == 2

@@ -13,13 +13,14 @@ import pytest
 
 from kvjax.cli.main import main as kvjax_main
 from kvjax.cli.run import load_config
+from kvjax.conversion.conversions import KVHeads, ToMLA
 from kvjax.studies import kv_frontier as kvf
 from kvjax.training.evaluate import evaluate_checkpoint
 from kvjax.training.workdir import claim_study
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs/kv_frontier/tiny.py"
-MLA = "MLA 32+32 distill1 (GQA-8 bytes)"
+MLA = "MLA 32+32+distill1"
 
 
 def driver():
@@ -109,7 +110,7 @@ def test_float32_cache_matches_the_plain_evaluation_and_bytes_are_exact(frontier
   # The same uptraining as the heads family's best rows: alpha and distillation.
   gqa_run = json.loads((workdir / "kv2_pca_alpha0.1_distill1" / "uptrain.json").read_text())
   mla_run = json.loads((workdir / mla["params"] / "uptrain.json").read_text())
-  assert mla_run["method"] == "mla" and (mla_run["kv_latent_rank"], mla_run["rope_dims"]) == (32, 32)
+  assert mla_run["conversion"] == {"kv_latent_rank": 32, "rope_dims": 32, "factorisation": "activation"}
   assert {k: mla_run[k] for k in ("fraction", "distill", "steps", "source_step")} == {
       k: gqa_run[k] for k in ("fraction", "distill", "steps", "source_step")}
 
@@ -143,7 +144,7 @@ def test_a_finished_study_is_reused_read_only(frontier, tmp_path):
   other = dataclasses.replace(reuse, gqa=dataclasses.replace(study.gqa, fraction=0.2))
   with pytest.raises(ValueError, match=r"other settings.*fraction: 0.1 -> 0.2"):
     kvf.prepare_sources(other, tmp_path)
-  missing = dataclasses.replace(reuse, variants=(kvf.Variant("GQA-4", "heads", kv_heads=4),))
+  missing = dataclasses.replace(reuse, variants=(kvf.Variant("GQA-4", "heads", conversion=KVHeads(4)),))
   with pytest.raises(ValueError, match=r"has not finished \['kv4_mean_alpha0.1'\]"):
     kvf.prepare_sources(missing, tmp_path)
 
@@ -165,20 +166,29 @@ def test_bad_study_configs_name_the_field():
   study = load_config(TINY)
   with pytest.raises(ValueError, match="names must be distinct"):
     dataclasses.replace(study, variants=study.variants[:1] * 2)
-  with pytest.raises(ValueError, match="kv_heads=3 must be a divisor"):
-    dataclasses.replace(study, variants=(kvf.Variant("GQA-3", "heads", kv_heads=3),))
-  with pytest.raises(ValueError, match="set kv_heads, not changes.num_kv_heads"):
+  with pytest.raises(ValueError, match=r"Variant 'GQA-3': kv3_mean does not convert MHA-big: KVHeads.num_kv_heads=3: "
+                     "cannot convert 16 kv heads to 3"):
+    dataclasses.replace(study, variants=(kvf.Variant("GQA-3", "heads", conversion=KVHeads(3)),))
+  with pytest.raises(ValueError, match=r"changes.num_kv_heads needs converted, uptrained params: give a conversion"):
     kvf.Variant("x", "heads", {"num_kv_heads": 2})
   with pytest.raises(ValueError, match="Variant.family must be one of"):
     kvf.Variant("x", "pruning")
-  with pytest.raises(ValueError, match="family 'mla' with kv_latent_rank=0"):
+  with pytest.raises(ValueError, match="family 'mla' runs params converted by a conversion of that kind, got "
+                     "conversion=None"):
     kvf.Variant("x", "mla")
-  with pytest.raises(ValueError, match="set kv_latent_rank and rope_dims, not changes"):
+  with pytest.raises(ValueError, match="family 'heads' .* got conversion=mla_r32_rope32"):
+    kvf.Variant("x", "heads", conversion=ToMLA(32, 32))
+  with pytest.raises(ValueError, match="changes.kv_latent_rank needs converted"):
     kvf.Variant("x", "dtype", {"kv_latent_rank": 8})
+  with pytest.raises(ValueError, match="distill=1.0 needs a conversion to uptrain"):
+    kvf.Variant("x", "window", {"window": (16,)}, distill=1.0)
   with pytest.raises(ValueError, match="rope_dims=8 must be a multiple of 2 x num_kv_heads=32"):
-    dataclasses.replace(study, variants=(kvf.Variant("x", "mla", kv_latent_rank=8, rope_dims=8),))
+    dataclasses.replace(study, variants=(kvf.Variant("x", "mla", conversion=ToMLA(8, 8)),))
   with pytest.raises(ValueError, match="rope_dims=32 leaves no latent at the bytes of 2 kv heads"):
-    kvf.mla_variants(study.gqa, {2: 32})
+    ToMLA.at_kv_heads(study.gqa.big, 2, 32)
+  # A cache change on converted params is a point of its own family.
+  windowed = kvf.Variant("GQA-2 window 16", "window", {"window": (16,)}, conversion=KVHeads(2))
+  assert kvf.source(dataclasses.replace(study, variants=(windowed,)), windowed) == "kv2_mean_alpha0.1"
   with pytest.raises(ValueError, match="context=4096 exceeds MHA-big's max_len=128"):
     dataclasses.replace(study, context=4096)
   with pytest.raises(ValueError, match="distance 200 needs"):
