@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 
 import kvjax
+from kvjax.cache import kinds
+from kvjax.cache.config import CacheConfig
 from kvjax.decoding import baselines
 from kvjax.decoding import decode
 from kvjax.decoding.decode import until_stop
@@ -49,18 +51,26 @@ def test_ragged_batch_rows_match_running_alone(variant):
 
 
 def test_bf16_cache_stays_close_to_fp32():
-  """A bfloat16 cache (fp32 compute) keeps next-token logits within 0.05 of the fp32 cache."""
-  model32, params = init_params(tiny_config(2))
-  model16 = kvjax.Transformer(model32.config.replace(cache_dtype="bfloat16"))
+  """A bfloat16 cache (fp32 compute, CacheConfig.dtype) keeps next-token logits within 0.05 of
+  the fp32 cache of the same model, and generate takes it too."""
+  model, params = init_params(tiny_config(2))
+  bf16 = CacheConfig(dtype="bfloat16")
   seqs = random_tokens((2, 16), seed=3)
   lengths = np.array([8, 8])
-  l32, c32 = kvjax.prefill(model32, params, seqs[:, :8], lengths, 16)
-  l16, c16 = kvjax.prefill(model16, params, seqs[:, :8], lengths, 16)
+  l32, c32 = kvjax.prefill(model, params, seqs[:, :8], lengths, 16)
+  l16, c16 = kvjax.prefill(model, params, seqs[:, :8], lengths, 16, cache_config=bf16)
   assert c16.layers["layers_0"]["attn"]["k"].dtype == jnp.bfloat16
+  assert c32.layers["layers_0"]["attn"]["k"].dtype == jnp.float32
+  worst = 0.0
   for pos in range(8, 14):
-    l32, c32 = kvjax.decode_step(model32, params, c32, seqs[:, pos])
-    l16, c16 = kvjax.decode_step(model16, params, c16, seqs[:, pos])
+    l32, c32 = kvjax.decode_step(model, params, c32, seqs[:, pos])
+    l16, c16 = kvjax.decode_step(model, params, c16, seqs[:, pos])
     np.testing.assert_allclose(l16, l32, atol=5e-2)
+    worst = max(worst, float(np.abs(l16 - l32).max()))
+  assert worst > 0  # the bfloat16 cache is read as stored, rounded
+  first = np.argmax(np.asarray(kvjax.prefill(model, params, seqs[:, :8], lengths, 16, logits="last",
+                                             cache_config=bf16)[0]), -1)
+  np.testing.assert_array_equal(kvjax.generate(model, params, seqs[:, :8], lengths, 1, cache_config=bf16)[:, 0], first)
 
 
 def test_baselines_agree_with_preallocated_cache():
@@ -80,7 +90,8 @@ def test_cache_bytes_follow_num_kv_heads():
     model, params = init_params(tiny_config(kv))
     _, cache = kvjax.prefill(model, params, np.ones((2, 4), np.int32), np.array([4, 4]), 32)
     sizes[kv] = cache.nbytes
-    assert sizes[kv] == 2 * 32 * model.config.kv_bytes_per_token
+    per_token = model.config.num_layers * 2 * kv * model.config.head_dim * 4  # K and V, float32
+    assert sizes[kv] == 2 * 32 * per_token == 2 * 32 * kinds.bytes_per_token(model.config)
   assert sizes[4] == 2 * sizes[2] == 4 * sizes[1]
 
 
