@@ -88,9 +88,7 @@ def claim(path: str | os.PathLike, kind: str, job: dict, *,
   the block ends; yields the resolved path.
 
   same_job(recorded_job) raises ValueError when a marked workdir's recorded job is not this one
-  (default: unless equal). legacy(path) says whether an unmarked, non-empty directory is a
-  workdir of this job that kvjax wrote before markers, raising ValueError when it is one of
-  another job. Both only read.
+  (default: unless equal); it only reads.
   """
   path = resolve(path)
   if path in _held:
