@@ -1,12 +1,17 @@
-"""Grouped-query attention against a plain per-head reference, and the grouping rule."""
+"""Grouped-query attention against a plain per-head reference, the grouping rule, and the payload
+each attention module hands its cache."""
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import kvjax
+from kvjax.model.attention import NoCache
+from kvjax.model.params import abstract_params
+from kvjax.model.transformer import cache_payload
 
 
 def reference_attention(q, k, v, mask):
@@ -41,3 +46,28 @@ def test_attend_matches_reference(num_heads, num_kv_heads):
 
 def test_grouping_rule_is_contiguous():
   assert [int(kvjax.kv_head_of(q, 8, 2)) for q in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+
+
+class Recording(NoCache):
+  """The plain forward's cache kind, recording the shapes of the payload each layer hands it."""
+
+  def __init__(self, batch: int):
+    self.lengths, self.handed = jnp.zeros((batch,), jnp.int32), []
+
+  def attend(self, stored, query, q_positions, new, span, backend):
+    self.handed.append({name: x.shape for name, x in new.items()})
+    return super().attend(stored, query, q_positions, new, span, backend)
+
+
+@pytest.mark.parametrize("changes", [dict(num_kv_heads=2), dict(num_kv_heads=1, kv_latent_rank=12, rope_dims=4)],
+                         ids=["gqa", "mla"])
+def test_each_layer_hands_its_cache_the_payload_it_declares(changes):
+  """What a layer's attention writes to any cache kind is the payload kvjax.model.transformer
+  .cache_payload declares (what the caches size their arrays by): [B, heads, T, width] per name."""
+  config = kvjax.ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, max_len=16, **changes)
+  recording = Recording(batch=3)
+  jax.eval_shape(lambda p, t: kvjax.Transformer(config).apply({"params": p}, t, recording),
+                 abstract_params(config), jax.ShapeDtypeStruct((3, 5), jnp.int32))
+  want = {name: (3, field.heads, 5, field.width) for name, field in cache_payload(config).items()}
+  assert recording.handed == [want] * config.num_layers
+  assert sorted(want) == (["latent", "rope_key"] if config.is_latent else ["k", "v"])
