@@ -17,6 +17,7 @@ import pytest
 from jax.sharding import NamedSharding
 
 from kvjax import ModelConfig, Transformer, sharding
+from kvjax.cache.config import CacheConfig
 from kvjax.training import checkpoint
 from kvjax.cli import main as cli
 from kvjax.decoding import decode
@@ -31,6 +32,10 @@ KV8 = ModelConfig(vocab_size=64, d_model=64, num_layers=1, num_heads=16, num_kv_
 KV2 = ModelConfig(vocab_size=64, d_model=32, num_layers=1, num_heads=8, num_kv_heads=2,
                   activation="gelu", norm="layernorm", positions="learned", qkv_bias=True,
                   use_bias=True, tie_embeddings=True, max_len=48)
+# MLA: per token one latent [16] and one rotary key [8] shared by the 16 query heads: its cache's
+# one "head" does not split over `model` (the query heads and their up-projections do).
+MLA = ModelConfig(vocab_size=64, d_model=64, num_layers=1, num_heads=16, num_kv_heads=2, head_dim=8,
+                  mlp_dim=128, max_len=48, kv_latent_rank=16, rope_dims=8)
 
 
 NEW_TOKENS = 8
@@ -53,6 +58,8 @@ def init(config: ModelConfig, seed: int = 0):
     if name == "bias":
       return (0.1 * rng.standard_normal(x.shape)).astype(np.float32)
     fan_in = 1 if name != "kernel" else x.shape[0] * (x.shape[1] if str(path[-2].key) == "out" else 1)
+    if name in ("k_up", "v_up"):  # MLA's up-projections [R, N, ...] from the latent
+      fan_in = x.shape[0]
     return (rng.standard_normal(x.shape) / np.sqrt(fan_in)).astype(np.float32)
 
   return model, jax.tree_util.tree_map_with_path(draw, shapes)
@@ -110,12 +117,12 @@ def test_prefill_decode_generate_match_one_device(config, data, model_axis, kv_s
 def test_quantized_cache_on_a_mesh_matches_one_device(cache_dtype):
   """Prefill and decode steps over a quantized cache on data=2 x model=4: the one-device logits,
   with the scales split like their kv heads (rows on data, kv heads on model)."""
-  config = KV8.replace(cache_dtype=cache_dtype)
+  config, cache_config = KV8, CacheConfig(dtype=cache_dtype)
   mesh = sharding.make_mesh(data=2, model=4)
   model, params = init(config)
   tokens, lengths = prompts(4, 9, config.vocab_size)
-  ref_logits, ref_cache = decode.prefill(model, params, tokens, lengths, 24)
-  logits, cache = decode.prefill(model, params, tokens, lengths, 24, mesh=mesh)
+  ref_logits, ref_cache = decode.prefill(model, params, tokens, lengths, 24, cache_config=cache_config)
+  logits, cache = decode.prefill(model, params, tokens, lengths, 24, mesh=mesh, cache_config=cache_config)
   np.testing.assert_allclose(np.asarray(logits), np.asarray(ref_logits), atol=1e-5, rtol=0)
   for name in ("k", "v", "k_scale", "v_scale"):
     x = cache.layers["layers_0"]["attn"][name]
@@ -126,6 +133,42 @@ def test_quantized_cache_on_a_mesh_matches_one_device(cache_dtype):
     step, cache = decode.decode_step(model, params, cache, step_tokens, mesh=mesh)
     np.testing.assert_allclose(np.asarray(step), np.asarray(ref_step), atol=1e-5, rtol=0)
     step_tokens = np.argmax(np.asarray(ref_step), -1).astype(np.int32)
+
+
+@pytest.mark.parametrize("cache_config", [CacheConfig(), CacheConfig(layout="paged", page_size=8, dtype="int8")],
+                         ids=["contiguous", "paged-int8"])
+def test_mla_decode_on_a_mesh_matches_one_device(cache_config):
+  """An MLA model on data=2 x model=4: prefill, decode steps and generate give the one-device
+  logits and greedy tokens. Its latent cache is never split along the sequence: a contiguous
+  cache's latent and rotary key [B, 1, S, W] split their rows over `data` only (the one latent
+  "head" does not divide over `model`), so every device holds its rows' whole sequence; a paged
+  cache's pools [1, P, Z, W] (and int8 scales) are whole on every device."""
+  mesh = sharding.make_mesh(data=2, model=4)
+  model, params = init(MLA)
+  tokens, lengths = prompts(4, 9, MLA.vocab_size)
+  ref_logits, ref_cache = decode.prefill(model, params, tokens, lengths, 24, cache_config=cache_config)
+  logits, cache = decode.prefill(model, params, tokens, lengths, 24, mesh=mesh, cache_config=cache_config)
+  np.testing.assert_allclose(np.asarray(logits), np.asarray(ref_logits), atol=1e-5, rtol=0)
+  layer = cache.layers["layers_0"]["attn"]
+  assert sorted(layer) == (["latent", "rope_key"] if cache_config.dtype is None else
+                           ["latent", "latent_scale", "rope_key", "rope_key_scale"])
+  for name, x in layer.items():
+    shard = x.addressable_shards[0].data.shape
+    if cache_config.layout == "contiguous":  # [B, 1, S, W]
+      assert spec(x) == ("data", None, None, None) and shard == (2, 1, 24, x.shape[3]), name
+    else:  # [1, P, Z, ...]
+      assert spec(x) == (None,) * x.ndim and shard == x.shape and x.shape[1:3] == (13, 8), name
+  step_tokens = np.argmax(np.asarray(ref_logits)[np.arange(4), lengths - 1], -1).astype(np.int32)
+  greedy = [step_tokens]
+  for _ in range(NEW_TOKENS - 1):
+    ref_step, ref_cache = decode.decode_step(model, params, ref_cache, step_tokens)
+    step, cache = decode.decode_step(model, params, cache, step_tokens, mesh=mesh)
+    np.testing.assert_allclose(np.asarray(step), np.asarray(ref_step), atol=1e-5, rtol=0)
+    step_tokens = np.argmax(np.asarray(ref_step), -1).astype(np.int32)
+    greedy.append(step_tokens)
+  assert spec(cache.layers["layers_0"]["attn"]["latent"])[2] is None  # the steps keep the sequence whole
+  ours = decode.generate(model, params, tokens, lengths, NEW_TOKENS, mesh=mesh, cache_config=cache_config)
+  np.testing.assert_array_equal(np.asarray(ours), np.stack(greedy, axis=1))
 
 
 def test_decode_step_with_8_kv_heads_on_model_8_gathers_no_kv():

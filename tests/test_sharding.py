@@ -47,6 +47,29 @@ def test_rules_cover_every_matrix_of_the_model():
   assert specs["final_norm"]["scale"] == ()
 
 
+def test_cache_rules_split_rows_and_heads_never_the_sequence():
+  """Each cache kind's partition rule (KVCache.partition_rule), as cache_sharding places it:
+  contiguous arrays [B, heads, ...] rows on data, heads on model; page pools [heads, P, Z, ...]
+  heads on model; lengths and page table rows on data; no axis after the heads (sequence, slots,
+  pages, widths, scale groups) is ever split, for K/V and MLA's latents, float or int4."""
+  from kvjax.cache import kinds
+  from kvjax.cache.config import CacheConfig
+  mesh = sharding.make_mesh(1, 1)
+  for config in (ModelConfig(vocab_size=64, d_model=32, num_layers=1, num_heads=4, num_kv_heads=2, max_len=16),
+                 ModelConfig(vocab_size=64, d_model=32, num_layers=1, num_heads=4, num_kv_heads=2, max_len=16,
+                             kv_latent_rank=8, rope_dims=4)):
+    for cache_config in (CacheConfig(), CacheConfig(dtype="int4"), CacheConfig(layout="paged", page_size=4),
+                         CacheConfig(layout="paged", page_size=4, dtype="int4")):
+      cache = kinds.create(config, cache_config, 2, 8)
+      specs = jax.tree.map(lambda s: tuple(s.spec), sharding.cache_sharding(cache, mesh))
+      lead = ("data", "model") if cache_config.layout == "contiguous" else ("model",)
+      for name, got in specs.layers["layers_0"]["attn"].items():
+        assert got == lead + (None,) * (cache.layers["layers_0"]["attn"][name].ndim - len(lead)), (cache_config, name)
+      assert specs.lengths == ("data",)
+      if cache_config.layout == "paged":
+        assert specs.page_table == ("data", None)
+
+
 def test_place_without_mesh_is_identity_and_batch_must_split():
   params, tokens = {"w": np.ones(3)}, np.zeros((3, 2), np.int32)
   assert sharding.place(None, params, tokens) == (params, (tokens,))
@@ -112,4 +135,4 @@ def test_sharded_runs_match_one_device_on_8_cpu_devices(tmp_path):
                          str(root / "tests" / "sharded_cases.py")],
                         cwd=root, env=env, capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-  assert "7 passed" in proc.stdout
+  assert "9 passed" in proc.stdout
