@@ -11,7 +11,7 @@ import math
 
 import jax.numpy as jnp
 
-from kvjax.fields import check_choice, check_nonnegative, check_positive, check_real, to_dict
+from kvjax.fields import INT32_MAX, check_choice, check_nonnegative, check_positive, check_real, to_dict
 
 ACTIVATIONS = ("swiglu", "gelu")
 NORMS = ("rmsnorm", "layernorm")
@@ -55,7 +55,7 @@ class RopeScaling:
     if self.high_freq_factor <= self.low_freq_factor:
       raise ValueError(f"RopeScaling.high_freq_factor={self.high_freq_factor} must be larger than "
                        f"low_freq_factor={self.low_freq_factor} (the blend runs between them)")
-    check_positive(self, "original_max_position")
+    check_positive(self, "original_max_position", most=INT32_MAX)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +107,7 @@ class ModelConfig:
   rope_scaling: RopeScaling | None = None
 
   def __post_init__(self):
-    check_positive(self, "vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "max_len")
+    check_positive(self, "vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "max_len", most=INT32_MAX)
     if self.head_dim is None:
       if self.d_model % self.num_heads:
         raise ValueError(
@@ -117,7 +117,7 @@ class ModelConfig:
     if self.mlp_dim is None:
       default = 4 * self.d_model if self.activation == "gelu" else -(-8 * self.d_model // 3 // 64) * 64
       object.__setattr__(self, "mlp_dim", default)
-    check_positive(self, "head_dim", "mlp_dim")
+    check_positive(self, "head_dim", "mlp_dim", most=INT32_MAX)
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
           f"ModelConfig.num_heads={self.num_heads} is not divisible by "
@@ -128,10 +128,9 @@ class ModelConfig:
     check_choice(self, "dtype", DTYPES)
     if self.positions == "rope" and self.head_dim % 2:
       raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be even for RoPE")
-    if not (isinstance(self.norm_eps, float) and self.norm_eps > 0):
-      raise ValueError(f"ModelConfig.norm_eps must be a positive float, got {self.norm_eps!r}")
-    if not (isinstance(self.rope_theta, (int, float)) and self.rope_theta > 0):
-      raise ValueError(f"ModelConfig.rope_theta must be positive, got {self.rope_theta!r}")
+    if not (isinstance(self.norm_eps, float) and 0 < self.norm_eps < math.inf):
+      raise ValueError(f"ModelConfig.norm_eps must be a positive finite float, got {self.norm_eps!r}")
+    check_real(self, "rope_theta", 0.0, math.inf, open_low=True, open_high=True)
     if self.rope_scaling is not None:
       if not isinstance(self.rope_scaling, RopeScaling):
         raise ValueError(f"ModelConfig.rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r}")
@@ -161,7 +160,7 @@ class ModelConfig:
                        f"max_len={self.max_len}")
 
   def _check_latent(self) -> None:
-    check_nonnegative(self, "kv_latent_rank", "rope_dims")
+    check_nonnegative(self, "kv_latent_rank", "rope_dims", most=INT32_MAX)
     r, d_rope, name = self.kv_latent_rank, self.rope_dims, "ModelConfig"
     if not r:
       if d_rope or self.rope_pairs is not None:

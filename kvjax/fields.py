@@ -15,16 +15,31 @@ import typing
 from typing import Any, Sequence
 
 
-def check_positive_int(value: Any, name: str) -> None:
-  """Raises ValueError naming `name` unless `value` is an int >= 1 (bools are not ints here)."""
+# The largest size or count a config may hold where it reaches JAX (shapes, positions, step
+# counts): JAX indexes in int32 unless x64 is on, so a larger one is refused here rather than
+# overflowing when it is traced.
+INT32_MAX = 2**31 - 1
+# The largest seed: jax.random.key and numpy's generators take a signed 64-bit integer.
+SEED_MAX = 2**63 - 1
+
+
+def check_positive_int(value: Any, name: str, most: int | None = None) -> None:
+  """Raises ValueError naming `name` unless `value` is an int >= 1 (bools are not ints here),
+  and at most `most` when given."""
   if isinstance(value, bool) or not isinstance(value, int) or value < 1:
     raise ValueError(f"{name} must be a positive integer, got {value!r}")
+  _check_most(value, name, most)
 
 
-def check_positive(obj: Any, *names: str) -> None:
-  """Raises ValueError naming the first field of `obj` that is not a positive int."""
+def _check_most(value: int, name: str, most: int | None) -> None:
+  if most is not None and value > most:
+    raise ValueError(f"{name} must be at most {most:,}, got {value!r}")
+
+
+def check_positive(obj: Any, *names: str, most: int | None = None) -> None:
+  """Raises ValueError naming the first field of `obj` that is not a positive int (at most `most`)."""
   for name in names:
-    check_positive_int(getattr(obj, name), f"{type(obj).__name__}.{name}")
+    check_positive_int(getattr(obj, name), f"{type(obj).__name__}.{name}", most)
 
 
 def check_choice(obj: Any, name: str, choices: tuple[str, ...]) -> None:
@@ -33,12 +48,13 @@ def check_choice(obj: Any, name: str, choices: tuple[str, ...]) -> None:
     raise ValueError(f"{type(obj).__name__}.{name} must be one of {choices}, got {value!r}")
 
 
-def check_nonnegative(obj: Any, *names: str) -> None:
-  """Raises ValueError naming the first field of `obj` that is not an int >= 0."""
+def check_nonnegative(obj: Any, *names: str, most: int | None = None) -> None:
+  """Raises ValueError naming the first field of `obj` that is not an int >= 0 (at most `most`)."""
   for name in names:
     value = getattr(obj, name)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
       raise ValueError(f"{type(obj).__name__}.{name} must be a non-negative integer, got {value!r}")
+    _check_most(value, f"{type(obj).__name__}.{name}", most)
 
 
 def check_real(obj: Any, name: str, low: float, high: float, *, open_low: bool = False,
@@ -163,8 +179,9 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
       if arg is not type(None):
         try:
           return _coerce(arg, value, where)
-        except ValueError:
-          pass
+        except ValueError as err:
+          if dataclasses.is_dataclass(arg) and isinstance(value, dict):  # its own check names the field
+            raise ValueError(f"{where}: {err}") from None
   elif origin is typing.Literal:
     if value in args:
       return value

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvjax.cache import codec as codecs
-from kvjax.fields import check_choice, check_nonnegative, check_positive
+from kvjax.fields import INT32_MAX, check_choice, check_nonnegative, check_positive
 from kvjax.config import ModelConfig
 from kvjax.model.transformer import cache_payload
 
@@ -64,16 +64,22 @@ class CacheConfig:
         object.__setattr__(self, "dtype", codecs.codec(self.dtype).name)
       except ValueError:
         raise ValueError(f"CacheConfig.dtype must be one of {codecs.NAMES} or None, got {self.dtype!r}") from None
-    check_positive(self, "page_size")
+    check_positive(self, "page_size", most=INT32_MAX)
     check_choice(self, "paged_read", PAGED_READS)
     if self.paged_read != "gather" and (self.layout != "paged" or codecs.codec(self.dtype or "float32").quantized):
       raise ValueError(f"CacheConfig.paged_read={self.paged_read!r} reads float page pools only; use 'gather' "
                        f"with layout={self.layout!r} and dtype={self.dtype!r}")
     if self.window is not None:
-      ModelConfig(window=self.window, max_len=max(self.window, default=0) + 1)  # per-width checks
+      if not isinstance(self.window, (tuple, list)):
+        raise ValueError(f"CacheConfig.window must be None or a tuple of per-layer window widths (0 = global), "
+                         f"got {self.window!r}")
+      for i, width in enumerate(self.window):  # whether they fit a model is CacheConfig.model's to say
+        if isinstance(width, bool) or not isinstance(width, int) or not 0 <= width <= INT32_MAX:
+          raise ValueError(f"CacheConfig.window[{i}] must be a non-negative integer (0 = global) up to "
+                           f"{INT32_MAX:,}, got {width!r}")
       object.__setattr__(self, "window", tuple(self.window))
     if self.sink_tokens is not None:
-      check_nonnegative(self, "sink_tokens")
+      check_nonnegative(self, "sink_tokens", most=INT32_MAX)
     if not isinstance(self.absorb, bool):
       raise ValueError(f"CacheConfig.absorb must be True or False, got {self.absorb!r}")
 

@@ -33,7 +33,16 @@ REAL_MODEL_BENCHMARKS = ("hf", "perplexity")
 
 
 def _int_list(text: str) -> list[int]:
-  return [int(x) for x in text.split(",")]
+  """The argparse type of --lengths: comma-separated positive integers."""
+  return [options.positive_int(x) for x in text.split(",")]
+
+
+def check_lengths(model: ModelConfig, args: argparse.Namespace) -> None:
+  """Refuses, before the benchmark model is built, generations longer than the model's context."""
+  new = {"decode": args.new, "hf": args.new, "nocache": max(args.lengths)}.get(args.benchmark)
+  if new is not None:
+    model.check_length(args.prompt + new - 1, f"--prompt {args.prompt} + {new} new tokens need "
+                                               f"{args.prompt + new - 1} cache positions")
 
 
 def benchmark_kwargs(args: argparse.Namespace) -> dict:
@@ -71,6 +80,7 @@ def command(args: argparse.Namespace) -> int:
     print(json.dumps(real_model_result(args), indent=None if args.json else 2))
     return 0
   config = options.apply_set(BenchConfig(), args)
+  check_lengths(config.model, args)
   kwargs = benchmark_kwargs(args)
   if config.cache != CacheConfig():
     if args.benchmark != "decode":
@@ -85,8 +95,9 @@ def add_parser(subparsers) -> None:
   parser = subparsers.add_parser("bench", help="decoding benchmarks (JSON)", description=benchmarks.__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("benchmark", choices=sorted({*BENCHMARKS, *REAL_MODEL_BENCHMARKS}))
-  parser.add_argument("--model", help="hf, perplexity: a pretrained model (named, e.g. smollm2-135m; a .gguf; a "
-                                      "Hugging Face folder) run in kvjax and transformers")
+  parser.add_argument("--model", type=options.path_text,
+                      help="hf, perplexity: a pretrained model (named, e.g. smollm2-135m; a .gguf; a Hugging Face "
+                           "folder) run in kvjax and transformers")
   parser.add_argument("--seq-len", type=options.positive_int, default=1024, help="perplexity: tokens per window")
   parser.add_argument("--windows-batches", type=options.positive_int, default=3,
                       help="perplexity: batches of --batch windows (default batch 4)")
@@ -98,11 +109,13 @@ def add_parser(subparsers) -> None:
   parser.add_argument("--repeats", type=options.positive_int, default=5, help="timed runs after warm-up (median)")
   parser.add_argument("--lengths", type=_int_list, default=[64, 128, 256, 512],
                       help="nocache: comma-separated numbers of new tokens")
-  parser.add_argument("--concat-max", type=int, default=64,
+  parser.add_argument("--concat-max", type=options.nonnegative_int, default=64,
                       help="nocache: longest run for the concat cache (it compiles once per length)")
-  parser.add_argument("--threads", type=int, default=0, help="hf: torch threads (default: torch's)")
-  parser.add_argument("--context", type=int, default=1024, help="paged, quant, mla: tokens cached per row")
-  parser.add_argument("--page-size", type=int, default=16, help="paged: tokens per page")
-  parser.add_argument("--rope-dims", type=int, help="mla: rotary dims of the MLA model (default 16 per kv head)")
+  parser.add_argument("--threads", type=options.nonnegative_int, default=0, help="hf: torch threads (default: torch's)")
+  parser.add_argument("--context", type=options.positive_int, default=1024,
+                      help="paged, quant, mla: tokens cached per row")
+  parser.add_argument("--page-size", type=options.positive_int, default=16, help="paged: tokens per page")
+  parser.add_argument("--rope-dims", type=options.nonnegative_int,
+                      help="mla: rotary dims of the MLA model (default 16 per kv head)")
   parser.add_argument("--json", action="store_true", help="one line of JSON")
   parser.set_defaults(func=command)

@@ -79,8 +79,9 @@ def add_parser(subparsers) -> None:
                       help="number of batches (default: the run's train.eval_batches)")
   parser.add_argument("--batch-size", type=options.positive_int,
                       help="windows per batch (default: the run's train.batch_size)")
-  parser.add_argument("--corpus", help="text to score: 'prose' (Python's documentation), 'stdlib' (Python's "
-                                       "sources) or a path (default: the run's corpus; prose for an imported model)")
+  parser.add_argument("--corpus", type=options.path_text,
+                      help="text to score: 'prose' (Python's documentation), 'stdlib' (Python's sources) or a "
+                           "path (default: the run's corpus; prose for an imported model)")
   parser.add_argument("--seq-len", type=options.positive_int,
                       help="tokens per window, up to the model's context (default: the run's)")
   parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -94,5 +95,5 @@ def add_parser(subparsers) -> None:
                       help="needles per distance")
   recall.add_argument("--needle-bytes", type=options.positive_int,
                       help=f"byte-level models: bytes per needle (default {RecallConfig.needle_bytes})")
-  recall.add_argument("--seed", type=int, default=RecallConfig.seed, help="seed of needles and filler")
+  recall.add_argument("--seed", type=options.seed, default=RecallConfig.seed, help="seed of needles and filler")
   parser.set_defaults(func=command)

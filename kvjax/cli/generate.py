@@ -10,6 +10,7 @@ reads UTF-8 bytes: a cut multi-byte sequence shows as U+FFFD, and no token stops
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from typing import Callable
 
@@ -30,13 +31,18 @@ def prompt_tokens(tokenizer: TextTokenizer | None, prompt: str, *, chat: bool = 
     if chat or system is not None:
       raise ValueError("--chat and --system need a model with a tokenizer and a chat template "
                        "(an imported model); this one reads bytes")
-    return data.encode(prompt)
-  if not chat:
+    tokens = data.encode(prompt)
+  elif not chat:
     if system is not None:
       raise ValueError("--system applies to --chat only")
-    return tokenizer.encode(prompt, add_special_tokens=True)
-  messages = ([{"role": "system", "content": system}] if system is not None else []) + [{"role": "user", "content": prompt}]
-  return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    tokens = tokenizer.encode(prompt, add_special_tokens=True)
+  else:
+    messages = ([{"role": "system", "content": system}] if system is not None else []) + [
+        {"role": "user", "content": prompt}]
+    tokens = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+  if not len(tokens):
+    raise ValueError(f"--prompt {prompt!r} gives this model no tokens: there is nothing to continue")
+  return tokens
 
 
 def continue_text(workdir, prompt: str, *, max_new_tokens: int, temperature: float = 0.0,
@@ -67,6 +73,40 @@ def continue_text(workdir, prompt: str, *, max_new_tokens: int, temperature: flo
   return "".join(pieces)
 
 
+def text_argument(text: str) -> str:
+  """The argparse type of --prompt and --system: text that UTF-8 can encode (a command line in
+  another encoding arrives with undecodable bytes as lone surrogates)."""
+  try:
+    text.encode("utf-8")
+  except UnicodeEncodeError as err:
+    raise argparse.ArgumentTypeError(f"is not UTF-8 text: {err.object[err.start:err.end]!r} at character "
+                                     f"{err.start} cannot be encoded") from None
+  return text
+
+
+def temperature(text: str) -> float:
+  """The argparse type of --temperature: a finite number >= 0."""
+  value = _float(text)
+  if not (math.isfinite(value) and value >= 0):
+    raise argparse.ArgumentTypeError(f"must be a finite number >= 0 (0 is greedy), got {text}")
+  return value
+
+
+def top_p(text: str) -> float:
+  """The argparse type of --top-p: a probability mass in (0, 1]."""
+  value = _float(text)
+  if not 0 < value <= 1:
+    raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+  return value
+
+
+def _float(text: str) -> float:
+  try:
+    return float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+
+
 def _print(text: str) -> None:
   sys.stdout.write(text)
   sys.stdout.flush()
@@ -84,16 +124,17 @@ def add_parser(subparsers) -> None:
   parser = subparsers.add_parser("generate", help="continue a prompt (or answer a chat message) with a checkpoint, "
                                                   "streaming the text")
   parser.add_argument("--workdir", required=True, type=options.workdir_text, help="run directory holding checkpoints/")
-  parser.add_argument("--prompt", required=True, help="text to continue, or with --chat the user's message")
+  parser.add_argument("--prompt", required=True, type=text_argument,
+                      help="text to continue, or with --chat the user's message")
   parser.add_argument("--chat", action="store_true",
                       help="wrap the prompt as a user message in the model's chat template")
-  parser.add_argument("--system", help="with --chat: a system message before the user's")
+  parser.add_argument("--system", type=text_argument, help="with --chat: a system message before the user's")
   parser.add_argument("--max-new-tokens", type=options.positive_int, default=200,
                       help="most tokens to generate (generation also ends at the tokenizer's end tokens)")
-  parser.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
-  parser.add_argument("--top-k", type=int, help="sample among the k most likely tokens")
-  parser.add_argument("--top-p", type=float, help="sample within the top-p probability mass")
-  parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+  parser.add_argument("--temperature", type=temperature, default=0.8, help="0 is greedy")
+  parser.add_argument("--top-k", type=options.positive_int, help="sample among the k most likely tokens")
+  parser.add_argument("--top-p", type=top_p, help="sample within the top-p probability mass")
+  parser.add_argument("--seed", type=options.seed, default=0, help="sampling seed")
   parser.add_argument("--step", type=int, help="checkpoint step (default: latest)")
   options.add_cache_set_option(parser)
   options.add_mesh_option(parser)

@@ -7,7 +7,8 @@ commands take (--set, --mesh) are defined once, in kvjax.cli.options.
 An anticipated error (a bad config or option, a refused or locked workdir, a missing or damaged
 checkpoint, a file that cannot be read or written: a ValueError or an OSError) prints one line,
 `kvjax COMMAND: error: ...`, on stderr and exits with status 2; any other exception is a bug and
-keeps its traceback.
+keeps its traceback. A command line argparse refuses (a malformed value, an unknown or left-over
+argument) ends the same way, after its usage. tests/cli/test_fuzz.py holds every command to this.
 """
 
 from __future__ import annotations
@@ -23,12 +24,35 @@ from kvjax.cli import bench, build_kernels, evaluate, export_hf, generate, impor
 COMMANDS = (run, evaluate, generate, uptrain, import_model, export_hf, kv_size, bench, build_kernels)
 
 
+def one_line(message: str) -> str:
+  """`message` on one line: its lines (a newline or carriage return in an argument included) joined."""
+  return " ".join(line.strip() for line in message.splitlines() if line.strip())
+
+
+class Parser(argparse.ArgumentParser):
+  """argparse's parser (and its subcommands'), whose error message is one line."""
+
+  def error(self, message: str):
+    super().error(one_line(message))
+
+
 def build_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(prog="kvjax", description="kvjax: KV-cache-efficient decoding for decoder-only transformers in JAX/Flax.")
+  parser = Parser(prog="kvjax", description="kvjax: KV-cache-efficient decoding for decoder-only transformers in JAX/Flax.")
   subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
   for module in COMMANDS:
     module.add_parser(subparsers)
+  parser.set_defaults(commands=subparsers.choices)
   return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+  """The command line parsed; a malformed one exits with status 2 after one `kvjax COMMAND: error:`
+  line (argparse's), arguments left over included: they are the subcommand's to refuse, not
+  `kvjax`'s."""
+  args, extra = build_parser().parse_known_args(argv)
+  if extra:
+    args.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+  return args
 
 
 def quiet_library_logs() -> None:
@@ -53,14 +77,13 @@ def _drop_abandoned_reads(unraisable) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-  args = build_parser().parse_args(argv)
+  args = parse_args(argv)
   quiet_library_logs()
   try:
     sharding.initialize_distributed()
     return args.func(args) or 0
   except (ValueError, OSError) as err:
-    message = " ".join(line.strip() for line in str(err).splitlines() if line.strip())  # one line
-    print(f"kvjax {args.command}: error: {message}", file=sys.stderr)
+    print(f"kvjax {args.command}: error: {one_line(str(err))}", file=sys.stderr)
     return 2
   except KeyboardInterrupt:
     print(f"kvjax {args.command}: interrupted", file=sys.stderr)

@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import sys
 from typing import Any
 
 from jax.sharding import Mesh
 
 from kvjax import sharding
 from kvjax.cache.config import CacheConfig
-from kvjax.fields import apply_overrides
+from kvjax.fields import INT32_MAX, SEED_MAX, apply_overrides
 
 SET_HELP = ("override config fields (Python literals, checked against the field's type); several per "
             "--set, and --set repeats, e.g. --set model.num_kv_heads=2 train.steps=10")
@@ -67,11 +69,17 @@ def cache_config(args: argparse.Namespace) -> CacheConfig | None:
 
 
 def mesh_text(text: str) -> str:
-  """The argparse type of --mesh: the text unchanged once kvjax.sharding.parse_mesh accepts it."""
+  """The argparse type of --mesh: the text unchanged once kvjax.sharding.parse_mesh accepts it and
+  it names each axis it sizes once (an empty --mesh is a mistake, not a mesh of one device)."""
   try:
     sharding.parse_mesh(text)
   except ValueError as err:
     raise argparse.ArgumentTypeError(str(err)) from None
+  axes = [item.partition("=")[0].strip() for item in text.split(",") if item.strip()]
+  if not axes:
+    raise argparse.ArgumentTypeError(f"must size at least one axis, e.g. data=2 or data=2,model=4, got {text!r}")
+  if len(set(axes)) < len(axes):
+    raise argparse.ArgumentTypeError(f"sizes an axis twice: {text!r}")
   return text
 
 
@@ -90,12 +98,52 @@ def workdir_text(text: str) -> str:
   current directory)."""
   if not text.strip():
     raise argparse.ArgumentTypeError("must name a directory; an empty path would be the current directory")
+  return _path(text)
+
+
+def path_text(text: str) -> str:
+  """The argparse type of an argument naming a file or folder (or a name the command knows)."""
+  if not text.strip():
+    raise argparse.ArgumentTypeError("must name a file or folder, got an empty path")
+  return _path(text)
+
+
+def _path(text: str) -> str:
+  """`text`, checked to be a path this system's file names can hold."""
+  if "\x00" in text:
+    raise argparse.ArgumentTypeError(f"{text!r} is not a path: it holds a NUL character")
+  try:
+    os.fsencode(text)
+  except UnicodeEncodeError:
+    raise argparse.ArgumentTypeError(f"{text!r} is not a path: file names here are {sys.getfilesystemencoding()}, "
+                                     "which cannot hold it") from None
   return text
 
 
-def positive_int(text: str) -> int:
-  """The argparse type of options that count something: an integer >= 1."""
-  value = int(text)
-  if value < 1:
-    raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+def _int(text: str, low: int, high: int, what: str) -> int:
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+  if not low <= value <= high:
+    raise argparse.ArgumentTypeError(f"must be {what} up to {high:,}, got {text}" if value > high
+                                     else f"must be {what}, got {text}")
   return value
+
+
+def positive_int(text: str) -> int:
+  """The argparse type of options that count something: an integer >= 1 that JAX can index with
+  (at most kvjax.fields.INT32_MAX)."""
+  return _int(text, 1, INT32_MAX, "a positive integer")
+
+
+def nonnegative_int(text: str) -> int:
+  """The argparse type of options where 0 means none or the default: an integer in [0, INT32_MAX]."""
+  return _int(text, 0, INT32_MAX, "a non-negative integer")
+
+
+def seed(text: str) -> int:
+  """The argparse type of --seed: an integer in [0, kvjax.fields.SEED_MAX] (jax.random.key's range)."""
+  return _int(text, 0, SEED_MAX, "a non-negative integer")
+
+

@@ -49,10 +49,21 @@ def _function(spec: str) -> Callable:
   return getattr(importlib.import_module(module), name)
 
 
-def _load_module(path: Path, name: str) -> ModuleType:
-  spec = importlib.util.spec_from_file_location(name, path)
+def _load_module(path: Path, name: str, what: str) -> ModuleType:
+  """The module of the Python file `path`, refused with a ValueError naming it as `what` when it is
+  not one (another kind of file, or text that does not parse). An exception its code raises is
+  its own and keeps its traceback."""
+  spec = importlib.util.spec_from_file_location(name, path) if path.suffix == ".py" else None
+  if spec is None:
+    raise ValueError(f"{what} {path} is not a Python file (.py)")
   module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
+  try:
+    spec.loader.exec_module(module)
+  except SyntaxError as err:
+    if err.filename not in (None, str(path)):  # a module it imports
+      raise
+    where = f" (line {err.lineno})" if err.lineno else ""
+    raise ValueError(f"{what} {path} is not valid Python: {err.msg}{where}") from None
   return module
 
 
@@ -60,7 +71,7 @@ def _load(path: Path) -> tuple[Any, Path | None]:
   """(get_config() of the config file, the DRIVER it names resolved to an absolute path, or None)."""
   if not path.is_file():
     raise ValueError(f"config file not found: {path}")
-  module = _load_module(path, f"kvjax_config_{path.stem}")
+  module = _load_module(path, f"kvjax_config_{path.stem}", "config file")
   if not callable(getattr(module, "get_config", None)):
     raise ValueError(f"config file {path} does not define get_config()")
   config = module.get_config()
@@ -85,7 +96,7 @@ def resolve_job(job: str, driver: Path | None, config_path: str | Path) -> Calla
   if driver is not None:
     if not driver.is_file():
       raise ValueError(f"config file {config_path} names DRIVER {driver}, which does not exist")
-    module = _load_module(driver, f"kvjax_driver_{driver.stem}")
+    module = _load_module(driver, f"kvjax_driver_{driver.stem}", f"driver (DRIVER of {config_path})")
     if not callable(getattr(module, "main", None)):
       raise ValueError(f"driver {driver} (DRIVER of {config_path}) does not define main(config, workdir)")
     return module.main
@@ -132,7 +143,8 @@ def command(args: argparse.Namespace) -> int:
 def add_parser(subparsers) -> None:
   parser = subparsers.add_parser("run", help="run the job a config file describes (training, experiments)",
                                  description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("config", help="Python file defining get_config() (and DRIVER, for an experiment)")
+  parser.add_argument("config", type=options.path_text,
+                      help="Python file defining get_config() (and DRIVER, for an experiment)")
   parser.add_argument("--workdir", type=options.workdir_text,
                       help="output folder: new, empty or a kvjax workdir of this job (default: runs/<config stem>)")
   options.add_set_option(parser)

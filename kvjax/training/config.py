@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 from kvjax.config import ModelConfig
-from kvjax.fields import apply_overrides, check_choice, check_nonnegative, check_positive, check_real, config_keys, from_dict, to_dict
+from kvjax.fields import (INT32_MAX, SEED_MAX, apply_overrides, check_choice, check_nonnegative, check_positive,
+                          check_real, config_keys, from_dict, to_dict)
 from kvjax.sharding import parse_mesh
 
 __all__ = ["DataConfig", "TrainConfig", "TrainRun", "apply_overrides", "config_keys", "from_dict",
@@ -18,6 +20,17 @@ __all__ = ["DataConfig", "TrainConfig", "TrainRun", "apply_overrides", "config_k
 
 
 HELD_OUT_RULES = ("spread", "tail")
+
+
+def _nameable(path: str) -> bool:
+  """Whether this system's file names can hold `path` (no NUL, encodable in its file-system encoding)."""
+  if "\x00" in path:
+    return False
+  try:
+    os.fsencode(path)
+  except UnicodeEncodeError:
+    return False
+  return True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,10 +50,11 @@ class DataConfig:
   seed: int = 0
 
   def __post_init__(self):
-    if not isinstance(self.source, str) or not self.source:
+    if not isinstance(self.source, str) or not self.source.strip() or not _nameable(self.source):
       raise ValueError(f"DataConfig.source must be 'stdlib' or a path, got {self.source!r}")
-    check_positive(self, "max_bytes", "seq_len")
-    check_nonnegative(self, "seed")
+    check_positive(self, "max_bytes")
+    check_positive(self, "seq_len", most=INT32_MAX)
+    check_nonnegative(self, "seed", most=SEED_MAX)
     check_real(self, "val_fraction", 0.0, 0.5, open_low=True)
     check_choice(self, "held_out", HELD_OUT_RULES)
 
@@ -77,8 +91,9 @@ class TrainConfig:
 
   def __post_init__(self):
     check_positive(self, "steps", "batch_size", "log_every", "eval_every", "eval_batches",
-                   "checkpoint_every", "keep_checkpoints")
-    check_nonnegative(self, "warmup_steps", "seed")
+                   "checkpoint_every", "keep_checkpoints", most=INT32_MAX)  # optax counts steps in int32
+    check_nonnegative(self, "warmup_steps", most=INT32_MAX)
+    check_nonnegative(self, "seed", most=SEED_MAX)
     check_real(self, "lr", 0.0, math.inf, open_low=True, open_high=True)
     check_real(self, "min_lr_ratio", 0.0, 1.0)
     check_real(self, "weight_decay", 0.0, math.inf, open_high=True)
