@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from kvjax.cli import options
 from kvjax.cache.config import LAYOUTS, CacheConfig
 from kvjax.interop.kv_size import BYTES_PER_ELEMENT, DTYPE_NAMES, PRESETS, parse_bytes, plan, render, resolve
 
@@ -31,16 +32,16 @@ def command(args: argparse.Namespace) -> int:
 def add_parser(subparsers) -> None:
   parser = subparsers.add_parser("kv-size", help="KV-cache bytes per token and what fits a device")
   parser.add_argument("model", help=f"preset ({', '.join(PRESETS)}), config file, kvjax workdir or HF directory")
-  parser.add_argument("--context", type=int, default=4096, help="tokens per sequence (default 4096)")
-  parser.add_argument("--batch", type=int, default=1, help="sequences (default 1)")
+  parser.add_argument("--context", type=options.positive_int, default=4096, help="tokens per sequence (default 4096)")
+  parser.add_argument("--batch", type=options.positive_int, default=1, help="sequences (default 1)")
   parser.add_argument("--dtype", default="bf16", help=f"cache format {DTYPE_NAMES} (quantized ones count their scales)")
   parser.add_argument("--layout", default="contiguous",
                       help=f"cache layout {LAYOUTS} (default contiguous: windowed layers keep rings)")
-  parser.add_argument("--page-size", type=int, default=CacheConfig.page_size,
+  parser.add_argument("--page-size", type=options.positive_int, default=CacheConfig.page_size,
                       help=f"tokens per page of a paged cache (default {CacheConfig.page_size})")
-  parser.add_argument("--weight-dtype", help=f"weight element type {tuple(BYTES_PER_ELEMENT)} (default: --dtype, or bf16 for int4 caches)")
+  parser.add_argument("--weight-dtype", type=options.nonempty_text, help=f"weight element type {tuple(BYTES_PER_ELEMENT)} (default: --dtype, or bf16 for int4 caches)")
   parser.add_argument("--device-memory", help="e.g. 80GB (10^9 bytes) or 80GiB (2^30)")
-  parser.add_argument("--devices", type=int, default=1,
+  parser.add_argument("--devices", type=options.positive_int, default=1,
                       help="devices the model is split across, tensor parallel (default 1)")
   parser.add_argument("--mla", type=_mla, action="append", default=[], metavar="RANK:ROPE_DIMS",
                       help="add a multi-head latent attention variant (latent rank, rotary dims); repeatable")

@@ -108,6 +108,13 @@ def path_text(text: str) -> str:
   return _path(text)
 
 
+def nonempty_text(text: str) -> str:
+  """The argparse type of a name (a dtype, a method): not empty, which would read as the default."""
+  if not text.strip():
+    raise argparse.ArgumentTypeError("must not be empty")
+  return text
+
+
 def _path(text: str) -> str:
   """`text`, checked to be a path this system's file names can hold."""
   if "\x00" in text:

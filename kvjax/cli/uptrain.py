@@ -40,16 +40,16 @@ def command(args: argparse.Namespace) -> int:
 
 def add_parser(subparsers) -> None:
   parser = subparsers.add_parser("uptrain", help="convert an MHA checkpoint to GQA/MQA or MLA and continue training")
-  parser.add_argument("--from", dest="source", required=True, metavar="SRC_WORKDIR",
+  parser.add_argument("--from", dest="source", required=True, metavar="SRC_WORKDIR", type=options.workdir_text,
                       help="training (or imported) workdir to convert; never modified")
   parser.add_argument("--workdir", required=True, type=options.workdir_text, help="where the uptrained run is written")
-  parser.add_argument("--kv-heads", type=int, help="target number of kv heads (GQA / MQA)")
+  parser.add_argument("--kv-heads", type=options.positive_int, help="target number of kv heads (GQA / MQA)")
   parser.add_argument("--method", choices=METHODS, default="mean",
                       help="with --kv-heads: mean (the paper's), first, random, or the data-aware pca / regroup")
-  parser.add_argument("--seed", type=int, default=0, help="rng seed for --method random")
-  parser.add_argument("--to-mla", type=int, metavar="RANK",
+  parser.add_argument("--seed", type=options.seed, default=0, help="rng seed for --method random")
+  parser.add_argument("--to-mla", type=options.positive_int, metavar="RANK",
                       help="convert to multi-head latent attention with this latent rank (needs --rope-dims)")
-  parser.add_argument("--rope-dims", type=int, metavar="D",
+  parser.add_argument("--rope-dims", type=options.nonnegative_int, metavar="D",
                       help="with --to-mla: rotary dims of the shared key, 2 x kept pairs x kv heads (0 for "
                            "learned positions)")
   parser.add_argument("--fraction", type=float, default=0.05,

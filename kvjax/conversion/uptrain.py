@@ -124,6 +124,7 @@ def uptrain(source_workdir: str | Path, workdir: str | Path, conversion: Convers
     raise ValueError(f"--workdir {dest} must be outside the source workdir {source}, which is never modified")
   if not 0 <= fraction <= 1:
     raise ValueError(f"fraction must be in [0, 1], got {fraction!r}")
+  workdirs.check(dest, workdirs.UPTRAIN)  # a file, a folder of other things: refused before any loading
   step = checkpoint.latest_step(source)
   if step is None:
     raise ValueError(f"no checkpoint in source workdir {checkpoint.checkpoint_dir(source)}")

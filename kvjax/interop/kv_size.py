@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
 import math
 import re
 from pathlib import Path
@@ -121,7 +120,12 @@ def from_model_config(name: str, config: ModelConfig) -> Architecture:
 def _model_config_from_file(path: Path) -> ModelConfig:
   spec = importlib.util.spec_from_file_location(f"kvjax_config_{path.stem}", path)
   module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
+  try:
+    spec.loader.exec_module(module)
+  except SyntaxError as err:
+    raise ValueError(f"config file {path} is not valid Python: {err.msg} (line {err.lineno})") from None
+  except (UnicodeDecodeError, ValueError) as err:
+    raise ValueError(f"config file {path} is not a readable Python file: {err}") from None
   if not callable(getattr(module, "get_config", None)):
     raise ValueError(f"config file {path} does not define get_config()")
   config = module.get_config()
@@ -138,7 +142,7 @@ def _model_config_from_workdir(path: Path) -> ModelConfig:
   if not saved.is_file():
     raise ValueError(f"{path} holds checkpoints but no config.json naming their model (a workdir "
                      "written before kvjax recorded one); pass the run's config file instead")
-  model = json.loads(saved.read_text()).get("model")
+  model = read_hf_config(path).get("model")  # config.json parsed, or refused naming the file
   if not isinstance(model, dict):
     raise ValueError(f"{path} holds no kvjax model config (no 'model' section)")
   return from_dict(ModelConfig, model)
@@ -157,7 +161,7 @@ def resolve(spec: str) -> Architecture:
     return from_model_config(path.name, _model_config_from_file(path))
   if path.is_dir():
     if (path / "config.json").is_file():
-      if "model_type" in json.loads((path / "config.json").read_text()):
+      if "model_type" in read_hf_config(path):
         return from_model_config(path.name, config_from_hf(read_hf_config(path)))
     if (path / "config.json").is_file() or (path / "checkpoints").is_dir():
       return from_model_config(path.name, _model_config_from_workdir(path))

@@ -125,6 +125,8 @@ def load_corpus(config: DataConfig) -> tuple[np.ndarray, CorpusInfo]:
     size += len(chunk)
     used += 1
   data = b"".join(chunks)
+  if not data:
+    raise ValueError(f"DataConfig.source: the corpus {config.source} is empty ({used} file(s) of 0 bytes under {root})")
   info = CorpusInfo(source=config.source if config.source == "stdlib" else str(Path(config.source).resolve()),
                     root=str(root), num_files=used, num_bytes=len(data),
                     sha256=hashlib.sha256(data).hexdigest())
