@@ -175,13 +175,16 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
   if origin in (typing.Union, types.UnionType):
     if value is None and type(None) in args:
       return None
+    refusals = []  # what each dataclass of the union said of a dict: its own check names the field
     for arg in args:
       if arg is not type(None):
         try:
           return _coerce(arg, value, where)
         except ValueError as err:
-          if dataclasses.is_dataclass(arg) and isinstance(value, dict):  # its own check names the field
-            raise ValueError(f"{where}: {err}") from None
+          if dataclasses.is_dataclass(arg) and isinstance(value, dict):
+            refusals.append(str(err))
+    if refusals:
+      raise ValueError(f"{where}: {' / '.join(refusals)}")
   elif origin is typing.Literal:
     if value in args:
       return value

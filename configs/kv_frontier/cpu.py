@@ -14,6 +14,7 @@ CPU cores.
 
 from pathlib import Path
 
+from kvjax.cache.config import CacheConfig
 from kvjax.cli.run import load_config
 from kvjax.studies.kv_frontier import KVFrontierStudy, Variant, standard_variants
 from kvjax.studies.recall import RecallConfig
@@ -28,7 +29,7 @@ def get_config() -> KVFrontierStudy:
   return KVFrontierStudy(
       gqa=gqa,
       variants=standard_variants(gqa, windows=(32, 64), sink_tokens=4)
-      + (Variant("local 32 / global", "window", {"window": (32, 0)}),),
+      + (Variant("local 32 / global", "window", CacheConfig(window=(32, 0))),),
       context=2048,
       recall=RecallConfig(distances=(24, 48, 96), needles=32, needle_bytes=12),
       timing=TimingConfig(batch=16, prompt=64, new_tokens=448, repeats=3),

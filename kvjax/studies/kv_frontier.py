@@ -3,20 +3,20 @@ quality against KV bytes per token (experiments/kv_frontier.py writes the table 
 
 From one pre-trained MHA-big (the GQA study's: pre-trained in the study's workdir, or read from a
 GQA table's workdir), each variant changes what the cache keeps:
-  dtype   the element type it stores (ModelConfig.cache_dtype: float32, bfloat16, int8, int4,
-          float8_e4m3fn), MHA-big's params;
+  dtype   the codec it stores (CacheConfig.dtype: float32, bfloat16, int8, int4, float8_e4m3fn),
+          MHA-big's params;
   heads   fewer kv heads (GQA, MQA): MHA-big converted by a KVHeads conversion and uptrained for
           alpha = gqa.fraction of its pre-training (kvjax.studies.stages);
-  window  sliding-window layers, with or without sink tokens (ModelConfig.window, sink_tokens),
+  window  sliding-window layers, with or without sink tokens (CacheConfig.window, sink_tokens),
           applied to MHA-big as trained, no retraining;
   mla     multi-head latent attention: MHA-big converted by a ToMLA conversion (calibrated on its
           training data) and uptrained alike.
-A variant is data (`Variant`): a name, the ModelConfig fields it changes, and the conversion
-(with its distillation weight) whose uptrained params it runs; standard_variants takes them from
-the GQA study's uptrainings, so both studies read the same models. Every variant is checked
-against this kvjax's ModelConfig before anything runs: a lacking cache kind is one error.
+A variant is data (`Variant`): a name, the cache it decodes through (a CacheConfig), and the
+conversion (with its distillation weight) whose uptrained params it runs; standard_variants takes
+them from the GQA study's uptrainings, so both studies read the same models. Every variant's
+cache is checked against the model it runs before anything trains: one error names it.
 
-Each is measured through the cache its config selects (decode.prefill / generate build it):
+Each is measured through its cache (decode.prefill / generate build it):
   kv_bytes_per_token    what a prefill into a one-row cache of `context` positions allocates
                         (scales, ring buffers and all: the cache's nbytes), over `context`;
   bits_per_byte         held-out bits per byte on the windows `kvjax eval` scores, from the
@@ -40,15 +40,15 @@ import json
 import math
 import statistics
 from pathlib import Path
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from kvjax.cache.config import CacheConfig
 from kvjax.config import ModelConfig
-from kvjax.fields import check_choice, check_positive, check_real, from_dict, to_dict
+from kvjax.fields import check_choice, check_positive, check_real, to_dict
 from kvjax.conversion.conversions import KINDS, Conversion
 from kvjax.decoding import decode
 from kvjax.model.transformer import Transformer
@@ -63,7 +63,6 @@ from kvjax.training.evaluate import evaluate
 
 FAMILIES = ("dtype", "heads", "window", "mla")
 CONVERTED_FAMILIES = ("heads", "mla")  # the kinds of kvjax.conversion.conversions
-CONVERTED_FIELDS = ("num_kv_heads", "kv_latent_rank", "rope_dims", "rope_pairs")
 MHA_BIG = "mha_big"
 DTYPES = ("float32", "bfloat16", "int8", "int4", "float8_e4m3fn")
 SHORT_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float8_e4m3fn": "fp8"}
@@ -71,14 +70,14 @@ SHORT_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float8_e4m3fn": "fp8"}
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-  """One point of the frontier: `changes` to the ModelConfig of the params it runs, MHA-big's
-  (conversion None) or MHA-big's uptrained by `conversion` with distillation weight `distill`.
-  The families "heads" and "mla" are the conversions of that kind; a dtype or window variant may
-  change the cache of converted params too."""
+  """One point of the frontier: the params it runs, MHA-big's (conversion None) or MHA-big's
+  uptrained by `conversion` with distillation weight `distill`, decoded through a cache of
+  `cache`. The families "heads" and "mla" are the conversions of that kind; a dtype or window
+  variant may change the cache of converted params too."""
 
   name: str
   family: str
-  changes: dict[str, Any] = dataclasses.field(default_factory=dict)
+  cache: CacheConfig = CacheConfig()
   conversion: Conversion | None = None
   distill: float = 0.0
 
@@ -86,11 +85,8 @@ class Variant:
     if not isinstance(self.name, str) or not self.name.strip():
       raise ValueError(f"Variant.name must be a non-empty string, got {self.name!r}")
     check_choice(self, "family", FAMILIES)
-    if not isinstance(self.changes, dict) or not all(isinstance(k, str) for k in self.changes):
-      raise ValueError(f"Variant.changes must map ModelConfig field names to values, got {self.changes!r}")
-    if converted := sorted(set(CONVERTED_FIELDS) & set(self.changes)):
-      raise ValueError(f"Variant {self.name!r}: changes.{converted[0]} needs converted, uptrained params: give a "
-                       "conversion (kvjax.conversion.conversions: KVHeads, ToMLA) instead")
+    if not isinstance(self.cache, CacheConfig):
+      raise ValueError(f"Variant {self.name!r}: cache must be a CacheConfig, got {self.cache!r}")
     if self.conversion is not None and not isinstance(self.conversion, KINDS):
       raise ValueError(f"Variant {self.name!r}: conversion must be a KVHeads or ToMLA, got {self.conversion!r}")
     if self.family in CONVERTED_FAMILIES and getattr(self.conversion, "kind", None) != self.family:
@@ -101,9 +97,11 @@ class Variant:
       raise ValueError(f"Variant {self.name!r}: distill={self.distill} needs a conversion to uptrain")
 
   def describe(self) -> str:
-    """The changes as text, e.g. "cache_dtype=int8, window=(32,)"; "as trained" without any."""
-    shown = lambda v: repr(tuple(v)) if isinstance(v, list) else str(v)
-    return ", ".join(f"{k}={shown(v)}" for k, v in self.changes.items()) or "as trained"
+    """The cache's choices that differ from the default, e.g. "dtype=int8, window=(32,)";
+    "as trained" without any."""
+    default = CacheConfig()
+    return ", ".join(f"{k}={v}" for k, v in to_dict(self.cache).items()
+                     if v != getattr(default, k)).replace("[", "(").replace("]", ",)") or "as trained"
 
 
 def standard_variants(gqa: gs.GqaStudy, windows: tuple[int, ...] = (), sink_tokens: int = 4,
@@ -111,16 +109,16 @@ def standard_variants(gqa: gs.GqaStudy, windows: tuple[int, ...] = (), sink_toke
   """Every family: a cache of each of `dtypes`; every uptraining of the GQA study
   (gqa.uptrainings(): GQA and MQA mean-pooled, each of gqa.conversions with gqa.distill); each
   window in `windows` on every layer, without sinks and, when sink_tokens > 0, with them."""
-  out = [Variant(SHORT_DTYPES.get(d, d), "dtype", {"cache_dtype": d}) for d in dtypes]
+  out = [Variant(SHORT_DTYPES.get(d, d), "dtype", CacheConfig(dtype=d)) for d in dtypes]
   for conversion, distill in gqa.uptrainings():
     label = gqa.model_name(conversion.target(gqa.big)).removesuffix("-big")
     tag = f"+distill{distill:g}" if distill else ""
     out.append(Variant(f"{label} {conversion.label}{tag}", conversion.kind, conversion=conversion, distill=distill))
   for window in windows:
-    out.append(Variant(f"window {window}", "window", {"window": (window,)}))
+    out.append(Variant(f"window {window}", "window", CacheConfig(window=(window,))))
     if sink_tokens:
       out.append(Variant(f"window {window} + {sink_tokens} sinks", "window",
-                         {"window": (window,), "sink_tokens": sink_tokens}))
+                         CacheConfig(window=(window,), sink_tokens=sink_tokens)))
   return tuple(out)
 
 
@@ -176,14 +174,14 @@ class KVFrontierStudy:
     self.recall.check_model(big.max_len, big.vocab_size)
 
 
-def apply_changes(config: ModelConfig, variant: Variant) -> ModelConfig:
-  """`config` with the variant's changes, built and checked as any ModelConfig (tuples from lists).
-  Raises ValueError naming the variant and the field this kvjax refuses or lacks."""
+def check_cache(config: ModelConfig, variant: Variant) -> None:
+  """Raises ValueError naming the variant unless its cache fits a model of `config` (its codec
+  the vectors' widths, its window the model's length)."""
   try:
-    return from_dict(ModelConfig, {**to_dict(config), **variant.changes})
+    variant.cache.codec(config)
+    variant.cache.model(config)
   except ValueError as err:
-    raise ValueError(f"variant {variant.name!r} ({variant.describe()}) is not a model this kvjax can run: "
-                     f"{err}") from None
+    raise ValueError(f"variant {variant.name!r} ({variant.describe()}) cannot decode its model: {err}") from None
 
 
 def source_config(study: KVFrontierStudy, variant: Variant) -> ModelConfig:
@@ -192,10 +190,10 @@ def source_config(study: KVFrontierStudy, variant: Variant) -> ModelConfig:
 
 
 def check_variants(study: KVFrontierStudy) -> None:
-  """apply_changes of every variant to the model it runs (MHA-big or its uptrained shape), on the
-  host before anything trains."""
+  """check_cache of every variant against the model it runs (MHA-big or its uptrained shape), on
+  the host before anything trains."""
   for variant in study.variants:
-    apply_changes(source_config(study, variant), variant)
+    check_cache(source_config(study, variant), variant)
 
 
 def source(study: KVFrontierStudy, variant: Variant) -> str:
@@ -239,11 +237,11 @@ def prepare_sources(study: KVFrontierStudy, workdir: Path) -> dict[str, Path]:
 
 # Measurements of one variant.
 
-def kv_bytes_per_token(model: Transformer, params, context: int) -> float:
+def kv_bytes_per_token(model: Transformer, params, context: int, cache_config: CacheConfig) -> float:
   """Bytes a prefill of one token into a one-row cache of `context` positions allocates (the
   cache's nbytes: every array of its layers), over `context`."""
   _, cache = decode.prefill(model, params, np.zeros((1, 1), np.int32), np.ones((1,), np.int32), context,
-                            logits="last")
+                            logits="last", cache_config=cache_config)
   return cache.nbytes / context
 
 
@@ -268,16 +266,19 @@ def _decode_nats(model: Transformer, params, cache, inputs, targets):
   return nats.sum()
 
 
-def cached_bits_per_byte(model: Transformer, params, data: Dataset, batch_size: int, num_batches: int) -> dict:
+def cached_bits_per_byte(model: Transformer, params, data: Dataset, batch_size: int, num_batches: int,
+                         cache_config: CacheConfig) -> dict:
   """Held-out bits per byte through the cache on the windows of training.evaluate.evaluate:
   "bits_per_byte" from one extend of each window into an empty cache, "decode_bits_per_byte" from
   its first byte prefilled and the rest fed one per decode step."""
   prefilled = decoded = 0.0
   for inputs, targets in eval_batches(data.val, data.seq_len, batch_size, num_batches):
     batch, seq = inputs.shape
-    logits, _ = decode.prefill(model, params, inputs, np.full((batch,), seq, np.int32), seq, logits="all")
+    logits, _ = decode.prefill(model, params, inputs, np.full((batch,), seq, np.int32), seq, logits="all",
+                               cache_config=cache_config)
     prefilled += float(_nats(logits, targets))
-    first, cache = decode.prefill(model, params, inputs[:, :1], np.ones((batch,), np.int32), seq, logits="all")
+    first, cache = decode.prefill(model, params, inputs[:, :1], np.ones((batch,), np.int32), seq, logits="all",
+                                  cache_config=cache_config)
     decode.check_cache(model, cache, np.full((batch,), seq - 1, np.int32))
     decoded += float(_nats(first, targets[:, :1]))
     decoded += float(_decode_nats(decode.for_decoding(model), params, cache, inputs[:, 1:], targets[:, 1:]))
@@ -304,21 +305,22 @@ def measure(study: KVFrontierStudy, paths: dict[str, Path]) -> list[dict]:
   models, rows = {}, []
   for variant in study.variants:
     base, params = loaded[source(study, variant)]
-    model = models[variant.name] = Transformer(apply_changes(base.config, variant))
+    model = models[variant.name] = base
+    cache = variant.cache
     print(f"kv_frontier: measuring {variant.name}", flush=True)
     row = {"variant": variant.name, "family": variant.family, "params": source(study, variant),
            "changes": variant.describe(), "kv_heads": model.config.num_kv_heads,
-           "cache_dtype": model.config.cache_dtype, "kv_latent_rank": model.config.kv_latent_rank,
+           "cache_dtype": cache.codec(model.config).name, "kv_latent_rank": model.config.kv_latent_rank,
            "rope_dims": model.config.rope_dims,
-           "kv_bytes_per_token": kv_bytes_per_token(model, params, study.context),
-           **cached_bits_per_byte(model, params, data, study.eval_batch_size, study.eval_batches),
+           "kv_bytes_per_token": kv_bytes_per_token(model, params, study.context, cache),
+           **cached_bits_per_byte(model, params, data, study.eval_batch_size, study.eval_batches, cache),
            "plain_bits_per_byte": plain[source(study, variant)]}
-    for distance, result in recall_test.recall(model, params, study.recall, data.val).items():
+    for distance, result in recall_test.recall(model, params, study.recall, data.val, cache).items():
       row[f"recall_{distance}"] = result["exact_match"]
       row[f"recall_bytes_{distance}"] = result["byte_accuracy"]
     rows.append(row)
   timing = stages.time_per_sample({v.name: (models[v.name], loaded[source(study, v)][1]) for v in study.variants},
-                              study.timing)
+                                  study.timing, {v.name: v.cache for v in study.variants})
   for row, on_front in zip(rows, pareto(rows, "kv_bytes_per_token", "bits_per_byte")):
     times = timing[row["variant"]]["times_s"]
     row["decode_step_ms"] = 1e3 * statistics.median(times) / study.timing.new_tokens

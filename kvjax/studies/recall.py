@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvjax.cache.config import CacheConfig
 from kvjax.fields import check_nonnegative, check_positive, check_positive_int, from_dict
 from kvjax.decoding.decode import generate
 from kvjax.interop.hf_files import TOKENIZER_FILE
@@ -108,16 +109,17 @@ def examples(config: RecallConfig, distance: int, filler: np.ndarray) -> tuple[n
   return as_ids(prompts), as_ids(needles)
 
 
-def recall(model: Transformer, params, config: RecallConfig, filler: np.ndarray) -> dict[str, dict]:
+def recall(model: Transformer, params, config: RecallConfig, filler: np.ndarray,
+           cache_config: CacheConfig = CacheConfig()) -> dict[str, dict]:
   """Greedy copies of the needles at every distance -> {str(D): {"distance", "byte_accuracy",
-  "exact_match", "needles"}}; one kvjax.generate call per distance, through the cache the
-  model's config selects."""
+  "exact_match", "needles"}}; one kvjax.generate call per distance, through a cache of
+  `cache_config`."""
   config.check_model(model.config.max_len, model.config.vocab_size)
   out = {}
   for distance in config.distances:
     prompts, needles = examples(config, distance, filler)
     lengths = np.full((len(prompts),), prompts.shape[1], np.int32)
-    copies = generate(model, params, prompts, lengths, config.needle_bytes)  # greedy
+    copies = generate(model, params, prompts, lengths, config.needle_bytes, cache_config=cache_config)  # greedy
     out[str(distance)] = {"distance": distance, **score(copies, needles), "needles": config.needles}
   return out
 

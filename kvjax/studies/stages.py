@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from kvjax.cache import kinds
+from kvjax.cache.config import CacheConfig
 from kvjax.fields import check_positive
 from kvjax.conversion.conversions import Conversion
 from kvjax.conversion.uptrain import uptrain
@@ -109,21 +110,24 @@ def uptrained(stages: Stages, source: Path, conversion: Conversion, fraction: fl
   return dest
 
 
-def time_per_sample(models: dict, timing: TimingConfig) -> dict:
-  """Seconds per sample of jitted greedy `generate` for each of {name: (model, params)}.
+def time_per_sample(models: dict, timing: TimingConfig, caches: dict | None = None) -> dict:
+  """Seconds per sample of jitted greedy `generate` for each of {name: (model, params)}, through
+  the cache of caches[name] (a CacheConfig; default: contiguous in the model's dtype).
 
   After one warm-up call each, the models are timed round-robin, `timing.repeats` rounds, so
   that load from other processes falls on all of them alike; each gets the median of its calls
   divided by the batch.
   """
+  caches = {name: (caches or {}).get(name, CacheConfig()) for name in models}
   rng = np.random.default_rng(0)
   vocab = min(model.config.vocab_size for model, _ in models.values())
   prompts = rng.integers(0, vocab, (timing.batch, timing.prompt), dtype=np.int32)
   lengths = np.full((timing.batch,), timing.prompt, np.int32)
-  calls = {name: (lambda m=model, p=params: decode.generate(m, p, prompts, lengths, timing.new_tokens))
+  calls = {name: (lambda m=model, p=params, c=caches[name]: decode.generate(m, p, prompts, lengths,
+                                                                             timing.new_tokens, cache_config=c))
            for name, (model, params) in models.items()}
   times = timed_alternating(calls, timing.repeats)
   return {name: {"time_per_sample_s": statistics.median(times[name]) / timing.batch, "times_s": times[name],
-                 "kv_bytes_per_token": kinds.bytes_per_token(model.config),
+                 "kv_bytes_per_token": kinds.bytes_per_token(model.config, caches[name]),
                  "params": int(sum(x.size for x in jax.tree.leaves(params)))}
           for name, (model, params) in models.items()}

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from kvjax.cache.config import CacheConfig
+from kvjax.cache.kinds import bytes_per_token
 from kvjax.cli.main import main as kvjax_main
 from kvjax.cli.run import load_config
 from kvjax.conversion.conversions import KVHeads, ToMLA
@@ -30,26 +32,15 @@ def driver():
   return module.main
 
 
-def runnable(study: kvf.KVFrontierStudy) -> kvf.KVFrontierStudy:
-  """The study with the variants this kvjax's ModelConfig accepts (cache kinds still to land on
-  this branch are left out; see test_a_variant_this_kvjax_lacks_is_refused_up_front)."""
-  def accepted(variant):
-    try:
-      kvf.check_variants(dataclasses.replace(study, variants=(variant,)))
-      return True
-    except ValueError:
-      return False
-  return dataclasses.replace(study, variants=tuple(v for v in study.variants if accepted(v)))
-
-
 def tree_state(path: Path) -> dict:
   return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns) for p in path.rglob("*") if p.is_file()}
 
 
 @pytest.fixture(scope="module")
 def frontier(tmp_path_factory):
-  """`kvjax run configs/kv_frontier/tiny.py`, its variants narrowed by --set to those this kvjax runs."""
-  study = runnable(load_config(TINY))
+  """`kvjax run configs/kv_frontier/tiny.py`, its variants given again by --set (a tuple of
+  Variants, each with its CacheConfig and conversion, read back from dicts)."""
+  study = load_config(TINY)
   workdir = tmp_path_factory.mktemp("kv_frontier_tiny")
   variants = f"variants={[dataclasses.asdict(v) for v in study.variants]!r}"
   assert kvjax_main(["run", str(TINY), "--workdir", str(workdir), "--set", variants]) == 0
@@ -93,17 +84,19 @@ def test_float32_cache_matches_the_plain_evaluation_and_bytes_are_exact(frontier
     if row["family"] == "window":
       # Oracle: decoding through the ring buffer sees what one prefill under the window's mask sees.
       assert row["decode_bits_per_byte"] == pytest.approx(row["bits_per_byte"], rel=1e-4)
-      config = kvf.apply_changes(big, next(v for v in study.variants if v.name == row["variant"]))
-      slots = min(study.context, config.window[0] + config.sink_tokens)
-      assert row["kv_bytes_per_token"] == big.kv_bytes_per_token * slots / study.context
+      cache = next(v for v in study.variants if v.name == row["variant"]).cache
+      slots = min(study.context, cache.window[0] + (cache.sink_tokens or 0))
+      assert row["kv_bytes_per_token"] == bytes_per_token(big) * slots / study.context
   assert by_name["bf16"]["decode_bits_per_byte"] == pytest.approx(fp32["decode_bits_per_byte"], rel=1e-2)
-  assert fp32["kv_bytes_per_token"] == big.kv_bytes_per_token
-  assert by_name["bf16"]["kv_bytes_per_token"] == big.kv_bytes_per_token / 2
-  assert by_name["GQA-2 mean"]["kv_bytes_per_token"] == big.kv_bytes_per_token * 2 / big.num_heads
-  assert by_name["MQA pca+distill1"]["kv_bytes_per_token"] == big.kv_bytes_per_token / big.num_heads
+  assert fp32["kv_bytes_per_token"] == bytes_per_token(big)
+  # 2 (K, V) x layers x kv heads x (head_dim + one float32 scale) bytes
+  assert by_name["int8"]["kv_bytes_per_token"] == 2 * big.num_layers * big.num_kv_heads * (big.head_dim + 4)
+  assert by_name["bf16"]["kv_bytes_per_token"] == bytes_per_token(big) / 2
+  assert by_name["GQA-2 mean"]["kv_bytes_per_token"] == bytes_per_token(big) * 2 / big.num_heads
+  assert by_name["MQA pca+distill1"]["kv_bytes_per_token"] == bytes_per_token(big) / big.num_heads
   mla = by_name[MLA]
   # MLA at the bytes of 8 kv heads: 2 layers x (latent 32 + 32 rotary dims) x 4 bytes.
-  assert mla["kv_bytes_per_token"] == big.kv_bytes_per_token * 8 / big.num_heads == 2 * (32 + 32) * 4
+  assert mla["kv_bytes_per_token"] == bytes_per_token(big) * 8 / big.num_heads == 2 * (32 + 32) * 4
   assert (mla["kv_latent_rank"], mla["rope_dims"], mla["params"]) == (32, 32, "mla_r32_rope32_alpha0.1_distill1")
   # Oracle: decoding reads the latent cache absorbed, the prefill expanded; the two agree.
   assert mla["decode_bits_per_byte"] == pytest.approx(mla["bits_per_byte"], rel=1e-4)
@@ -151,12 +144,16 @@ def test_a_finished_study_is_reused_read_only(frontier, tmp_path):
 
 def test_a_variant_this_kvjax_lacks_is_refused_up_front(tmp_path):
   study = load_config(TINY)
-  lacking = dataclasses.replace(study, variants=study.variants[:1] + (
-      kvf.Variant("ring", "window", {"no_such_field": 8}),))
-  with pytest.raises(ValueError, match=r"variant 'ring' \(no_such_field=8\).*unknown ModelConfig keys \['no_such_field'\]"):
-    kvf.check_variants(lacking)
-  bad = dataclasses.replace(study, variants=(kvf.Variant("int3", "dtype", {"cache_dtype": "int3"}),))
-  with pytest.raises(ValueError, match=r"variant 'int3'.*cache_dtype.*'int3'"):
+  too_wide = dataclasses.replace(study, variants=study.variants[:1] + (
+      kvf.Variant("ring", "window", CacheConfig(window=(4096,))),))
+  with pytest.raises(ValueError, match=r"variant 'ring' \(window=\(4096,\)\) cannot decode its model: .*window\[0\]=4096 "
+                     "is larger than max_len=128"):
+    kvf.check_variants(too_wide)
+  odd = dataclasses.replace(study.gqa.big, head_dim=9, positions="learned")
+  with pytest.raises(ValueError, match=r"variant 'int4' \(dtype=int4\) cannot decode its model: an int4 cache packs"):
+    kvf.check_cache(odd, kvf.Variant("int4", "dtype", CacheConfig(dtype="int4")))
+  bad = dataclasses.replace(study, variants=(kvf.Variant("ring", "window", CacheConfig(window=(4096,))),))
+  with pytest.raises(ValueError, match=r"variant 'ring'.*cannot decode its model"):
     with claim_study(tmp_path, bad):
       driver()(bad, tmp_path)
   assert not (tmp_path / "mha_big").exists()  # refused before anything trained
@@ -169,8 +166,8 @@ def test_bad_study_configs_name_the_field():
   with pytest.raises(ValueError, match=r"Variant 'GQA-3': kv3_mean does not convert MHA-big: KVHeads.num_kv_heads=3: "
                      "cannot convert 16 kv heads to 3"):
     dataclasses.replace(study, variants=(kvf.Variant("GQA-3", "heads", conversion=KVHeads(3)),))
-  with pytest.raises(ValueError, match=r"changes.num_kv_heads needs converted, uptrained params: give a conversion"):
-    kvf.Variant("x", "heads", {"num_kv_heads": 2})
+  with pytest.raises(ValueError, match=r"Variant 'x': cache must be a CacheConfig, got \{'num_kv_heads': 2\}"):
+    kvf.Variant("x", "window", {"num_kv_heads": 2})
   with pytest.raises(ValueError, match="Variant.family must be one of"):
     kvf.Variant("x", "pruning")
   with pytest.raises(ValueError, match="family 'mla' runs params converted by a conversion of that kind, got "
@@ -178,16 +175,14 @@ def test_bad_study_configs_name_the_field():
     kvf.Variant("x", "mla")
   with pytest.raises(ValueError, match="family 'heads' .* got conversion=mla_r32_rope32"):
     kvf.Variant("x", "heads", conversion=ToMLA(32, 32))
-  with pytest.raises(ValueError, match="changes.kv_latent_rank needs converted"):
-    kvf.Variant("x", "dtype", {"kv_latent_rank": 8})
   with pytest.raises(ValueError, match="distill=1.0 needs a conversion to uptrain"):
-    kvf.Variant("x", "window", {"window": (16,)}, distill=1.0)
+    kvf.Variant("x", "window", CacheConfig(window=(16,)), distill=1.0)
   with pytest.raises(ValueError, match="rope_dims=8 must be a multiple of 2 x num_kv_heads=32"):
     dataclasses.replace(study, variants=(kvf.Variant("x", "mla", conversion=ToMLA(8, 8)),))
   with pytest.raises(ValueError, match="rope_dims=32 leaves no latent at the bytes of 2 kv heads"):
     ToMLA.at_kv_heads(study.gqa.big, 2, 32)
   # A cache change on converted params is a point of its own family.
-  windowed = kvf.Variant("GQA-2 window 16", "window", {"window": (16,)}, conversion=KVHeads(2))
+  windowed = kvf.Variant("GQA-2 window 16", "window", CacheConfig(window=(16,)), conversion=KVHeads(2))
   assert kvf.source(dataclasses.replace(study, variants=(windowed,)), windowed) == "kv2_mean_alpha0.1"
   with pytest.raises(ValueError, match="context=4096 exceeds MHA-big's max_len=128"):
     dataclasses.replace(study, context=4096)
