@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import shutil
 import signal
@@ -128,17 +127,20 @@ def test_an_empty_workdir_is_refused_not_taken_for_the_current_directory(setup, 
   assert snapshot(tmp_path) == before
 
 
-def test_a_run_written_before_markers_is_adopted_when_its_config_matches(setup, tmp_path, snapshot, capsys):
-  old = tmp_path / "old"
-  shutil.copytree(setup["run"], old)
-  (old / workdirs.MARKER).unlink()
-  (old / workdirs.LOCK).unlink()
-  before = snapshot(old)
-  assert cli.main(["run", str(setup["config"]), "--workdir", str(old), "--set", "model.d_model=64"]) == 2
-  assert "holds checkpoints of a different config" in one_error_line(capsys.readouterr().err, "run")
-  assert snapshot(old) == before
-  assert cli.main(["run", str(setup["config"]), "--workdir", str(old)]) == 0  # finished: nothing to do
-  assert json.loads((old / workdirs.MARKER).read_text())["kind"] == "train"  # adopted: marked now
+def test_a_run_from_a_kvjax_that_recorded_no_version_is_refused_untouched(setup, tmp_path, snapshot, capsys):
+  """kvjax 0.1 reads only workdirs that record its version: one written without (before
+  versions were recorded, or with no marker at all) is refused, every byte left as it was."""
+  for name, edit in (("unversioned", lambda marker: marker.write_text(json.dumps(
+                          {k: v for k, v in json.loads(marker.read_text()).items() if k != "kvjax_version"}))),
+                     ("unmarked", lambda marker: marker.unlink())):
+    old = tmp_path / name
+    shutil.copytree(setup["run"], old)
+    edit(old / workdirs.MARKER)
+    before = snapshot(old)
+    assert cli.main(["run", str(setup["config"]), "--workdir", str(old)]) == 2
+    line = one_error_line(capsys.readouterr().err, "run")
+    assert ("no kvjax_version" if name == "unversioned" else "no kvjax-workdir.json marks it") in line, line
+    assert snapshot(old) == before
 
 
 def test_a_second_run_is_refused_naming_the_holder_and_a_killed_holder_blocks_nothing(setup, tmp_path, snapshot):
