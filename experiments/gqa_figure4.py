@@ -19,14 +19,28 @@ def main(study: gs.GqaStudy, workdir: Path) -> list[dict]:
   rows = []
   for conversion in [KVHeads(kv, method) for kv in (1, study.gqa_kv_heads) for method in study.methods]:
     record = stages.done[gs.uptrained(study, stages, conversion).name]
-    rows.append({"model": study.model_name(conversion.target(study.big)), "num_kv_heads": conversion.num_kv_heads,
-                 "method": conversion.method, "converted_bits_per_byte": record["converted"]["bits_per_byte"],
-                 "bits_per_byte": record["after"]["bits_per_byte"], "accuracy": record["after"]["accuracy"]})
+    rows.append(
+      {
+        "model": study.model_name(conversion.target(study.big)),
+        "num_kv_heads": conversion.num_kv_heads,
+        "method": conversion.method,
+        "converted_bits_per_byte": record["converted"]["bits_per_byte"],
+        "bits_per_byte": record["after"]["bits_per_byte"],
+        "accuracy": record["after"]["accuracy"],
+      }
+    )
   stem = workdir / "gqa_figure4"
   print(report.write_table(rows, stem, report.columns_of(rows[0])))
-  series = [(name, list(range(len(study.methods))), [r["bits_per_byte"] for r in rows if r["model"] == name])
-            for name in dict.fromkeys(r["model"] for r in rows)]
-  gs.plot(Path(f"{stem}.png"), series, "conversion method: " + ", ".join(study.methods),
-          "held-out bits per byte (better: up)", f"Figure 4: conversion methods (alpha = {study.fraction})",
-          annotate=[list(study.methods)] * len(series))
+  series = [
+    (name, list(range(len(study.methods))), [r["bits_per_byte"] for r in rows if r["model"] == name])
+    for name in dict.fromkeys(r["model"] for r in rows)
+  ]
+  gs.plot(
+    Path(f"{stem}.png"),
+    series,
+    "conversion method: " + ", ".join(study.methods),
+    "held-out bits per byte (better: up)",
+    f"Figure 4: conversion methods (alpha = {study.fraction})",
+    annotate=[list(study.methods)] * len(series),
+  )
   return rows

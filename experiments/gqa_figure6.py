@@ -23,15 +23,38 @@ def main(study: gs.GqaStudy, workdir: Path) -> list[dict]:
   model, params, _ = checkpoint.load_model(workdir / "mha_big")
   heads = study.big.num_heads
   models = {f"kv{kv}": KVHeads(kv).convert(params, model.config) for kv in range(1, heads + 1) if heads % kv == 0}
-  timing = stages.run("timing_kv_sweep", lambda: time_per_sample(
-      {name: (Transformer(config), converted) for name, (converted, config) in models.items()}, study.timing))
-  rows = [{"num_kv_heads": config.num_kv_heads, "time_per_sample_s": timing[name]["time_per_sample_s"],
-           "kv_bytes_per_token": kinds.bytes_per_token(config)} for name, (_, config) in models.items()]
+  timing = stages.run(
+    "timing_kv_sweep",
+    lambda: time_per_sample(
+      {name: (Transformer(config), converted) for name, (converted, config) in models.items()}, study.timing
+    ),
+  )
+  rows = [
+    {
+      "num_kv_heads": config.num_kv_heads,
+      "time_per_sample_s": timing[name]["time_per_sample_s"],
+      "kv_bytes_per_token": kinds.bytes_per_token(config),
+    }
+    for name, (_, config) in models.items()
+  ]
   stem = workdir / "gqa_figure6"
-  print(report.write_table(rows, stem, [("num_kv_heads", "kv heads", "d"), ("time_per_sample_s", "time/sample (s)", ".6f"),
-                                        ("kv_bytes_per_token", "KV bytes/token", ",")]))
-  gs.plot(Path(f"{stem}.png"), [("time per sample", [r["num_kv_heads"] for r in rows],
-                                 [r["time_per_sample_s"] * 1e3 for r in rows])],
-          "kv heads (1 = MQA, %d = MHA)" % heads, "time per sample (ms)", "Figure 6: kv heads vs time",
-          lower_is_better=False)
+  print(
+    report.write_table(
+      rows,
+      stem,
+      [
+        ("num_kv_heads", "kv heads", "d"),
+        ("time_per_sample_s", "time/sample (s)", ".6f"),
+        ("kv_bytes_per_token", "KV bytes/token", ","),
+      ],
+    )
+  )
+  gs.plot(
+    Path(f"{stem}.png"),
+    [("time per sample", [r["num_kv_heads"] for r in rows], [r["time_per_sample_s"] * 1e3 for r in rows])],
+    "kv heads (1 = MQA, %d = MHA)" % heads,
+    "time per sample (ms)",
+    "Figure 6: kv heads vs time",
+    lower_is_better=False,
+  )
   return rows

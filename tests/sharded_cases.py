@@ -27,15 +27,37 @@ from kvjax.training.train import TrainState, make_train_step
 
 # 8 kv heads: one per device on model=8. The second has 2 kv heads, fewer than model=4
 # devices, so its k/v and cache are replicated; it also has every bias and tied embeddings.
-KV8 = ModelConfig(vocab_size=64, d_model=64, num_layers=1, num_heads=16, num_kv_heads=8,
-                  head_dim=8, mlp_dim=128, max_len=48)
-KV2 = ModelConfig(vocab_size=64, d_model=32, num_layers=1, num_heads=8, num_kv_heads=2,
-                  activation="gelu", norm="layernorm", positions="learned", qkv_bias=True,
-                  use_bias=True, tie_embeddings=True, max_len=48)
+KV8 = ModelConfig(
+  vocab_size=64, d_model=64, num_layers=1, num_heads=16, num_kv_heads=8, head_dim=8, mlp_dim=128, max_len=48
+)
+KV2 = ModelConfig(
+  vocab_size=64,
+  d_model=32,
+  num_layers=1,
+  num_heads=8,
+  num_kv_heads=2,
+  activation="gelu",
+  norm="layernorm",
+  positions="learned",
+  qkv_bias=True,
+  use_bias=True,
+  tie_embeddings=True,
+  max_len=48,
+)
 # MLA: per token one latent [16] and one rotary key [8] shared by the 16 query heads: its cache's
 # one "head" does not split over `model` (the query heads and their up-projections do).
-MLA = ModelConfig(vocab_size=64, d_model=64, num_layers=1, num_heads=16, num_kv_heads=2, head_dim=8,
-                  mlp_dim=128, max_len=48, kv_latent_rank=16, rope_dims=8)
+MLA = ModelConfig(
+  vocab_size=64,
+  d_model=64,
+  num_layers=1,
+  num_heads=16,
+  num_kv_heads=2,
+  head_dim=8,
+  mlp_dim=128,
+  max_len=48,
+  kv_latent_rank=16,
+  rope_dims=8,
+)
 
 
 NEW_TOKENS = 8
@@ -81,10 +103,13 @@ def layout(x) -> tuple | None:
   return spec(x) if isinstance(getattr(x, "sharding", None), NamedSharding) else None
 
 
-@pytest.mark.parametrize("config, data, model_axis, kv_spec", [
+@pytest.mark.parametrize(
+  "config, data, model_axis, kv_spec",
+  [
     (KV8, 1, 8, (None, "model", None, None)),
     (KV2, 2, 4, ("data", None, None, None)),
-])
+  ],
+)
 def test_prefill_decode_generate_match_one_device(config, data, model_axis, kv_spec):
   mesh = sharding.make_mesh(data=data, model=model_axis)
   model, params = init(config)
@@ -97,8 +122,12 @@ def test_prefill_decode_generate_match_one_device(config, data, model_axis, kv_s
   assert spec(placed["q"]["kernel"]) == (None, "model", None)
   k = cache.layers["layers_0"]["attn"]["k"]  # [B, K, H, S]
   assert spec(k)[1:] == kv_spec[1:] and spec(k)[0] == ("data" if data > 1 else spec(k)[0])
-  assert k.addressable_shards[0].data.shape == (4 // data, config.num_kv_heads // (
-      model_axis if kv_spec[1] else 1), config.head_dim, 24)
+  assert k.addressable_shards[0].data.shape == (
+    4 // data,
+    config.num_kv_heads // (model_axis if kv_spec[1] else 1),
+    config.head_dim,
+    24,
+  )
   # Greedy decoding step by step on one device is the reference for the sharded generate.
   step_tokens = np.argmax(np.asarray(ref_logits)[np.arange(4), lengths - 1], -1).astype(np.int32)
   greedy = [step_tokens]
@@ -135,8 +164,11 @@ def test_quantized_cache_on_a_mesh_matches_one_device(cache_dtype):
     step_tokens = np.argmax(np.asarray(ref_step), -1).astype(np.int32)
 
 
-@pytest.mark.parametrize("cache_config", [CacheConfig(), CacheConfig(layout="paged", page_size=8, dtype="int8")],
-                         ids=["contiguous", "paged-int8"])
+@pytest.mark.parametrize(
+  "cache_config",
+  [CacheConfig(), CacheConfig(layout="paged", page_size=8, dtype="int8")],
+  ids=["contiguous", "paged-int8"],
+)
 def test_mla_decode_on_a_mesh_matches_one_device(cache_config):
   """An MLA model on data=2 x model=4: prefill, decode steps and generate give the one-device
   logits and greedy tokens. Its latent cache is never split along the sequence: a contiguous
@@ -150,8 +182,9 @@ def test_mla_decode_on_a_mesh_matches_one_device(cache_config):
   logits, cache = decode.prefill(model, params, tokens, lengths, 24, mesh=mesh, cache_config=cache_config)
   np.testing.assert_allclose(np.asarray(logits), np.asarray(ref_logits), atol=1e-5, rtol=0)
   layer = cache.layers["layers_0"]["attn"]
-  assert sorted(layer) == (["latent", "rope_key"] if cache_config.dtype is None else
-                           ["latent", "latent_scale", "rope_key", "rope_key_scale"])
+  assert sorted(layer) == (
+    ["latent", "rope_key"] if cache_config.dtype is None else ["latent", "latent_scale", "rope_key", "rope_key_scale"]
+  )
   for name, x in layer.items():
     shard = x.addressable_shards[0].data.shape
     if cache_config.layout == "contiguous":  # [B, 1, S, W]
@@ -177,7 +210,11 @@ def test_decode_step_with_8_kv_heads_on_model_8_gathers_no_kv():
   tokens, lengths = prompts(2, 6, KV8.vocab_size)
   _, cache = decode.prefill(model, params, tokens, lengths, 16, mesh=mesh)
   params, (step_tokens,) = sharding.place(mesh, params, np.zeros(2, np.int32))
-  hlo = decode._forward.lower(model, params, cache, step_tokens[:, None], jnp.ones(2, jnp.int32), last=True).compile().as_text()
+  hlo = (
+    decode._forward.lower(model, params, cache, step_tokens[:, None], jnp.ones(2, jnp.int32), last=True)
+    .compile()
+    .as_text()
+  )
   # Each device's cache is its own kv head: the compiled module's cache parameters are
   # [B, 1, H, S] and [B, 1, S, H] shards of the k [B, 8, H, S] and v [B, 8, S, H] caches.
   entry_inputs = re.search(r"ENTRY [^(]*\((.*?)\) ->", hlo).group(1)
@@ -196,9 +233,11 @@ def test_train_step_matches_one_device():
   # Sharded sums add in another order; Adam's g / sqrt(v) turns those last-bit differences of
   # near-zero gradients into whole-step ones unless eps dominates them.
   optimizer = optax.adamw(1e-3, eps=1e-4)
+
   def fresh():
     params = jax.device_put(init(KV8)[1])
     return TrainState(step=jnp.int32(0), params=params, opt_state=optimizer.init(params))
+
   rng = np.random.default_rng(1)
   batches = [rng.integers(0, KV8.vocab_size, (4, 17)).astype(np.int32) for _ in range(2)]
   step_fn = make_train_step(model, optimizer)
@@ -213,15 +252,22 @@ def test_train_step_matches_one_device():
   q = sharded.params["layers_0"]["attn"]["q"]["kernel"]
   assert spec(q) == (None, "model", None)
   assert jax.tree.map(spec, sharded.params) == before  # the step keeps the layout it was given
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=0),
-               sharded.params, ref.params)
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=0), sharded.params, ref.params
+  )
 
 
 TINY = str(Path(__file__).resolve().parent.parent / "configs" / "train" / "tiny.py")
 # tiny.py cut to one layer and 4 steps (all inside its warmup, so a 2-step run's schedule, and
 # compiled step, are the 4-step run's); 4 heads over model=4 put one kv head on each device.
-SMALL = ["train.steps=4", "model.num_layers=1", "data.max_bytes=200000", "data.seq_len=32",
-         "train.batch_size=8", "train.eval_batches=1"]
+SMALL = [
+  "train.steps=4",
+  "model.num_layers=1",
+  "data.max_bytes=200000",
+  "data.seq_len=32",
+  "train.batch_size=8",
+  "train.eval_batches=1",
+]
 
 
 def test_kvjax_run_on_a_mesh_matches_one_device(tmp_path, monkeypatch, capsys):
@@ -231,10 +277,13 @@ def test_kvjax_run_on_a_mesh_matches_one_device(tmp_path, monkeypatch, capsys):
   def recording(*args, **kwargs):
     compiled = make(*args, **kwargs)
     steps.append(compiled)
+
     def step(state, inputs, targets):
       layouts.append((layout(state.params["layers_0"]["attn"]["q"]["kernel"]), layout(inputs)))
       return compiled(state, inputs, targets)
+
     return step
+
   monkeypatch.setattr(train, "make_train_step", recording)
   on_mesh = ((None, "model", None), ("data", None))
 
@@ -247,8 +296,7 @@ def test_kvjax_run_on_a_mesh_matches_one_device(tmp_path, monkeypatch, capsys):
     return checkpoint.load_model(tmp_path / name)[1], out
 
   def assert_close(params, ref):
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0),
-                 params, ref)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0), params, ref)
 
   ref, out = run("one_device")
   ref_val = json.loads(out.splitlines()[-1])["val_loss"]

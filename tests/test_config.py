@@ -21,7 +21,9 @@ def test_defaults_are_derived():
   assert ModelConfig(d_model=64, activation="gelu").mlp_dim == 256
 
 
-@pytest.mark.parametrize("kwargs,message", [
+@pytest.mark.parametrize(
+  "kwargs,message",
+  [
     (dict(num_heads=8, num_kv_heads=3), "num_heads=8 is not divisible by num_kv_heads=3"),
     (dict(num_kv_heads=0), "num_kv_heads must be a positive integer, got 0"),
     (dict(d_model=-4), "d_model must be a positive integer, got -4"),
@@ -33,7 +35,8 @@ def test_defaults_are_derived():
     (dict(d_model=100, num_heads=3), "d_model=100 is not divisible by num_heads=3"),
     (dict(head_dim=7, d_model=28, num_heads=4), "head_dim=7 must be even for RoPE"),
     (dict(max_len=0), "max_len must be a positive integer"),
-])
+  ],
+)
 def test_invalid_values_name_the_field(kwargs, message):
   with pytest.raises(ValueError, match=message):
     ModelConfig(**kwargs)
@@ -56,16 +59,28 @@ class Sweep:
 @dataclasses.dataclass(frozen=True)
 class TableRun:
   """A run config shaped unlike TrainRun: the machinery must not depend on TrainRun's fields."""
+
   job: str = "gqa_table"
   model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
   sweep: Sweep = dataclasses.field(default_factory=Sweep)
 
 
 def test_overrides_parse_each_type():
-  run = apply_overrides(TrainRun(), [
-      "train.steps=10", "train.warmup_steps=2", "train.lr=3e-4", "train.bf16=True",
-      "model.num_kv_heads=2", "data.source=/tmp/some dir/corpus.txt", "data.val_fraction=0.1",
-      "model.dtype='bfloat16'", "model.head_dim=None", "train.weight_decay=0"])
+  run = apply_overrides(
+    TrainRun(),
+    [
+      "train.steps=10",
+      "train.warmup_steps=2",
+      "train.lr=3e-4",
+      "train.bf16=True",
+      "model.num_kv_heads=2",
+      "data.source=/tmp/some dir/corpus.txt",
+      "data.val_fraction=0.1",
+      "model.dtype='bfloat16'",
+      "model.head_dim=None",
+      "train.weight_decay=0",
+    ],
+  )
   assert run.train.steps == 10 and run.train.warmup_steps == 2
   assert run.train.lr == 3e-4 and run.train.bf16 is True
   assert run.model.num_kv_heads == 2 and run.model.q_per_kv == 2
@@ -91,12 +106,15 @@ def test_later_overrides_win_and_input_is_not_mutated():
   assert run.train.steps == 20 and base.train.steps == TrainConfig().steps
 
 
-@pytest.mark.parametrize("item, message", [
+@pytest.mark.parametrize(
+  "item, message",
+  [
     ("train.stepz=1", "unknown config key 'train.stepz'"),
     ("model=3", "unknown config key 'model'"),
     ("train.steps.x=3", "unknown config key 'train.steps.x'"),
     ("nosuch=1", "unknown config key 'nosuch'"),
-])
+  ],
+)
 def test_unknown_key_lists_valid_keys(item, message):
   with pytest.raises(ValueError, match=message) as err:
     apply_overrides(TrainRun(), [item])
@@ -104,27 +122,33 @@ def test_unknown_key_lists_valid_keys(item, message):
   assert "data.source" in str(err.value)
 
 
-@pytest.mark.parametrize("item, message", [
+@pytest.mark.parametrize(
+  "item, message",
+  [
     ("train.steps=1.5", "train.steps expects int, got 1.5"),
     ("train.steps=ten", "train.steps expects int, got 'ten'"),
     ("train.bf16=1", "train.bf16 expects bool, got 1"),
     ("train.batch_size=True", "train.batch_size expects int, got True"),
     ("model.dtype=3", "model.dtype expects str, got 3"),
     ("train.lr='fast'", "train.lr expects float"),
-])
+  ],
+)
 def test_wrong_type_names_key_and_value(item, message):
   with pytest.raises(ValueError, match=message):
     apply_overrides(TrainRun(), [item])
 
 
-@pytest.mark.parametrize("item, message", [
+@pytest.mark.parametrize(
+  "item, message",
+  [
     ("model.num_kv_heads=3", "num_heads=4 is not divisible by num_kv_heads=3"),
     ("train.lr=-1.0", "TrainConfig.lr must be a finite number"),
     ("train.warmup_steps=-1", "TrainConfig.warmup_steps must be a non-negative integer"),
     ("data.val_fraction=0.9", "DataConfig.val_fraction"),
     ("data.seq_len=4096", "DataConfig.seq_len=4096 exceeds ModelConfig.max_len"),
     ("model.vocab_size=100", "too small for the byte tokenizer"),
-])
+  ],
+)
 def test_values_are_validated(item, message):
   with pytest.raises(ValueError, match=message):
     apply_overrides(TrainRun(), [item])
@@ -143,8 +167,9 @@ def test_json_round_trip_train_run():
 
 
 def test_generic_over_other_run_configs():
-  table = apply_overrides(TableRun(), ["sweep.kv_heads=(1, 4)", "sweep.label=wide", "sweep.scale=2",
-                                       "model.num_layers=1"])
+  table = apply_overrides(
+    TableRun(), ["sweep.kv_heads=(1, 4)", "sweep.label=wide", "sweep.scale=2", "model.num_layers=1"]
+  )
   assert table.sweep == Sweep(kv_heads=(1, 4), label="wide", scale=2.0)
   assert table.model.num_layers == 1
   data = json.loads(json.dumps(to_dict(table)))
@@ -191,6 +216,7 @@ def main(config, workdir):
 
 def test_run_dispatches_to_the_driver_the_config_names(tmp_path, capsys):
   from kvjax.cli import main as cli
+
   (tmp_path / "configs" / "nested").mkdir(parents=True)
   (tmp_path / "drivers").mkdir()
   config_file = tmp_path / "configs" / "nested" / "hello.py"
@@ -210,6 +236,7 @@ def test_run_dispatches_to_the_driver_the_config_names(tmp_path, capsys):
 def test_run_works_from_another_working_directory(tmp_path, monkeypatch, capsys):
   """The config names its driver by path: nothing is looked up from the working directory."""
   from kvjax.cli import main as cli
+
   (tmp_path / "project").mkdir()
   driver = tmp_path / "project" / "hello_driver.py"
   driver.write_text(DRIVER)
@@ -226,6 +253,7 @@ def test_run_works_from_another_working_directory(tmp_path, monkeypatch, capsys)
 
 def test_every_config_names_an_existing_driver_or_a_library_job():
   from kvjax.cli import run
+
   root = pathlib.Path(__file__).resolve().parent.parent
   configs = sorted((root / "configs").rglob("*.py"))
   assert configs
@@ -237,7 +265,9 @@ def test_every_config_names_an_existing_driver_or_a_library_job():
     assert driver is None or driver.parent == root / "experiments", path
 
 
-@pytest.mark.parametrize("content, message", [
+@pytest.mark.parametrize(
+  "content, message",
+  [
     (CONFIG_FILE.format(job="nosuchjob", driver=None), "unknown job 'nosuchjob': not a library job (train)"),
     (CONFIG_FILE.format(job="hello", driver="missing.py"), "names DRIVER {tmp}/missing.py, which does not exist"),
     (CONFIG_FILE.format(job="hello", driver="bad.py"), "bad.py (DRIVER of {tmp}/bad.py) does not define main"),
@@ -245,9 +275,11 @@ def test_every_config_names_an_existing_driver_or_a_library_job():
     ("x = 1\n", "does not define get_config()"),
     ("def get_config():\n  return {'job': 'train'}\n", "must return a config dataclass with a `job` field"),
     (CONFIG_FILE.format(job="hello", driver=None), "unknown config key 'greting'"),
-])
+  ],
+)
 def test_run_errors(tmp_path, capsys, content, message):
   from kvjax.cli import main as cli
+
   config_file = tmp_path / "bad.py"
   config_file.write_text(content)
   argv = ["run", str(config_file), "--workdir", str(tmp_path / "w")]
@@ -260,16 +292,19 @@ def test_run_errors(tmp_path, capsys, content, message):
 
 def test_run_missing_config_file(tmp_path, capsys):
   from kvjax.cli import main as cli
+
   assert cli.main(["run", str(tmp_path / "absent.py")]) == 2
   assert "config file not found" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("command", [["run", "c.py"], ["uptrain", "--from", "a", "--workdir", "b", "--kv-heads", "1"],
-                                     ["bench", "decode"]])
+@pytest.mark.parametrize(
+  "command", [["run", "c.py"], ["uptrain", "--from", "a", "--workdir", "b", "--kv-heads", "1"], ["bench", "decode"]]
+)
 def test_set_is_one_option_in_every_command(command, capsys):
   """--set takes several items and repeats, with the same help, wherever it is offered."""
   from kvjax.cli import main as cli
   from kvjax.cli.options import SET_HELP
+
   parser = cli.build_parser()
   args = parser.parse_args([*command, "--set", "a=1", "b.c=2", "--set", "d='x'"])
   assert args.overrides == ["a=1", "b.c=2", "d='x'"]
@@ -283,10 +318,10 @@ def test_bench_set_changes_the_benchmark_model():
   from kvjax.bench.benchmarks import BENCH_MODEL
   from kvjax.cli import bench, main as cli
   from kvjax.cli.options import apply_set
+
   args = cli.build_parser().parse_args(["bench", "paged", "--set", "model.num_kv_heads=8", "--batch", "2"])
   model = apply_set(bench.BenchConfig(), args).model
   assert model == BENCH_MODEL.replace(num_kv_heads=8)
   assert bench.benchmark_kwargs(args) == {"batch": 2, "repeats": 5, "context": 1024, "page_size": 16}
   with pytest.raises(ValueError, match=r"unknown config key 'num_kv_heads'; valid keys: model.vocab_size"):
-    apply_set(bench.BenchConfig(), cli.build_parser().parse_args(
-        ["bench", "decode", "--set", "num_kv_heads=8"]))
+    apply_set(bench.BenchConfig(), cli.build_parser().parse_args(["bench", "decode", "--set", "num_kv_heads=8"]))

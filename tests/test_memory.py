@@ -27,8 +27,7 @@ from kvjax.training.config import DataConfig, TrainConfig, TrainRun
 
 ROOT = Path(__file__).resolve().parents[1]
 # configs/train/tiny.py's model.
-TINY = ModelConfig(vocab_size=256, d_model=64, num_layers=2, num_heads=4, num_kv_heads=4, mlp_dim=192,
-                   max_len=128)
+TINY = ModelConfig(vocab_size=256, d_model=64, num_layers=2, num_heads=4, num_kv_heads=4, mlp_dim=192, max_len=128)
 
 
 def counted_by_hand(config: ModelConfig) -> int:
@@ -38,8 +37,13 @@ def counted_by_hand(config: ModelConfig) -> int:
   norm = d if config.norm == "rmsnorm" else 2 * d  # LayerNorm has a bias beside its scale
   if config.is_latent:
     r, w = config.kv_latent_rank, config.rope_dims
-    attn = (2 * d * n * h + d * (r + w) + r * n * (2 * h - config.rope_group_dims)
-            + (n * h + r + w if config.qkv_bias else 0) + (d if config.use_bias else 0))
+    attn = (
+      2 * d * n * h
+      + d * (r + w)
+      + r * n * (2 * h - config.rope_group_dims)
+      + (n * h + r + w if config.qkv_bias else 0)
+      + (d if config.use_bias else 0)
+    )
   else:
     attn = d * h * (2 * n + 2 * k) + (h * (n + 2 * k) if config.qkv_bias else 0) + (d if config.use_bias else 0)
   projections = 3 if config.activation == "swiglu" else 2
@@ -50,14 +54,33 @@ def counted_by_hand(config: ModelConfig) -> int:
 
 
 def test_param_count_is_the_size_of_the_parameter_tree():
-  configs = [ModelConfig(vocab_size=50, d_model=24, num_layers=3, num_heads=6, num_kv_heads=2, head_dim=6, mlp_dim=40,
-                         activation=activation, norm=norm, positions=positions, qkv_bias=qkv_bias, use_bias=use_bias,
-                         tie_embeddings=tie, max_len=17)
-             for activation, norm, positions, qkv_bias, use_bias, tie in itertools.product(
-                 ("swiglu", "gelu"), ("rmsnorm", "layernorm"), ("rope", "learned"), *[(False, True)] * 3)]
+  configs = [
+    ModelConfig(
+      vocab_size=50,
+      d_model=24,
+      num_layers=3,
+      num_heads=6,
+      num_kv_heads=2,
+      head_dim=6,
+      mlp_dim=40,
+      activation=activation,
+      norm=norm,
+      positions=positions,
+      qkv_bias=qkv_bias,
+      use_bias=use_bias,
+      tie_embeddings=tie,
+      max_len=17,
+    )
+    for activation, norm, positions, qkv_bias, use_bias, tie in itertools.product(
+      ("swiglu", "gelu"), ("rmsnorm", "layernorm"), ("rope", "learned"), *[(False, True)] * 3
+    )
+  ]
   # MLA changes only the attention's weights: with and without biases and a rotary key.
-  configs += [c.replace(kv_latent_rank=10, rope_dims=4 if c.positions == "rope" else 0) for c in configs
-              if (c.activation, c.norm, c.tie_embeddings) == ("swiglu", "rmsnorm", False)]
+  configs += [
+    c.replace(kv_latent_rank=10, rope_dims=4 if c.positions == "rope" else 0)
+    for c in configs
+    if (c.activation, c.norm, c.tie_embeddings) == ("swiglu", "rmsnorm", False)
+  ]
   for config in configs:
     assert param_count(config) == counted_by_hand(config), config
   # And the tree init builds, leaf by leaf.
@@ -71,17 +94,39 @@ def test_training_estimate_of_the_tiny_config():
   # Per token: 2 layers * (4D + 3NH + 4KH + 6F + 4NT) + 2D + 3V floats, for 16 x 64 tokens.
   activations = 4 * 16 * 64 * (2 * (256 + 192 + 256 + 1152 + 4 * 4 * 64) + 128 + 768)
   assert memory.train_parts(TINY, 16, 64) == {
-      "parameters": 558_336, "gradients": 558_336, "AdamW moments": 1_116_672,
-      "activations for 16 x 64 tokens": activations}
+    "parameters": 558_336,
+    "gradients": 558_336,
+    "AdamW moments": 1_116_672,
+    "activations for 16 x 64 tokens": activations,
+  }
   assert memory.train_bytes(TINY, 16, 64) == 2_233_344 + activations == 29_496_320
 
 
-@pytest.mark.parametrize("config, batch, seq_len", [
+@pytest.mark.parametrize(
+  "config, batch, seq_len",
+  [
     (TINY, 16, 64),
     (ModelConfig(vocab_size=1000, d_model=128, num_layers=4, num_heads=8, num_kv_heads=2, max_len=256), 8, 256),
-    (ModelConfig(vocab_size=256, d_model=256, num_layers=2, num_heads=4, num_kv_heads=1, activation="gelu",
-                 norm="layernorm", positions="learned", use_bias=True, qkv_bias=True, max_len=512), 4, 512),
-], ids=["tiny", "gqa", "gpt2_like"])
+    (
+      ModelConfig(
+        vocab_size=256,
+        d_model=256,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=1,
+        activation="gelu",
+        norm="layernorm",
+        positions="learned",
+        use_bias=True,
+        qkv_bias=True,
+        max_len=512,
+      ),
+      4,
+      512,
+    ),
+  ],
+  ids=["tiny", "gqa", "gpt2_like"],
+)
 def test_training_estimate_bounds_what_xla_plans(config, batch, seq_len):
   model, optimizer = Transformer(config), train.make_optimizer(TrainConfig())
   state = jax.eval_shape(functools.partial(train.init_state, model, optimizer), jax.random.key(0))
@@ -89,8 +134,7 @@ def test_training_estimate_bounds_what_xla_plans(config, batch, seq_len):
   plan = train.make_train_step(model, optimizer).lower(state, tokens, tokens).compile().memory_analysis()
   if plan is None:
     pytest.skip("this backend gives no memory analysis")
-  used = (plan.argument_size_in_bytes + plan.output_size_in_bytes - plan.alias_size_in_bytes
-          + plan.temp_size_in_bytes)
+  used = plan.argument_size_in_bytes + plan.output_size_in_bytes - plan.alias_size_in_bytes + plan.temp_size_in_bytes
   assert used <= memory.train_bytes(config, batch, seq_len) <= 2 * used
 
 
@@ -119,12 +163,18 @@ def test_cache_estimates_are_the_caches_sizes(model, dtype):
 
 def test_check_fits_gives_the_estimate_and_the_limit():
   memory.check_fits("a job", 1000, limit=1000)
-  with pytest.raises(ValueError, match=r"^a job needs about 1\.5 KB, more than the 1\.0 KB of the given "
-                                       r"limit; refused before allocating$"):
+  with pytest.raises(
+    ValueError,
+    match=r"^a job needs about 1\.5 KB, more than the 1\.0 KB of the given "
+    r"limit; refused before allocating$",
+  ):
     memory.check_fits("a job", 1500, limit=1000)
-  with pytest.raises(ValueError, match=r"training \(139,584 parameters\) needs about 29\.5 MB \(parameters "
-                                       r"558\.3 KB \+ gradients 558\.3 KB \+ AdamW moments 1\.1 MB \+ "
-                                       r"activations for 16 x 64 tokens 27\.3 MB\), more than the 10\.0 MB"):
+  with pytest.raises(
+    ValueError,
+    match=r"training \(139,584 parameters\) needs about 29\.5 MB \(parameters "
+    r"558\.3 KB \+ gradients 558\.3 KB \+ AdamW moments 1\.1 MB \+ "
+    r"activations for 16 x 64 tokens 27\.3 MB\), more than the 10\.0 MB",
+  ):
     memory.check_training(TINY, 16, 64, limit=10**7)
   memory.check_training(TINY, 16, 64, limit=memory.train_bytes(TINY, 16, 64))
   # Weights already in memory are not counted twice.
@@ -158,9 +208,11 @@ def test_the_memory_a_job_has():
 
 
 def _too_big(d_model: int) -> TrainRun:
-  return TrainRun(model=TINY.replace(d_model=d_model, mlp_dim=None),
-                  data=DataConfig(source="stdlib", max_bytes=100_000, seq_len=64),
-                  train=TrainConfig(steps=2, batch_size=16))
+  return TrainRun(
+    model=TINY.replace(d_model=d_model, mlp_dim=None),
+    data=DataConfig(source="stdlib", max_bytes=100_000, seq_len=64),
+    train=TrainConfig(steps=2, batch_size=16),
+  )
 
 
 @pytest.mark.parametrize("d_model", [32768, 10**9])
@@ -168,8 +220,11 @@ def test_training_that_cannot_fit_is_refused_before_anything_is_written(d_model,
   config = _too_big(d_model)
   if memory.train_bytes(config.model, 16, 64) <= memory.available_bytes():
     pytest.skip("this machine could hold it")
-  with pytest.raises(ValueError, match=r"training \([\d,]+ parameters\) needs about [\d.,]+ [EPTG]B .*"
-                                       r"more than the [\d.,]+ [KMGT]?B of host RAM"):
+  with pytest.raises(
+    ValueError,
+    match=r"training \([\d,]+ parameters\) needs about [\d.,]+ [EPTG]B .*"
+    r"more than the [\d.,]+ [KMGT]?B of host RAM",
+  ):
     train.run(config, tmp_path / "run")
   assert not (tmp_path / "run").exists()
 
@@ -178,9 +233,22 @@ def test_training_that_cannot_fit_is_refused_before_anything_is_written(d_model,
 def test_kvjax_run_refuses_in_one_line(d_model, tmp_path):
   if memory.train_bytes(_too_big(32768).model, 16, 64) <= memory.available_bytes():
     pytest.skip("this machine could hold it")
-  done = subprocess.run([sys.executable, "-m", "kvjax.cli.main", "run", str(ROOT / "configs/train/tiny.py"),
-                         "--workdir", str(tmp_path / "run"), "--set", f"model.d_model={d_model}"],
-                        capture_output=True, text=True, timeout=300)
+  done = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "kvjax.cli.main",
+      "run",
+      str(ROOT / "configs/train/tiny.py"),
+      "--workdir",
+      str(tmp_path / "run"),
+      "--set",
+      f"model.d_model={d_model}",
+    ],
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert done.returncode == 2, done.stderr
   lines = done.stderr.strip().splitlines()
   assert len(lines) == 1 and re.match(r"kvjax run: error: training \([\d,]+ parameters\) needs about", lines[0])
@@ -191,24 +259,40 @@ def test_uptraining_that_cannot_fit_is_refused_before_loading(tmp_path, monkeypa
   from kvjax.conversion import uptrain as uptraining
   from kvjax.conversion.conversions import KVHeads
   from kvjax.training.checkpoint import save_params
+
   source = tmp_path / "source"
   params = jax.jit(lambda: Transformer(TINY).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))()
   save_params(source, params["params"], TINY)
   monkeypatch.setattr(uptraining.checkpoint, "load_model", lambda *a, **k: pytest.fail("loaded the source"))
-  with pytest.raises(ValueError, match=r"uptraining needs about .*\(source parameters 558\.3 KB \+ parameters "
-                                       r".* activations for 1000000 x 64 tokens"):
-    uptraining.uptrain(source, tmp_path / "gqa", KVHeads(2), overrides=["train.steps=1", "train.batch_size=1000000",
-                                                               "data.seq_len=64"])
+  with pytest.raises(
+    ValueError,
+    match=r"uptraining needs about .*\(source parameters 558\.3 KB \+ parameters "
+    r".* activations for 1000000 x 64 tokens",
+  ):
+    uptraining.uptrain(
+      source, tmp_path / "gqa", KVHeads(2), overrides=["train.steps=1", "train.batch_size=1000000", "data.seq_len=64"]
+    )
   assert not (tmp_path / "gqa").exists()
 
 
 def test_import_of_a_model_too_large_for_host_memory_is_refused_before_reading(tmp_path):
   from kvjax.interop.importer import from_hf
-  config = dict(model_type="llama", vocab_size=32000, hidden_size=2**20, intermediate_size=2**22,
-                num_hidden_layers=80, num_attention_heads=64, max_position_embeddings=4096)
+
+  config = dict(
+    model_type="llama",
+    vocab_size=32000,
+    hidden_size=2**20,
+    intermediate_size=2**22,
+    num_hidden_layers=80,
+    num_attention_heads=64,
+    max_position_embeddings=4096,
+  )
   (tmp_path / "config.json").write_text(json.dumps(config))  # and no weights at all
-  with pytest.raises(ValueError, match=rf"importing {re.escape(str(tmp_path))} needs about [\d.,]+ PB "
-                                       r"\(float32 parameters"):
+  with pytest.raises(
+    ValueError,
+    match=rf"importing {re.escape(str(tmp_path))} needs about [\d.,]+ PB "
+    r"\(float32 parameters",
+  ):
     from_hf(tmp_path)
 
 

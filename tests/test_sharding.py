@@ -26,8 +26,12 @@ from kvjax.conversion.uptrain import uptrain_config
 def test_parse_mesh():
   assert sharding.parse_mesh("data=2,model=4") == {"data": 2, "model": 4}
   assert sharding.parse_mesh("model=8") == {"data": 1, "model": 8}
-  for bad, message in (("pipe=2", "AXIS=SIZE"), ("data=0", "positive integer"), ("model", "AXIS=SIZE"),
-                       ("data=two", "positive integer")):
+  for bad, message in (
+    ("pipe=2", "AXIS=SIZE"),
+    ("data=0", "positive integer"),
+    ("model", "AXIS=SIZE"),
+    ("data=two", "positive integer"),
+  ):
     with pytest.raises(ValueError, match=message):
       sharding.parse_mesh(bad)
   with pytest.raises(ValueError, match=f"needs {4 * jax.device_count()} devices"):
@@ -36,8 +40,9 @@ def test_parse_mesh():
 
 def test_rules_cover_every_matrix_of_the_model():
   mesh = sharding.make_mesh(1, 1)
-  config = ModelConfig(vocab_size=64, d_model=32, num_layers=1, num_heads=4, num_kv_heads=2,
-                       qkv_bias=True, use_bias=True)
+  config = ModelConfig(
+    vocab_size=64, d_model=32, num_layers=1, num_heads=4, num_kv_heads=2, qkv_bias=True, use_bias=True
+  )
   specs = jax.tree.map(lambda s: tuple(s.spec), sharding.param_sharding(abstract_params(config), mesh))
   attn, mlp = specs["layers_0"]["attn"], specs["layers_0"]["mlp"]
   assert attn["q"]["kernel"] == attn["k"]["kernel"] == (None, "model", None)
@@ -54,12 +59,20 @@ def test_cache_rules_split_rows_and_heads_never_the_sequence():
   pages, widths, scale groups) is ever split, for K/V and MLA's latents, float or int4."""
   from kvjax.cache import kinds
   from kvjax.cache.config import CacheConfig
+
   mesh = sharding.make_mesh(1, 1)
-  for config in (ModelConfig(vocab_size=64, d_model=32, num_layers=1, num_heads=4, num_kv_heads=2, max_len=16),
-                 ModelConfig(vocab_size=64, d_model=32, num_layers=1, num_heads=4, num_kv_heads=2, max_len=16,
-                             kv_latent_rank=8, rope_dims=4)):
-    for cache_config in (CacheConfig(), CacheConfig(dtype="int4"), CacheConfig(layout="paged", page_size=4),
-                         CacheConfig(layout="paged", page_size=4, dtype="int4")):
+  for config in (
+    ModelConfig(vocab_size=64, d_model=32, num_layers=1, num_heads=4, num_kv_heads=2, max_len=16),
+    ModelConfig(
+      vocab_size=64, d_model=32, num_layers=1, num_heads=4, num_kv_heads=2, max_len=16, kv_latent_rank=8, rope_dims=4
+    ),
+  ):
+    for cache_config in (
+      CacheConfig(),
+      CacheConfig(dtype="int4"),
+      CacheConfig(layout="paged", page_size=4),
+      CacheConfig(layout="paged", page_size=4, dtype="int4"),
+    ):
       cache = kinds.create(config, cache_config, 2, 8)
       specs = jax.tree.map(lambda s: tuple(s.spec), sharding.cache_sharding(cache, mesh))
       lead = ("data", "model") if cache_config.layout == "contiguous" else ("model",)
@@ -82,8 +95,12 @@ def test_place_without_mesh_is_identity_and_batch_must_split():
 
 def test_train_mesh_is_validated_resumable_and_not_inherited_by_uptraining():
   assert TrainConfig(mesh="data=2,model=4", batch_size=8).mesh == "data=2,model=4"
-  for mesh, message in (("pipe=2", r"TrainConfig.mesh='pipe=2': mesh item"), ("", "TrainConfig.mesh must be"),
-                        (4, "TrainConfig.mesh must be"), ("data=0", "TrainConfig.mesh='data=0'.*positive")):
+  for mesh, message in (
+    ("pipe=2", r"TrainConfig.mesh='pipe=2': mesh item"),
+    ("", "TrainConfig.mesh must be"),
+    (4, "TrainConfig.mesh must be"),
+    ("data=0", "TrainConfig.mesh='data=0'.*positive"),
+  ):
     with pytest.raises(ValueError, match=message):
       TrainConfig(mesh=mesh)
   with pytest.raises(ValueError, match=r"TrainConfig.batch_size=6 does not split over the data axis"):
@@ -100,8 +117,12 @@ def test_train_mesh_is_validated_resumable_and_not_inherited_by_uptraining():
 
 def test_mesh_options_on_run_eval_generate_uptrain(tmp_path, capsys):
   parser = cli.build_parser()
-  commands = {"run": ["c.py"], "eval": ["--workdir", "w"], "generate": ["--workdir", "w", "--prompt", "p"],
-              "uptrain": ["--from", "a", "--workdir", "b", "--kv-heads", "1"]}
+  commands = {
+    "run": ["c.py"],
+    "eval": ["--workdir", "w"],
+    "generate": ["--workdir", "w", "--prompt", "p"],
+    "uptrain": ["--from", "a", "--workdir", "b", "--kv-heads", "1"],
+  }
   for name, required in commands.items():
     assert parser.parse_args([name, *required, "--mesh", "data=2,model=4"]).mesh == "data=2,model=4"
     assert parser.parse_args([name, *required]).mesh is None
@@ -113,14 +134,15 @@ def test_mesh_options_on_run_eval_generate_uptrain(tmp_path, capsys):
   # A mesh larger than this machine stops `kvjax run` before any work, naming the devices.
   workdir = tmp_path / "run"
   tiny = str(Path(__file__).resolve().parent.parent / "configs" / "train" / "tiny.py")
-  assert cli.main(["run", tiny, "--workdir", str(workdir), "--mesh",
-                   f"data={jax.device_count()},model=2"]) == 2
+  assert cli.main(["run", tiny, "--workdir", str(workdir), "--mesh", f"data={jax.device_count()},model=2"]) == 2
   assert f"needs {2 * jax.device_count()} devices" in capsys.readouterr().err
   assert not workdir.exists()  # refused before the workdir is claimed
   # --mesh is for configs with a train section.
   config = tmp_path / "no_train.py"
-  config.write_text("import dataclasses\n\n@dataclasses.dataclass(frozen=True)\nclass Job:\n  job: str = 'x'\n\n"
-                    "def get_config():\n  return Job()\n")
+  config.write_text(
+    "import dataclasses\n\n@dataclasses.dataclass(frozen=True)\nclass Job:\n  job: str = 'x'\n\n"
+    "def get_config():\n  return Job()\n"
+  )
   assert cli.main(["run", str(config), "--workdir", str(tmp_path / "x"), "--mesh", "model=2"]) == 2
   assert "has no train.mesh" in capsys.readouterr().err
 
@@ -128,11 +150,20 @@ def test_mesh_options_on_run_eval_generate_uptrain(tmp_path, capsys):
 def test_sharded_runs_match_one_device_on_8_cpu_devices(tmp_path):
   # LLVM's cheapest level halves the compile times that dominate these tiny runs; the cache lets
   # the resumed training runs reuse the steps compiled for the whole ones.
-  env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"),
-             XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
+  env = dict(
+    os.environ,
+    JAX_PLATFORMS="cpu",
+    JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"),
+    XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0",
+  )
   root = Path(__file__).resolve().parent.parent
-  proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
-                         str(root / "tests" / "sharded_cases.py")],
-                        cwd=root, env=env, capture_output=True, text=True, timeout=900)
+  proc = subprocess.run(
+    [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", str(root / "tests" / "sharded_cases.py")],
+    cwd=root,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=900,
+  )
   assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
   assert "9 passed" in proc.stdout

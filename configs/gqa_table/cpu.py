@@ -17,23 +17,31 @@ from kvjax.studies.tasks import TaskConfig
 from kvjax.training.config import DataConfig, TrainConfig
 
 DRIVER = Path(__file__).parents[2] / "experiments" / "gqa_table.py"
-BIG = ModelConfig(vocab_size=256, d_model=128, num_layers=4, num_heads=16, num_kv_heads=16, head_dim=32, mlp_dim=384,
-                  max_len=2048)
+BIG = ModelConfig(
+  vocab_size=256, d_model=128, num_layers=4, num_heads=16, num_kv_heads=16, head_dim=32, mlp_dim=384, max_len=2048
+)
 
 
 def get_config() -> GqaStudy:
   return GqaStudy(
-      job="gqa_table",
-      small=ModelConfig(vocab_size=256, d_model=96, num_layers=4, num_heads=8, num_kv_heads=8,
-                        mlp_dim=256, max_len=2048),
-      big=BIG,
-      data=DataConfig(source="stdlib", max_bytes=4_000_000, seq_len=128),
-      train=TrainConfig(steps=1000, batch_size=16, lr=2e-3, warmup_steps=100, log_every=50,
-                        eval_every=500, eval_batches=16, checkpoint_every=500, keep_checkpoints=2),
-      timing=TimingConfig(batch=64, prompt=64, new_tokens=1984, repeats=5),
-      # kvjax's rows: pca to GQA-2 and MQA; MLA at their KV bytes (latent 64 + 64 rotary dims, 32 + 32).
-      conversions=(KVHeads(2, "pca"), KVHeads(1, "pca"), ToMLA.at_kv_heads(BIG, 2, 64),
-                   ToMLA.at_kv_heads(BIG, 1, 32)),
-      fraction=0.05,
-      tasks=TaskConfig(steps=60, batch_size=8, eval_examples=64),
+    job="gqa_table",
+    small=ModelConfig(vocab_size=256, d_model=96, num_layers=4, num_heads=8, num_kv_heads=8, mlp_dim=256, max_len=2048),
+    big=BIG,
+    data=DataConfig(source="stdlib", max_bytes=4_000_000, seq_len=128),
+    train=TrainConfig(
+      steps=1000,
+      batch_size=16,
+      lr=2e-3,
+      warmup_steps=100,
+      log_every=50,
+      eval_every=500,
+      eval_batches=16,
+      checkpoint_every=500,
+      keep_checkpoints=2,
+    ),
+    timing=TimingConfig(batch=64, prompt=64, new_tokens=1984, repeats=5),
+    # kvjax's rows: pca to GQA-2 and MQA; MLA at their KV bytes (latent 64 + 64 rotary dims, 32 + 32).
+    conversions=(KVHeads(2, "pca"), KVHeads(1, "pca"), ToMLA.at_kv_heads(BIG, 2, 64), ToMLA.at_kv_heads(BIG, 1, 32)),
+    fraction=0.05,
+    tasks=TaskConfig(steps=60, batch_size=8, eval_examples=64),
   )

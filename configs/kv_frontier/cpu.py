@@ -27,10 +27,10 @@ GQA_TABLE = Path(__file__).parents[1] / "gqa_table" / "cpu.py"
 def get_config() -> KVFrontierStudy:
   gqa = load_config(GQA_TABLE)
   return KVFrontierStudy(
-      gqa=gqa,
-      variants=standard_variants(gqa, windows=(32, 64), sink_tokens=4)
-      + (Variant("local 32 / global", "window", CacheConfig(window=(32, 0))),),
-      context=2048,
-      recall=RecallConfig(distances=(24, 48, 96), needles=32, needle_bytes=12),
-      timing=TimingConfig(batch=16, prompt=64, new_tokens=448, repeats=3),
+    gqa=gqa,
+    variants=standard_variants(gqa, windows=(32, 64), sink_tokens=4)
+    + (Variant("local 32 / global", "window", CacheConfig(window=(32, 0))),),
+    context=2048,
+    recall=RecallConfig(distances=(24, 48, 96), needles=32, needle_bytes=12),
+    timing=TimingConfig(batch=16, prompt=64, new_tokens=448, repeats=3),
   )

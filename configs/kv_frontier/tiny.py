@@ -20,10 +20,10 @@ GQA_TABLE = Path(__file__).parents[1] / "gqa_table" / "tiny.py"
 def get_config() -> KVFrontierStudy:
   gqa = load_config(GQA_TABLE)
   return KVFrontierStudy(
-      gqa=gqa,
-      variants=standard_variants(gqa, windows=(16,), sink_tokens=2),
-      recall=RecallConfig(distances=(24, 40), needles=4, needle_bytes=8),
-      # Timed at the recall test's shapes (4 rows, prompts in the 64-byte bucket, 8 new tokens), so
-      # that the timed generate is the one recall compiled.
-      timing=TimingConfig(batch=4, prompt=40, new_tokens=8, repeats=3),
+    gqa=gqa,
+    variants=standard_variants(gqa, windows=(16,), sink_tokens=2),
+    recall=RecallConfig(distances=(24, 40), needles=4, needle_bytes=8),
+    # Timed at the recall test's shapes (4 rows, prompts in the 64-byte bucket, 8 new tokens), so
+    # that the timed generate is the one recall compiled.
+    timing=TimingConfig(batch=4, prompt=40, new_tokens=8, repeats=3),
   )

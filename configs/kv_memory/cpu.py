@@ -15,9 +15,12 @@ DRIVER = Path(__file__).parents[2] / "experiments" / "kv_memory.py"
 
 def get_config() -> KVMemoryStudy:
   return KVMemoryStudy(
-      model=ModelConfig(vocab_size=256, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                        mlp_dim=128, max_len=1024),
-      workload=WorkloadConfig(num_requests=128, prompt_median=128, prompt_sigma=0.9,
-                              output_median=192, output_sigma=0.9, seed=0),
-      budget_tokens=16384, page_sizes=(8, 16, 32), baseline_page_size=16, num_slots=96,
+    model=ModelConfig(vocab_size=256, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=128, max_len=1024),
+    workload=WorkloadConfig(
+      num_requests=128, prompt_median=128, prompt_sigma=0.9, output_median=192, output_sigma=0.9, seed=0
+    ),
+    budget_tokens=16384,
+    page_sizes=(8, 16, 32),
+    baseline_page_size=16,
+    num_slots=96,
   )

@@ -17,10 +17,16 @@ DRIVER = Path(__file__).parents[2] / "experiments" / "kv_memory.py"
 
 def get_config() -> KVMemoryStudy:
   return KVMemoryStudy(
-      model=ModelConfig(vocab_size=256, d_model=64, num_layers=2, num_heads=2, num_kv_heads=2,
-                        head_dim=32, mlp_dim=128, max_len=256),
-      workload=WorkloadConfig(num_requests=200, prompt_median=32, prompt_sigma=0.9,
-                              output_median=48, output_sigma=0.9, seed=0),
-      budget_tokens=1024, page_sizes=(16,), baseline_page_size=16, num_slots=256,
-      cache_dtypes=("int8", "int4"), baselines=False,
+    model=ModelConfig(
+      vocab_size=256, d_model=64, num_layers=2, num_heads=2, num_kv_heads=2, head_dim=32, mlp_dim=128, max_len=256
+    ),
+    workload=WorkloadConfig(
+      num_requests=200, prompt_median=32, prompt_sigma=0.9, output_median=48, output_sigma=0.9, seed=0
+    ),
+    budget_tokens=1024,
+    page_sizes=(16,),
+    baseline_page_size=16,
+    num_slots=256,
+    cache_dtypes=("int8", "int4"),
+    baselines=False,
   )

@@ -11,9 +11,19 @@ from kvjax.training.config import DataConfig, TrainConfig, TrainRun
 
 def get_config() -> TrainRun:
   return TrainRun(
-      model=ModelConfig(vocab_size=256, d_model=384, num_layers=6, num_heads=6, num_kv_heads=6,
-                        mlp_dim=1024, max_len=512),
-      data=DataConfig(source="stdlib", max_bytes=8_000_000, seq_len=256),
-      train=TrainConfig(steps=5000, batch_size=32, lr=1e-3, warmup_steps=200, bf16=True,
-                        log_every=50, eval_every=500, eval_batches=16, checkpoint_every=1000),
+    model=ModelConfig(
+      vocab_size=256, d_model=384, num_layers=6, num_heads=6, num_kv_heads=6, mlp_dim=1024, max_len=512
+    ),
+    data=DataConfig(source="stdlib", max_bytes=8_000_000, seq_len=256),
+    train=TrainConfig(
+      steps=5000,
+      batch_size=32,
+      lr=1e-3,
+      warmup_steps=200,
+      bf16=True,
+      log_every=50,
+      eval_every=500,
+      eval_batches=16,
+      checkpoint_every=1000,
+    ),
   )

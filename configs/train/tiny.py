@@ -10,9 +10,17 @@ from kvjax.training.config import DataConfig, TrainConfig, TrainRun
 
 def get_config() -> TrainRun:
   return TrainRun(
-      model=ModelConfig(vocab_size=256, d_model=64, num_layers=2, num_heads=4, num_kv_heads=4,
-                        mlp_dim=192, max_len=128),
-      data=DataConfig(source="stdlib", max_bytes=1_000_000, seq_len=64),
-      train=TrainConfig(steps=300, batch_size=16, lr=3e-3, warmup_steps=30, log_every=20,
-                        eval_every=100, eval_batches=4, checkpoint_every=100, keep_checkpoints=2),
+    model=ModelConfig(vocab_size=256, d_model=64, num_layers=2, num_heads=4, num_kv_heads=4, mlp_dim=192, max_len=128),
+    data=DataConfig(source="stdlib", max_bytes=1_000_000, seq_len=64),
+    train=TrainConfig(
+      steps=300,
+      batch_size=16,
+      lr=3e-3,
+      warmup_steps=30,
+      log_every=20,
+      eval_every=100,
+      eval_batches=4,
+      checkpoint_every=100,
+      keep_checkpoints=2,
+    ),
   )

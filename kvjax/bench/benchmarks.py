@@ -36,8 +36,9 @@ from kvjax.model.transformer import Transformer, cache_collection, cache_layers
 from kvjax.timing import timed, timed_alternating
 
 # The Llama-style reference config of the benchmarks.
-BENCH_MODEL = ModelConfig(vocab_size=4096, d_model=512, num_layers=8, num_heads=8, num_kv_heads=2,
-                          mlp_dim=1408, max_len=2048)
+BENCH_MODEL = ModelConfig(
+  vocab_size=4096, d_model=512, num_layers=8, num_heads=8, num_kv_heads=2, mlp_dim=1408, max_len=2048
+)
 
 
 def memory_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
@@ -80,17 +81,20 @@ def alternate_decode_steps(models: dict, caches: dict, batch: int, steps: int) -
 
   def stepper(name):
     model, params = models[name]
+
     def step():
       logits, caches[name] = decode.decode_step(model, params, caches[name], tokens)
       first.setdefault(name, logits)
       return logits
+
     return step
 
   return timed_alternating({name: stepper(name) for name in caches}, steps), first
 
 
-def filled_cache(model: Transformer, params, batch: int, context: int, max_len: int,
-                 cache_config: CacheConfig = CacheConfig()) -> KVCache:
+def filled_cache(
+  model: Transformer, params, batch: int, context: int, max_len: int, cache_config: CacheConfig = CacheConfig()
+) -> KVCache:
   """A cache of `cache_config` of max_len positions whose rows hold `context` random positions."""
   return filled(kinds.create(model.config, cache_config, batch, max_len), model.config, context)
 
@@ -100,15 +104,20 @@ def filled(cache: KVCache, cfg: ModelConfig, context: int) -> KVCache:
   prefill: a random normal payload written by the cache itself, so in its codec (quantized, with
   scales, for an int8 / int4 / fp8 cache) and its layout (the rows' pages for a paged cache)."""
   batch, length = cache.lengths.shape[0], cache.capacity
-  span = Span(positions=jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length)),
-              lengths=jnp.full((batch,), length, jnp.int32))
+  span = Span(
+    positions=jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length)),
+    lengths=jnp.full((batch,), length, jnp.int32),
+  )
   keys = jax.random.split(jax.random.key(1), cfg.num_layers)
   stored = cache_layers(cache.layers)
 
   def payload(i):
     draws = jax.random.split(keys[i], len(cache.fields))
-    return {name: jax.random.normal(key, (batch, field.heads, length, field.width))  # [B, heads, S, width]
-            for key, (name, field) in zip(draws, cache.fields.items())}
+    return {
+      name: jax.random.normal(key, (batch, field.heads, length, field.width))  # [B, heads, S, width]
+      for key, (name, field) in zip(draws, cache.fields.items())
+    }
+
   layers = cache_collection(cfg, lambda i: _write(cache, stored[i], payload(i), span))
   return cache.replace(layers=layers, lengths=jnp.full((batch,), context, jnp.int32))
 
@@ -128,6 +137,7 @@ def time_decode_step(model, params, cache, steps: int = STEP_REPEATS) -> float:
     nonlocal cache
     logits, cache = decode.decode_step(model, params, cache, tokens)
     return logits
+
   return timed(step, steps)
 
 
@@ -136,40 +146,69 @@ def random_prompts(cfg: ModelConfig, batch: int, prompt: int, seed: int = 0):
   return tokens, np.full((batch,), prompt, np.int32)
 
 
-def bench_decode(cfg: ModelConfig = BENCH_MODEL, *, batch: int = 8, prompt: int = 128,
-                 new_tokens: int = 128, repeats: int = 5, cache_config: CacheConfig = CacheConfig()) -> dict:
+def bench_decode(
+  cfg: ModelConfig = BENCH_MODEL,
+  *,
+  batch: int = 8,
+  prompt: int = 128,
+  new_tokens: int = 128,
+  repeats: int = 5,
+  cache_config: CacheConfig = CacheConfig(),
+) -> dict:
   """Decode step (ms) on a cache of `cache_config` of `prompt` positions per row and, for
   new_tokens > 1, generate tokens/s from prompts of `prompt` tokens, each against its roofline;
   generate is timed as the median of `repeats` runs."""
   model, params = init_model(cfg)
   bandwidth, flops = memory_bandwidth(), peak_flops()[0]
-  result = {"benchmark": "decode", "model": cfg.to_dict(), "batch": batch, "prompt": prompt,
-            "new_tokens": new_tokens, "small_matmul_kernel": matmul.uses_kernel(batch, cfg.compute_dtype),
-            "cache": to_dict(cache_config), "memory_bandwidth_GBps": bandwidth / 1e9, "matmul_GFLOPs": flops / 1e9}
+  result = {
+    "benchmark": "decode",
+    "model": cfg.to_dict(),
+    "batch": batch,
+    "prompt": prompt,
+    "new_tokens": new_tokens,
+    "small_matmul_kernel": matmul.uses_kernel(batch, cfg.compute_dtype),
+    "cache": to_dict(cache_config),
+    "memory_bandwidth_GBps": bandwidth / 1e9,
+    "matmul_GFLOPs": flops / 1e9,
+  }
 
   cache = filled_cache(model, params, batch, prompt, prompt + STEP_REPEATS + 1, cache_config)
   result["decode_attention_kernel"] = attention_kernel.uses_kernel(cfg.compute_dtype, cache.route)
   step = time_decode_step(model, params, cache)
   step_bytes = decode_step_bytes(cfg, batch, prompt, cache_config)
-  result.update(decode_step_ms=step * 1e3, decode_step_bytes=step_bytes,
-                decode_step_roofline_ms=step_bytes / bandwidth * 1e3,
-                decode_roofline_fraction=step_bytes / bandwidth / step)
+  result.update(
+    decode_step_ms=step * 1e3,
+    decode_step_bytes=step_bytes,
+    decode_step_roofline_ms=step_bytes / bandwidth * 1e3,
+    decode_roofline_fraction=step_bytes / bandwidth / step,
+  )
 
   if new_tokens > 1:
     prompts, lengths = random_prompts(cfg, batch, prompt)
-    seconds = timed(lambda: decode.generate(model, params, prompts, lengths, new_tokens, cache_config=cache_config),
-                    repeats)
+    seconds = timed(
+      lambda: decode.generate(model, params, prompts, lengths, new_tokens, cache_config=cache_config), repeats
+    )
     ceiling = prefill_flops(cfg, batch, prompt) / flops + sum(
-        decode_step_bytes(cfg, batch, prompt + i, cache_config) / bandwidth for i in range(new_tokens - 1))
+      decode_step_bytes(cfg, batch, prompt + i, cache_config) / bandwidth for i in range(new_tokens - 1)
+    )
     tokens = batch * new_tokens
-    result.update(generate_s=seconds, tokens_per_s=tokens / seconds,
-                  ceiling_tokens_per_s=tokens / ceiling, fraction_of_ceiling=ceiling / seconds)
+    result.update(
+      generate_s=seconds,
+      tokens_per_s=tokens / seconds,
+      ceiling_tokens_per_s=tokens / ceiling,
+      fraction_of_ceiling=ceiling / seconds,
+    )
   return result
 
 
-def bench_nocache(cfg: ModelConfig = BENCH_MODEL, *, prompt: int = 128,
-                  new_token_counts: Sequence[int] = (64, 128, 256, 512), concat_max: int = 64,
-                  repeats: int = 5) -> dict:
+def bench_nocache(
+  cfg: ModelConfig = BENCH_MODEL,
+  *,
+  prompt: int = 128,
+  new_token_counts: Sequence[int] = (64, 128, 256, 512),
+  concat_max: int = 64,
+  repeats: int = 5,
+) -> dict:
   """Seconds to generate each of `new_token_counts` new tokens from one prompt of `prompt` tokens
   with the preallocated cache and with the baselines; the concat cache, which compiles once per
   length, only up to concat_max new tokens."""
@@ -191,8 +230,15 @@ def bench_nocache(cfg: ModelConfig = BENCH_MODEL, *, prompt: int = 128,
   return {"benchmark": "nocache", "model": cfg.to_dict(), "batch": 1, "prompt": prompt, "rows": rows}
 
 
-def bench_hf(cfg: ModelConfig = BENCH_MODEL, *, batch: int = 8, prompt: int = 128, new_tokens: int = 128,
-             repeats: int = 5, threads: int = 0) -> dict:
+def bench_hf(
+  cfg: ModelConfig = BENCH_MODEL,
+  *,
+  batch: int = 8,
+  prompt: int = 128,
+  new_tokens: int = 128,
+  repeats: int = 5,
+  threads: int = 0,
+) -> dict:
   """kvjax's generate vs transformers' (static cache) on the same weights, in `repeats` alternating
   rounds; torch uses `threads` threads (0: torch's default)."""
   try:
@@ -204,12 +250,22 @@ def bench_hf(cfg: ModelConfig = BENCH_MODEL, *, batch: int = 8, prompt: int = 12
 
   torch.manual_seed(0)
   torch.set_num_threads(threads or torch.get_num_threads())
-  hf_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-      vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.mlp_dim,
-      num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-      num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, max_position_embeddings=cfg.max_len,
-      rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, tie_word_embeddings=False,
-      torch_dtype="float32")).eval()
+  hf_model = transformers.LlamaForCausalLM(
+    transformers.LlamaConfig(
+      vocab_size=cfg.vocab_size,
+      hidden_size=cfg.d_model,
+      intermediate_size=cfg.mlp_dim,
+      num_hidden_layers=cfg.num_layers,
+      num_attention_heads=cfg.num_heads,
+      num_key_value_heads=cfg.num_kv_heads,
+      head_dim=cfg.head_dim,
+      max_position_embeddings=cfg.max_len,
+      rms_norm_eps=cfg.norm_eps,
+      rope_theta=cfg.rope_theta,
+      tie_word_embeddings=False,
+      torch_dtype="float32",
+    )
+  ).eval()
   with tempfile.TemporaryDirectory() as tmp:
     hf_model.save_pretrained(tmp, safe_serialization=True)
     params, imported = from_hf(tmp)
@@ -218,24 +274,46 @@ def bench_hf(cfg: ModelConfig = BENCH_MODEL, *, batch: int = 8, prompt: int = 12
   ours = np.asarray(decode.generate(model, params, prompts, lengths, new_tokens))
 
   input_ids = torch.from_numpy(prompts.astype(np.int64))
-  generate_kwargs = dict(attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
-                         min_new_tokens=new_tokens, do_sample=False, cache_implementation="static",
-                         pad_token_id=0, eos_token_id=None)
+  generate_kwargs = dict(
+    attention_mask=torch.ones_like(input_ids),
+    max_new_tokens=new_tokens,
+    min_new_tokens=new_tokens,
+    do_sample=False,
+    cache_implementation="static",
+    pad_token_id=0,
+    eos_token_id=None,
+  )
   with torch.inference_mode():
     theirs = hf_model.generate(input_ids, **generate_kwargs)[:, prompt:].numpy()
-    times = timed_alternating({"kvjax": lambda: decode.generate(model, params, prompts, lengths, new_tokens),
-                               "hf": lambda: hf_model.generate(input_ids, **generate_kwargs)}, repeats)
+    times = timed_alternating(
+      {
+        "kvjax": lambda: decode.generate(model, params, prompts, lengths, new_tokens),
+        "hf": lambda: hf_model.generate(input_ids, **generate_kwargs),
+      },
+      repeats,
+    )
   kvjax_s, hf_s = statistics.median(times["kvjax"]), statistics.median(times["hf"])
   ratios = [h / k for k, h in zip(times["kvjax"], times["hf"])]
   tokens = batch * new_tokens
-  return {"benchmark": "hf", "model": imported.to_dict(), "batch": batch, "prompt": prompt,
-          "new_tokens": new_tokens, "torch_threads": torch.get_num_threads(),
-          "small_matmul_kernel": matmul.uses_kernel(batch, imported.compute_dtype),
-          "decode_attention_kernel": attention_kernel.uses_kernel(imported.compute_dtype, ("contiguous", imported.dtype)),
-          "transformers_version": transformers.__version__, "torch_version": torch.__version__,
-          "kvjax_tokens_per_s": tokens / kvjax_s, "hf_tokens_per_s": tokens / hf_s,
-          "kvjax_over_hf": hf_s / kvjax_s, "kvjax_over_hf_per_round": ratios,
-          "kvjax_s": times["kvjax"], "hf_s": times["hf"], "greedy_tokens_agree": float((ours == theirs).mean())}
+  return {
+    "benchmark": "hf",
+    "model": imported.to_dict(),
+    "batch": batch,
+    "prompt": prompt,
+    "new_tokens": new_tokens,
+    "torch_threads": torch.get_num_threads(),
+    "small_matmul_kernel": matmul.uses_kernel(batch, imported.compute_dtype),
+    "decode_attention_kernel": attention_kernel.uses_kernel(imported.compute_dtype, ("contiguous", imported.dtype)),
+    "transformers_version": transformers.__version__,
+    "torch_version": torch.__version__,
+    "kvjax_tokens_per_s": tokens / kvjax_s,
+    "hf_tokens_per_s": tokens / hf_s,
+    "kvjax_over_hf": hf_s / kvjax_s,
+    "kvjax_over_hf_per_round": ratios,
+    "kvjax_s": times["kvjax"],
+    "hf_s": times["hf"],
+    "greedy_tokens_agree": float((ours == theirs).mean()),
+  }
 
 
 def bench_matmul(cfg: ModelConfig = BENCH_MODEL, *, batch: int = 8, repeats: int = 5) -> dict:
@@ -258,6 +336,7 @@ def bench_matmul(cfg: ModelConfig = BENCH_MODEL, *, batch: int = 8, repeats: int
       for w in weights:  # each product feeds the next, so the calls cannot overlap
         x = x + 1e-3 * jnp.resize(product(x, w), x.shape)
       return x
+
     run = jax.jit(run)
     return lambda: run(x, weights)
 
@@ -274,6 +353,16 @@ def bench_matmul(cfg: ModelConfig = BENCH_MODEL, *, batch: int = 8, repeats: int
   for name, (k, n) in shapes.items():
     for rows in rows_list:
       xla, kernel = (statistics.median(times[name, rows, side]) / chain for side in ("xla", "kernel"))
-      results.append({"weight": name, "rows": rows, "k": k, "n": n, "xla_us": xla * 1e6, "kernel_us": kernel * 1e6,
-                      "xla_over_kernel": xla / kernel, "kernel_weight_GBps": k * n * 4 / kernel / 1e9})
+      results.append(
+        {
+          "weight": name,
+          "rows": rows,
+          "k": k,
+          "n": n,
+          "xla_us": xla * 1e6,
+          "kernel_us": kernel * 1e6,
+          "xla_over_kernel": xla / kernel,
+          "kernel_weight_GBps": k * n * 4 / kernel / 1e9,
+        }
+      )
   return {"benchmark": "matmul", "model": cfg.to_dict(), "max_rows": matmul.MAX_ROWS, "results": results}

@@ -31,8 +31,15 @@ def filled(model, batch: int, held: int, max_len: int, absorb: bool = True):
   return cache.replace(layers=layers, lengths=np.full((batch,), held, np.int32))
 
 
-def bench_mla(cfg: ModelConfig = BENCH_MODEL, *, batch: int = 32, repeats: int = 5, context: int = 1024,
-              rope_dims: int | None = None, expanded: bool = True) -> dict:
+def bench_mla(
+  cfg: ModelConfig = BENCH_MODEL,
+  *,
+  batch: int = 32,
+  repeats: int = 5,
+  context: int = 1024,
+  rope_dims: int | None = None,
+  expanded: bool = True,
+) -> dict:
   """Median step times of the GQA model `cfg` and of its MLA form of equal KV bytes per token
   (rope_dims defaults to 16 per kv head), each cache holding `context - steps` tokens per row when
   timing starts; with `expanded` also the MLA cache read without absorption."""
@@ -40,22 +47,38 @@ def bench_mla(cfg: ModelConfig = BENCH_MODEL, *, batch: int = 32, repeats: int =
   mla = cfg.replace(kv_latent_rank=2 * cfg.num_kv_heads * cfg.head_dim - rope_dims, rope_dims=rope_dims)
   steps = max(4 * repeats, 8)
   if context > cfg.max_len or context <= steps + 1:
-    raise ValueError(f"context={context} must be at most ModelConfig.max_len={cfg.max_len} and more than "
-                     f"{steps + 1} (the timed steps)")
+    raise ValueError(
+      f"context={context} must be at most ModelConfig.max_len={cfg.max_len} and more than {steps + 1} (the timed steps)"
+    )
   held = context - steps - 1
   models = {"gqa": init_model(cfg), "mla": init_model(mla)}
-  caches = {"gqa": filled(models["gqa"][0], batch, held, context), "mla": filled(models["mla"][0], batch, held, context)}
+  caches = {
+    "gqa": filled(models["gqa"][0], batch, held, context),
+    "mla": filled(models["mla"][0], batch, held, context),
+  }
   if expanded:
     models["mla_expanded"] = models["mla"]
     caches["mla_expanded"] = filled(models["mla"][0], batch, held, context, absorb=False)
   times, first = alternate_decode_steps(models, caches, batch, steps)
   ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
-  result = {"benchmark": "mla", "backend": jax.default_backend(), "gqa_model": cfg.to_dict(),
-            "mla_model": mla.to_dict(), "batch": batch, "context": context, "steps": steps,
-            "kv_bytes_per_token": {"gqa": kinds.bytes_per_token(cfg), "mla": kinds.bytes_per_token(mla)},
-            "gqa_step_ms": ms["gqa"], "mla_step_ms": ms["mla"], "mla_over_gqa": ms["mla"] / ms["gqa"],
-            "mla_over_gqa_per_round": [m / g for m, g in zip(times["mla"], times["gqa"])]}
+  result = {
+    "benchmark": "mla",
+    "backend": jax.default_backend(),
+    "gqa_model": cfg.to_dict(),
+    "mla_model": mla.to_dict(),
+    "batch": batch,
+    "context": context,
+    "steps": steps,
+    "kv_bytes_per_token": {"gqa": kinds.bytes_per_token(cfg), "mla": kinds.bytes_per_token(mla)},
+    "gqa_step_ms": ms["gqa"],
+    "mla_step_ms": ms["mla"],
+    "mla_over_gqa": ms["mla"] / ms["gqa"],
+    "mla_over_gqa_per_round": [m / g for m, g in zip(times["mla"], times["gqa"])],
+  }
   if expanded:
-    result.update(mla_expanded_step_ms=ms["mla_expanded"], expanded_over_absorbed=ms["mla_expanded"] / ms["mla"],
-                  first_step_max_logit_diff=float(np.abs(first["mla_expanded"] - first["mla"]).max()))
+    result.update(
+      mla_expanded_step_ms=ms["mla_expanded"],
+      expanded_over_absorbed=ms["mla_expanded"] / ms["mla"],
+      first_step_max_logit_diff=float(np.abs(first["mla_expanded"] - first["mla"]).max()),
+    )
   return result

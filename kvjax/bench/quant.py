@@ -34,8 +34,9 @@ from kvjax.kernels import attention as attention_kernel
 from kvjax.timing import timed_alternating
 
 
-def bench_quant(cfg: ModelConfig = BENCH_MODEL, *, batch: int = 32, context: int = 1024, repeats: int = 5,
-                decode_step: bool = True) -> dict:
+def bench_quant(
+  cfg: ModelConfig = BENCH_MODEL, *, batch: int = 32, context: int = 1024, repeats: int = 5, decode_step: bool = True
+) -> dict:
   """Median ms of one step's attention over cfg.num_layers caches of `context` positions per row,
   int8 and float32 (the int8 values dequantized), in `repeats` alternating rounds; with
   `decode_step`, also of whole decode steps over a float32 and an int8 cache (`time_decode_steps`)."""
@@ -46,8 +47,9 @@ def bench_quant(cfg: ModelConfig = BENCH_MODEL, *, batch: int = 32, context: int
   int8, float32 = [], []
   codecs = {"int8": codec("int8"), "float32": codec("float32")}
   for i in range(cfg.num_layers):
-    (k, k_scale), (v, v_scale) = (codecs["int8"].encode(jax.random.normal(keys[2 * i + j], (b, kv, context, h)))
-                                  for j in (0, 1))  # [B, K, S, H], [B, K, S]
+    (k, k_scale), (v, v_scale) = (
+      codecs["int8"].encode(jax.random.normal(keys[2 * i + j], (b, kv, context, h))) for j in (0, 1)
+    )  # [B, K, S, H], [B, K, S]
     k = k.swapaxes(2, 3)  # keys stored [B, K, H, S]
     int8.append((k, v, {"k_scale": k_scale, "v_scale": v_scale}))
     float32.append((codecs["int8"].decode(k, k_scale, axis=2), codecs["int8"].decode(v, v_scale), {}))
@@ -62,24 +64,36 @@ def bench_quant(cfg: ModelConfig = BENCH_MODEL, *, batch: int = 32, context: int
       for k, v, addressing in layers:
         q = attention_kernel.cache_attention(route, q, k, v, lengths, xla, **addressing)
       return q
+
     return lambda: run(q, layers)
 
   calls = {"float32": step("float32", float32), "int8": step("int8", int8)}
   outputs = {name: np.asarray(call()) for name, call in calls.items()}
   times = timed_alternating(calls, repeats)
   ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
-  cache_bytes = {name: sum(x.nbytes for layer in layers for x in jax.tree.leaves(layer))
-                 for name, layers in (("float32", float32), ("int8", int8))}
-  result = {"benchmark": "quant", "backend": jax.default_backend(), "model": cfg.to_dict(), "batch": batch,
-            "context": context, "repeats": repeats,
-            "float32_kernel": attention_kernel.kernel_target(("contiguous", "float32"), q, *float32[0][:2], {}),
-            "int8_kernel": attention_kernel.kernel_target(("contiguous", "int8"), q, int8[0][0], int8[0][1], int8[0][2]),
-            "float32_cache_bytes": cache_bytes["float32"], "int8_cache_bytes": cache_bytes["int8"],
-            "float32_step_ms": ms["float32"], "int8_step_ms": ms["int8"],
-            "int8_speedup": ms["float32"] / ms["int8"],
-            "int8_speedup_per_round": [f / i for f, i in zip(times["float32"], times["int8"])],
-            "int8_GBps": cache_bytes["int8"] / ms["int8"] / 1e6, "float32_GBps": cache_bytes["float32"] / ms["float32"] / 1e6,
-            "max_output_diff": float(np.abs(outputs["int8"] - outputs["float32"]).max())}
+  cache_bytes = {
+    name: sum(x.nbytes for layer in layers for x in jax.tree.leaves(layer))
+    for name, layers in (("float32", float32), ("int8", int8))
+  }
+  result = {
+    "benchmark": "quant",
+    "backend": jax.default_backend(),
+    "model": cfg.to_dict(),
+    "batch": batch,
+    "context": context,
+    "repeats": repeats,
+    "float32_kernel": attention_kernel.kernel_target(("contiguous", "float32"), q, *float32[0][:2], {}),
+    "int8_kernel": attention_kernel.kernel_target(("contiguous", "int8"), q, int8[0][0], int8[0][1], int8[0][2]),
+    "float32_cache_bytes": cache_bytes["float32"],
+    "int8_cache_bytes": cache_bytes["int8"],
+    "float32_step_ms": ms["float32"],
+    "int8_step_ms": ms["int8"],
+    "int8_speedup": ms["float32"] / ms["int8"],
+    "int8_speedup_per_round": [f / i for f, i in zip(times["float32"], times["int8"])],
+    "int8_GBps": cache_bytes["int8"] / ms["int8"] / 1e6,
+    "float32_GBps": cache_bytes["float32"] / ms["float32"] / 1e6,
+    "max_output_diff": float(np.abs(outputs["int8"] - outputs["float32"]).max()),
+  }
   if decode_step:
     del int8, float32, calls
     result.update(time_decode_steps(cfg, batch, context, repeats))
@@ -92,12 +106,16 @@ def time_decode_steps(cfg: ModelConfig, batch: int, context: int, repeats: int) 
   step to step), and the first steps' largest logit difference."""
   model, params = init_model(cfg)
   models = {"float32": model, "int8": model}
-  caches = {name: filled_cache(model, params, batch, context, context + repeats + 1, CacheConfig(dtype=name))
-            for name in models}
+  caches = {
+    name: filled_cache(model, params, batch, context, context + repeats + 1, CacheConfig(dtype=name)) for name in models
+  }
   times, logits = alternate_decode_steps({name: (m, params) for name, m in models.items()}, caches, batch, repeats)
   ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
-  return {"float32_decode_step_ms": ms["float32"], "int8_decode_step_ms": ms["int8"],
-          "int8_decode_speedup": ms["float32"] / ms["int8"],
-          "int8_decode_speedup_per_round": [f / i for f, i in zip(times["float32"], times["int8"])],
-          "decode_cache_bytes": {name: cache.nbytes for name, cache in caches.items()},
-          "decode_first_step_max_logit_diff": float(np.abs(np.asarray(logits["int8"]) - np.asarray(logits["float32"])).max())}
+  return {
+    "float32_decode_step_ms": ms["float32"],
+    "int8_decode_step_ms": ms["int8"],
+    "int8_decode_speedup": ms["float32"] / ms["int8"],
+    "int8_decode_speedup_per_round": [f / i for f, i in zip(times["float32"], times["int8"])],
+    "decode_cache_bytes": {name: cache.nbytes for name, cache in caches.items()},
+    "decode_first_step_max_logit_diff": float(np.abs(np.asarray(logits["int8"]) - np.asarray(logits["float32"])).max()),
+  }

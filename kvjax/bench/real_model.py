@@ -49,8 +49,12 @@ def load_both(source: str):
   params, config, tokenizer, path = read_model(source)
   if tokenizer is None:
     raise ValueError(f"{source} has no tokenizer; the real-model benchmarks need one")
-  versions = {"transformers_version": transformers.__version__, "torch_version": torch.__version__,
-              "torch_threads": torch.get_num_threads(), "source": str(path)}
+  versions = {
+    "transformers_version": transformers.__version__,
+    "torch_version": torch.__version__,
+    "torch_threads": torch.get_num_threads(),
+    "source": str(path),
+  }
   return Transformer(config), params, tokenizer, hf_reference(path), versions
 
 
@@ -71,18 +75,39 @@ def bench_decode(source: str, *, batches=(1, 8), prompt: int = 128, new_tokens: 
     lengths = np.full((batch,), prompt, np.int32)
     ours = lambda: decode.generate(model, params, prompts, lengths, new_tokens)
     input_ids = torch.from_numpy(prompts.astype(np.int64))
-    kwargs = dict(attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                  do_sample=False, cache_implementation="static", pad_token_id=0, eos_token_id=None)
+    kwargs = dict(
+      attention_mask=torch.ones_like(input_ids),
+      max_new_tokens=new_tokens,
+      min_new_tokens=new_tokens,
+      do_sample=False,
+      cache_implementation="static",
+      pad_token_id=0,
+      eos_token_id=None,
+    )
     with torch.inference_mode():
       theirs = lambda: hf_model.generate(input_ids, **kwargs)
       agree = float((np.asarray(ours()) == theirs()[:, prompt:].numpy()).mean())
       times = timed_alternating({"kvjax": ours, "hf": theirs}, repeats)
     kvjax_s, hf_s = statistics.median(times["kvjax"]), statistics.median(times["hf"])
-    rows.append({"batch": batch, "kvjax_tokens_per_s": batch * new_tokens / kvjax_s,
-                 "hf_tokens_per_s": batch * new_tokens / hf_s, "kvjax_over_hf": hf_s / kvjax_s,
-                 "kvjax_s": times["kvjax"], "hf_s": times["hf"], "greedy_tokens_agree": agree})
-  return {"benchmark": "hf", "model": model.config.to_dict(), "prompt": prompt, "new_tokens": new_tokens,
-          **versions, "rows": rows}
+    rows.append(
+      {
+        "batch": batch,
+        "kvjax_tokens_per_s": batch * new_tokens / kvjax_s,
+        "hf_tokens_per_s": batch * new_tokens / hf_s,
+        "kvjax_over_hf": hf_s / kvjax_s,
+        "kvjax_s": times["kvjax"],
+        "hf_s": times["hf"],
+        "greedy_tokens_agree": agree,
+      }
+    )
+  return {
+    "benchmark": "hf",
+    "model": model.config.to_dict(),
+    "prompt": prompt,
+    "new_tokens": new_tokens,
+    **versions,
+    "rows": rows,
+  }
 
 
 def bench_perplexity(source: str, *, seq_len: int = 1024, batch: int = 4, batches: int = 3) -> dict:
@@ -96,11 +121,22 @@ def bench_perplexity(source: str, *, seq_len: int = 1024, batch: int = 4, batche
   with torch.inference_mode():
     for inputs, targets in eval_batches(data.val, seq_len, batch, batches):
       logits = hf_model(torch.from_numpy(inputs.astype(np.int64))).logits.float()
-      total += float(torch.nn.functional.cross_entropy(
-          logits.reshape(-1, logits.shape[-1]), torch.from_numpy(targets.astype(np.int64)).reshape(-1),
-          reduction="sum"))
+      total += float(
+        torch.nn.functional.cross_entropy(
+          logits.reshape(-1, logits.shape[-1]), torch.from_numpy(targets.astype(np.int64)).reshape(-1), reduction="sum"
+        )
+      )
   hf_loss = total / (batch * batches * seq_len)
-  return {"benchmark": "perplexity", "corpus": PROSE, "seq_len": seq_len, "windows": batch * batches, **versions,
-          "kvjax_loss": ours["loss"], "hf_loss": hf_loss, "kvjax_perplexity": ours["perplexity"],
-          "hf_perplexity": math.exp(hf_loss), "relative_difference": ours["perplexity"] / math.exp(hf_loss) - 1,
-          "bits_per_byte": ours["bits_per_byte"]}
+  return {
+    "benchmark": "perplexity",
+    "corpus": PROSE,
+    "seq_len": seq_len,
+    "windows": batch * batches,
+    **versions,
+    "kvjax_loss": ours["loss"],
+    "hf_loss": hf_loss,
+    "kvjax_perplexity": ours["perplexity"],
+    "hf_perplexity": math.exp(hf_loss),
+    "relative_difference": ours["perplexity"] / math.exp(hf_loss) - 1,
+    "bits_per_byte": ours["bits_per_byte"],
+  }

@@ -88,9 +88,14 @@ class KVCache(flax.struct.PyTreeNode, kw_only=True):
   def statics(cls, config: ModelConfig, cache_config: CacheConfig) -> dict:
     """The static fields of a cache of `cache_config` for a model of `config`."""
     model = cache_config.model(config)
-    return dict(codec=cache_config.codec(config), payload=tuple(cache_payload(config).items()),
-                window=model.window, sink_tokens=model.sink_tokens, absorb=cache_config.absorb,
-                window_override=cache_config.window is not None or cache_config.sink_tokens is not None)
+    return dict(
+      codec=cache_config.codec(config),
+      payload=tuple(cache_payload(config).items()),
+      window=model.window,
+      sink_tokens=model.sink_tokens,
+      absorb=cache_config.absorb,
+      window_override=cache_config.window is not None or cache_config.sink_tokens is not None,
+    )
 
   @property
   def fields(self) -> dict[str, Field]:
@@ -152,8 +157,10 @@ class KVCache(flax.struct.PyTreeNode, kw_only=True):
     layers = cache_layers(self.layers)
     kind = type(self).__name__
     if self.fields != cache_payload(config):
-      raise ValueError(f"the {kind} does not fit the model: it stores {sorted(self.fields)} per token "
-                       f"({self.fields}), the model's attention hands it {cache_payload(config)}")
+      raise ValueError(
+        f"the {kind} does not fit the model: it stores {sorted(self.fields)} per token "
+        f"({self.fields}), the model's attention hands it {cache_payload(config)}"
+      )
     if len(layers) != config.num_layers:
       raise ValueError(f"the {kind} has {len(layers)} layers but the model has num_layers={config.num_layers}")
     model = self.model_config(config)
@@ -163,9 +170,10 @@ class KVCache(flax.struct.PyTreeNode, kw_only=True):
       if got != want:
         name = next((n for n in sorted(set(want) | set(got)) if got.get(n) != want.get(n)))
         raise ValueError(
-            f"the {kind} does not fit the model: layer {i} {name} is {got.get(name)}, but a model with "
-            f"num_kv_heads={config.num_kv_heads}, head_dim={config.head_dim} and window={model.window} "
-            f"in a {self.codec.name} cache needs {want.get(name)}")
+          f"the {kind} does not fit the model: layer {i} {name} is {got.get(name)}, but a model with "
+          f"num_kv_heads={config.num_kv_heads}, head_dim={config.head_dim} and window={model.window} "
+          f"in a {self.codec.name} cache needs {want.get(name)}"
+        )
 
   def check_room(self, new_lengths: np.ndarray) -> None:
     """Raises ValueError, naming the row, unless row b can take new_lengths[b] more tokens.
@@ -174,8 +182,10 @@ class KVCache(flax.struct.PyTreeNode, kw_only=True):
     over = held + new_lengths > self.capacity
     if over.any():
       row = int(np.argmax(over))
-      raise ValueError(f"cache is full: row {row} holds {int(held[row])} tokens and {int(new_lengths[row])} "
-                       f"more do not fit its {self.capacity} positions")
+      raise ValueError(
+        f"cache is full: row {row} holds {int(held[row])} tokens and {int(new_lengths[row])} "
+        f"more do not fit its {self.capacity} positions"
+      )
 
   # Device side (traced): per layer, with that layer's arrays `stored` ({name: array}).
 
@@ -206,8 +216,9 @@ class KVCache(flax.struct.PyTreeNode, kw_only=True):
   def decoded(self, stored: dict, width_axes: dict[str, int]) -> dict:
     """{name: the field's arrays decoded} (float32 when quantized, as stored when float), each
     field's width axis given by width_axes."""
-    return {name: self.codec.decode(stored[name], stored.get(name + SCALE), axis=width_axes[name])
-            for name in self.fields}
+    return {
+      name: self.codec.decode(stored[name], stored.get(name + SCALE), axis=width_axes[name]) for name in self.fields
+    }
 
   def scales(self, stored: dict) -> dict:
     """The k_scale and v_scale arrays of a quantized K/V layer ({} when float): the keywords a

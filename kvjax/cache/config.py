@@ -21,10 +21,12 @@ PAGED_READS = ("gather", "pallas", "pallas_interpret")
 
 def register(name: str):
   """Class decorator: the cache layout CacheConfig(layout=name) makes (KVCache.rows)."""
+
   def add(cls):
     LAYOUTS[name] = cls
     cls.layout = name
     return cls
+
   return add
 
 
@@ -67,16 +69,20 @@ class CacheConfig:
     check_positive(self, "page_size", most=INT32_MAX)
     check_choice(self, "paged_read", PAGED_READS)
     if self.paged_read != "gather" and (self.layout != "paged" or codecs.codec(self.dtype or "float32").quantized):
-      raise ValueError(f"CacheConfig.paged_read={self.paged_read!r} reads float page pools only; use 'gather' "
-                       f"with layout={self.layout!r} and dtype={self.dtype!r}")
+      raise ValueError(
+        f"CacheConfig.paged_read={self.paged_read!r} reads float page pools only; use 'gather' "
+        f"with layout={self.layout!r} and dtype={self.dtype!r}"
+      )
     if self.window is not None:
       if not isinstance(self.window, (tuple, list)):
-        raise ValueError(f"CacheConfig.window must be None or a tuple of per-layer window widths (0 = global), "
-                         f"got {self.window!r}")
+        raise ValueError(
+          f"CacheConfig.window must be None or a tuple of per-layer window widths (0 = global), got {self.window!r}"
+        )
       for i, width in enumerate(self.window):  # whether they fit a model is CacheConfig.model's to say
         if isinstance(width, bool) or not isinstance(width, int) or not 0 <= width <= INT32_MAX:
-          raise ValueError(f"CacheConfig.window[{i}] must be a non-negative integer (0 = global) up to "
-                           f"{INT32_MAX:,}, got {width!r}")
+          raise ValueError(
+            f"CacheConfig.window[{i}] must be a non-negative integer (0 = global) up to {INT32_MAX:,}, got {width!r}"
+          )
       object.__setattr__(self, "window", tuple(self.window))
     if self.sink_tokens is not None:
       check_nonnegative(self, "sink_tokens", most=INT32_MAX)
@@ -100,8 +106,9 @@ class CacheConfig:
     try:
       return config.replace(window=window, sink_tokens=sinks)
     except ValueError as e:
-      raise ValueError(f"CacheConfig.window={self.window}, sink_tokens={self.sink_tokens} do not fit the model: "
-                       f"{e}") from None
+      raise ValueError(
+        f"CacheConfig.window={self.window}, sink_tokens={self.sink_tokens} do not fit the model: {e}"
+      ) from None
 
   def replace(self, **changes) -> "CacheConfig":
     return dataclasses.replace(self, **changes)

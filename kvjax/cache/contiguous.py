@@ -69,6 +69,7 @@ def attend_one(q, k_cache, v_cache, lengths, k_scale=None, v_scale=None, *, code
 
 # Ring addressing of a windowed layer's buffer of `slots` slots (a global layer's slot is its position).
 
+
 def ring_slot(positions: jax.Array, window: Window) -> jax.Array:
   """The slot of each position: p for the sinks, then sinks + (p - sinks) % window.size."""
   sinks = window.sinks
@@ -121,10 +122,10 @@ class ContiguousCache(KVCache):
 
   max_len: int = flax.struct.field(pytree_node=False, default=0)
 
-
   @classmethod
-  def create(cls, config: ModelConfig, batch: int, max_len: int,
-             cache_config: CacheConfig = CacheConfig()) -> "ContiguousCache":
+  def create(
+    cls, config: ModelConfig, batch: int, max_len: int, cache_config: CacheConfig = CacheConfig()
+  ) -> "ContiguousCache":
     """An empty cache of `batch` rows with room for max_len positions each (at most
     ModelConfig.max_len, or ModelConfig.max_positions for a RoPE model whose every layer is
     windowed); a windowed layer keeps min(max_len, window + sinks) slots."""
@@ -133,14 +134,16 @@ class ContiguousCache(KVCache):
     statics = cls.statics(config, cache_config)
     model = cache_config.model(config)
     model.check_length(max_len, f"a cache of max_len={max_len} positions")
-    memory.check_fits(f"a contiguous cache of {batch} rows x {max_len} positions",
-                      cls.bytes_for(config, cache_config, batch, max_len))
+    memory.check_fits(
+      f"a contiguous cache of {batch} rows x {max_len} positions", cls.bytes_for(config, cache_config, batch, max_len)
+    )
 
     def layer(i):
       return layer_arrays(layer_spec(config, statics["codec"], batch, kept_positions(model, i, max_len)))
 
-    return cls(layers=cache_collection(config, layer), lengths=jnp.zeros((batch,), jnp.int32), max_len=max_len,
-               **statics)
+    return cls(
+      layers=cache_collection(config, layer), lengths=jnp.zeros((batch,), jnp.int32), max_len=max_len, **statics
+    )
 
   @classmethod
   def rows(cls, config: ModelConfig, batch: int, max_len: int, cache_config: CacheConfig) -> "ContiguousCache":
@@ -193,8 +196,15 @@ class ContiguousCache(KVCache):
     slots = self.slots(stored)
     if q_positions.shape[1] == 1 and query.kernel_query is not None:
       lengths = filled_through(q_positions[:, 0], slots, span.window)
-      return backend.cache_attention(self.route, query.kernel_query, stored["k"], stored["v"],
-                                     lengths, functools.partial(attend_one, codec=self.codec), **self.scales(stored))
+      return backend.cache_attention(
+        self.route,
+        query.kernel_query,
+        stored["k"],
+        stored["v"],
+        lengths,
+        functools.partial(attend_one, codec=self.codec),
+        **self.scales(stored),
+      )
     held = span.positions[:, 0] + span.lengths
     mask = visible(q_positions, slot_positions(held, slots, span.window), span.window)  # [B, Tq, S]
     return query.attend(self.readable(stored), mask, transposed=True, absorb=self.absorb)
@@ -222,12 +232,15 @@ class ContiguousCache(KVCache):
     a copy, as the literature's growing caches make (kvjax.decoding.baselines). Every layer must
     keep all its positions: a windowed layer's ring does not grow."""
     if any(self.window):
-      raise ValueError(f"resized takes a cache whose every layer keeps its {self.capacity} positions; "
-                       f"this one has windowed layers (window={self.window})")
+      raise ValueError(
+        f"resized takes a cache whose every layer keeps its {self.capacity} positions; "
+        f"this one has windowed layers (window={self.window})"
+      )
 
     def pad(path, x):
       axis = seq_axis(self.fields[path[-1].key.removesuffix("_scale")].transposed, x.ndim)
       widths = [(0, 0)] * x.ndim
       widths[axis] = (0, capacity - x.shape[axis])
       return jnp.pad(x, widths)
+
     return self.replace(layers=jax.tree_util.tree_map_with_path(pad, self.layers), max_len=capacity)

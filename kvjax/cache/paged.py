@@ -87,15 +87,22 @@ def pallas_attend(q, k_pool, v_pool, page_table, lengths, interpret: bool):
   per_split = width // k_splits
   per_block = max(d for d in range(1, min(8, per_split) + 1) if per_split % d == 0)
   scaled = (q[:, 0] * q.shape[-1] ** -0.5).astype(k_pool.dtype)  # [B, N, H]
-  out = pallas_kernel()(scaled, k_pool, v_pool, page_table, lengths, k_splits=k_splits,
-                        pages_per_compute_block=per_block, interpret=interpret)
+  out = pallas_kernel()(
+    scaled,
+    k_pool,
+    v_pool,
+    page_table,
+    lengths,
+    k_splits=k_splits,
+    pages_per_compute_block=per_block,
+    interpret=interpret,
+  )
   return out.astype(q.dtype)[:, None]
 
 
 def check_pool(num_pages: int, page_size: int, batch: int, max_pages: int) -> None:
   """Raises ValueError naming the argument unless a paged cache of these sizes can exist."""
-  for name, value in (("num_pages", num_pages), ("page_size", page_size), ("batch", batch),
-                      ("max_pages", max_pages)):
+  for name, value in (("num_pages", num_pages), ("page_size", page_size), ("batch", batch), ("max_pages", max_pages)):
     check_positive_int(value, name)
   if num_pages < 2:
     raise ValueError(f"num_pages={num_pages} leaves no page besides the reserved null page")
@@ -122,28 +129,44 @@ class PagedCache(KVCache):
   page_table: jax.Array
   paged_read: str = flax.struct.field(pytree_node=False, default="gather")
 
-
   @classmethod
-  def create(cls, config: ModelConfig, num_pages: int, page_size: int, batch: int, max_pages: int,
-             cache_config: CacheConfig = CacheConfig()) -> "PagedCache":
+  def create(
+    cls,
+    config: ModelConfig,
+    num_pages: int,
+    page_size: int,
+    batch: int,
+    max_pages: int,
+    cache_config: CacheConfig = CacheConfig(),
+  ) -> "PagedCache":
     """Empty pools of num_pages pages (page 0 is the null page) of page_size tokens, and `batch`
     rows of max_pages page-table entries, all pointing at the null page."""
     check_pool(num_pages, page_size, batch, max_pages)
     statics = cls.statics(config, cache_config)
     read = cache_config.paged_read
     if read == "pallas" and not pallas_available():
-      raise ValueError(f"CacheConfig.paged_read='pallas' needs a GPU backend and JAX's Pallas paged-attention "
-                       f"kernel; the backend is {jax.default_backend()!r}")
+      raise ValueError(
+        f"CacheConfig.paged_read='pallas' needs a GPU backend and JAX's Pallas paged-attention "
+        f"kernel; the backend is {jax.default_backend()!r}"
+      )
     if read == "pallas_interpret" and pallas_kernel() is None:
-      raise ValueError("CacheConfig.paged_read='pallas_interpret' needs JAX's Pallas paged-attention kernel, "
-                       "which this JAX lacks")
+      raise ValueError(
+        "CacheConfig.paged_read='pallas_interpret' needs JAX's Pallas paged-attention kernel, which this JAX lacks"
+      )
     if read != "gather" and config.is_latent:
       raise ValueError(f"CacheConfig.paged_read={read!r} reads K/V pools; an MLA model's pages are read by 'gather'")
-    memory.check_fits(f"a paged cache of {num_pages} pages x {page_size} tokens",
-                      cls.pool_bytes(config, cache_config, num_pages, page_size, batch, max_pages))
+    memory.check_fits(
+      f"a paged cache of {num_pages} pages x {page_size} tokens",
+      cls.pool_bytes(config, cache_config, num_pages, page_size, batch, max_pages),
+    )
     spec = layer_spec(config, statics["codec"], num_pages, page_size)
-    return cls(layers=cache_collection(config, lambda i: layer_arrays(spec)), lengths=jnp.zeros((batch,), jnp.int32),
-               page_table=jnp.zeros((batch, max_pages), jnp.int32), paged_read=read, **statics)
+    return cls(
+      layers=cache_collection(config, lambda i: layer_arrays(spec)),
+      lengths=jnp.zeros((batch,), jnp.int32),
+      page_table=jnp.zeros((batch, max_pages), jnp.int32),
+      paged_read=read,
+      **statics,
+    )
 
   @classmethod
   def rows(cls, config: ModelConfig, batch: int, max_len: int, cache_config: CacheConfig) -> "PagedCache":
@@ -158,8 +181,9 @@ class PagedCache(KVCache):
     return empty.replace(page_table=jnp.arange(1, 1 + batch * width, dtype=jnp.int32).reshape(batch, width))
 
   @classmethod
-  def pool_bytes(cls, config: ModelConfig, cache_config: CacheConfig, num_pages: int, page_size: int, batch: int,
-                 max_pages: int) -> int:
+  def pool_bytes(
+    cls, config: ModelConfig, cache_config: CacheConfig, num_pages: int, page_size: int, batch: int, max_pages: int
+  ) -> int:
     """Bytes of create(...): the page pools, the int32 page table and lengths."""
     return num_pages * page_size * cls.sequence_bytes(config, cache_config, 1) + 4 * batch * (max_pages + 1)
 
@@ -199,34 +223,54 @@ class PagedCache(KVCache):
     needed = np.asarray(self.lengths) + new_lengths
     if ((table < 0) | (table >= self.num_pages)).any():
       row, col = map(int, np.argwhere((table < 0) | (table >= self.num_pages))[0])
-      raise ValueError(f"page_table[{row}, {col}]={int(table[row, col])} is outside the pool's "
-                       f"[0, {self.num_pages}) pages")
+      raise ValueError(
+        f"page_table[{row}, {col}]={int(table[row, col])} is outside the pool's [0, {self.num_pages}) pages"
+      )
     if (needed > self.capacity).any():
       row = int(np.argmax(needed > self.capacity))
-      raise ValueError(f"row {row} needs {int(needed[row])} positions but the page table holds "
-                       f"{table.shape[1]} pages of {self.page_size} = {self.capacity}")
+      raise ValueError(
+        f"row {row} needs {int(needed[row])} positions but the page table holds "
+        f"{table.shape[1]} pages of {self.page_size} = {self.capacity}"
+      )
     used = np.arange(table.shape[1])[None, :] < -(-needed[:, None] // self.page_size)
     if (used & (table == NULL_PAGE)).any():
       row, col = map(int, np.argwhere(used & (table == NULL_PAGE))[0])
-      raise ValueError(f"row {row} has no page for positions [{col * self.page_size}, "
-                       f"{(col + 1) * self.page_size}): page_table[{row}, {col}] is the null page")
+      raise ValueError(
+        f"row {row} has no page for positions [{col * self.page_size}, "
+        f"{(col + 1) * self.page_size}): page_table[{row}, {col}] is the null page"
+      )
 
   def write(self, stored, new, span: Span):
     page_size = next(iter(stored.values())).shape[2]  # inside the model the arrays are in `stored`, not layers
     pages, slots = write_addresses(self.page_table, span, page_size)
     # x [B, heads, T, ...] -> the pool's [heads, B, T, ...] at each column's page and slot.
-    return {name: stored[name].at[:, pages, slots].set(jnp.swapaxes(x, 0, 1).astype(stored[name].dtype))
-            for name, x in encode(self.codec, new).items()}
+    return {
+      name: stored[name].at[:, pages, slots].set(jnp.swapaxes(x, 0, 1).astype(stored[name].dtype))
+      for name, x in encode(self.codec, new).items()
+    }
 
   def read(self, stored, query, q_positions, span: Span, backend: Backend):
     if q_positions.shape[1] == 1 and not span.window.size and query.kernel_query is not None:
       q = query.kernel_query
       if self.paged_read != "gather":
-        return pallas_attend(q, stored["k"], stored["v"], self.page_table, q_positions[:, 0] + 1,
-                             interpret=self.paged_read == "pallas_interpret")
-      return backend.cache_attention(self.route, q, stored["k"], stored["v"], q_positions[:, 0],
-                                     functools.partial(attend_pages, codec=self.codec), page_table=self.page_table,
-                                     **self.scales(stored))
+        return pallas_attend(
+          q,
+          stored["k"],
+          stored["v"],
+          self.page_table,
+          q_positions[:, 0] + 1,
+          interpret=self.paged_read == "pallas_interpret",
+        )
+      return backend.cache_attention(
+        self.route,
+        q,
+        stored["k"],
+        stored["v"],
+        q_positions[:, 0],
+        functools.partial(attend_pages, codec=self.codec),
+        page_table=self.page_table,
+        **self.scales(stored),
+      )
     gathered = {name: gather(x, self.page_table) for name, x in stored.items()}  # [B, heads, M*Z, ...]
     arrays = self.decoded(gathered, dict.fromkeys(self.fields, -1))
     positions = jnp.arange(next(iter(gathered.values())).shape[2])[None, :]

@@ -24,9 +24,15 @@ class BenchConfig:
   cache: CacheConfig = CacheConfig()
 
 
-BENCHMARKS = {"decode": benchmarks.bench_decode, "nocache": benchmarks.bench_nocache, "hf": benchmarks.bench_hf,
-              "paged": paged.bench_paged, "matmul": benchmarks.bench_matmul, "quant": quant.bench_quant,
-              "mla": mla.bench_mla}
+BENCHMARKS = {
+  "decode": benchmarks.bench_decode,
+  "nocache": benchmarks.bench_nocache,
+  "hf": benchmarks.bench_hf,
+  "paged": paged.bench_paged,
+  "matmul": benchmarks.bench_matmul,
+  "quant": quant.bench_quant,
+  "mla": mla.bench_mla,
+}
 
 
 REAL_MODEL_BENCHMARKS = ("hf", "perplexity")
@@ -41,8 +47,9 @@ def check_lengths(model: ModelConfig, args: argparse.Namespace) -> None:
   """Refuses, before the benchmark model is built, generations longer than the model's context."""
   new = {"decode": args.new, "hf": args.new, "nocache": max(args.lengths)}.get(args.benchmark)
   if new is not None:
-    model.check_length(args.prompt + new - 1, f"--prompt {args.prompt} + {new} new tokens need "
-                                               f"{args.prompt + new - 1} cache positions")
+    model.check_length(
+      args.prompt + new - 1, f"--prompt {args.prompt} + {new} new tokens need {args.prompt + new - 1} cache positions"
+    )
 
 
 def benchmark_kwargs(args: argparse.Namespace) -> dict:
@@ -50,14 +57,18 @@ def benchmark_kwargs(args: argparse.Namespace) -> dict:
   timing = {"repeats": args.repeats} if args.batch is None else {"batch": args.batch, "repeats": args.repeats}
   generation = {**timing, "prompt": args.prompt, "new_tokens": args.new}
   return {
-      "decode": generation,
-      "nocache": {"prompt": args.prompt, "new_token_counts": args.lengths, "concat_max": args.concat_max,
-                  "repeats": args.repeats},
-      "hf": {**generation, "threads": args.threads},
-      "paged": {**timing, "context": args.context, "page_size": args.page_size},
-      "matmul": timing,
-      "quant": {**timing, "context": args.context},
-      "mla": {**timing, "context": args.context, "rope_dims": args.rope_dims},
+    "decode": generation,
+    "nocache": {
+      "prompt": args.prompt,
+      "new_token_counts": args.lengths,
+      "concat_max": args.concat_max,
+      "repeats": args.repeats,
+    },
+    "hf": {**generation, "threads": args.threads},
+    "paged": {**timing, "context": args.context, "page_size": args.page_size},
+    "matmul": timing,
+    "quant": {**timing, "context": args.context},
+    "mla": {**timing, "context": args.context, "rope_dims": args.rope_dims},
   }[args.benchmark]
 
 
@@ -66,11 +77,13 @@ def real_model_result(args: argparse.Namespace) -> dict:
   if args.overrides:
     raise ValueError("--set changes the benchmark model; with --model the pretrained model is used as it is")
   if args.benchmark == "perplexity":
-    return real_model.bench_perplexity(args.model, seq_len=args.seq_len, batch=args.batch or 4,
-                                       batches=args.windows_batches)
+    return real_model.bench_perplexity(
+      args.model, seq_len=args.seq_len, batch=args.batch or 4, batches=args.windows_batches
+    )
   batches = (args.batch,) if args.batch else (1, 8)
-  return real_model.bench_decode(args.model, batches=batches, prompt=args.prompt, new_tokens=args.new,
-                                 repeats=args.repeats)
+  return real_model.bench_decode(
+    args.model, batches=batches, prompt=args.prompt, new_tokens=args.new, repeats=args.repeats
+  )
 
 
 def command(args: argparse.Namespace) -> int:
@@ -92,30 +105,49 @@ def command(args: argparse.Namespace) -> int:
 
 
 def add_parser(subparsers) -> None:
-  parser = subparsers.add_parser("bench", help="decoding benchmarks (JSON)", description=benchmarks.__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = subparsers.add_parser(
+    "bench",
+    help="decoding benchmarks (JSON)",
+    description=benchmarks.__doc__,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
   parser.add_argument("benchmark", choices=sorted({*BENCHMARKS, *REAL_MODEL_BENCHMARKS}))
-  parser.add_argument("--model", type=options.path_text,
-                      help="hf, perplexity: a pretrained model (named, e.g. smollm2-135m; a .gguf; a Hugging Face "
-                           "folder) run in kvjax and transformers")
+  parser.add_argument(
+    "--model",
+    type=options.path_text,
+    help="hf, perplexity: a pretrained model (named, e.g. smollm2-135m; a .gguf; a Hugging Face "
+    "folder) run in kvjax and transformers",
+  )
   parser.add_argument("--seq-len", type=options.positive_int, default=1024, help="perplexity: tokens per window")
-  parser.add_argument("--windows-batches", type=options.positive_int, default=3,
-                      help="perplexity: batches of --batch windows (default batch 4)")
+  parser.add_argument(
+    "--windows-batches",
+    type=options.positive_int,
+    default=3,
+    help="perplexity: batches of --batch windows (default batch 4)",
+  )
   options.add_set_option(parser)
-  parser.add_argument("--batch", type=options.positive_int, default=None,
-                      help="sequences (rows) per step (default: 8; quant: 32)")
+  parser.add_argument(
+    "--batch", type=options.positive_int, default=None, help="sequences (rows) per step (default: 8; quant: 32)"
+  )
   parser.add_argument("--prompt", type=options.positive_int, default=128, help="prompt tokens per sequence")
   parser.add_argument("--new", type=options.positive_int, default=128, help="new tokens per sequence")
   parser.add_argument("--repeats", type=options.positive_int, default=5, help="timed runs after warm-up (median)")
-  parser.add_argument("--lengths", type=_int_list, default=[64, 128, 256, 512],
-                      help="nocache: comma-separated numbers of new tokens")
-  parser.add_argument("--concat-max", type=options.nonnegative_int, default=64,
-                      help="nocache: longest run for the concat cache (it compiles once per length)")
+  parser.add_argument(
+    "--lengths", type=_int_list, default=[64, 128, 256, 512], help="nocache: comma-separated numbers of new tokens"
+  )
+  parser.add_argument(
+    "--concat-max",
+    type=options.nonnegative_int,
+    default=64,
+    help="nocache: longest run for the concat cache (it compiles once per length)",
+  )
   parser.add_argument("--threads", type=options.nonnegative_int, default=0, help="hf: torch threads (default: torch's)")
-  parser.add_argument("--context", type=options.positive_int, default=1024,
-                      help="paged, quant, mla: tokens cached per row")
+  parser.add_argument(
+    "--context", type=options.positive_int, default=1024, help="paged, quant, mla: tokens cached per row"
+  )
   parser.add_argument("--page-size", type=options.positive_int, default=16, help="paged: tokens per page")
-  parser.add_argument("--rope-dims", type=options.nonnegative_int,
-                      help="mla: rotary dims of the MLA model (default 16 per kv head)")
+  parser.add_argument(
+    "--rope-dims", type=options.nonnegative_int, help="mla: rotary dims of the MLA model (default 16 per kv head)"
+  )
   parser.add_argument("--json", action="store_true", help="one line of JSON")
   parser.set_defaults(func=command)

@@ -22,6 +22,7 @@ def command(args: argparse.Namespace) -> int:
 
 
 def add_parser(subparsers) -> None:
-  parser = subparsers.add_parser("build-kernels", help="build the CPU kernels ahead of use and print what was built",
-                                 description=__doc__)
+  parser = subparsers.add_parser(
+    "build-kernels", help="build the CPU kernels ahead of use and print what was built", description=__doc__
+  )
   parser.set_defaults(func=command)

@@ -39,34 +39,55 @@ def command(args: argparse.Namespace) -> int:
       raise ValueError("--recall runs the recall test alone: --mesh, --split, --batches and --batch-size do not apply")
     if (pathlib.Path(args.workdir) / TOKENIZER_FILE).exists():
       if args.needle_bytes is not None:
-        raise ValueError("--needle-bytes applies to byte-level models; a tokenized model's needle is a "
-                         f"{PasskeyConfig.digits}-digit pass key")
+        raise ValueError(
+          "--needle-bytes applies to byte-level models; a tokenized model's needle is a "
+          f"{PasskeyConfig.digits}-digit pass key"
+        )
       config = PasskeyConfig(distances=args.recall, needles=args.needles or PasskeyConfig.needles, seed=args.seed)
       result = passkey_checkpoint(args.workdir, config, step=args.step, cache_config=options.cache_config(args))
     else:
       if args.overrides:
-        raise ValueError("the byte-level recall test decodes through a float contiguous cache: "
-                         "--set cache.* applies to tokenized models")
-      config = RecallConfig(distances=args.recall, needles=args.needles or RecallConfig.needles, seed=args.seed,
-                            needle_bytes=args.needle_bytes or RecallConfig.needle_bytes)
+        raise ValueError(
+          "the byte-level recall test decodes through a float contiguous cache: "
+          "--set cache.* applies to tokenized models"
+        )
+      config = RecallConfig(
+        distances=args.recall,
+        needles=args.needles or RecallConfig.needles,
+        seed=args.seed,
+        needle_bytes=args.needle_bytes or RecallConfig.needle_bytes,
+      )
       result = recall_checkpoint(args.workdir, config, step=args.step)
     print(json.dumps(result))
     return 0
-  result = evaluate_checkpoint(args.workdir, step=args.step, split=args.split, batch_size=args.batch_size,
-                               num_batches=args.batches, mesh=options.mesh(args),
-                               cache_config=options.cache_config(args), corpus=args.corpus, seq_len=args.seq_len)
+  result = evaluate_checkpoint(
+    args.workdir,
+    step=args.step,
+    split=args.split,
+    batch_size=args.batch_size,
+    num_batches=args.batches,
+    mesh=options.mesh(args),
+    cache_config=options.cache_config(args),
+    corpus=args.corpus,
+    seq_len=args.seq_len,
+  )
   trained_on = result["trained_corpus_sha256"]
   if trained_on and trained_on != result["corpus_sha256"]:
-    print(f"kvjax eval: warning: corpus {result['corpus']} differs from the one this model was trained "
-          f"on (sha256 {result['corpus_sha256'][:12]} vs {trained_on[:12]})", file=sys.stderr)
+    print(
+      f"kvjax eval: warning: corpus {result['corpus']} differs from the one this model was trained "
+      f"on (sha256 {result['corpus_sha256'][:12]} vs {trained_on[:12]})",
+      file=sys.stderr,
+    )
   if args.json:
     print(json.dumps(result))
   else:
     cache = result["cache"]
     through = f" through a {cache['layout']} {cache['dtype'] or 'float'} cache" if cache else ""
-    print(f"step {result['step']}  {result['split']}{through} loss/token {result['loss']:.4f}  "
-          f"perplexity {result['perplexity']:.3f}  bits/byte {result['bits_per_byte']:.4f}  "
-          f"accuracy {result['accuracy']:.4f}  ({result['tokens']} tokens in windows of {result['seq_len']})")
+    print(
+      f"step {result['step']}  {result['split']}{through} loss/token {result['loss']:.4f}  "
+      f"perplexity {result['perplexity']:.3f}  bits/byte {result['bits_per_byte']:.4f}  "
+      f"accuracy {result['accuracy']:.4f}  ({result['tokens']} tokens in windows of {result['seq_len']})"
+    )
   return 0
 
 
@@ -75,25 +96,36 @@ def add_parser(subparsers) -> None:
   parser.add_argument("--workdir", required=True, type=options.workdir_text, help="run directory holding checkpoints/")
   parser.add_argument("--step", type=int, help="checkpoint step (default: latest)")
   parser.add_argument("--split", default="val", choices=("val", "train"))
-  parser.add_argument("--batches", type=options.positive_int,
-                      help="number of batches (default: the run's train.eval_batches)")
-  parser.add_argument("--batch-size", type=options.positive_int,
-                      help="windows per batch (default: the run's train.batch_size)")
-  parser.add_argument("--corpus", type=options.path_text,
-                      help="text to score: 'prose' (Python's documentation), 'stdlib' (Python's sources) or a "
-                           "path (default: the run's corpus; prose for an imported model)")
-  parser.add_argument("--seq-len", type=options.positive_int,
-                      help="tokens per window, up to the model's context (default: the run's)")
+  parser.add_argument(
+    "--batches", type=options.positive_int, help="number of batches (default: the run's train.eval_batches)"
+  )
+  parser.add_argument(
+    "--batch-size", type=options.positive_int, help="windows per batch (default: the run's train.batch_size)"
+  )
+  parser.add_argument(
+    "--corpus",
+    type=options.path_text,
+    help="text to score: 'prose' (Python's documentation), 'stdlib' (Python's sources) or a "
+    "path (default: the run's corpus; prose for an imported model)",
+  )
+  parser.add_argument(
+    "--seq-len", type=options.positive_int, help="tokens per window, up to the model's context (default: the run's)"
+  )
   parser.add_argument("--json", action="store_true", help="print one JSON object")
   options.add_cache_set_option(parser)  # scores a prefill through that cache instead of the plain forward
   options.add_mesh_option(parser)
   recall = parser.add_argument_group("long-range recall (kvjax.studies.recall)")
-  recall.add_argument("--recall", type=distances, metavar="D1,D2,...",
-                      help="run the recall test at these distances (tokens; bytes for a byte-level model) "
-                           "instead, and print JSON")
-  recall.add_argument("--needles", type=options.positive_int,
-                      help="needles per distance")
-  recall.add_argument("--needle-bytes", type=options.positive_int,
-                      help=f"byte-level models: bytes per needle (default {RecallConfig.needle_bytes})")
+  recall.add_argument(
+    "--recall",
+    type=distances,
+    metavar="D1,D2,...",
+    help="run the recall test at these distances (tokens; bytes for a byte-level model) instead, and print JSON",
+  )
+  recall.add_argument("--needles", type=options.positive_int, help="needles per distance")
+  recall.add_argument(
+    "--needle-bytes",
+    type=options.positive_int,
+    help=f"byte-level models: bytes per needle (default {RecallConfig.needle_bytes})",
+  )
   recall.add_argument("--seed", type=options.seed, default=RecallConfig.seed, help="seed of needles and filler")
   parser.set_defaults(func=command)

@@ -24,7 +24,11 @@ def command(args: argparse.Namespace) -> int:
 def add_parser(subparsers) -> None:
   parser = subparsers.add_parser("export-hf", help="write a checkpoint as a Hugging Face Llama / Qwen2 model")
   parser.add_argument("--workdir", required=True, type=options.workdir_text, help="kvjax workdir holding checkpoints/")
-  parser.add_argument("--out", required=True, type=options.workdir_text,
-                      help="new (or empty) folder for config.json and model.safetensors")
+  parser.add_argument(
+    "--out",
+    required=True,
+    type=options.workdir_text,
+    help="new (or empty) folder for config.json and model.safetensors",
+  )
   parser.add_argument("--step", type=int, help="checkpoint step (default: latest)")
   parser.set_defaults(func=command)

@@ -29,8 +29,10 @@ def prompt_tokens(tokenizer: TextTokenizer | None, prompt: str, *, chat: bool = 
   tokenizer adds one) or, with chat, the chat template's rendering of [system,] user messages."""
   if tokenizer is None:
     if chat or system is not None:
-      raise ValueError("--chat and --system need a model with a tokenizer and a chat template "
-                       "(an imported model); this one reads bytes")
+      raise ValueError(
+        "--chat and --system need a model with a tokenizer and a chat template "
+        "(an imported model); this one reads bytes"
+      )
     tokens = data.encode(prompt)
   elif not chat:
     if system is not None:
@@ -38,17 +40,30 @@ def prompt_tokens(tokenizer: TextTokenizer | None, prompt: str, *, chat: bool = 
     tokens = tokenizer.encode(prompt, add_special_tokens=True)
   else:
     messages = ([{"role": "system", "content": system}] if system is not None else []) + [
-        {"role": "user", "content": prompt}]
+      {"role": "user", "content": prompt}
+    ]
     tokens = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
   if not len(tokens):
     raise ValueError(f"--prompt {prompt!r} gives this model no tokens: there is nothing to continue")
   return tokens
 
 
-def continue_text(workdir, prompt: str, *, max_new_tokens: int, temperature: float = 0.0,
-                  top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-                  step: int | None = None, mesh=None, cache_config: CacheConfig | None = None, chat: bool = False,
-                  system: str | None = None, on_text: Callable[[str], None] | None = None) -> str:
+def continue_text(
+  workdir,
+  prompt: str,
+  *,
+  max_new_tokens: int,
+  temperature: float = 0.0,
+  top_k: int | None = None,
+  top_p: float | None = None,
+  seed: int = 0,
+  step: int | None = None,
+  mesh=None,
+  cache_config: CacheConfig | None = None,
+  chat: bool = False,
+  system: str | None = None,
+  on_text: Callable[[str], None] | None = None,
+) -> str:
   """The continuation of `prompt` from the workdir's checkpoint (latest unless `step`), up to its
   tokenizer's first stop token (not included), sharded over `mesh` when one is given, decoding
   through a KV cache of `cache_config` (default: contiguous, the model's dtype). on_text(increment) is called as
@@ -59,9 +74,19 @@ def continue_text(workdir, prompt: str, *, max_new_tokens: int, temperature: flo
   stop_ids = () if tokenizer is None else tokenizer.stop_ids
   text = TextStream(data.decode if tokenizer is None else tokenizer.decode)
   pieces = []
-  for token in stream(model, params, tokens, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                      stop_ids=stop_ids, rng=jax.random.key(seed), mesh=mesh,
-                      cache_config=cache_config or CacheConfig()):
+  for token in stream(
+    model,
+    params,
+    tokens,
+    max_new_tokens,
+    temperature=temperature,
+    top_k=top_k,
+    top_p=top_p,
+    stop_ids=stop_ids,
+    rng=jax.random.key(seed),
+    mesh=mesh,
+    cache_config=cache_config or CacheConfig(),
+  ):
     if token in stop_ids:
       break
     pieces.append(text.push(token))
@@ -79,8 +104,9 @@ def text_argument(text: str) -> str:
   try:
     text.encode("utf-8")
   except UnicodeEncodeError as err:
-    raise argparse.ArgumentTypeError(f"is not UTF-8 text: {err.object[err.start:err.end]!r} at character "
-                                     f"{err.start} cannot be encoded") from None
+    raise argparse.ArgumentTypeError(
+      f"is not UTF-8 text: {err.object[err.start : err.end]!r} at character {err.start} cannot be encoded"
+    ) from None
   return text
 
 
@@ -113,24 +139,43 @@ def _print(text: str) -> None:
 
 
 def command(args: argparse.Namespace) -> int:
-  continue_text(args.workdir, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                top_k=args.top_k, top_p=args.top_p, seed=args.seed, step=args.step, mesh=options.mesh(args),
-                cache_config=options.cache_config(args), chat=args.chat, system=args.system, on_text=_print)
+  continue_text(
+    args.workdir,
+    args.prompt,
+    max_new_tokens=args.max_new_tokens,
+    temperature=args.temperature,
+    top_k=args.top_k,
+    top_p=args.top_p,
+    seed=args.seed,
+    step=args.step,
+    mesh=options.mesh(args),
+    cache_config=options.cache_config(args),
+    chat=args.chat,
+    system=args.system,
+    on_text=_print,
+  )
   _print("\n")
   return 0
 
 
 def add_parser(subparsers) -> None:
-  parser = subparsers.add_parser("generate", help="continue a prompt (or answer a chat message) with a checkpoint, "
-                                                  "streaming the text")
+  parser = subparsers.add_parser(
+    "generate", help="continue a prompt (or answer a chat message) with a checkpoint, streaming the text"
+  )
   parser.add_argument("--workdir", required=True, type=options.workdir_text, help="run directory holding checkpoints/")
-  parser.add_argument("--prompt", required=True, type=text_argument,
-                      help="text to continue, or with --chat the user's message")
-  parser.add_argument("--chat", action="store_true",
-                      help="wrap the prompt as a user message in the model's chat template")
+  parser.add_argument(
+    "--prompt", required=True, type=text_argument, help="text to continue, or with --chat the user's message"
+  )
+  parser.add_argument(
+    "--chat", action="store_true", help="wrap the prompt as a user message in the model's chat template"
+  )
   parser.add_argument("--system", type=text_argument, help="with --chat: a system message before the user's")
-  parser.add_argument("--max-new-tokens", type=options.positive_int, default=200,
-                      help="most tokens to generate (generation also ends at the tokenizer's end tokens)")
+  parser.add_argument(
+    "--max-new-tokens",
+    type=options.positive_int,
+    default=200,
+    help="most tokens to generate (generation also ends at the tokenizer's end tokens)",
+  )
   parser.add_argument("--temperature", type=temperature, default=0.8, help="0 is greedy")
   parser.add_argument("--top-k", type=options.positive_int, help="sample among the k most likely tokens")
   parser.add_argument("--top-p", type=top_p, help="sample within the top-p probability mass")

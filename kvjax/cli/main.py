@@ -37,7 +37,9 @@ class Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-  parser = Parser(prog="kvjax", description="kvjax: KV-cache-efficient decoding for decoder-only transformers in JAX/Flax.")
+  parser = Parser(
+    prog="kvjax", description="kvjax: KV-cache-efficient decoding for decoder-only transformers in JAX/Flax."
+  )
   subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
   for module in COMMANDS:
     module.add_parser(subparsers)
@@ -70,8 +72,9 @@ def quiet_library_logs() -> None:
 
 def _drop_abandoned_reads(unraisable) -> None:
   code = getattr(unraisable.object, "cr_code", None)
-  abandoned = ((code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename)
-               or (isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"))
+  abandoned = (code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename) or (
+    isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"
+  )
   if not abandoned:
     _drop_abandoned_reads.previous(unraisable)
 

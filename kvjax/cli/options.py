@@ -1,13 +1,13 @@
 """The options several commands share, defined once so that they read and parse alike everywhere.
 
-  --set KEY=VALUE ...    config overrides, applied with kvjax.config.apply_overrides: values are
-                         Python literals checked against the field's type, unknown keys are
-                         refused with the valid ones listed. One --set takes several items, and
-                         --set may be repeated. Commands that decode a trained checkpoint
-                         (generate, eval) take only the cache's runtime choices, cache.*
-                         (`cache_config`: cache.dtype=int8, cache.layout=paged, ...).
-  --mesh data=D,model=M  a device mesh (kvjax.sharding.parse_mesh / make_mesh); the text is
-                         checked when the command line is parsed, the mesh made when it is used.
+--set KEY=VALUE ...    config overrides, applied with kvjax.config.apply_overrides: values are
+                       Python literals checked against the field's type, unknown keys are
+                       refused with the valid ones listed. One --set takes several items, and
+                       --set may be repeated. Commands that decode a trained checkpoint
+                       (generate, eval) take only the cache's runtime choices, cache.*
+                       (`cache_config`: cache.dtype=int8, cache.layout=paged, ...).
+--mesh data=D,model=M  a device mesh (kvjax.sharding.parse_mesh / make_mesh); the text is
+                       checked when the command line is parsed, the mesh made when it is used.
 """
 
 from __future__ import annotations
@@ -24,16 +24,21 @@ from kvjax import sharding
 from kvjax.cache.config import CacheConfig
 from kvjax.fields import INT32_MAX, SEED_MAX, apply_overrides
 
-SET_HELP = ("override config fields (Python literals, checked against the field's type); several per "
-            "--set, and --set repeats, e.g. --set model.num_kv_heads=2 train.steps=10")
-MESH_HELP = ("shard over a device mesh of D x M devices: batch rows on data, heads / kv heads / MLP on "
-             "model (an axis left out has size 1)")
+SET_HELP = (
+  "override config fields (Python literals, checked against the field's type); several per "
+  "--set, and --set repeats, e.g. --set model.num_kv_heads=2 train.steps=10"
+)
+MESH_HELP = (
+  "shard over a device mesh of D x M devices: batch rows on data, heads / kv heads / MLP on "
+  "model (an axis left out has size 1)"
+)
 
 
 def add_set_option(parser: argparse.ArgumentParser) -> None:
   """--set KEY=VALUE ..., collected in args.overrides (a list of "KEY=VALUE" strings)."""
-  parser.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[],
-                      metavar="KEY=VALUE", help=SET_HELP)
+  parser.add_argument(
+    "--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE", help=SET_HELP
+  )
 
 
 def apply_set(config: Any, args: argparse.Namespace) -> Any:
@@ -41,8 +46,10 @@ def apply_set(config: Any, args: argparse.Namespace) -> Any:
   return apply_overrides(config, args.overrides)
 
 
-CACHE_SET_HELP = ("the KV cache's runtime choices (kvjax.cache.config.CacheConfig), e.g. cache.dtype=int8 "
-                  "cache.layout=paged cache.page_size=16 cache.window=(256,) cache.sink_tokens=4")
+CACHE_SET_HELP = (
+  "the KV cache's runtime choices (kvjax.cache.config.CacheConfig), e.g. cache.dtype=int8 "
+  "cache.layout=paged cache.page_size=16 cache.window=(256,) cache.sink_tokens=4"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,8 +61,9 @@ class DecodeSet:
 
 def add_cache_set_option(parser: argparse.ArgumentParser) -> None:
   """--set cache.KEY=VALUE ..., collected in args.overrides."""
-  parser.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[],
-                      metavar="cache.KEY=VALUE", help=CACHE_SET_HELP)
+  parser.add_argument(
+    "--set", dest="overrides", action="extend", nargs="+", default=[], metavar="cache.KEY=VALUE", help=CACHE_SET_HELP
+  )
 
 
 def cache_config(args: argparse.Namespace) -> CacheConfig | None:
@@ -63,8 +71,10 @@ def cache_config(args: argparse.Namespace) -> CacheConfig | None:
   not given. Only cache.* keys: a trained network's config is what it was trained as."""
   for item in args.overrides:
     if not item.partition("=")[0].strip().startswith("cache."):
-      raise ValueError(f"--set {item!r}: a trained checkpoint is decoded as it was trained; --set takes only "
-                       "the cache's runtime choices, cache.KEY=VALUE")
+      raise ValueError(
+        f"--set {item!r}: a trained checkpoint is decoded as it was trained; --set takes only "
+        "the cache's runtime choices, cache.KEY=VALUE"
+      )
   return apply_overrides(DecodeSet(), args.overrides).cache if args.overrides else None
 
 
@@ -122,8 +132,9 @@ def _path(text: str) -> str:
   try:
     os.fsencode(text)
   except UnicodeEncodeError:
-    raise argparse.ArgumentTypeError(f"{text!r} is not a path: file names here are {sys.getfilesystemencoding()}, "
-                                     "which cannot hold it") from None
+    raise argparse.ArgumentTypeError(
+      f"{text!r} is not a path: file names here are {sys.getfilesystemencoding()}, which cannot hold it"
+    ) from None
   return text
 
 
@@ -133,8 +144,9 @@ def _int(text: str, low: int, high: int, what: str) -> int:
   except ValueError:
     raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
   if not low <= value <= high:
-    raise argparse.ArgumentTypeError(f"must be {what} up to {high:,}, got {text}" if value > high
-                                     else f"must be {what}, got {text}")
+    raise argparse.ArgumentTypeError(
+      f"must be {what} up to {high:,}, got {text}" if value > high else f"must be {what}, got {text}"
+    )
   return value
 
 
@@ -152,5 +164,3 @@ def nonnegative_int(text: str) -> int:
 def seed(text: str) -> int:
   """The argparse type of --seed: an integer in [0, kvjax.fields.SEED_MAX] (jax.random.key's range)."""
   return _int(text, 0, SEED_MAX, "a non-negative integer")
-
-

@@ -36,11 +36,11 @@ from kvjax.training.config import TrainRun
 from kvjax.training import workdir as workdirs
 
 JOBS = {
-    "train": "kvjax.training.train:run",
+  "train": "kvjax.training.train:run",
 }
 # How a library job claims its workdir: claim(config, workdir) -> a context manager.
 CLAIMS = {
-    "train": "kvjax.training.train:claim_workdir",
+  "train": "kvjax.training.train:claim_workdir",
 }
 
 
@@ -102,8 +102,10 @@ def resolve_job(job: str, driver: Path | None, config_path: str | Path) -> Calla
     return module.main
   if job in JOBS:
     return _function(JOBS[job])
-  raise ValueError(f"unknown job {job!r}: not a library job ({', '.join(sorted(JOBS))}), and config file "
-                   f"{config_path} names no DRIVER (the path of a file defining main(config, workdir))")
+  raise ValueError(
+    f"unknown job {job!r}: not a library job ({', '.join(sorted(JOBS))}), and config file "
+    f"{config_path} names no DRIVER (the path of a file defining main(config, workdir))"
+  )
 
 
 def claim_workdir(workdir: Path, config: Any, driver: Path | None) -> ContextManager[Path]:
@@ -124,8 +126,7 @@ def command(args: argparse.Namespace) -> int:
   config = options.apply_set(config, args)
   if args.mesh is not None:
     if "train.mesh" not in config_keys(config):
-      raise ValueError(f"--mesh shards training runs, but the {config.job!r} config of {args.config} "
-                       "has no train.mesh")
+      raise ValueError(f"--mesh shards training runs, but the {config.job!r} config of {args.config} has no train.mesh")
     config = apply_overrides(config, [f"train.mesh={args.mesh}"])
   job = resolve_job(config.job, driver, args.config)
   workdir = Path(args.workdir) if args.workdir is not None else Path("runs") / Path(args.config).stem
@@ -141,12 +142,20 @@ def command(args: argparse.Namespace) -> int:
 
 
 def add_parser(subparsers) -> None:
-  parser = subparsers.add_parser("run", help="run the job a config file describes (training, experiments)",
-                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("config", type=options.path_text,
-                      help="Python file defining get_config() (and DRIVER, for an experiment)")
-  parser.add_argument("--workdir", type=options.workdir_text,
-                      help="output folder: new, empty or a kvjax workdir of this job (default: runs/<config stem>)")
+  parser = subparsers.add_parser(
+    "run",
+    help="run the job a config file describes (training, experiments)",
+    description=__doc__,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
+  parser.add_argument(
+    "config", type=options.path_text, help="Python file defining get_config() (and DRIVER, for an experiment)"
+  )
+  parser.add_argument(
+    "--workdir",
+    type=options.workdir_text,
+    help="output folder: new, empty or a kvjax workdir of this job (default: runs/<config stem>)",
+  )
   options.add_set_option(parser)
   options.add_mesh_option(parser)
   parser.set_defaults(func=command)

@@ -29,10 +29,14 @@ def conversion(args: argparse.Namespace) -> KVHeads | ToMLA:
 
 def command(args: argparse.Namespace) -> int:
   overrides = args.overrides + ([f"train.mesh={args.mesh}"] if args.mesh is not None else [])
-  record = uptrain(args.source, args.workdir, conversion(args), fraction=args.fraction, distill=args.distill,
-                   overrides=overrides)
-  rows = [("before conversion", record["before"]), ("converted (alpha=0)", record["converted"]),
-          (f"uptrained (alpha={record['fraction']})", record["after"])]
+  record = uptrain(
+    args.source, args.workdir, conversion(args), fraction=args.fraction, distill=args.distill, overrides=overrides
+  )
+  rows = [
+    ("before conversion", record["before"]),
+    ("converted (alpha=0)", record["converted"]),
+    (f"uptrained (alpha={record['fraction']})", record["after"]),
+  ]
   for name, q in rows:
     print(f"{name:>22}: loss {q['loss']:.4f}  bits/byte {q['bits_per_byte']:.4f}  accuracy {q['accuracy']:.4f}")
   return 0
@@ -40,22 +44,48 @@ def command(args: argparse.Namespace) -> int:
 
 def add_parser(subparsers) -> None:
   parser = subparsers.add_parser("uptrain", help="convert an MHA checkpoint to GQA/MQA or MLA and continue training")
-  parser.add_argument("--from", dest="source", required=True, metavar="SRC_WORKDIR", type=options.workdir_text,
-                      help="training (or imported) workdir to convert; never modified")
+  parser.add_argument(
+    "--from",
+    dest="source",
+    required=True,
+    metavar="SRC_WORKDIR",
+    type=options.workdir_text,
+    help="training (or imported) workdir to convert; never modified",
+  )
   parser.add_argument("--workdir", required=True, type=options.workdir_text, help="where the uptrained run is written")
   parser.add_argument("--kv-heads", type=options.positive_int, help="target number of kv heads (GQA / MQA)")
-  parser.add_argument("--method", choices=METHODS, default="mean",
-                      help="with --kv-heads: mean (the paper's), first, random, or the data-aware pca / regroup")
+  parser.add_argument(
+    "--method",
+    choices=METHODS,
+    default="mean",
+    help="with --kv-heads: mean (the paper's), first, random, or the data-aware pca / regroup",
+  )
   parser.add_argument("--seed", type=options.seed, default=0, help="rng seed for --method random")
-  parser.add_argument("--to-mla", type=options.positive_int, metavar="RANK",
-                      help="convert to multi-head latent attention with this latent rank (needs --rope-dims)")
-  parser.add_argument("--rope-dims", type=options.nonnegative_int, metavar="D",
-                      help="with --to-mla: rotary dims of the shared key, 2 x kept pairs x kv heads (0 for "
-                           "learned positions)")
-  parser.add_argument("--fraction", type=float, default=0.05,
-                      help="uptraining steps as a fraction of the source's pre-training steps (alpha)")
-  parser.add_argument("--distill", type=float, default=0.0, metavar="W",
-                      help="add W x KL to the source model's next-token distribution to the loss (distillation)")
+  parser.add_argument(
+    "--to-mla",
+    type=options.positive_int,
+    metavar="RANK",
+    help="convert to multi-head latent attention with this latent rank (needs --rope-dims)",
+  )
+  parser.add_argument(
+    "--rope-dims",
+    type=options.nonnegative_int,
+    metavar="D",
+    help="with --to-mla: rotary dims of the shared key, 2 x kept pairs x kv heads (0 for learned positions)",
+  )
+  parser.add_argument(
+    "--fraction",
+    type=float,
+    default=0.05,
+    help="uptraining steps as a fraction of the source's pre-training steps (alpha)",
+  )
+  parser.add_argument(
+    "--distill",
+    type=float,
+    default=0.0,
+    metavar="W",
+    help="add W x KL to the source model's next-token distribution to the loss (distillation)",
+  )
   options.add_set_option(parser)
   options.add_mesh_option(parser)
   parser.set_defaults(func=command)

@@ -60,19 +60,24 @@ class KVHeads:
 
   def target(self, config: ModelConfig) -> ModelConfig:
     if config.is_latent:
-      raise ValueError(f"KVHeads: the model is MLA (kv_latent_rank={config.kv_latent_rank}); its kv heads are "
-                       "rotary groups of one latent and do not regroup")
+      raise ValueError(
+        f"KVHeads: the model is MLA (kv_latent_rank={config.kv_latent_rank}); its kv heads are "
+        "rotary groups of one latent and do not regroup"
+      )
     if config.num_kv_heads % self.num_kv_heads:
-      raise ValueError(f"KVHeads.num_kv_heads={self.num_kv_heads}: cannot convert {config.num_kv_heads} kv heads "
-                       f"to {self.num_kv_heads}: the target must divide the current number of kv heads "
-                       f"({config.num_kv_heads})")
+      raise ValueError(
+        f"KVHeads.num_kv_heads={self.num_kv_heads}: cannot convert {config.num_kv_heads} kv heads "
+        f"to {self.num_kv_heads}: the target must divide the current number of kv heads "
+        f"({config.num_kv_heads})"
+      )
     return config.replace(num_kv_heads=self.num_kv_heads)
 
   def convert(self, params, config: ModelConfig, calibration=None):
     """(params, config) with num_kv_heads kv heads; calibration int[B, T] tokens for pca / regroup."""
     self.target(config)
-    return convert_kv_heads(params, config, self.num_kv_heads, self.method, rng=jax.random.key(self.seed),
-                            calibration=calibration)
+    return convert_kv_heads(
+      params, config, self.num_kv_heads, self.method, rng=jax.random.key(self.seed), calibration=calibration
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,9 +102,11 @@ class ToMLA:
     when rope_dims leaves no latent."""
     rank = 2 * num_kv_heads * config.head_dim - rope_dims
     if rank <= 0:
-      raise ValueError(f"rope_dims={rope_dims} leaves no latent at the bytes of {num_kv_heads} kv heads "
-                       f"(2 x {num_kv_heads} x head_dim={config.head_dim} = {2 * num_kv_heads * config.head_dim} "
-                       "per layer)")
+      raise ValueError(
+        f"rope_dims={rope_dims} leaves no latent at the bytes of {num_kv_heads} kv heads "
+        f"(2 x {num_kv_heads} x head_dim={config.head_dim} = {2 * num_kv_heads * config.head_dim} "
+        "per layer)"
+      )
     return cls(rank, rope_dims)
 
   @property
@@ -124,8 +131,9 @@ class ToMLA:
   def convert(self, params, config: ModelConfig, calibration=None):
     """(params, config) of the MLA model; calibration int[B, T] tokens score the frequencies and
     weight the factorisation."""
-    return convert_to_mla(params, config, self.kv_latent_rank, self.rope_dims, calibration=calibration,
-                          factorisation=self.factorisation)
+    return convert_to_mla(
+      params, config, self.kv_latent_rank, self.rope_dims, calibration=calibration, factorisation=self.factorisation
+    )
 
 
 Conversion = KVHeads | ToMLA

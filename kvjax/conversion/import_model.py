@@ -26,8 +26,7 @@ def import_model(source: str | pathlib.Path, workdir: str | pathlib.Path, *, dty
   is written when the model, its tokenizer or the workdir is refused."""
   workdirs.check(workdir, workdirs.IMPORT)  # refused before the model is read, with nothing written
   if checkpoint.latest_step(workdir) is not None:
-    raise ValueError(f"{checkpoint.checkpoint_dir(workdir)} already holds checkpoints; "
-                     "import into a new --workdir")
+    raise ValueError(f"{checkpoint.checkpoint_dir(workdir)} already holds checkpoints; import into a new --workdir")
   resolved = resolve_source(source).resolve()
   params, cfg, tokenizer, _ = read_model(resolved, dtype=dtype)
   job = {"source": {"path": str(resolved), "fingerprint": workdirs.fingerprint(cfg.to_dict(), params)}, "dtype": dtype}
@@ -36,6 +35,10 @@ def import_model(source: str | pathlib.Path, workdir: str | pathlib.Path, *, dty
     if tokenizer is not None:
       tokenizer.save(path)
     saved = checkpoint.save_params(workdir, params, cfg)
-  return {"source": str(resolved), "checkpoint": str(saved),
-          "params": int(sum(x.size for x in jax.tree.leaves(params))), "model": cfg.to_dict(),
-          "tokenizer": None if tokenizer is None else str(pathlib.Path(path) / "tokenizer.json")}
+  return {
+    "source": str(resolved),
+    "checkpoint": str(saved),
+    "params": int(sum(x.size for x in jax.tree.leaves(params))),
+    "model": cfg.to_dict(),
+    "tokenizer": None if tokenizer is None else str(pathlib.Path(path) / "tokenizer.json"),
+  }

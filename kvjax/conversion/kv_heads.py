@@ -48,7 +48,7 @@ def _fresh(x: jax.Array, num_new: int, axis: int, key: jax.Array, d_model: int) 
   shape[axis] = num_new
   if x.ndim == 2:  # bias [K, H]
     return jnp.zeros(shape, x.dtype)
-  return (jax.random.normal(key, shape, jnp.float32) * d_model ** -0.5).astype(x.dtype)
+  return (jax.random.normal(key, shape, jnp.float32) * d_model**-0.5).astype(x.dtype)
 
 
 def check_calibration(tokens, config: ModelConfig, method: str) -> np.ndarray:
@@ -58,19 +58,24 @@ def check_calibration(tokens, config: ModelConfig, method: str) -> np.ndarray:
     raise ValueError(f"method={method!r} needs calibration tokens (int[batch, seq], e.g. training windows)")
   tokens = np.asarray(tokens)
   if tokens.ndim != 2 or tokens.size == 0 or not np.issubdtype(tokens.dtype, np.integer):
-    raise ValueError(f"calibration must be a non-empty integer array [batch, seq], got {tokens.dtype}{list(tokens.shape)}")
+    raise ValueError(
+      f"calibration must be a non-empty integer array [batch, seq], got {tokens.dtype}{list(tokens.shape)}"
+    )
   if tokens.shape[1] > config.max_len:
     raise ValueError(f"calibration windows of {tokens.shape[1]} tokens exceed ModelConfig.max_len={config.max_len}")
   bad = (tokens < 0) | (tokens >= config.vocab_size)
   if bad.any():
     row, pos = map(int, np.argwhere(bad)[0])
-    raise ValueError(f"calibration token id {int(tokens[row, pos])} at row {row}, position {pos} is outside "
-                     f"[0, vocab_size={config.vocab_size})")
+    raise ValueError(
+      f"calibration token id {int(tokens[row, pos])} at row {row}, position {pos} is outside "
+      f"[0, vocab_size={config.vocab_size})"
+    )
   return tokens.astype(np.int32)
 
 
-def convert_kv_heads(params, config: ModelConfig, num_kv_heads: int, method: str = "mean",
-                     rng: jax.Array | None = None, calibration=None):
+def convert_kv_heads(
+  params, config: ModelConfig, num_kv_heads: int, method: str = "mean", rng: jax.Array | None = None, calibration=None
+):
   """Converts a checkpoint to `num_kv_heads` kv heads.
 
   Args:
@@ -88,8 +93,10 @@ def convert_kv_heads(params, config: ModelConfig, num_kv_heads: int, method: str
     raise ValueError(f"method must be one of {METHODS}, got {method!r}")
   check_positive_int(num_kv_heads, "num_kv_heads")
   if config.num_kv_heads % num_kv_heads:
-    raise ValueError(f"cannot convert {config.num_kv_heads} kv heads to {num_kv_heads}: the target "
-                     f"must divide the current number of kv heads ({config.num_kv_heads})")
+    raise ValueError(
+      f"cannot convert {config.num_kv_heads} kv heads to {num_kv_heads}: the target "
+      f"must divide the current number of kv heads ({config.num_kv_heads})"
+    )
   if method == "random" and rng is None:
     raise ValueError("method='random' needs an rng key")
   if method in ("pca", "regroup"):
@@ -108,9 +115,11 @@ def convert_kv_heads(params, config: ModelConfig, num_kv_heads: int, method: str
       if method == "regroup":
         attn = pca.permute_heads(attn, config, pca.regroup_order(x, attn, config, num_kv_heads))
       attn = pca.convert_layer(attn, x, config, num_kv_heads)
-      attn = jax.tree.map(lambda new, old: jnp.asarray(new, old.dtype), attn,
-                          {name: {leaf: params[f"layers_{i}"]["attn"][name][leaf] for leaf in attn[name]}
-                           for name in attn})
+      attn = jax.tree.map(
+        lambda new, old: jnp.asarray(new, old.dtype),
+        attn,
+        {name: {leaf: params[f"layers_{i}"]["attn"][name][leaf] for leaf in attn[name]} for name in attn},
+      )
       new_params[f"layers_{i}"] = {**params[f"layers_{i}"], "attn": attn}
     return new_params, new_config
 
@@ -127,10 +136,14 @@ def convert_kv_heads(params, config: ModelConfig, num_kv_heads: int, method: str
       for leaf, value in attn[proj].items():
         axis = value.ndim - 2  # kernel [D, K, H] -> 1; bias [K, H] -> 0
         if value.shape[axis] != config.num_kv_heads:
-          raise ValueError(f"{name}/attn/{proj}/{leaf} has shape {value.shape}, expected "
-                           f"{config.num_kv_heads} kv heads on axis {axis}")
-        converted[leaf] = (_fresh(value, num_kv_heads, axis, next(keys), config.d_model)
-                           if method == "random" else _pool(value, groups, num_kv_heads, method, axis))
+          raise ValueError(
+            f"{name}/attn/{proj}/{leaf} has shape {value.shape}, expected {config.num_kv_heads} kv heads on axis {axis}"
+          )
+        converted[leaf] = (
+          _fresh(value, num_kv_heads, axis, next(keys), config.d_model)
+          if method == "random"
+          else _pool(value, groups, num_kv_heads, method, axis)
+        )
       attn[proj] = converted
     new_params[name] = {**params[name], "attn": attn}
   return new_params, new_config

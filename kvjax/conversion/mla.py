@@ -43,28 +43,34 @@ def check_target(config: ModelConfig, rank: int, rope_dims: int) -> None:
   if isinstance(rope_dims, bool) or not isinstance(rope_dims, int) or rope_dims < 0:
     raise ValueError(f"rope_dims must be a non-negative integer, got {rope_dims!r}")
   if rope_dims and config.positions != "rope":
-    raise ValueError(f"rope_dims={rope_dims} asks for rotary dims of a model with positions={config.positions!r}, "
-                     "which has none; use rope_dims=0")
+    raise ValueError(
+      f"rope_dims={rope_dims} asks for rotary dims of a model with positions={config.positions!r}, "
+      "which has none; use rope_dims=0"
+    )
   if config.positions == "rope" and not rope_dims:
     raise ValueError("rope_dims must be positive for a RoPE model: each kv head keeps at least one frequency pair")
   k, h = config.num_kv_heads, config.head_dim
   if rope_dims % (2 * k):
-    raise ValueError(f"rope_dims={rope_dims} must be a multiple of 2 x num_kv_heads={2 * k}: each kv head keeps "
-                     "whole frequency pairs")
+    raise ValueError(
+      f"rope_dims={rope_dims} must be a multiple of 2 x num_kv_heads={2 * k}: each kv head keeps whole frequency pairs"
+    )
   if rope_dims // k > h:
-    raise ValueError(f"rope_dims={rope_dims} keeps {rope_dims // k} rotary dims per kv head, more than "
-                     f"head_dim={h}")
+    raise ValueError(f"rope_dims={rope_dims} keeps {rope_dims // k} rotary dims per kv head, more than head_dim={h}")
   limit = min(config.d_model, k * (2 * h - rope_dims // k))
   if rank > limit:
-    raise ValueError(f"kv_latent_rank={rank} is larger than possible: the position-free keys and the values of "
-                     f"{k} kv heads span at most min(d_model={config.d_model}, {k} x (2 x {h} - {rope_dims // k}))"
-                     f" = {limit} dims")
+    raise ValueError(
+      f"kv_latent_rank={rank} is larger than possible: the position-free keys and the values of "
+      f"{k} kv heads span at most min(d_model={config.d_model}, {k} x (2 x {h} - {rope_dims // k}))"
+      f" = {limit} dims"
+    )
 
 
 def pair_scores(x: np.ndarray, attn: dict, config: ModelConfig) -> np.ndarray:
   """[K, H/2]: each rotary pair's contribution to each kv head's scores, sum over its query heads of
   rms|q_pair| x rms|k_pair| on the inputs x [T, D]."""
-  q = pca.complex_pairs(pca.project(x, pca.param_leaf(attn, "q", "kernel"), pca.param_leaf(attn, "q", "bias")))  # [T, N, H/2]
+  q = pca.complex_pairs(
+    pca.project(x, pca.param_leaf(attn, "q", "kernel"), pca.param_leaf(attn, "q", "bias"))
+  )  # [T, N, H/2]
   k = pca.complex_pairs(pca.keys_values(x, attn)[0])  # [T, K, H/2]
   rms = lambda z: np.sqrt(np.mean(np.abs(z) ** 2, axis=0))
   reads = kv_head_of(np.arange(config.num_heads), config.num_heads, config.num_kv_heads)
@@ -85,8 +91,9 @@ def factorise(m: np.ndarray, x: np.ndarray | None, rank: int) -> tuple[np.ndarra
   return np.linalg.solve(chol.T, u[:, :rank] * s[:rank]), vt[:rank]
 
 
-def convert_layer(attn: dict, x: np.ndarray, config: ModelConfig, rank: int, rope_dims: int,
-                  factorisation: str) -> tuple[dict, tuple[int, ...]]:
+def convert_layer(
+  attn: dict, x: np.ndarray, config: ModelConfig, rank: int, rope_dims: int, factorisation: str
+) -> tuple[dict, tuple[int, ...]]:
   """One layer's attention {q, k, v, out} -> (its MLA params as numpy, the kept frequency index
   of each rotary pair, group by group)."""
   n, k, h = config.num_heads, config.num_kv_heads, config.head_dim
@@ -103,28 +110,39 @@ def convert_layer(attn: dict, x: np.ndarray, config: ModelConfig, rank: int, rop
     pairs += kept.tolist()
   reads = kv_head_of(np.arange(n), n, k)
   q_order = np.stack([np.concatenate([nope_order[j], rope_order[j]]) for j in reads])  # [N, H]
-  new = {"out": {leaf: np.asarray(value) for leaf, value in attn["out"].items()},
-         "q": {leaf: np.take_along_axis(np.asarray(value, np.float64), q_order if value.ndim == 2 else q_order[None],
-                                        axis=-1) for leaf, value in attn["q"].items()}}
+  new = {
+    "out": {leaf: np.asarray(value) for leaf, value in attn["out"].items()},
+    "q": {
+      leaf: np.take_along_axis(np.asarray(value, np.float64), q_order if value.ndim == 2 else q_order[None], axis=-1)
+      for leaf, value in attn["q"].items()
+    },
+  }
   if rope_dims:
-    new["k_rope"] = {leaf: np.concatenate([np.asarray(value, np.float64)[..., j, rope_order[j]] for j in range(k)],
-                                          axis=-1) for leaf, value in attn["k"].items()}
+    new["k_rope"] = {
+      leaf: np.concatenate([np.asarray(value, np.float64)[..., j, rope_order[j]] for j in range(k)], axis=-1)
+      for leaf, value in attn["k"].items()
+    }
   # The position-free keys and the values of every kv head, a bias row below the kernel: [D(+1), K*(E+H)].
   stack = lambda proj, order: np.concatenate(
-      [np.concatenate([get(proj, "kernel")[:, j, order[j]]] + ([get(proj, "bias")[None, j, order[j]]] if biased else []))
-       for j in range(k)], axis=1)
+    [
+      np.concatenate([get(proj, "kernel")[:, j, order[j]]] + ([get(proj, "bias")[None, j, order[j]]] if biased else []))
+      for j in range(k)
+    ],
+    axis=1,
+  )
   m = np.concatenate([stack("k", nope_order), stack("v", [np.arange(h)] * k)], axis=1)
   inputs = np.concatenate([x, np.ones((len(x), 1))], axis=1) if biased else x
   down, up = factorise(m, inputs if factorisation == "activation" else None, rank)
-  new["kv_down"] = {"kernel": down[:config.d_model]} | ({"bias": down[config.d_model]} if biased else {})
+  new["kv_down"] = {"kernel": down[: config.d_model]} | ({"bias": down[config.d_model]} if biased else {})
   e = h - 2 * kept_pairs
-  k_up, v_up = up[:, :k * e].reshape(rank, k, e), up[:, k * e:].reshape(rank, k, h)
+  k_up, v_up = up[:, : k * e].reshape(rank, k, e), up[:, k * e :].reshape(rank, k, h)
   new["k_up"], new["v_up"] = k_up[:, reads], v_up[:, reads]  # [R, N, E], [R, N, H]
   return new, tuple(int(p) for p in pairs)
 
 
-def convert_to_mla(params, config: ModelConfig, rank: int, rope_dims: int, *, calibration,
-                   factorisation: str = "activation"):
+def convert_to_mla(
+  params, config: ModelConfig, rank: int, rope_dims: int, *, calibration, factorisation: str = "activation"
+):
   """Converts an MHA / GQA checkpoint to multi-head latent attention.
 
   Args:
@@ -151,10 +169,13 @@ def convert_to_mla(params, config: ModelConfig, rank: int, rope_dims: int, *, ca
     attn, kept = convert_layer(layer["attn"], x, config, rank, rope_dims, factorisation)
     dtype = layer["attn"]["q"]["kernel"].dtype
     to_array = lambda value: jnp.asarray(value, dtype)
-    new_params[f"layers_{i}"] = {**layer, "attn": {name: ({leaf: to_array(v) for leaf, v in value.items()}
-                                                          if isinstance(value, dict) else to_array(value))
-                                                   for name, value in attn.items()}}
+    new_params[f"layers_{i}"] = {
+      **layer,
+      "attn": {
+        name: ({leaf: to_array(v) for leaf, v in value.items()} if isinstance(value, dict) else to_array(value))
+        for name, value in attn.items()
+      },
+    }
     pairs.append(kept)
-  new_config = config.replace(kv_latent_rank=rank, rope_dims=rope_dims,
-                              rope_pairs=tuple(pairs) if rope_dims else None)
+  new_config = config.replace(kv_latent_rank=rank, rope_dims=rope_dims, rope_pairs=tuple(pairs) if rope_dims else None)
   return new_params, new_config

@@ -34,11 +34,14 @@ from kvjax.model.transformer import Transformer
 def attention_inputs(params, config: ModelConfig, tokens: np.ndarray) -> list[np.ndarray]:
   """Each layer's attention input (the output of its attn_norm) on `tokens` int[B, T] -> [B*T, D] float64."""
   is_attn_norm = lambda module, method: module.name == "attn_norm" and method == "__call__"
-  _, state = Transformer(config).apply({"params": params}, jax.numpy.asarray(tokens),
-                                       capture_intermediates=is_attn_norm, mutable=["intermediates"])
+  _, state = Transformer(config).apply(
+    {"params": params}, jax.numpy.asarray(tokens), capture_intermediates=is_attn_norm, mutable=["intermediates"]
+  )
   captured = state["intermediates"]
-  return [np.asarray(captured[f"layers_{i}"]["attn_norm"]["__call__"][0], np.float64).reshape(-1, config.d_model)
-          for i in range(config.num_layers)]
+  return [
+    np.asarray(captured[f"layers_{i}"]["attn_norm"]["__call__"][0], np.float64).reshape(-1, config.d_model)
+    for i in range(config.num_layers)
+  ]
 
 
 def project(x, kernel, bias):
@@ -185,6 +188,8 @@ def permute_heads(attn: dict, config: ModelConfig, order: np.ndarray) -> dict:
     for leaf, value in attn[name].items():
       if name == "out" and leaf == "bias":
         continue  # [D]: summed over heads already
-      axis = 0 if name == "out" or leaf == "bias" else 1  # out kernel [N, H, D], biases [heads, H], kernels [D, heads, H]
+      axis = (
+        0 if name == "out" or leaf == "bias" else 1
+      )  # out kernel [N, H, D], biases [heads, H], kernels [D, heads, H]
       new[name][leaf] = np.take(np.asarray(value), index, axis=axis)
   return new

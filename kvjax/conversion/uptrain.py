@@ -35,8 +35,7 @@ from kvjax.model.transformer import Transformer
 from kvjax.training.config import DataConfig, TrainConfig, TrainRun
 
 
-def uptrain_config(source: dict, source_steps: int, conversion: Conversion, fraction: float,
-                   overrides=()) -> TrainRun:
+def uptrain_config(source: dict, source_steps: int, conversion: Conversion, fraction: float, overrides=()) -> TrainRun:
   """The destination run: the source's model as `conversion` targets it (conversion.target, a
   ValueError naming what does not fit), its data and optimizer settings, and fraction x
   source_steps steps (warmup and cadences scaled alike, fresh optimizer state). The source's
@@ -46,9 +45,15 @@ def uptrain_config(source: dict, source_steps: int, conversion: Conversion, frac
   tc = from_dict(TrainConfig, source["train"]) if "train" in source else TrainConfig()
   steps = max(1, round(fraction * source_steps))
   scale = lambda n: max(1, min(steps, math.ceil(n * fraction)))
-  tc = dataclasses.replace(tc, steps=steps, warmup_steps=min(tc.warmup_steps, scale(tc.warmup_steps)),
-                           eval_every=scale(tc.eval_every), checkpoint_every=scale(tc.checkpoint_every),
-                           log_every=scale(tc.log_every), mesh=None)
+  tc = dataclasses.replace(
+    tc,
+    steps=steps,
+    warmup_steps=min(tc.warmup_steps, scale(tc.warmup_steps)),
+    eval_every=scale(tc.eval_every),
+    checkpoint_every=scale(tc.checkpoint_every),
+    log_every=scale(tc.log_every),
+    mesh=None,
+  )
   return apply_overrides(TrainRun(job="uptrain", model=model, data=data, train=tc), list(overrides))
 
 
@@ -69,18 +74,24 @@ def claim_workdir(dest: Path, source: dict, settings: dict, config: dict):
   """kvjax.training.workdir.claim of an uptraining's workdir, a context manager: new or empty, or
   holding an uptraining of the same source (path, step and fingerprint of its config and params)
   with the same settings, whose latest checkpoint's config this run may resume."""
+
   def same_job(recorded: dict) -> None:
     if recorded.get("source") != source:
       was = recorded.get("source") or {}
       if was.get("path") != source["path"]:
-        raise workdirs.WorkdirRefused(f"{dest} holds an uptraining of {_describe(was)}, not of {_describe(source)}; "
-                                      f"uptrain {source['path']} in another --workdir")
-      raise workdirs.WorkdirRefused(f"{dest} holds an uptraining of {_describe(was)}, and that source has changed "
-                                    f"since: it is now {_describe(source)}; uptrain it in another --workdir")
+        raise workdirs.WorkdirRefused(
+          f"{dest} holds an uptraining of {_describe(was)}, not of {_describe(source)}; "
+          f"uptrain {source['path']} in another --workdir"
+        )
+      raise workdirs.WorkdirRefused(
+        f"{dest} holds an uptraining of {_describe(was)}, and that source has changed "
+        f"since: it is now {_describe(source)}; uptrain it in another --workdir"
+      )
     shown = {k: recorded.get(k) for k in settings}
     if shown != settings:
-      raise workdirs.WorkdirRefused(f"{dest} holds an uptraining with {_settings(shown)}, not {_settings(settings)}; "
-                                    "use another --workdir")
+      raise workdirs.WorkdirRefused(
+        f"{dest} holds an uptraining with {_settings(shown)}, not {_settings(settings)}; use another --workdir"
+      )
     if checkpoint.latest_step(dest) is not None:
       checkpoint.check_resume(checkpoint.read_meta(dest), config, dest)
 
@@ -90,8 +101,9 @@ def claim_workdir(dest: Path, source: dict, settings: dict, config: dict):
 
 def _describe(source: dict) -> str:
   fingerprint = source.get("fingerprint")
-  return (f"{source.get('path')} at step {source.get('step')}"
-          + (f" (fingerprint {fingerprint[:12]})" if fingerprint else ""))
+  return f"{source.get('path')} at step {source.get('step')}" + (
+    f" (fingerprint {fingerprint[:12]})" if fingerprint else ""
+  )
 
 
 def _settings(settings: dict) -> str:
@@ -100,14 +112,22 @@ def _settings(settings: dict) -> str:
       return from_record(value).name if key == "conversion" else repr(value)
     except ValueError:
       return repr(value)
+
   return ", ".join(f"{key} {shown(key, value)}" for key, value in settings.items())
 
 
 CALIBRATION_WINDOWS = 64  # training windows whose activations the data-aware conversions fit
 
 
-def uptrain(source_workdir: str | Path, workdir: str | Path, conversion: Conversion, *, fraction: float = 0.05,
-            distill: float = 0.0, overrides=()) -> dict:
+def uptrain(
+  source_workdir: str | Path,
+  workdir: str | Path,
+  conversion: Conversion,
+  *,
+  fraction: float = 0.05,
+  distill: float = 0.0,
+  overrides=(),
+) -> dict:
   """Converts the latest checkpoint of `source_workdir` by `conversion` and uptrains it in `workdir`.
 
   A conversion that needs calibration (conversion.needs_calibration: KVHeads pca / regroup,
@@ -129,8 +149,10 @@ def uptrain(source_workdir: str | Path, workdir: str | Path, conversion: Convers
   if step is None:
     raise ValueError(f"no checkpoint in source workdir {checkpoint.checkpoint_dir(source)}")
   if fraction > 0 and step == 0 and not any(o.startswith("train.steps=") for o in overrides):
-    raise ValueError(f"the checkpoint in {source} records no pre-training steps (step 0); "
-                     "give the uptraining length with --set train.steps=N")
+    raise ValueError(
+      f"the checkpoint in {source} records no pre-training steps (step 0); "
+      "give the uptraining length with --set train.steps=N"
+    )
   source_config = checkpoint.read_meta(source, step)["config"]
   config = uptrain_config(source_config, step, conversion, fraction, (f"train.distill={distill!r}", *overrides))
   mesh = sharding.mesh_from_spec(config.train.mesh)
@@ -139,26 +161,39 @@ def uptrain(source_workdir: str | Path, workdir: str | Path, conversion: Convers
   tokenizer = TextTokenizer.load(source, config.model.vocab_size)
   model, params, _ = checkpoint.load_model(source, step)
   data = load_dataset(config.data, tokenizer)
-  calibration = (WindowSampler(data.train, data.seq_len, CALIBRATION_WINDOWS, config.data.seed + 1).next()[0]
-                 if conversion.needs_calibration else None)
+  calibration = (
+    WindowSampler(data.train, data.seq_len, CALIBRATION_WINDOWS, config.data.seed + 1).next()[0]
+    if conversion.needs_calibration
+    else None
+  )
   new_params, new_model_config = conversion.convert(params, model.config, calibration)
   # What the conversion chose from the data (MLA's kept frequencies, rope_pairs) joins the run's model.
   target = conversion.target(model.config)
-  chosen = {f.name: getattr(new_model_config, f.name) for f in dataclasses.fields(target)
-            if getattr(new_model_config, f.name) != getattr(target, f.name)}
+  chosen = {
+    f.name: getattr(new_model_config, f.name)
+    for f in dataclasses.fields(target)
+    if getattr(new_model_config, f.name) != getattr(target, f.name)
+  }
   config = dataclasses.replace(config, model=config.model.replace(**chosen))
   settings = {"conversion": to_dict(conversion), "fraction": fraction} | ({"distill": distill} if distill else {})
   source_id = {"path": str(source), "step": step, "fingerprint": workdirs.fingerprint(source_config, params)}
   with claim_workdir(dest, source_id, settings, to_dict(config)):
     record_path = dest / "uptrain.json"
     record = json.loads(record_path.read_text()) if record_path.exists() else None
-    quality = lambda m, p: evaluate(m, p, data, batch_size=config.train.batch_size,
-                                    num_batches=config.train.eval_batches, mesh=mesh)
+    quality = lambda m, p: evaluate(
+      m, p, data, batch_size=config.train.batch_size, num_batches=config.train.eval_batches, mesh=mesh
+    )
     if record is None:
-      record = {"source": str(source), "source_step": step, "conversion": to_dict(conversion),
-                "fraction": fraction, "distill": distill, "steps": config.train.steps if fraction else 0,
-                "before": quality(model, params),
-                "converted": quality(Transformer(new_model_config), new_params)}
+      record = {
+        "source": str(source),
+        "source_step": step,
+        "conversion": to_dict(conversion),
+        "fraction": fraction,
+        "distill": distill,
+        "steps": config.train.steps if fraction else 0,
+        "before": quality(model, params),
+        "converted": quality(Transformer(new_model_config), new_params),
+      }
       checkpoint.write_atomically(record_path, json.dumps(record, indent=2) + "\n")
     copy_tokenizer(source, dest)  # before any checkpoint: training and every later eval read it there
 
@@ -169,7 +204,10 @@ def uptrain(source_workdir: str | Path, workdir: str | Path, conversion: Convers
     else:
       checkpoint.write_atomically(dest / "config.json", json.dumps(to_dict(config), indent=2) + "\n")
       summary = train.run(config, dest, init_params=new_params, teacher=(model, params))
-      record["after"] = {"loss": summary["val_loss"], "bits_per_byte": summary["bits_per_byte"],
-                         "accuracy": summary["accuracy"]}
+      record["after"] = {
+        "loss": summary["val_loss"],
+        "bits_per_byte": summary["bits_per_byte"],
+        "accuracy": summary["accuracy"],
+      }
     checkpoint.write_atomically(record_path, json.dumps(record, indent=2) + "\n")
   return record

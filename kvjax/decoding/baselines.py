@@ -28,8 +28,9 @@ def _start(model: Transformer, prompts, lengths, max_new_tokens: int):
   prompts, lengths = check_tokens(model, prompts, lengths)
   longest = int(np.max(lengths))
   if longest + max_new_tokens - 1 > cfg.max_len:
-    raise ValueError(f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds "
-                     f"ModelConfig.max_len={cfg.max_len}")
+    raise ValueError(
+      f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds ModelConfig.max_len={cfg.max_len}"
+    )
   return prompts, lengths
 
 
@@ -44,7 +45,7 @@ def generate_nocache(model: Transformer, params, prompts, lengths, max_new_token
   prompts, lengths = _start(model, prompts, lengths, max_new_tokens)
   batch, longest = prompts.shape[0], int(lengths.max())
   tokens = np.zeros((batch, longest + max_new_tokens), np.int32)
-  tokens[:, :prompts.shape[1]] = prompts
+  tokens[:, : prompts.shape[1]] = prompts
   out = np.zeros((batch, max_new_tokens), np.int32)
   rows = np.arange(batch)
   for step in range(max_new_tokens):
@@ -74,8 +75,7 @@ def _prefill_first(model, params, prompts, lengths, capacity):
 @functools.partial(jax.jit, static_argnames=("model",))
 def _concat_step(model, params, cache, token):
   # layer_past + concatenate: the new buffers are one position longer, a full copy each step.
-  logits, cache = forward(model, params, cache.resized(cache.capacity + 1), token[:, None],
-                          jnp.ones_like(token))
+  logits, cache = forward(model, params, cache.resized(cache.capacity + 1), token[:, None], jnp.ones_like(token))
   return logits[:, 0], cache
 
 
@@ -87,8 +87,9 @@ def generate_concat(model: Transformer, params, prompts, lengths, max_new_tokens
   return _decode_loop(cache, first, max_new_tokens, step)
 
 
-def generate_doubling(model: Transformer, params, prompts, lengths, max_new_tokens: int,
-                      initial_capacity: int = 16) -> np.ndarray:
+def generate_doubling(
+  model: Transformer, params, prompts, lengths, max_new_tokens: int, initial_capacity: int = 16
+) -> np.ndarray:
   """Greedy decoding with a preallocated buffer that doubles its capacity whenever it is full."""
   prompts, lengths = _start(model, prompts, lengths, max_new_tokens)
   capacity = max(initial_capacity, 1 << (prompts.shape[1] - 1).bit_length())

@@ -43,9 +43,10 @@ LOGITS = ("all", "last")
 @functools.cache
 def cpu_backend() -> Backend:
   """The CPU kernels that built (building them on first call), as a backend."""
-  return Backend(dot_general=matmul.dot_general if build.available("matmul") else lax.dot_general,
-                 cache_attention=(attention_kernel.cache_attention if build.available("attention")
-                                  else xla_cache_attention))
+  return Backend(
+    dot_general=matmul.dot_general if build.available("matmul") else lax.dot_general,
+    cache_attention=(attention_kernel.cache_attention if build.available("attention") else xla_cache_attention),
+  )
 
 
 def for_decoding(model: Transformer, mesh=None) -> Transformer:
@@ -66,15 +67,18 @@ def check_tokens(model: Transformer, tokens, lengths, *, min_length: int = 1) ->
     raise ValueError(f"tokens must be an integer array [batch, seq], got {tokens.dtype}{list(tokens.shape)}")
   batch, seq = tokens.shape
   if lengths.shape != (batch,) or not np.issubdtype(lengths.dtype, np.integer):
-    raise ValueError(f"lengths must be an integer array of shape ({batch},) to match tokens, "
-                     f"got {lengths.dtype}{list(lengths.shape)}")
+    raise ValueError(
+      f"lengths must be an integer array of shape ({batch},) to match tokens, got {lengths.dtype}{list(lengths.shape)}"
+    )
   if batch == 0 or seq == 0:
     raise ValueError(f"tokens must hold at least one row and one column, got shape {list(tokens.shape)}")
   if (lengths < min_length).any():
     row = int(np.argmin(lengths))
     what = "empty prompt" if min_length else "negative length"
-    raise ValueError(f"{what}: row {row} has length {int(lengths[row])}; every row needs at least "
-                     f"{min_length} token{'s' if min_length != 1 else ''}")
+    raise ValueError(
+      f"{what}: row {row} has length {int(lengths[row])}; every row needs at least "
+      f"{min_length} token{'s' if min_length != 1 else ''}"
+    )
   if (lengths > seq).any():
     row = int(np.argmax(lengths))
     raise ValueError(f"lengths[{row}]={int(lengths[row])} exceeds the {seq} tokens given")
@@ -82,8 +86,9 @@ def check_tokens(model: Transformer, tokens, lengths, *, min_length: int = 1) ->
   bad = valid & ((tokens < 0) | (tokens >= cfg.vocab_size))
   if bad.any():
     row, pos = map(int, np.argwhere(bad)[0])
-    raise ValueError(f"token id {int(tokens[row, pos])} at row {row}, position {pos} is outside "
-                     f"[0, vocab_size={cfg.vocab_size})")
+    raise ValueError(
+      f"token id {int(tokens[row, pos])} at row {row}, position {pos} is outside [0, vocab_size={cfg.vocab_size})"
+    )
   return np.where(valid, tokens, 0).astype(np.int32), lengths.astype(np.int32)
 
 
@@ -101,15 +106,22 @@ def check_cache(model: Transformer, cache, new_lengths: np.ndarray) -> None:
   cache.model_config(model.config).check_length(int(ends[row]), f"row {row} would hold {int(ends[row])} tokens")
 
 
-def forward(model: Transformer, params, cache: KVCache, tokens, lengths, *, last: bool = False,
-            from_empty: bool = False):
+def forward(
+  model: Transformer, params, cache: KVCache, tokens, lengths, *, last: bool = False, from_empty: bool = False
+):
   """Traced body of every decode function: tokens int32[B, T] with lengths int32[B] written after
   what the cache holds -> (logits float32 [B, T, V], or [B, V] at each row's last new token when
   `last`; the new cache)."""
   logits_at = jnp.maximum(lengths - 1, 0)[:, None] if last else None
   logits, variables = model.apply(
-      {"params": params, "cache": cache.layers}, tokens, cache.replace(layers={}), lengths=lengths,
-      logits_at=logits_at, from_empty=from_empty, mutable=["cache"])  # the arrays travel in the collection
+    {"params": params, "cache": cache.layers},
+    tokens,
+    cache.replace(layers={}),
+    lengths=lengths,
+    logits_at=logits_at,
+    from_empty=from_empty,
+    mutable=["cache"],
+  )  # the arrays travel in the collection
   new = cache.replace(layers=variables["cache"], lengths=cache.lengths + lengths)
   return (logits[:, 0] if last else logits), new
 
@@ -143,12 +155,28 @@ def extend(model: Transformer, params, cache: KVCache, tokens, lengths, *, logit
   check_cache(model, cache, lengths)
   from_empty = not np.asarray(cache.lengths).any()
   params, cache, (tokens, lengths) = _place(mesh, params, cache, tokens, lengths)
-  return _forward(for_decoding(model, mesh), params, cache, jnp.asarray(tokens), jnp.asarray(lengths),
-                  last=logits == "last", from_empty=from_empty)
+  return _forward(
+    for_decoding(model, mesh),
+    params,
+    cache,
+    jnp.asarray(tokens),
+    jnp.asarray(lengths),
+    last=logits == "last",
+    from_empty=from_empty,
+  )
 
 
-def prefill(model: Transformer, params, tokens, lengths, max_len: int, *, logits: str = "all", mesh=None,
-            cache_config: CacheConfig = CacheConfig()):
+def prefill(
+  model: Transformer,
+  params,
+  tokens,
+  lengths,
+  max_len: int,
+  *,
+  logits: str = "all",
+  mesh=None,
+  cache_config: CacheConfig = CacheConfig(),
+):
   """Runs right-padded prompts through the model into a new cache of `cache_config` (default:
   contiguous, in the model's dtype) of max_len positions per row (at most
   ModelConfig.max_positions): `extend` on an empty cache (kvjax.cache.kinds.create).
@@ -171,8 +199,9 @@ def decode_step(model: Transformer, params, cache: KVCache, tokens, *, mesh=None
   tokens = np.asarray(tokens)
   batch = cache.lengths.shape[0]
   if tokens.shape != (batch,) or not np.issubdtype(tokens.dtype, np.integer):
-    raise ValueError(f"tokens must be an integer array of shape ({batch},) (one per row), "
-                     f"got {tokens.dtype}{list(tokens.shape)}")
+    raise ValueError(
+      f"tokens must be an integer array of shape ({batch},) (one per row), got {tokens.dtype}{list(tokens.shape)}"
+    )
   bad = (tokens < 0) | (tokens >= model.config.vocab_size)
   if bad.any():
     row = int(np.argmax(bad))
@@ -180,8 +209,7 @@ def decode_step(model: Transformer, params, cache: KVCache, tokens, *, mesh=None
   ones = np.ones((batch,), np.int32)
   check_cache(model, cache, ones)
   params, cache, (tokens, ones) = _place(mesh, params, cache, tokens.astype(np.int32), ones)
-  return _forward(for_decoding(model, mesh), params, cache, jnp.asarray(tokens)[:, None], jnp.asarray(ones),
-                  last=True)
+  return _forward(for_decoding(model, mesh), params, cache, jnp.asarray(tokens)[:, None], jnp.asarray(ones), last=True)
 
 
 @flax.struct.dataclass
@@ -202,8 +230,13 @@ def _generate(model, params, prompts, lengths, rng, sampling, stop_ids, max_new_
   rng, key = jax.random.split(rng)
   first = sample(logits, key, sampling)
   state = DecodeState(
-      step=jnp.int32(1), last=first, done=jnp.isin(first, stop_ids),
-      tokens=jnp.full((batch, max_new_tokens), -1, jnp.int32).at[:, 0].set(first), cache=cache, rng=rng)
+    step=jnp.int32(1),
+    last=first,
+    done=jnp.isin(first, stop_ids),
+    tokens=jnp.full((batch, max_new_tokens), -1, jnp.int32).at[:, 0].set(first),
+    cache=cache,
+    rng=rng,
+  )
   ones = jnp.ones((batch,), jnp.int32)
 
   def cond(s: DecodeState):
@@ -213,9 +246,14 @@ def _generate(model, params, prompts, lengths, rng, sampling, stop_ids, max_new_
     logits, cache = forward(model, params, s.cache, s.last[:, None], ones)
     rng, key = jax.random.split(s.rng)
     token = jnp.where(s.done, s.last, sample(logits[:, 0], key, sampling))  # a stopped row repeats its stop
-    return DecodeState(step=s.step + 1, last=token, done=s.done | jnp.isin(token, stop_ids),
-                       tokens=jax.lax.dynamic_update_slice(s.tokens, token[:, None], (0, s.step)),
-                       cache=cache, rng=rng)
+    return DecodeState(
+      step=s.step + 1,
+      last=token,
+      done=s.done | jnp.isin(token, stop_ids),
+      tokens=jax.lax.dynamic_update_slice(s.tokens, token[:, None], (0, s.step)),
+      cache=cache,
+      rng=rng,
+    )
 
   tokens = jax.lax.while_loop(cond, body, state).tokens  # -1 past the step where every row had stopped
   is_stop = jnp.isin(tokens, stop_ids)
@@ -230,10 +268,21 @@ def size_bucket(n: int, limit: int, floor: int = 16) -> int:
   return max(min(max(floor, 1 << (n - 1).bit_length()), limit), n)
 
 
-def generate(model: Transformer, params, prompts, lengths, max_new_tokens: int, *,
-             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-             stop_ids: Sequence[int] | int = (), rng: jax.Array | None = None, mesh=None,
-             cache_config: CacheConfig = CacheConfig()) -> jax.Array:
+def generate(
+  model: Transformer,
+  params,
+  prompts,
+  lengths,
+  max_new_tokens: int,
+  *,
+  temperature: float = 0.0,
+  top_k: int | None = None,
+  top_p: float | None = None,
+  stop_ids: Sequence[int] | int = (),
+  rng: jax.Array | None = None,
+  mesh=None,
+  cache_config: CacheConfig = CacheConfig(),
+) -> jax.Array:
   """Prefill, then the whole decode loop in one jitted lax.while_loop.
 
   Args:
@@ -252,21 +301,39 @@ def generate(model: Transformer, params, prompts, lengths, max_new_tokens: int, 
   check_positive_int(max_new_tokens, "max_new_tokens")
   prompts, lengths = check_tokens(model, prompts, lengths)
   longest = int(lengths.max())
-  cfg.check_length(longest + max_new_tokens - 1, f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} "
-                   f"needs {longest + max_new_tokens - 1} cache positions")
+  cfg.check_length(
+    longest + max_new_tokens - 1,
+    f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} "
+    f"needs {longest + max_new_tokens - 1} cache positions",
+  )
   stop_ids = check_stop_ids(stop_ids, cfg.vocab_size)
   sampling = Sampling.create(temperature, top_k, top_p)
   bucket = size_bucket(longest, cfg.max_positions - max_new_tokens + 1)
   padded = np.zeros((prompts.shape[0], bucket), np.int32)
   padded[:, :longest] = prompts[:, :longest]
   max_len = bucket + max_new_tokens - 1
-  memory.check_fits("generation", {"KV cache": kinds.cache_bytes(model.config, cache_config, prompts.shape[0], max_len),
-                                   "prefill": memory.forward_bytes(cfg, prompts.shape[0], bucket)},
-                    devices=None if mesh is None else list(mesh.devices.flat))
+  memory.check_fits(
+    "generation",
+    {
+      "KV cache": kinds.cache_bytes(model.config, cache_config, prompts.shape[0], max_len),
+      "prefill": memory.forward_bytes(cfg, prompts.shape[0], bucket),
+    },
+    devices=None if mesh is None else list(mesh.devices.flat),
+  )
   rng = jax.random.key(0) if rng is None else rng
   params, (padded, lengths) = sharding.place(mesh, params, padded, lengths)
-  return _generate(for_decoding(model, mesh), params, padded, lengths, rng, sampling,
-                   jnp.asarray(stop_ids, jnp.int32), max_new_tokens, max_len, cache_config)
+  return _generate(
+    for_decoding(model, mesh),
+    params,
+    padded,
+    lengths,
+    rng,
+    sampling,
+    jnp.asarray(stop_ids, jnp.int32),
+    max_new_tokens,
+    max_len,
+    cache_config,
+  )
 
 
 def check_stop_ids(stop_ids: Sequence[int] | int, vocab_size: int) -> tuple[int, ...]:
@@ -285,5 +352,5 @@ def until_stop(tokens, stop_ids: Sequence[int]) -> list[np.ndarray]:
   rows = []
   for row in np.asarray(tokens):
     hits = np.flatnonzero(np.isin(row, stops))
-    rows.append(row[:hits[0]] if hits.size else row)
+    rows.append(row[: hits[0]] if hits.size else row)
   return rows

@@ -45,6 +45,7 @@ def filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.
 
 def sample(logits: jax.Array, rng: jax.Array, sampling: Sampling) -> jax.Array:
   """logits float[B, V] -> token ids int32[B]."""
+
   def draw(_):
     scaled = logits / jnp.maximum(sampling.temperature, 1e-6)
     return jax.random.categorical(rng, filter_logits(scaled, sampling.top_k, sampling.top_p)).astype(jnp.int32)

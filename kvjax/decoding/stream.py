@@ -26,9 +26,20 @@ from kvjax.model.transformer import Transformer
 _sample = jax.jit(sample)
 
 
-def stream(model: Transformer, params, prompt, max_new_tokens: int, *, temperature: float = 0.0,
-           top_k: int | None = None, top_p: float | None = None, stop_ids: Sequence[int] | int = (),
-           rng: jax.Array | None = None, mesh=None, cache_config: CacheConfig = CacheConfig()) -> Iterator[int]:
+def stream(
+  model: Transformer,
+  params,
+  prompt,
+  max_new_tokens: int,
+  *,
+  temperature: float = 0.0,
+  top_k: int | None = None,
+  top_p: float | None = None,
+  stop_ids: Sequence[int] | int = (),
+  rng: jax.Array | None = None,
+  mesh=None,
+  cache_config: CacheConfig = CacheConfig(),
+) -> Iterator[int]:
   """Yields the tokens generated after `prompt` (int [T]), one at a time: at most max_new_tokens,
   ending after the first of `stop_ids` (which is yielded). Settings as in `generate`."""
   check_positive_int(max_new_tokens, "max_new_tokens")
@@ -36,15 +47,18 @@ def stream(model: Transformer, params, prompt, max_new_tokens: int, *, temperatu
   stop_ids = check_stop_ids(stop_ids, model.config.vocab_size)
   length = prompt.shape[1]
   config = cache_config.model(model.config)
-  config.check_length(length + max_new_tokens - 1, f"prompt of {length} tokens + max_new_tokens="
-                            f"{max_new_tokens} needs {length + max_new_tokens - 1} cache positions")
+  config.check_length(
+    length + max_new_tokens - 1,
+    f"prompt of {length} tokens + max_new_tokens={max_new_tokens} needs {length + max_new_tokens - 1} cache positions",
+  )
   sampling = Sampling.create(temperature, top_k, top_p)
   # Prompts padded to a bucket compile prefill once per bucket, as generate's do.
   bucket = size_bucket(length, config.max_positions - max_new_tokens + 1)
   padded = np.zeros((1, bucket), np.int32)
   padded[:, :length] = prompt
-  logits, cache = prefill(model, params, padded, [length], bucket + max_new_tokens - 1, logits="last", mesh=mesh,
-                          cache_config=cache_config)
+  logits, cache = prefill(
+    model, params, padded, [length], bucket + max_new_tokens - 1, logits="last", mesh=mesh, cache_config=cache_config
+  )
   rng = jax.random.key(0) if rng is None else rng
   for step in range(max_new_tokens):
     rng, key = jax.random.split(rng)
@@ -69,11 +83,11 @@ class TextStream:
     text = self._decode(self._ids)
     if text.endswith("\ufffd"):  # a character cut by the token boundary: wait for the next token
       return ""
-    new, self._shown = text[self._shown:], len(text)
+    new, self._shown = text[self._shown :], len(text)
     return new
 
   def flush(self) -> str:
     """The text not yet returned (a cut character at the very end shows as U+FFFD)."""
     text = self._decode(self._ids)
-    new, self._shown = text[self._shown:], len(text)
+    new, self._shown = text[self._shown :], len(text)
     return new

@@ -105,21 +105,23 @@ def rope_from_hf(hf: dict) -> tuple[float, RopeScaling | None]:
     params = hf.get(key) or {}
     kind = params.get("rope_type", params.get("type", "default"))
     if params.get("partial_rotary_factor", 1.0) != 1.0:
-      raise ValueError(f"config.json {key}.partial_rotary_factor="
-                       f"{params['partial_rotary_factor']} is not supported")
+      raise ValueError(f"config.json {key}.partial_rotary_factor={params['partial_rotary_factor']} is not supported")
     if kind == "default":
       continue
     if kind != "llama3":
-      raise ValueError(f"config.json {key} of type {kind!r} is not supported; kvjax reads plain RoPE "
-                       "('default') and 'llama3'")
+      raise ValueError(
+        f"config.json {key} of type {kind!r} is not supported; kvjax reads plain RoPE ('default') and 'llama3'"
+      )
     missing = [name for name in LLAMA3_FIELDS if params.get(name) is None]
     if missing:
       raise ValueError(f"config.json {key} of type 'llama3' lacks {missing}")
-    original = (hf.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
-                or hf.get("max_position_embeddings"))
+    original = (
+      hf.get("original_max_position_embeddings")
+      or params.get("original_max_position_embeddings")
+      or hf.get("max_position_embeddings")
+    )
     try:
-      scaling = RopeScaling(kind=kind, original_max_position=original,
-                            **{name: params[name] for name in LLAMA3_FIELDS})
+      scaling = RopeScaling(kind=kind, original_max_position=original, **{name: params[name] for name in LLAMA3_FIELDS})
     except ValueError as e:
       raise ValueError(f"config.json {key}: {e}") from None
   theta = hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta") or 10_000.0
@@ -128,8 +130,14 @@ def rope_from_hf(hf: dict) -> tuple[float, RopeScaling | None]:
 
 def _llama_hf_config(hf: dict, dtype: str) -> ModelConfig:
   vocab, d_model, layers, heads, mlp_dim, max_len = require(
-      hf, "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-      "intermediate_size", "max_position_embeddings")
+    hf,
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+    "max_position_embeddings",
+  )
   act = hf.get("hidden_act", "silu")
   if act != "silu":
     raise ValueError(f"config.json hidden_act={act!r} is not supported; kvjax's SwiGLU uses 'silu'")
@@ -141,20 +149,35 @@ def _llama_hf_config(hf: dict, dtype: str) -> ModelConfig:
   else:
     if hf.get("sliding_window") and hf.get("model_type") == "mistral":
       if hf["sliding_window"] < max_len:
-        raise ValueError(f"config.json sliding_window={hf['sliding_window']} (below max_position_embeddings="
-                         f"{max_len}) is not supported")
+        raise ValueError(
+          f"config.json sliding_window={hf['sliding_window']} (below max_position_embeddings="
+          f"{max_len}) is not supported"
+        )
     qkv_bias = bool(hf.get("attention_bias", False))
     # kvjax has one flag for the output and MLP biases; a family that has only one of them
     # gets zeros for the other, which computes the same function.
     use_bias = qkv_bias or bool(hf.get("mlp_bias", False))
   rope_theta, rope_scaling = rope_from_hf(hf)
   return ModelConfig(
-      vocab_size=vocab, d_model=d_model, num_layers=layers, num_heads=heads,
-      num_kv_heads=hf.get("num_key_value_heads") or heads,
-      head_dim=hf.get("head_dim") or d_model // heads, mlp_dim=mlp_dim,
-      activation="swiglu", norm="rmsnorm", norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-      positions="rope", rope_theta=rope_theta, rope_scaling=rope_scaling, qkv_bias=qkv_bias, use_bias=use_bias,
-      tie_embeddings=bool(hf.get("tie_word_embeddings", False)), max_len=max_len, dtype=dtype)
+    vocab_size=vocab,
+    d_model=d_model,
+    num_layers=layers,
+    num_heads=heads,
+    num_kv_heads=hf.get("num_key_value_heads") or heads,
+    head_dim=hf.get("head_dim") or d_model // heads,
+    mlp_dim=mlp_dim,
+    activation="swiglu",
+    norm="rmsnorm",
+    norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+    positions="rope",
+    rope_theta=rope_theta,
+    rope_scaling=rope_scaling,
+    qkv_bias=qkv_bias,
+    use_bias=use_bias,
+    tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+    max_len=max_len,
+    dtype=dtype,
+  )
 
 
 def _gguf_int(f: GGUFFile, key: str, default: int | None = None) -> int:
@@ -162,8 +185,9 @@ def _gguf_int(f: GGUFFile, key: str, default: int | None = None) -> int:
     return default
   value = f.require(key)
   if isinstance(value, list):
-    raise ValueError(f"{f.path}: metadata {key} gives one value per layer ({value[:4]}...); kvjax needs one "
-                     "value for every layer")
+    raise ValueError(
+      f"{f.path}: metadata {key} gives one value per layer ({value[:4]}...); kvjax needs one value for every layer"
+    )
   if isinstance(value, bool) or not isinstance(value, int) or value < 1:
     raise ValueError(f"{f.path}: metadata {key}={value!r} is not a positive integer")
   return value
@@ -180,46 +204,67 @@ def _llama_gguf_config(f: GGUFFile, dtype: str) -> ModelConfig:
     value = _gguf_int(f, key(other), head_dim)
     if value != head_dim:
       what = "partial rotary embeddings" if other.startswith("rope") else "values narrower or wider than keys"
-      raise ValueError(f"{f.path}: metadata {key(other)}={value} differs from the head dim {head_dim} "
-                       f"({what}), which kvjax does not support")
+      raise ValueError(
+        f"{f.path}: metadata {key(other)}={value} differs from the head dim {head_dim} "
+        f"({what}), which kvjax does not support"
+      )
   scaling = f.metadata.get(key("rope.scaling.type"), "none")
   if scaling != "none":
-    raise ValueError(f"{f.path}: metadata {key('rope.scaling.type')}={scaling!r} is not supported; "
-                     "kvjax imports plain RoPE from GGUF")
+    raise ValueError(
+      f"{f.path}: metadata {key('rope.scaling.type')}={scaling!r} is not supported; kvjax imports plain RoPE from GGUF"
+    )
   if "rope_freqs.weight" in f.names():
-    raise ValueError(f"{f.path} holds rope_freqs.weight (per-frequency RoPE factors, Llama 3.1 style), "
-                     "which kvjax's GGUF import does not support")
+    raise ValueError(
+      f"{f.path} holds rope_freqs.weight (per-frequency RoPE factors, Llama 3.1 style), "
+      "which kvjax's GGUF import does not support"
+    )
   if f.metadata.get(key("attention.sliding_window")):
-    raise ValueError(f"{f.path}: metadata {key('attention.sliding_window')} enables sliding-window "
-                     "attention, which kvjax's GGUF import does not support")
+    raise ValueError(
+      f"{f.path}: metadata {key('attention.sliding_window')} enables sliding-window "
+      "attention, which kvjax's GGUF import does not support"
+    )
   embed_rows = f.shape("token_embd.weight")[0] if "token_embd.weight" in f.names() else None
   vocab = _gguf_int(f, key("vocab_size"), embed_rows or len(f.metadata.get("tokenizer.ggml.tokens") or ()) or None)
   if embed_rows is not None and embed_rows != vocab:
-    raise ValueError(f"{f.path}: metadata {key('vocab_size')}={vocab} contradicts token_embd.weight's "
-                     f"{embed_rows} rows")
+    raise ValueError(
+      f"{f.path}: metadata {key('vocab_size')}={vocab} contradicts token_embd.weight's {embed_rows} rows"
+    )
   tokens = f.metadata.get("tokenizer.ggml.tokens")
   if tokens is not None and len(tokens) > vocab:
-    raise ValueError(f"{f.path}: tokenizer.ggml.tokens lists {len(tokens)} tokens, more than the model's "
-                     f"vocab_size={vocab}")
+    raise ValueError(
+      f"{f.path}: tokenizer.ggml.tokens lists {len(tokens)} tokens, more than the model's vocab_size={vocab}"
+    )
   qkv_bias = arch == "qwen2" or "blk.0.attn_q.bias" in f.names()
   return ModelConfig(
-      vocab_size=vocab, d_model=d_model, num_layers=_gguf_int(f, key("block_count")),
-      num_heads=heads, num_kv_heads=_gguf_int(f, key("attention.head_count_kv"), heads), head_dim=head_dim,
-      mlp_dim=_gguf_int(f, key("feed_forward_length")), activation="swiglu", norm="rmsnorm",
-      norm_eps=float(f.require(key("attention.layer_norm_rms_epsilon"), (float, int))),
-      positions="rope", rope_theta=float(f.metadata.get(key("rope.freq_base"), 10_000.0)),
-      qkv_bias=qkv_bias, use_bias=qkv_bias and arch != "qwen2",
-      tie_embeddings="output.weight" not in f.names(),
-      max_len=_gguf_int(f, key("context_length")), dtype=dtype)
+    vocab_size=vocab,
+    d_model=d_model,
+    num_layers=_gguf_int(f, key("block_count")),
+    num_heads=heads,
+    num_kv_heads=_gguf_int(f, key("attention.head_count_kv"), heads),
+    head_dim=head_dim,
+    mlp_dim=_gguf_int(f, key("feed_forward_length")),
+    activation="swiglu",
+    norm="rmsnorm",
+    norm_eps=float(f.require(key("attention.layer_norm_rms_epsilon"), (float, int))),
+    positions="rope",
+    rope_theta=float(f.metadata.get(key("rope.freq_base"), 10_000.0)),
+    qkv_bias=qkv_bias,
+    use_bias=qkv_bias and arch != "qwen2",
+    tie_embeddings="output.weight" not in f.names(),
+    max_len=_gguf_int(f, key("context_length")),
+    dtype=dtype,
+  )
 
 
 def unpermute_rows(heads: int) -> Callable[[np.ndarray], np.ndarray]:
   """Undoes llama.cpp's permutation of a q or k projection's rows (or bias) over `heads` heads:
   within each head it stores the even rotary dims, then the odd ones, interleaved pairwise;
   HF (and kvjax) keep the first half of the head, then the second."""
+
   def fix(w: np.ndarray) -> np.ndarray:
     rows = w.shape[0]
     return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
   return fix
 
 
@@ -229,37 +274,65 @@ def _llama_tensors(cfg: ModelConfig, names: set[str], *, gguf_permuted: bool = T
   t = lambda w: w.T
   fix_q = unpermute_rows(n) if gguf_permuted else None
   fix_k = unpermute_rows(k) if gguf_permuted else None
-  plan = [Tensor(("embed", "embedding"), "embed_tokens.weight", "token_embd.weight"),
-          Tensor(("final_norm", "scale"), "norm.weight", "output_norm.weight")]
+  plan = [
+    Tensor(("embed", "embedding"), "embed_tokens.weight", "token_embd.weight"),
+    Tensor(("final_norm", "scale"), "norm.weight", "output_norm.weight"),
+  ]
   if not cfg.tie_embeddings:
     plan.append(Tensor(("lm_head", "kernel"), "lm_head.weight", "output.weight", t))
   for i in range(cfg.num_layers):
     hf, gg, kv = f"layers.{i}.", f"blk.{i}.", f"layers_{i}"
-    plan += [Tensor((kv, "attn_norm", "scale"), hf + "input_layernorm.weight", gg + "attn_norm.weight"),
-             Tensor((kv, "mlp_norm", "scale"), hf + "post_attention_layernorm.weight", gg + "ffn_norm.weight"),
-             Tensor((kv, "attn", "q", "kernel"), hf + "self_attn.q_proj.weight", gg + "attn_q.weight",
-                    lambda w: w.T.reshape(d, n, h), fix_q),
-             Tensor((kv, "attn", "k", "kernel"), hf + "self_attn.k_proj.weight", gg + "attn_k.weight",
-                    lambda w: w.T.reshape(d, k, h), fix_k),
-             Tensor((kv, "attn", "v", "kernel"), hf + "self_attn.v_proj.weight", gg + "attn_v.weight",
-                    lambda w: w.T.reshape(d, k, h)),
-             Tensor((kv, "attn", "out", "kernel"), hf + "self_attn.o_proj.weight", gg + "attn_output.weight",
-                    lambda w: w.T.reshape(n, h, d))]
+    plan += [
+      Tensor((kv, "attn_norm", "scale"), hf + "input_layernorm.weight", gg + "attn_norm.weight"),
+      Tensor((kv, "mlp_norm", "scale"), hf + "post_attention_layernorm.weight", gg + "ffn_norm.weight"),
+      Tensor(
+        (kv, "attn", "q", "kernel"),
+        hf + "self_attn.q_proj.weight",
+        gg + "attn_q.weight",
+        lambda w: w.T.reshape(d, n, h),
+        fix_q,
+      ),
+      Tensor(
+        (kv, "attn", "k", "kernel"),
+        hf + "self_attn.k_proj.weight",
+        gg + "attn_k.weight",
+        lambda w: w.T.reshape(d, k, h),
+        fix_k,
+      ),
+      Tensor(
+        (kv, "attn", "v", "kernel"),
+        hf + "self_attn.v_proj.weight",
+        gg + "attn_v.weight",
+        lambda w: w.T.reshape(d, k, h),
+      ),
+      Tensor(
+        (kv, "attn", "out", "kernel"),
+        hf + "self_attn.o_proj.weight",
+        gg + "attn_output.weight",
+        lambda w: w.T.reshape(n, h, d),
+      ),
+    ]
     if cfg.qkv_bias:
-      plan += [Tensor((kv, "attn", "q", "bias"), hf + "self_attn.q_proj.bias", gg + "attn_q.bias",
-                      lambda b: b.reshape(n, h), fix_q),
-               Tensor((kv, "attn", "k", "bias"), hf + "self_attn.k_proj.bias", gg + "attn_k.bias",
-                      lambda b: b.reshape(k, h), fix_k),
-               Tensor((kv, "attn", "v", "bias"), hf + "self_attn.v_proj.bias", gg + "attn_v.bias",
-                      lambda b: b.reshape(k, h))]
+      plan += [
+        Tensor(
+          (kv, "attn", "q", "bias"), hf + "self_attn.q_proj.bias", gg + "attn_q.bias", lambda b: b.reshape(n, h), fix_q
+        ),
+        Tensor(
+          (kv, "attn", "k", "bias"), hf + "self_attn.k_proj.bias", gg + "attn_k.bias", lambda b: b.reshape(k, h), fix_k
+        ),
+        Tensor((kv, "attn", "v", "bias"), hf + "self_attn.v_proj.bias", gg + "attn_v.bias", lambda b: b.reshape(k, h)),
+      ]
     for proj in ("gate", "up", "down"):
       plan.append(Tensor((kv, "mlp", proj, "kernel"), f"{hf}mlp.{proj}_proj.weight", f"{gg}ffn_{proj}.weight", t))
     if cfg.use_bias:
       # Present in the checkpoint or, for the family without it, zero (see _llama_hf_config).
-      plan.append(Tensor((kv, "attn", "out", "bias"), hf + "self_attn.o_proj.bias", gg + "attn_output.bias",
-                         optional=True))
-      plan += [Tensor((kv, "mlp", p, "bias"), f"{hf}mlp.{p}_proj.bias", f"{gg}ffn_{p}.bias", optional=True)
-               for p in ("gate", "up", "down")]
+      plan.append(
+        Tensor((kv, "attn", "out", "bias"), hf + "self_attn.o_proj.bias", gg + "attn_output.bias", optional=True)
+      )
+      plan += [
+        Tensor((kv, "mlp", p, "bias"), f"{hf}mlp.{p}_proj.bias", f"{gg}ffn_{p}.bias", optional=True)
+        for p in ("gate", "up", "down")
+      ]
   return plan
 
 
@@ -267,50 +340,82 @@ def _gpt2_hf_config(hf: dict, dtype: str) -> ModelConfig:
   vocab, d_model, layers, heads, max_len = require(hf, "vocab_size", "n_embd", "n_layer", "n_head", "n_positions")
   act = hf.get("activation_function", "gelu_new")
   if act not in TANH_GELUS:
-    raise ValueError(f"config.json activation_function={act!r} is not supported; "
-                     f"kvjax's GELU is the tanh approximation {TANH_GELUS}")
-  for key, wanted in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
-                      ("add_cross_attention", False)):
+    raise ValueError(
+      f"config.json activation_function={act!r} is not supported; kvjax's GELU is the tanh approximation {TANH_GELUS}"
+    )
+  for key, wanted in (
+    ("scale_attn_weights", True),
+    ("scale_attn_by_inverse_layer_idx", False),
+    ("add_cross_attention", False),
+  ):
     if hf.get(key, wanted) != wanted:
       raise ValueError(f"config.json {key}={hf[key]!r} is not supported (kvjax needs {wanted})")
   return ModelConfig(
-      vocab_size=vocab, d_model=d_model, num_layers=layers, num_heads=heads, num_kv_heads=heads,
-      mlp_dim=hf.get("n_inner") or 4 * d_model, activation="gelu", norm="layernorm",
-      norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)), positions="learned",
-      qkv_bias=True, use_bias=True, tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
-      max_len=max_len, dtype=dtype)
+    vocab_size=vocab,
+    d_model=d_model,
+    num_layers=layers,
+    num_heads=heads,
+    num_kv_heads=heads,
+    mlp_dim=hf.get("n_inner") or 4 * d_model,
+    activation="gelu",
+    norm="layernorm",
+    norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+    positions="learned",
+    qkv_bias=True,
+    use_bias=True,
+    tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+    max_len=max_len,
+    dtype=dtype,
+  )
 
 
 def _gpt2_tensors(cfg: ModelConfig, names: set[str]) -> list[Tensor]:
   n, h, d = cfg.num_heads, cfg.head_dim, cfg.d_model
-  plan = [Tensor(("embed", "embedding"), "wte.weight", None),
-          Tensor(("pos_embed", "embedding"), "wpe.weight", None),
-          Tensor(("final_norm", "scale"), "ln_f.weight", None),
-          Tensor(("final_norm", "bias"), "ln_f.bias", None)]
+  plan = [
+    Tensor(("embed", "embedding"), "wte.weight", None),
+    Tensor(("pos_embed", "embedding"), "wpe.weight", None),
+    Tensor(("final_norm", "scale"), "ln_f.weight", None),
+    Tensor(("final_norm", "bias"), "ln_f.bias", None),
+  ]
   if not cfg.tie_embeddings:
     plan.append(Tensor(("lm_head", "kernel"), "lm_head.weight", None, lambda w: w.T))
   for i in range(cfg.num_layers):
     hf, kv = f"h.{i}.", f"layers_{i}"
     for j, proj in enumerate(("q", "k", "v")):
       cols = slice(j * d, (j + 1) * d)
-      plan += [Tensor((kv, "attn", proj, "kernel"), hf + "attn.c_attn.weight", None,
-                      lambda w, cols=cols: w[:, cols].reshape(d, n, h)),
-               Tensor((kv, "attn", proj, "bias"), hf + "attn.c_attn.bias", None,
-                      lambda b, cols=cols: b[cols].reshape(n, h))]
-    plan += [Tensor((kv, "attn", "out", "kernel"), hf + "attn.c_proj.weight", None, lambda w: w.reshape(n, h, d)),
-             Tensor((kv, "attn", "out", "bias"), hf + "attn.c_proj.bias", None),
-             Tensor((kv, "mlp", "up", "kernel"), hf + "mlp.c_fc.weight", None),
-             Tensor((kv, "mlp", "up", "bias"), hf + "mlp.c_fc.bias", None),
-             Tensor((kv, "mlp", "down", "kernel"), hf + "mlp.c_proj.weight", None),
-             Tensor((kv, "mlp", "down", "bias"), hf + "mlp.c_proj.bias", None)]
+      plan += [
+        Tensor(
+          (kv, "attn", proj, "kernel"),
+          hf + "attn.c_attn.weight",
+          None,
+          lambda w, cols=cols: w[:, cols].reshape(d, n, h),
+        ),
+        Tensor((kv, "attn", proj, "bias"), hf + "attn.c_attn.bias", None, lambda b, cols=cols: b[cols].reshape(n, h)),
+      ]
+    plan += [
+      Tensor((kv, "attn", "out", "kernel"), hf + "attn.c_proj.weight", None, lambda w: w.reshape(n, h, d)),
+      Tensor((kv, "attn", "out", "bias"), hf + "attn.c_proj.bias", None),
+      Tensor((kv, "mlp", "up", "kernel"), hf + "mlp.c_fc.weight", None),
+      Tensor((kv, "mlp", "up", "bias"), hf + "mlp.c_fc.bias", None),
+      Tensor((kv, "mlp", "down", "kernel"), hf + "mlp.c_proj.weight", None),
+      Tensor((kv, "mlp", "down", "bias"), hf + "mlp.c_proj.bias", None),
+    ]
     for norm, ln in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
-      plan += [Tensor((kv, norm, "scale"), f"{hf}{ln}.weight", None),
-               Tensor((kv, norm, "bias"), f"{hf}{ln}.bias", None)]
+      plan += [
+        Tensor((kv, norm, "scale"), f"{hf}{ln}.weight", None),
+        Tensor((kv, norm, "bias"), f"{hf}{ln}.bias", None),
+      ]
   return plan
 
 
 LLAMA = Family("llama", ("llama", "mistral"), ("llama",), _llama_hf_config, _llama_gguf_config, _llama_tensors)
-QWEN2 = Family("qwen2", ("qwen2",), ("qwen2",), _llama_hf_config, _llama_gguf_config,
-               functools.partial(_llama_tensors, gguf_permuted=False))
+QWEN2 = Family(
+  "qwen2",
+  ("qwen2",),
+  ("qwen2",),
+  _llama_hf_config,
+  _llama_gguf_config,
+  functools.partial(_llama_tensors, gguf_permuted=False),
+)
 GPT2 = Family("gpt2", ("gpt2",), (), _gpt2_hf_config, None, _gpt2_tensors)
 FAMILIES = (LLAMA, QWEN2, GPT2)

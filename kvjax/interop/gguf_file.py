@@ -41,12 +41,14 @@ class GGUFFile:
     try:
       reader = gguf.GGUFReader(self.path)
     except Exception as err:  # the reader raises ValueError, IndexError, struct errors ... on a damaged file
-      raise ValueError(f"{self.path} is not a readable GGUF file (truncated or damaged?): "
-                       f"{type(err).__name__}: {err}") from None
+      raise ValueError(
+        f"{self.path} is not a readable GGUF file (truncated or damaged?): {type(err).__name__}: {err}"
+      ) from None
     self._quants = gguf.quants
     try:
-      self.metadata: dict[str, Any] = {key: _plain(field.contents()) for key, field in reader.fields.items()
-                                       if not key.startswith("GGUF.")}
+      self.metadata: dict[str, Any] = {
+        key: _plain(field.contents()) for key, field in reader.fields.items() if not key.startswith("GGUF.")
+      }
     except Exception as err:
       raise ValueError(f"{self.path}: cannot read its metadata (damaged?): {type(err).__name__}: {err}") from None
     self._tensors = {}
@@ -88,11 +90,14 @@ class GGUFFile:
     try:
       values = self._quants.dequantize(tensor.data, tensor.tensor_type)
     except NotImplementedError:
-      raise ValueError(f"tensor {name} in {self.path} is stored as {tensor.tensor_type.name}, a type the gguf "
-                       "library cannot dequantize") from None
+      raise ValueError(
+        f"tensor {name} in {self.path} is stored as {tensor.tensor_type.name}, a type the gguf "
+        "library cannot dequantize"
+      ) from None
     except Exception as err:
-      raise ValueError(f"cannot read tensor {name} ({tensor.tensor_type.name}) from {self.path}: "
-                       f"{type(err).__name__}: {err}") from None
+      raise ValueError(
+        f"cannot read tensor {name} ({tensor.tensor_type.name}) from {self.path}: {type(err).__name__}: {err}"
+      ) from None
     values = np.asarray(values, np.float32)
     if values.shape != self.shape(name):
       values = values.reshape(self.shape(name))

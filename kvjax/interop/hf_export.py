@@ -25,18 +25,25 @@ WEIGHTS_FILE = "model.safetensors"
 
 
 def family(config: ModelConfig) -> str:
-  """"llama" or "qwen2" for a Llama-shaped config; ValueError naming what has no equivalent."""
-  unlike = [f"{name}={value!r}" for name, value, want in (("positions", config.positions, "rope"),
-                                                         ("norm", config.norm, "rmsnorm"),
-                                                         ("activation", config.activation, "swiglu"),
-                                                         ("window", config.window if any(config.window) else (), ()))
-            if value != want]
+  """ "llama" or "qwen2" for a Llama-shaped config; ValueError naming what has no equivalent."""
+  unlike = [
+    f"{name}={value!r}"
+    for name, value, want in (
+      ("positions", config.positions, "rope"),
+      ("norm", config.norm, "rmsnorm"),
+      ("activation", config.activation, "swiglu"),
+      ("window", config.window if any(config.window) else (), ()),
+    )
+    if value != want
+  ]
   if config.is_latent:
     unlike.append(f"kv_latent_rank={config.kv_latent_rank}")
   if unlike:
-    raise ValueError(f"a model with {', '.join(unlike)} has no Hugging Face Llama / Qwen2 equivalent "
-                     "(export needs positions='rope', norm='rmsnorm', activation='swiglu', K/V attention "
-                     "and no sliding window)")
+    raise ValueError(
+      f"a model with {', '.join(unlike)} has no Hugging Face Llama / Qwen2 equivalent "
+      "(export needs positions='rope', norm='rmsnorm', activation='swiglu', K/V attention "
+      "and no sliding window)"
+    )
   return "qwen2" if config.qkv_bias and not config.use_bias else "llama"
 
 
@@ -44,8 +51,11 @@ def _mlp_bias(params, config: ModelConfig) -> bool:
   """Whether the MLP biases must be written: kvjax's use_bias covers the attention output and the
   MLP together, Llama's mlp_bias the MLP alone, so all-zero MLP biases (e.g. an imported Llama with
   attention_bias only) are left out, which is exact."""
-  return config.use_bias and any(np.any(np.asarray(_at(params, (f"layers_{i}", "mlp", p, "bias"))))
-                                 for i in range(config.num_layers) for p in ("gate", "up", "down"))
+  return config.use_bias and any(
+    np.any(np.asarray(_at(params, (f"layers_{i}", "mlp", p, "bias"))))
+    for i in range(config.num_layers)
+    for p in ("gate", "up", "down")
+  )
 
 
 def _rope_parameters(config: ModelConfig) -> dict:
@@ -54,9 +64,13 @@ def _rope_parameters(config: ModelConfig) -> dict:
   out = {"rope_type": "default", "rope_theta": float(config.rope_theta)}
   scaling = config.rope_scaling
   if scaling is not None:
-    out.update(rope_type=scaling.kind, factor=scaling.factor, low_freq_factor=scaling.low_freq_factor,
-               high_freq_factor=scaling.high_freq_factor,
-               original_max_position_embeddings=scaling.original_max_position)
+    out.update(
+      rope_type=scaling.kind,
+      factor=scaling.factor,
+      low_freq_factor=scaling.low_freq_factor,
+      high_freq_factor=scaling.high_freq_factor,
+      original_max_position_embeddings=scaling.original_max_position,
+    )
   return out
 
 
@@ -64,14 +78,25 @@ def hf_config(config: ModelConfig, params) -> dict:
   """The config.json of the exported model."""
   kind = family(config)
   out = {
-      "architectures": ["Qwen2ForCausalLM" if kind == "qwen2" else "LlamaForCausalLM"], "model_type": kind,
-      "vocab_size": config.vocab_size, "hidden_size": config.d_model, "intermediate_size": config.mlp_dim,
-      "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
-      "num_key_value_heads": config.num_kv_heads, "head_dim": config.head_dim, "hidden_act": "silu",
-      "max_position_embeddings": config.max_len, "rms_norm_eps": config.norm_eps,
-      "rope_parameters": _rope_parameters(config),
-      "rope_theta": float(config.rope_theta), "tie_word_embeddings": config.tie_embeddings,
-      "torch_dtype": config.dtype, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
+    "architectures": ["Qwen2ForCausalLM" if kind == "qwen2" else "LlamaForCausalLM"],
+    "model_type": kind,
+    "vocab_size": config.vocab_size,
+    "hidden_size": config.d_model,
+    "intermediate_size": config.mlp_dim,
+    "num_hidden_layers": config.num_layers,
+    "num_attention_heads": config.num_heads,
+    "num_key_value_heads": config.num_kv_heads,
+    "head_dim": config.head_dim,
+    "hidden_act": "silu",
+    "max_position_embeddings": config.max_len,
+    "rms_norm_eps": config.norm_eps,
+    "rope_parameters": _rope_parameters(config),
+    "rope_theta": float(config.rope_theta),
+    "tie_word_embeddings": config.tie_embeddings,
+    "torch_dtype": config.dtype,
+    "bos_token_id": None,
+    "eos_token_id": None,
+    "pad_token_id": None,
   }
   if config.rope_scaling is not None:  # transformers 4 reads the scaling here, beside the top-level rope_theta
     out["rope_scaling"] = {k: v for k, v in out["rope_parameters"].items() if k != "rope_theta"}
@@ -92,14 +117,16 @@ def hf_tensors(params, config: ModelConfig) -> dict[str, np.ndarray]:
   for i in range(config.num_layers):
     src, dst = f"layers_{i}", f"model.layers.{i}."
     attn = lambda proj, leaf: get(src, "attn", proj, leaf)
-    out.update({
+    out.update(
+      {
         dst + "input_layernorm.weight": get(src, "attn_norm", "scale"),
         dst + "post_attention_layernorm.weight": get(src, "mlp_norm", "scale"),
         dst + "self_attn.q_proj.weight": attn("q", "kernel").reshape(d, n * h).T,
         dst + "self_attn.k_proj.weight": attn("k", "kernel").reshape(d, k * h).T,
         dst + "self_attn.v_proj.weight": attn("v", "kernel").reshape(d, k * h).T,
         dst + "self_attn.o_proj.weight": attn("out", "kernel").reshape(n * h, d).T,
-    })
+      }
+    )
     if attention_bias:
       for proj, heads in (("q", n), ("k", k), ("v", k)):
         bias = attn(proj, "bias") if config.qkv_bias else np.zeros((heads, h), np.float32)
@@ -121,7 +148,9 @@ def _at(tree, path):
   return tree
 
 
-def export_hf(params, config: ModelConfig, out_dir: str | pathlib.Path, *, tokenizer: pathlib.Path | None = None) -> dict:
+def export_hf(
+  params, config: ModelConfig, out_dir: str | pathlib.Path, *, tokenizer: pathlib.Path | None = None
+) -> dict:
   """Writes config.json and model.safetensors (and a copy of `tokenizer`, a tokenizer.json) into
   out_dir, which must not exist or be empty. Returns {"family", "files"}."""
   out = pathlib.Path(out_dir)

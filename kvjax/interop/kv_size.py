@@ -47,16 +47,46 @@ from kvjax.model.params import param_count
 # Cache formats: the codecs' names and their short forms (kvjax.cache.codec).
 DTYPE_NAMES = (*codecs.NAMES, *codecs.ALIASES)
 # Weight element types.
-BYTES_PER_ELEMENT = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2,
-                     "fp8": 1, "float8_e4m3fn": 1, "int8": 1}
-UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-         "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+BYTES_PER_ELEMENT = {
+  "fp32": 4,
+  "float32": 4,
+  "bf16": 2,
+  "bfloat16": 2,
+  "fp16": 2,
+  "float16": 2,
+  "fp8": 1,
+  "float8_e4m3fn": 1,
+  "int8": 1,
+}
+UNITS = {
+  "": 1,
+  "b": 1,
+  "kb": 10**3,
+  "mb": 10**6,
+  "gb": 10**9,
+  "tb": 10**12,
+  "kib": 2**10,
+  "mib": 2**20,
+  "gib": 2**30,
+  "tib": 2**40,
+}
 # The max_len of the presets with RoPE: long enough for any window they have. It is not the
 # context they were released with; the planner sizes any context.
 PRESET_MAX_LEN = 2**20
 # What `render` and the JSON output show of a model's config.
-SHOWN_FIELDS = ("num_layers", "num_heads", "num_kv_heads", "head_dim", "d_model", "mlp_dim", "vocab_size",
-                "window", "sink_tokens", "kv_latent_rank", "rope_dims")
+SHOWN_FIELDS = (
+  "num_layers",
+  "num_heads",
+  "num_kv_heads",
+  "head_dim",
+  "d_model",
+  "mlp_dim",
+  "vocab_size",
+  "window",
+  "sink_tokens",
+  "kv_latent_rank",
+  "rope_dims",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,11 +106,29 @@ class Architecture:
     check_positive_int(self.params, "Architecture.params")
 
 
-def _preset(name: str, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int, d_model: int,
-            mlp_dim: int, vocab_size: int, params: int, note: str = "", **family) -> Architecture:
-  config = ModelConfig(vocab_size=vocab_size, d_model=d_model, num_layers=num_layers, num_heads=num_heads,
-                       num_kv_heads=num_kv_heads, head_dim=head_dim, mlp_dim=mlp_dim,
-                       **{"max_len": PRESET_MAX_LEN, **family})
+def _preset(
+  name: str,
+  num_layers: int,
+  num_heads: int,
+  num_kv_heads: int,
+  head_dim: int,
+  d_model: int,
+  mlp_dim: int,
+  vocab_size: int,
+  params: int,
+  note: str = "",
+  **family,
+) -> Architecture:
+  config = ModelConfig(
+    vocab_size=vocab_size,
+    d_model=d_model,
+    num_layers=num_layers,
+    num_heads=num_heads,
+    num_kv_heads=num_kv_heads,
+    head_dim=head_dim,
+    mlp_dim=mlp_dim,
+    **{"max_len": PRESET_MAX_LEN, **family},
+  )
   return Architecture(name, config, params, note)
 
 
@@ -89,28 +137,82 @@ def _preset(name: str, num_layers: int, num_heads: int, num_kv_heads: int, head_
 # learned positions) are set, so a dense preset's param_count equals its params; rope_theta and
 # norm_eps keep kvjax's defaults (no size depends on them).
 QWEN2 = dict(qkv_bias=True)
-GPT2 = dict(activation="gelu", norm="layernorm", positions="learned", qkv_bias=True, use_bias=True,
-            tie_embeddings=True, max_len=1024)
-PRESETS = {p.name: p for p in (
+GPT2 = dict(
+  activation="gelu",
+  norm="layernorm",
+  positions="learned",
+  qkv_bias=True,
+  use_bias=True,
+  tie_embeddings=True,
+  max_len=1024,
+)
+PRESETS = {
+  p.name: p
+  for p in (
     _preset("Qwen2-0.5B", 24, 14, 2, 64, 896, 4864, 151936, 494_032_768, tie_embeddings=True, **QWEN2),
     _preset("Qwen2-1.5B", 28, 12, 2, 128, 1536, 8960, 151936, 1_543_714_304, tie_embeddings=True, **QWEN2),
     _preset("Qwen2-7B", 28, 28, 4, 128, 3584, 18944, 152064, 7_615_616_512, **QWEN2),
-    _preset("Qwen2-57B-A14B", 28, 28, 4, 128, 3584, 2560, 151936, 57_408_658_944,
-            note="mixture of experts: 64 experts of mlp_dim 2560 plus a shared one; "
-                 "all 57.4B weights are resident, 14B active per token", **QWEN2),
+    _preset(
+      "Qwen2-57B-A14B",
+      28,
+      28,
+      4,
+      128,
+      3584,
+      2560,
+      151936,
+      57_408_658_944,
+      note="mixture of experts: 64 experts of mlp_dim 2560 plus a shared one; "
+      "all 57.4B weights are resident, 14B active per token",
+      **QWEN2,
+    ),
     _preset("Qwen2-72B", 80, 64, 8, 128, 8192, 29568, 152064, 72_706_203_648, **QWEN2),
     _preset("Llama-2-70B", 80, 64, 8, 128, 8192, 28672, 32000, 68_976_648_192),
     _preset("Llama-3-70B", 80, 64, 8, 128, 8192, 28672, 128256, 70_553_706_496),
     _preset("GPT-2", 12, 12, 12, 64, 768, 3072, 50257, 124_439_808, **GPT2),
-    _preset("Mistral-7B-v0.1", 32, 32, 8, 128, 4096, 14336, 32000, 7_241_732_096,
-            note="sliding window of 4096 on every layer (v0.1; later versions attend globally)", window=(4096,)),
-    _preset("Gemma-2-9B", 42, 16, 8, 256, 3584, 14336, 256000, 9_241_705_984,
-            note="local layers (window 4096) alternate with global ones; params counts Gemma 2's "
-                 "post-norms, which kvjax's config has not", window=(4096, 0), tie_embeddings=True),
-    _preset("T5.1.1-XXL-decoder", 24, 64, 64, 64, 4096, 10240, 32128, 11_135_332_352,
-            note="cache of the decoder's self-attention; cross-attention adds as much per "
-                 "encoder token. Weights count encoder and decoder"),
-)}
+    _preset(
+      "Mistral-7B-v0.1",
+      32,
+      32,
+      8,
+      128,
+      4096,
+      14336,
+      32000,
+      7_241_732_096,
+      note="sliding window of 4096 on every layer (v0.1; later versions attend globally)",
+      window=(4096,),
+    ),
+    _preset(
+      "Gemma-2-9B",
+      42,
+      16,
+      8,
+      256,
+      3584,
+      14336,
+      256000,
+      9_241_705_984,
+      note="local layers (window 4096) alternate with global ones; params counts Gemma 2's "
+      "post-norms, which kvjax's config has not",
+      window=(4096, 0),
+      tie_embeddings=True,
+    ),
+    _preset(
+      "T5.1.1-XXL-decoder",
+      24,
+      64,
+      64,
+      64,
+      4096,
+      10240,
+      32128,
+      11_135_332_352,
+      note="cache of the decoder's self-attention; cross-attention adds as much per "
+      "encoder token. Weights count encoder and decoder",
+    ),
+  )
+}
 
 
 def from_model_config(name: str, config: ModelConfig) -> Architecture:
@@ -131,8 +233,7 @@ def _model_config_from_file(path: Path) -> ModelConfig:
   config = module.get_config()
   config = config if isinstance(config, ModelConfig) else getattr(config, "model", None)
   if not isinstance(config, ModelConfig):
-    raise ValueError(f"get_config() in {path} returns neither a ModelConfig nor a config with a "
-                     ".model ModelConfig")
+    raise ValueError(f"get_config() in {path} returns neither a ModelConfig nor a config with a .model ModelConfig")
   return config
 
 
@@ -140,8 +241,10 @@ def _model_config_from_workdir(path: Path) -> ModelConfig:
   """The model of a workdir's config.json, which `kvjax run`, uptrain and import-hf all write."""
   saved = path / "config.json"
   if not saved.is_file():
-    raise ValueError(f"{path} holds checkpoints but no config.json naming their model (a workdir "
-                     "written before kvjax recorded one); pass the run's config file instead")
+    raise ValueError(
+      f"{path} holds checkpoints but no config.json naming their model (a workdir "
+      "written before kvjax recorded one); pass the run's config file instead"
+    )
   model = read_hf_config(path).get("model")  # config.json parsed, or refused naming the file
   if not isinstance(model, dict):
     raise ValueError(f"{path} holds no kvjax model config (no 'model' section)")
@@ -165,9 +268,11 @@ def resolve(spec: str) -> Architecture:
         return from_model_config(path.name, config_from_hf(read_hf_config(path)))
     if (path / "config.json").is_file() or (path / "checkpoints").is_dir():
       return from_model_config(path.name, _model_config_from_workdir(path))
-  raise ValueError(f"unknown model {spec!r}: not a preset ({', '.join(PRESETS)}), a named model "
-                   f"({', '.join(NAMED_MODELS)}), a GGUF file, a config file (.py), a kvjax workdir or a Hugging "
-                   "Face directory")
+  raise ValueError(
+    f"unknown model {spec!r}: not a preset ({', '.join(PRESETS)}), a named model "
+    f"({', '.join(NAMED_MODELS)}), a GGUF file, a config file (.py), a kvjax workdir or a Hugging "
+    "Face directory"
+  )
 
 
 def parse_bytes(text: str) -> int:
@@ -180,6 +285,7 @@ def parse_bytes(text: str) -> int:
 
 
 # The variants: each a ModelConfig.
+
 
 def kv_head_counts(config: ModelConfig) -> list[int]:
   """Every kv-head count the query heads can be grouped into, MHA first, MQA last."""
@@ -208,8 +314,14 @@ def mla_variant(config: ModelConfig, rank: int, rope_dims: int) -> ModelConfig:
   groups = next((k for k in [config.num_kv_heads, *kv_head_counts(config)[::-1]] if splits(k)), config.num_kv_heads)
   positions = "rope" if rope_dims else "learned"
   try:
-    return config.replace(kv_latent_rank=rank, rope_dims=rope_dims, rope_pairs=None, num_kv_heads=groups,
-                          positions=positions, rope_scaling=config.rope_scaling if rope_dims else None)
+    return config.replace(
+      kv_latent_rank=rank,
+      rope_dims=rope_dims,
+      rope_pairs=None,
+      num_kv_heads=groups,
+      positions=positions,
+      rope_scaling=config.rope_scaling if rope_dims else None,
+    )
   except ValueError as e:
     raise ValueError(f"no MLA variant {rank}+{rope_dims} of this model: {e}") from None
 
@@ -226,6 +338,7 @@ def device_share(config: ModelConfig, devices: int) -> ModelConfig:
 
 
 # What fits: the kinds' sizes searched.
+
 
 def largest(fits: Callable[[int], bool]) -> int:
   """The largest n >= 0 with fits(n), for a fits true up to some n and false past it (0 counts as
@@ -261,9 +374,19 @@ def max_context(config: ModelConfig, cache_config: CacheConfig, batch: int, free
   return None if bound is not None and fits(bound) else largest(fits)
 
 
-def plan(arch: Architecture, *, context: int, batch: int, dtype: str = "bf16", weight_dtype: str | None = None,
-         device_memory: int | None = None, devices: int = 1, mla: tuple[tuple[int, int], ...] = (),
-         layout: str = "contiguous", page_size: int = CacheConfig.page_size) -> dict:
+def plan(
+  arch: Architecture,
+  *,
+  context: int,
+  batch: int,
+  dtype: str = "bf16",
+  weight_dtype: str | None = None,
+  device_memory: int | None = None,
+  devices: int = 1,
+  mla: tuple[tuple[int, int], ...] = (),
+  layout: str = "contiguous",
+  page_size: int = CacheConfig.page_size,
+) -> dict:
   """Bytes per token, cache size and what fits, for the model, each kv-head variant and the MLA
   variants `mla` ((kv_latent_rank, rope_dims) pairs), in a cache of CacheConfig(layout, dtype,
   page_size).
@@ -290,12 +413,26 @@ def plan(arch: Architecture, *, context: int, batch: int, dtype: str = "bf16", w
   for rank, rope_dims in ([(config.kv_latent_rank, config.rope_dims)] if config.is_latent else []) + list(mla):
     as_built = config.is_latent and not variants
     variant = config if as_built else mla_variant(config, rank, rope_dims)
-    variants.append(({"variant": f"MLA {rank}+{rope_dims}", "kv_heads": variant.num_kv_heads, "kv_latent_rank": rank,
-                      "rope_dims": rope_dims, "as_built": as_built}, variant))
+    variants.append(
+      (
+        {
+          "variant": f"MLA {rank}+{rope_dims}",
+          "kv_heads": variant.num_kv_heads,
+          "kv_latent_rank": rank,
+          "rope_dims": rope_dims,
+          "as_built": as_built,
+        },
+        variant,
+      )
+    )
   for kv in kv_head_counts(config):
     as_built = kv == config.num_kv_heads and not config.is_latent
-    variants.append(({"variant": variant_name(config, kv), "kv_heads": kv, "as_built": as_built},
-                     config if as_built else kv_variant(config, kv)))
+    variants.append(
+      (
+        {"variant": variant_name(config, kv), "kv_heads": kv, "as_built": as_built},
+        config if as_built else kv_variant(config, kv),
+      )
+    )
   rows = []
   for row, variant in variants:
     row["bytes_per_token"] = kinds.bytes_per_token(variant, cache_config)
@@ -306,15 +443,29 @@ def plan(arch: Architecture, *, context: int, batch: int, dtype: str = "bf16", w
       row["max_context"] = max_context(share, cache_config, batch, free)
     rows.append(row)
   built = next(r for r in rows if r["as_built"])
-  result = {"model": arch.name, "architecture": describe(arch), "dtype": dtype, "layout": layout,
-            "weight_dtype": weight_dtype, "context": context, "batch": batch,
-            "bytes_per_token": built["bytes_per_token"], "cache_bytes": built["cache_bytes"],
-            "weights_bytes": weights, "variants": rows}
+  result = {
+    "model": arch.name,
+    "architecture": describe(arch),
+    "dtype": dtype,
+    "layout": layout,
+    "weight_dtype": weight_dtype,
+    "context": context,
+    "batch": batch,
+    "bytes_per_token": built["bytes_per_token"],
+    "cache_bytes": built["cache_bytes"],
+    "weights_bytes": weights,
+    "variants": rows,
+  }
   if layout == "paged":
     result["page_size"] = page_size
   if device_memory is not None:
-    result.update(devices=devices, device_memory_bytes=device_memory, free_bytes_per_device=free,
-                  max_batch=built["max_batch"], max_context=built["max_context"])
+    result.update(
+      devices=devices,
+      device_memory_bytes=device_memory,
+      free_bytes_per_device=free,
+      max_batch=built["max_batch"],
+      max_context=built["max_context"],
+    )
   return result
 
 
@@ -338,34 +489,43 @@ def _count(n: int) -> str:
 def render(result: dict) -> str:
   a = result["architecture"]
   paged = result["layout"] == "paged"
-  lines = [f"{result['model']}: {a['num_layers']} layers, {a['num_heads']} query heads, "
-           f"{a['num_kv_heads']} kv heads, head dim {a['head_dim']}, d_model {a['d_model']}, "
-           f"{_count(a['params'])} params"]
+  lines = [
+    f"{result['model']}: {a['num_layers']} layers, {a['num_heads']} query heads, "
+    f"{a['num_kv_heads']} kv heads, head dim {a['head_dim']}, d_model {a['d_model']}, "
+    f"{_count(a['params'])} params"
+  ]
   if a["kv_latent_rank"]:
     lines.append(f"multi-head latent attention: latent rank {a['kv_latent_rank']}, {a['rope_dims']} rotary dims")
   if a["note"]:
     lines.append(f"  ({a['note']})")
   if any(a["window"]):
-    kept = ("a paged cache keeps every position" if paged
-            else "windowed layers keep at most window + sinks positions")
-    lines.append(f"sliding windows {tuple(a['window'])} repeated over the layers (0 = global), "
-                 f"{a['sink_tokens']} sink tokens: {kept}")
+    kept = "a paged cache keeps every position" if paged else "windowed layers keep at most window + sinks positions"
+    lines.append(
+      f"sliding windows {tuple(a['window'])} repeated over the layers (0 = global), "
+      f"{a['sink_tokens']} sink tokens: {kept}"
+    )
   lines.append(f"weights ({result['weight_dtype']}): {human(result['weights_bytes'])}")
   fits = "device_memory_bytes" in result
   if fits:
     memory = result["device_memory_bytes"]
-    lines.append(f"{result['devices']} device(s) of {memory / 1e9:.1f} GB ({human(memory)}): "
-                 f"{human(result['free_bytes_per_device'])} free per device after weights")
+    lines.append(
+      f"{result['devices']} device(s) of {memory / 1e9:.1f} GB ({human(memory)}): "
+      f"{human(result['free_bytes_per_device'])} free per device after weights"
+    )
     if not result["free_bytes_per_device"]:
       lines.append("  the weights alone do not fit: add devices or use a smaller --weight-dtype")
   header = f"  {'variant':<13}{'kv heads':>9}{'per token':>12}{'cache':>12}"
   header += f"{'max batch':>11}{'max context':>13}" if fits else ""
   pages = f", {result['page_size']}-token pages" if paged else ""
-  lines += [f"KV cache in {result['dtype']}{pages}, context {result['context']:,} x batch {result['batch']:,} "
-            "(* = as built):", header]
+  lines += [
+    f"KV cache in {result['dtype']}{pages}, context {result['context']:,} x batch {result['batch']:,} (* = as built):",
+    header,
+  ]
   for row in result["variants"]:
-    line = (f"{'*' if row['as_built'] else ' '} {row['variant']:<13}{row['kv_heads']:>9}"
-            f"{human(row['bytes_per_token']):>12}{human(row['cache_bytes']):>12}")
+    line = (
+      f"{'*' if row['as_built'] else ' '} {row['variant']:<13}{row['kv_heads']:>9}"
+      f"{human(row['bytes_per_token']):>12}{human(row['cache_bytes']):>12}"
+    )
     if fits:
       most = "unbounded" if row["max_context"] is None else f"{row['max_context']:,}"
       line += f"{row['max_batch']:>11,}{most:>13}"

@@ -37,32 +37,60 @@ GGUF_MODELS = ("gpt2", "llama")
 # Architectures whose 'llama' vocabulary transformers builds differently (Gemma respells space
 # tokens and reorders merges, Phi-3 prepends the space in a normalizer): refused, not approximated.
 GGUF_OTHER_SENTENCEPIECE = ("gemma", "gemma2", "gemma3", "phi3")
-GGUF_SPECIAL_KEYS = {"bos": "tokenizer.ggml.bos_token_id", "eos": "tokenizer.ggml.eos_token_id",
-                     "pad": "tokenizer.ggml.padding_token_id", "unk": "tokenizer.ggml.unknown_token_id"}
+GGUF_SPECIAL_KEYS = {
+  "bos": "tokenizer.ggml.bos_token_id",
+  "eos": "tokenizer.ggml.eos_token_id",
+  "pad": "tokenizer.ggml.padding_token_id",
+  "unk": "tokenizer.ggml.unknown_token_id",
+}
 GGUF_CONTROL, GGUF_USER_DEFINED = 3, 4  # llama.cpp's token_type codes
 
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_GPT4O_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-                r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
-                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-                r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN35_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
-                 r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
-                 r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3_SPLIT = (
+  r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+  r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT4O_SPLIT = (
+  r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+  r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+  r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+  r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+  r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN35_SPLIT = (
+  r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+  r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN_SPLIT = (
+  r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+  r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+  r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # tokenizer.ggml.pre -> the regex its merges were learned after (transformers' table).
 PRE_TOKENIZER_SPLITS = {
-    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
-                     "jina-v5-nano", "dbrx", "smaug-bpe"), _LLAMA3_SPLIT),
-    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"), _QWEN2_SPLIT),
-    "qwen35": _QWEN35_SPLIT,
-    "tekken": _TEKKEN_SPLIT,
-    **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), _GPT4O_SPLIT),
+  **dict.fromkeys(
+    (
+      "llama3",
+      "llama-v3",
+      "llama-bpe",
+      "falcon3",
+      "falcon-h1",
+      "pixtral",
+      "midm-2.0",
+      "lfm2",
+      "jina-v5-nano",
+      "dbrx",
+      "smaug-bpe",
+    ),
+    _LLAMA3_SPLIT,
+  ),
+  **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"), _QWEN2_SPLIT),
+  "qwen35": _QWEN35_SPLIT,
+  "tekken": _TEKKEN_SPLIT,
+  **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), _GPT4O_SPLIT),
 }
 
 
@@ -77,9 +105,18 @@ class TextTokenizer:
     source: where it came from (a file, 'GGUF'), named by its errors.
   """
 
-  def __init__(self, tokenizer: Tokenizer, *, bos_id: int | None = None, eos_id: int | None = None,
-               pad_id: int | None = None, unk_id: int | None = None, add_bos: bool = False,
-               chat_template: str | None = None, source: str = "tokenizer"):
+  def __init__(
+    self,
+    tokenizer: Tokenizer,
+    *,
+    bos_id: int | None = None,
+    eos_id: int | None = None,
+    pad_id: int | None = None,
+    unk_id: int | None = None,
+    add_bos: bool = False,
+    chat_template: str | None = None,
+    source: str = "tokenizer",
+  ):
     self.tokenizer, self.source = tokenizer, source
     self._vocab_size = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
     for name, token_id in (("bos_id", bos_id), ("eos_id", eos_id), ("pad_id", pad_id), ("unk_id", unk_id)):
@@ -132,12 +169,15 @@ class TextTokenizer:
       if not isinstance(message, Mapping):
         raise ValueError(f"chat message {i} is a {type(message).__name__}, not a dict with 'role' and 'content'")
     messages = [{key: value for key, value in m.items() if value is not None} for m in messages]
-    special = {f"{name}_token": self.tokenizer.id_to_token(token_id) for name, token_id in
-               (("bos", self.bos_id), ("eos", self.eos_id), ("unk", self.unk_id), ("pad", self.pad_id))
-               if token_id is not None}
+    special = {
+      f"{name}_token": self.tokenizer.id_to_token(token_id)
+      for name, token_id in (("bos", self.bos_id), ("eos", self.eos_id), ("unk", self.unk_id), ("pad", self.pad_id))
+      if token_id is not None
+    }
     try:
-      return self._template().render(messages=messages, tools=None, documents=None,
-                                      add_generation_prompt=add_generation_prompt, **special)
+      return self._template().render(
+        messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **special
+      )
     except (jinja2.TemplateError, TypeError) as err:
       raise ValueError(f"the chat template of {self.source} failed on these messages: {err}") from None
 
@@ -154,14 +194,20 @@ class TextTokenizer:
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     self.tokenizer.save(str(directory / TOKENIZER_FILE))
-    tokens = {f"{name}_token": None if token_id is None else self.tokenizer.id_to_token(token_id)
-              for name, token_id in (("bos", self.bos_id), ("eos", self.eos_id), ("pad", self.pad_id),
-                                     ("unk", self.unk_id))}
+    tokens = {
+      f"{name}_token": None if token_id is None else self.tokenizer.id_to_token(token_id)
+      for name, token_id in (("bos", self.bos_id), ("eos", self.eos_id), ("pad", self.pad_id), ("unk", self.unk_id))
+    }
     # tokenizer_class lets transformers load the directory without a config.json.
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": self.add_bos, **tokens,
-              "chat_template": self.chat_template}
-    (directory / TOKENIZER_CONFIG_FILE).write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n",
-                                                   encoding="utf-8")
+    config = {
+      "tokenizer_class": "PreTrainedTokenizerFast",
+      "add_bos_token": self.add_bos,
+      **tokens,
+      "chat_template": self.chat_template,
+    }
+    (directory / TOKENIZER_CONFIG_FILE).write_text(
+      json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
+    )
     stale = directory / CHAT_TEMPLATE_FILE
     if self.chat_template is not None and stale.exists():
       stale.write_text(self.chat_template, encoding="utf-8")
@@ -181,16 +227,25 @@ class TextTokenizer:
     root = path if path.is_dir() else path.parent
     config_path = root / TOKENIZER_CONFIG_FILE
     config = _read_json_object(config_path) if config_path.is_file() else {}
-    ids = {name: _config_token_id(tokenizer, config, f"{name}_token", config_path)
-           for name in ("bos", "eos", "pad", "unk")}
+    ids = {
+      name: _config_token_id(tokenizer, config, f"{name}_token", config_path) for name in ("bos", "eos", "pad", "unk")
+    }
     add_bos = config.get("add_bos_token")
     if add_bos is None:  # e.g. Llama 3's directories: the BOS is added by tokenizer.json's post-processor
       with_special = tokenizer.encode("a", add_special_tokens=True).ids
       plain = tokenizer.encode("a", add_special_tokens=False).ids
       add_bos = len(with_special) > len(plain) and with_special[0] == ids["bos"]
     template = _config_template(config, config_path, root / CHAT_TEMPLATE_FILE)
-    return cls(tokenizer, bos_id=ids["bos"], eos_id=ids["eos"], pad_id=ids["pad"], unk_id=ids["unk"],
-               add_bos=bool(add_bos), chat_template=template, source=str(root / TOKENIZER_FILE))
+    return cls(
+      tokenizer,
+      bos_id=ids["bos"],
+      eos_id=ids["eos"],
+      pad_id=ids["pad"],
+      unk_id=ids["unk"],
+      add_bos=bool(add_bos),
+      chat_template=template,
+      source=str(root / TOKENIZER_FILE),
+    )
 
   @classmethod
   def from_gguf_metadata(cls, metadata: Mapping[str, Any], source: str = "GGUF") -> TextTokenizer:
@@ -206,8 +261,10 @@ class TextTokenizer:
       raise ValueError(f"{source} has tokenizer.ggml.model={kind!r}; kvjax builds {', '.join(GGUF_MODELS)}")
     architecture = metadata.get("general.architecture")
     if kind == "llama" and architecture in GGUF_OTHER_SENTENCEPIECE:
-      raise ValueError(f"{source}: the SentencePiece vocabulary of general.architecture={architecture!r} is built "
-                       "another way than Llama's, which kvjax does not do")
+      raise ValueError(
+        f"{source}: the SentencePiece vocabulary of general.architecture={architecture!r} is built "
+        "another way than Llama's, which kvjax does not do"
+      )
     types = list(metadata.get("tokenizer.ggml.token_type") or [])
     if types and len(types) != len(tokens):
       raise ValueError(f"{source} has {len(types)} tokenizer.ggml.token_type entries for {len(tokens)} tokens")
@@ -220,14 +277,20 @@ class TextTokenizer:
     # mislabelled byte-level token (one outside the byte alphabet) as a new id past the vocabulary.
     control = [t for t, s, token_type in zip(tokens, spelled, types) if token_type == GGUF_CONTROL and t == s]
     named = [tokens[i] for i in special.values() if i is not None and tokens[i] == spelled[i]]
-    tokenizer.add_special_tokens([AddedToken(t, normalized=False, special=True)
-                                  for t in dict.fromkeys(control + named)])
+    tokenizer.add_special_tokens(
+      [AddedToken(t, normalized=False, special=True) for t in dict.fromkeys(control + named)]
+    )
     user = [t for t, s, token_type in zip(tokens, spelled, types) if token_type == GGUF_USER_DEFINED and t == s]
     tokenizer.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
     # llama.cpp adds a BOS to a SentencePiece vocabulary that does not say otherwise.
     add_bos = metadata.get("tokenizer.ggml.add_bos_token", kind == "llama")
-    return cls(tokenizer, **{f"{name}_id": token_id for name, token_id in special.items()}, add_bos=bool(add_bos),
-               chat_template=metadata.get("tokenizer.chat_template"), source=source)
+    return cls(
+      tokenizer,
+      **{f"{name}_id": token_id for name, token_id in special.items()},
+      add_bos=bool(add_bos),
+      chat_template=metadata.get("tokenizer.chat_template"),
+      source=source,
+    )
 
 
 @functools.cache
@@ -244,21 +307,26 @@ def _byte_level_bpe(tokens: list[str], metadata: Mapping[str, Any], source: str)
   """Byte-level BPE of a 'gpt2' vocabulary and the vocabulary's spelling of each token (a token
   that is not already byte-alphabet text is respelled from its UTF-8 bytes)."""
   if "tokenizer.ggml.merges" not in metadata:
-    raise ValueError(f"{source} is a byte-level BPE vocabulary without tokenizer.ggml.merges; its tokenizer "
-                     "cannot be rebuilt")
+    raise ValueError(
+      f"{source} is a byte-level BPE vocabulary without tokenizer.ggml.merges; its tokenizer cannot be rebuilt"
+    )
   spelling = _byte_spelling()
   alphabet = set(spelling.values())
   spelled = [t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")) for t in tokens]
   vocab = {token: i for i, token in enumerate(spelled)}
-  tokenizer = _bpe(vocab, _gguf_merges(metadata, source), source, continuing_subword_prefix="",
-                   end_of_word_suffix="", fuse_unk=False)
+  tokenizer = _bpe(
+    vocab, _gguf_merges(metadata, source), source, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False
+  )
   split = PRE_TOKENIZER_SPLITS.get(metadata.get("tokenizer.ggml.pre"))
   if split is None:  # GPT-2's split, ByteLevel's built-in regex
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
   else:
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+      [
         pre_tokenizers.Split(Regex(split), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])  # the split is done above
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+      ]
+    )  # the split is done above
   tokenizer.decoder = decoders.ByteLevel()
   return tokenizer, spelled
 
@@ -274,8 +342,9 @@ def _sentencepiece_bpe(tokens: list[str], metadata: Mapping[str, Any], source: s
     raise ValueError(f"{source} has neither tokenizer.ggml.merges nor tokenizer.ggml.scores to rank merges by")
   tokenizer = _bpe(vocab, merges, source, fuse_unk=True, byte_fallback=True)
   tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
-  tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                         decoders.Strip(content=" ", left=1)])
+  tokenizer.decoder = decoders.Sequence(
+    [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(content=" ", left=1)]
+  )
   return tokenizer
 
 
@@ -290,8 +359,9 @@ def _gguf_merges(metadata: Mapping[str, Any], source: str) -> list[tuple[str, st
   merges = [str(merge).split(" ") for merge in metadata["tokenizer.ggml.merges"]]
   bad = next((i for i, pair in enumerate(merges) if len(pair) != 2), None)
   if bad is not None:
-    raise ValueError(f"{source}: tokenizer.ggml.merges[{bad}]={' '.join(merges[bad])!r} is not two tokens "
-                     "separated by one space")
+    raise ValueError(
+      f"{source}: tokenizer.ggml.merges[{bad}]={' '.join(merges[bad])!r} is not two tokens separated by one space"
+    )
   return [(left, right) for left, right in merges]
 
 
@@ -364,6 +434,7 @@ def _compile_template(template: str, source: str):
 
   class Generation(jinja2.ext.Extension):
     """{% generation %}...{% endgeneration %}: transformers marks assistant text with it; it renders its body."""
+
     tags = {"generation"}
 
     def parse(self, parser):
@@ -380,8 +451,9 @@ def _compile_template(template: str, source: str):
   def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-  env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                      extensions=[Generation, jinja2.ext.loopcontrols])
+  env = ImmutableSandboxedEnvironment(
+    trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
+  )
   env.filters["tojson"] = tojson
   env.globals["raise_exception"] = raise_exception
   env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)

@@ -28,11 +28,15 @@ import jax.numpy as jnp
 from kvjax.kernels import build
 
 # The cache kinds' routes (layout, codec) -> the kernel's FFI target.
-TARGETS = {("contiguous", "float32"): "kvjax_decode_attention", ("contiguous", "int8"): "kvjax_decode_attention_int8",
-           ("paged", "float32"): "kvjax_paged_attention", ("paged", "int8"): "kvjax_paged_attention_int8"}
+TARGETS = {
+  ("contiguous", "float32"): "kvjax_decode_attention",
+  ("contiguous", "int8"): "kvjax_decode_attention_int8",
+  ("paged", "float32"): "kvjax_paged_attention",
+  ("paged", "int8"): "kvjax_paged_attention_int8",
+}
 TARGET = TARGETS["contiguous", "float32"]
 # The kernel addresses a page pool with int32 offsets: pools of this many entries or more stay with XLA.
-MAX_POOL_ENTRIES = 2 ** 31 - 4
+MAX_POOL_ENTRIES = 2**31 - 4
 # The addressing arrays in the kernel's operand order (after q, k_cache, v_cache).
 ADDRESSING = ("k_scale", "v_scale", "page_table")
 
@@ -40,8 +44,9 @@ ADDRESSING = ("k_scale", "v_scale", "page_table")
 def uses_kernel(compute_dtype, route: tuple[str, str]) -> bool:
   """Whether `cache_attention` of `compute_dtype` queries over a cache kind's `route` (KVCache.route)
   runs in the CPU kernel: float32 queries over a float32 or int8 cache on a single CPU device."""
-  return (jnp.dtype(compute_dtype) == jnp.float32 and route in TARGETS and build.single_cpu()
-          and build.available("attention"))
+  return (
+    jnp.dtype(compute_dtype) == jnp.float32 and route in TARGETS and build.single_cpu() and build.available("attention")
+  )
 
 
 def kernel_layout(route, q, k_cache, v_cache, addressing: dict) -> tuple[bool, bool] | None:
@@ -60,8 +65,14 @@ def kernel_layout(route, q, k_cache, v_cache, addressing: dict) -> tuple[bool, b
   if paged:
     kv, pages, size, _ = k_cache.shape
     table = addressing["page_table"]
-    if (k_cache.shape != (kv, pages, size, h) or v_cache.shape != k_cache.shape or table.dtype != jnp.int32
-        or table.ndim != 2 or table.shape[0] != b or k_cache.size >= MAX_POOL_ENTRIES):
+    if (
+      k_cache.shape != (kv, pages, size, h)
+      or v_cache.shape != k_cache.shape
+      or table.dtype != jnp.int32
+      or table.ndim != 2
+      or table.shape[0] != b
+      or k_cache.size >= MAX_POOL_ENTRIES
+    ):
       return None
     scale_shape = (kv, pages, size)
   else:
@@ -69,8 +80,13 @@ def kernel_layout(route, q, k_cache, v_cache, addressing: dict) -> tuple[bool, b
     if k_cache.shape != (b, kv, h, s) or v_cache.shape != (b, kv, s, h):
       return None
     scale_shape = (b, kv, s)
-  if n % kv or int8 and any(addressing[name].dtype != jnp.float32 or addressing[name].shape != scale_shape
-                            for name in ("k_scale", "v_scale")):
+  if (
+    n % kv
+    or int8
+    and any(
+      addressing[name].dtype != jnp.float32 or addressing[name].shape != scale_shape for name in ("k_scale", "v_scale")
+    )
+  ):
     return None
   return paged, int8
 
@@ -84,8 +100,15 @@ def kernel_target(route, q, k_cache, v_cache, addressing: dict) -> str | None:
   return TARGETS[route]
 
 
-def cache_attention(route: tuple[str, str], q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-                    lengths: jax.Array, xla: Callable, **addressing) -> jax.Array:
+def cache_attention(
+  route: tuple[str, str],
+  q: jax.Array,
+  k_cache: jax.Array,
+  v_cache: jax.Array,
+  lengths: jax.Array,
+  xla: Callable,
+  **addressing,
+) -> jax.Array:
   """q [B, 1, N, H] (rotated), a cache's k_cache and v_cache and its addressing arrays as its
   route (layout, codec) says (module docstring), lengths int32[B]: row b reads positions
   [0, lengths[b]] -> [B, 1, N, H]. `xla(q, k_cache, v_cache, lengths, **addressing)` is the same
@@ -105,9 +128,10 @@ def cache_attention(route: tuple[str, str], q: jax.Array, k_cache: jax.Array, v_
   @jax.custom_jvp
   def kernel(q, k_cache, v_cache, lengths, *extra):
     b, _, n, h = q.shape
-    grouped = q.reshape(b, kv_heads, n // kv_heads, h) * (h ** -0.5)  # [B, K, G, H]: query head n reads kv head n // G
+    grouped = q.reshape(b, kv_heads, n // kv_heads, h) * (h**-0.5)  # [B, K, G, H]: query head n reads kv head n // G
     out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(grouped.shape, q.dtype), vmap_method="sequential")(
-        grouped, k_cache, v_cache, *extra, lengths.astype(jnp.int32) + 1)
+      grouped, k_cache, v_cache, *extra, lengths.astype(jnp.int32) + 1
+    )
     return out.reshape(b, 1, n, h)
 
   kernel.defjvp(lambda primals, tangents: (kernel(*primals), jax.jvp(reference, primals, tangents)[1]))

@@ -32,11 +32,13 @@ SOURCES = sorted(CSRC.glob("*.cc"))
 COMPILE_FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC"]
 # name -> {XLA target: exported handler symbol}
 KERNELS = {
-    "matmul": {"kvjax_small_matmul": "KvjaxSmallMatmul"},
-    "attention": {"kvjax_decode_attention": "KvjaxDecodeAttention",
-                  "kvjax_decode_attention_int8": "KvjaxDecodeAttentionInt8",
-                  "kvjax_paged_attention": "KvjaxPagedAttention",
-                  "kvjax_paged_attention_int8": "KvjaxPagedAttentionInt8"},
+  "matmul": {"kvjax_small_matmul": "KvjaxSmallMatmul"},
+  "attention": {
+    "kvjax_decode_attention": "KvjaxDecodeAttention",
+    "kvjax_decode_attention_int8": "KvjaxDecodeAttentionInt8",
+    "kvjax_paged_attention": "KvjaxPagedAttention",
+    "kvjax_paged_attention_int8": "KvjaxPagedAttentionInt8",
+  },
 }
 
 
@@ -74,8 +76,11 @@ def _library_path(compiler: str) -> pathlib.Path:
   """Where the library built from these sources, by this compiler, for this jaxlib and CPU is cached."""
   version = _run([compiler, "--version"], 60).stdout
   files = [f.read_text() for f in sorted(CSRC.glob("*.[ch]*"))]  # sources and headers
-  key = hashlib.sha256("\n".join([*files, " ".join(COMPILE_FLAGS), compiler, version, jaxlib.__version__,
-                                  platform.machine(), _cpu_features()]).encode())
+  key = hashlib.sha256(
+    "\n".join(
+      [*files, " ".join(COMPILE_FLAGS), compiler, version, jaxlib.__version__, platform.machine(), _cpu_features()]
+    ).encode()
+  )
   cache = pathlib.Path(os.environ.get("KVJAX_CACHE", pathlib.Path.home() / ".cache" / "kvjax"))
   return cache / f"kvjax_cpu-{key.hexdigest()[:16]}.so"
 
@@ -123,8 +128,9 @@ def _selected() -> set[str]:
     return set(KERNELS)
   names = {n.strip() for n in value.split(",") if n.strip()} - {"none", "0"}
   if unknown := names - set(KERNELS):
-    raise ValueError(f"KVJAX_CPU_KERNELS={value!r}: unknown kernels {sorted(unknown)}; "
-                     f"choose from {sorted(KERNELS)}, or 'none'")
+    raise ValueError(
+      f"KVJAX_CPU_KERNELS={value!r}: unknown kernels {sorted(unknown)}; choose from {sorted(KERNELS)}, or 'none'"
+    )
   return names
 
 

@@ -41,8 +41,12 @@ def kernel_available() -> bool:
 
 def uses_kernel(rows: int, *dtypes) -> bool:
   """Whether a product with `rows` rows and these operand dtypes goes to the kernel."""
-  return (MIN_ROWS <= rows <= MAX_ROWS and all(d == jnp.float32 for d in dtypes)
-          and cpu_kernels.single_cpu() and kernel_available())
+  return (
+    MIN_ROWS <= rows <= MAX_ROWS
+    and all(d == jnp.float32 for d in dtypes)
+    and cpu_kernels.single_cpu()
+    and kernel_available()
+  )
 
 
 @jax.custom_jvp
@@ -67,24 +71,35 @@ def _small_matmul_jvp(primals, tangents):
   return small_matmul(x, w), dx @ w + x @ dw
 
 
-def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, precision=None,
-                preferred_element_type=None) -> jax.Array:
+def dot_general(
+  lhs: jax.Array, rhs: jax.Array, dimension_numbers, precision=None, preferred_element_type=None
+) -> jax.Array:
   """lax.dot_general, with small float32 products that contract lhs's trailing axes against
   rhs's leading axes (every Dense layer's x @ kernel) computed by the CPU kernel."""
   (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
   n = len(lhs_contract)
-  plain = (not lhs_batch and not rhs_batch and 0 < n < lhs.ndim
-           and tuple(lhs_contract) == tuple(range(lhs.ndim - n, lhs.ndim))
-           and tuple(rhs_contract) == tuple(range(n))
-           and preferred_element_type in (None, jnp.float32))
-  xla = functools.partial(lax.dot_general, dimension_numbers=dimension_numbers, precision=precision,
-                          preferred_element_type=preferred_element_type)
+  plain = (
+    not lhs_batch
+    and not rhs_batch
+    and 0 < n < lhs.ndim
+    and tuple(lhs_contract) == tuple(range(lhs.ndim - n, lhs.ndim))
+    and tuple(rhs_contract) == tuple(range(n))
+    and preferred_element_type in (None, jnp.float32)
+  )
+  xla = functools.partial(
+    lax.dot_general,
+    dimension_numbers=dimension_numbers,
+    precision=precision,
+    preferred_element_type=preferred_element_type,
+  )
   if plain:
     rows, depth = math.prod(lhs.shape[:-n]), math.prod(lhs.shape[-n:])
     if depth > 0 and math.prod(rhs.shape[n:]) > 0 and uses_kernel(rows, lhs.dtype, rhs.dtype):
+
       def kernel(lhs, rhs):
         out = small_matmul(lhs.reshape(rows, depth), rhs.reshape(depth, -1))
         return out.reshape(*lhs.shape[:-n], *rhs.shape[n:])
+
       # Chosen when lowering: a function traced here may still be compiled for an accelerator.
       return lax.platform_dependent(lhs, rhs, cpu=kernel, default=xla)
   return xla(lhs, rhs)

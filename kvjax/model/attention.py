@@ -47,8 +47,7 @@ def group_queries(q: jax.Array, num_kv_heads: int) -> jax.Array:
   return q.reshape(b, t, num_kv_heads, n // num_kv_heads, h)
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
-           k_transposed: bool = False) -> jax.Array:
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, k_transposed: bool = False) -> jax.Array:
   """Scaled dot-product attention with grouped queries; K/V are never repeated.
 
   Args:
@@ -60,7 +59,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
     [B, T, N, H] in q's dtype.
   """
   b, t, n, h = q.shape
-  q = group_queries(q, v.shape[1]) * (h ** -0.5)  # [B, T, K, G, H]
+  q = group_queries(q, v.shape[1]) * (h**-0.5)  # [B, T, K, G, H]
   k, v = k.astype(q.dtype), v.astype(q.dtype)
   if t == 1 and k_transposed:
     # One query token against the cache: the query axis is added after the scores dot, since
@@ -93,8 +92,10 @@ class Field:
 
 def kv_payload(config: ModelConfig) -> dict[str, Field]:
   """What an Attention layer caches per token: k and v, num_kv_heads vectors of head_dim."""
-  return {"k": Field(config.num_kv_heads, config.head_dim, transposed=True),
-          "v": Field(config.num_kv_heads, config.head_dim)}
+  return {
+    "k": Field(config.num_kv_heads, config.head_dim, transposed=True),
+    "v": Field(config.num_kv_heads, config.head_dim),
+  }
 
 
 @flax.struct.dataclass
@@ -209,15 +210,25 @@ class Attention(nn.Module):
   def setup(self):
     cfg = self.config
     dense = lambda heads, bias, name: nn.DenseGeneral(
-        (heads, cfg.head_dim), use_bias=bias, dtype=cfg.compute_dtype, name=name,
-        dot_general=self.backend.dot_general, kernel_init=nn.initializers.normal(cfg.d_model ** -0.5))
+      (heads, cfg.head_dim),
+      use_bias=bias,
+      dtype=cfg.compute_dtype,
+      name=name,
+      dot_general=self.backend.dot_general,
+      kernel_init=nn.initializers.normal(cfg.d_model**-0.5),
+    )
     self.q = dense(cfg.num_heads, cfg.qkv_bias, "q")  # kernel [D, N, H]
     self.k = dense(cfg.num_kv_heads, cfg.qkv_bias, "k")  # kernel [D, K, H]
     self.v = dense(cfg.num_kv_heads, cfg.qkv_bias, "v")
     self.out = nn.DenseGeneral(
-        cfg.d_model, axis=(-2, -1), use_bias=cfg.use_bias, dtype=cfg.compute_dtype, name="out",
-        dot_general=self.backend.dot_general,
-        kernel_init=nn.initializers.normal((cfg.num_heads * cfg.head_dim) ** -0.5 / (2 * cfg.num_layers) ** 0.5))
+      cfg.d_model,
+      axis=(-2, -1),
+      use_bias=cfg.use_bias,
+      dtype=cfg.compute_dtype,
+      name="out",
+      dot_general=self.backend.dot_general,
+      kernel_init=nn.initializers.normal((cfg.num_heads * cfg.head_dim) ** -0.5 / (2 * cfg.num_layers) ** 0.5),
+    )
 
   def rotate(self, x: jax.Array, positions: jax.Array) -> jax.Array:
     """x [B, T, heads, H] at positions int[B, T] -> RoPE-rotated (unchanged with learned positions)."""

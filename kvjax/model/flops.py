@@ -18,8 +18,14 @@ from kvjax.config import ModelConfig
 
 # Dense bfloat16 peak FLOP/s by device_kind substring, most specific first.
 PEAK_BF16 = (
-    ("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("L4", 121e12),
-    ("TPU v6 lite", 918e12), ("TPU v5 lite", 197e12), ("TPU v5", 459e12), ("TPU v4", 275e12),
+  ("H200", 989e12),
+  ("H100", 989e12),
+  ("A100", 312e12),
+  ("L4", 121e12),
+  ("TPU v6 lite", 918e12),
+  ("TPU v5 lite", 197e12),
+  ("TPU v5", 459e12),
+  ("TPU v4", 275e12),
 )
 
 
@@ -57,4 +63,4 @@ def _measured_matmul_rate(size: int = 1024, repeats: int = 5) -> float:
     start = time.perf_counter()
     matmul(x).block_until_ready()
     best = min(best, time.perf_counter() - start)
-  return 2 * size ** 3 / best
+  return 2 * size**3 / best

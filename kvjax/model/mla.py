@@ -144,18 +144,29 @@ class LatentAttention(nn.Module):
     cfg = self.config
     n, h, r, e = cfg.num_heads, cfg.head_dim, cfg.kv_latent_rank, cfg.head_dim - cfg.rope_group_dims
     init = lambda std: nn.initializers.normal(std)
-    dense = lambda features, bias, name, std=cfg.d_model ** -0.5: nn.DenseGeneral(
-        features, use_bias=bias, dtype=cfg.compute_dtype, name=name, dot_general=self.backend.dot_general,
-        kernel_init=init(std))
+    dense = lambda features, bias, name, std=cfg.d_model**-0.5: nn.DenseGeneral(
+      features,
+      use_bias=bias,
+      dtype=cfg.compute_dtype,
+      name=name,
+      dot_general=self.backend.dot_general,
+      kernel_init=init(std),
+    )
     self.q = dense((n, h), cfg.qkv_bias, "q")
     self.kv_down = dense(r, cfg.qkv_bias, "kv_down")
     if cfg.rope_dims:
       self.k_rope = dense(cfg.rope_dims, cfg.qkv_bias, "k_rope")
-    self.k_up = self.param("k_up", init(r ** -0.5), (r, n, e))
-    self.v_up = self.param("v_up", init(r ** -0.5), (r, n, h))
+    self.k_up = self.param("k_up", init(r**-0.5), (r, n, e))
+    self.v_up = self.param("v_up", init(r**-0.5), (r, n, h))
     self.out = nn.DenseGeneral(
-        cfg.d_model, axis=(-2, -1), use_bias=cfg.use_bias, dtype=cfg.compute_dtype, name="out",
-        dot_general=self.backend.dot_general, kernel_init=init((n * h) ** -0.5 / (2 * cfg.num_layers) ** 0.5))
+      cfg.d_model,
+      axis=(-2, -1),
+      use_bias=cfg.use_bias,
+      dtype=cfg.compute_dtype,
+      name="out",
+      dot_general=self.backend.dot_general,
+      kernel_init=init((n * h) ** -0.5 / (2 * cfg.num_layers) ** 0.5),
+    )
 
   def latent(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
     """x [B, T, D], positions int[B, T] -> (latent [B, T, R], rotated rope_key [B, T, K*W])."""
@@ -171,7 +182,7 @@ class LatentAttention(nn.Module):
     """x [B, T, D], positions int[B, T] -> the LatentQuery of these columns."""
     cfg = self.config
     q = self.q(x)  # [B, T, N, H]
-    nope, rope = q[..., :cfg.head_dim - cfg.rope_group_dims], q[..., cfg.head_dim - cfg.rope_group_dims:]
+    nope, rope = q[..., : cfg.head_dim - cfg.rope_group_dims], q[..., cfg.head_dim - cfg.rope_group_dims :]
     if cfg.rope_dims:
       per_head = np.repeat(rope_frequencies(cfg, self.layer), cfg.q_per_kv, axis=0)  # [N, W/2]
       rope = apply_rope(rope, positions, per_head)

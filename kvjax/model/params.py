@@ -32,8 +32,9 @@ def param_count(config: ModelConfig) -> int:
 def param_signature(params: Any) -> dict[str, tuple[tuple[int, ...], str]]:
   """{"layers_0/attn/q/kernel": (shape, dtype name), ...} of a tree of arrays or ShapeDtypeStructs."""
   leaves = jax.tree_util.tree_leaves_with_path(params)
-  return {"/".join(str(getattr(k, "key", k)) for k in path): (tuple(x.shape), jnp.dtype(x.dtype).name)
-          for path, x in leaves}
+  return {
+    "/".join(str(getattr(k, "key", k)) for k in path): (tuple(x.shape), jnp.dtype(x.dtype).name) for path, x in leaves
+  }
 
 
 def check_params(params: Any, config: ModelConfig, what: str = "params") -> None:
@@ -41,7 +42,12 @@ def check_params(params: Any, config: ModelConfig, what: str = "params") -> None
   shapes and dtypes of Transformer(config)'s parameters."""
   expected, given = param_signature(abstract_params(config)), param_signature(params)
   if expected != given:
-    diffs = [f"{k}: expected {expected.get(k)}, got {given.get(k)}"
-             for k in sorted(set(expected) | set(given)) if expected.get(k) != given.get(k)]
-    raise ValueError(f"{what} do not match the model config: {'; '.join(diffs[:5])}"
-                     + (f" (and {len(diffs) - 5} more)" if len(diffs) > 5 else ""))
+    diffs = [
+      f"{k}: expected {expected.get(k)}, got {given.get(k)}"
+      for k in sorted(set(expected) | set(given))
+      if expected.get(k) != given.get(k)
+    ]
+    raise ValueError(
+      f"{what} do not match the model config: {'; '.join(diffs[:5])}"
+      + (f" (and {len(diffs) - 5} more)" if len(diffs) > 5 else "")
+    )

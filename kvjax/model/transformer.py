@@ -55,10 +55,18 @@ class Mlp(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     cfg = self.config
+
     def dense(features, name, std):
-      return nn.Dense(features, use_bias=cfg.use_bias, dtype=cfg.compute_dtype, name=name,
-                      dot_general=self.backend.dot_general, kernel_init=nn.initializers.normal(std))
-    in_std = cfg.d_model ** -0.5
+      return nn.Dense(
+        features,
+        use_bias=cfg.use_bias,
+        dtype=cfg.compute_dtype,
+        name=name,
+        dot_general=self.backend.dot_general,
+        kernel_init=nn.initializers.normal(std),
+      )
+
+    in_std = cfg.d_model**-0.5
     if cfg.activation == "swiglu":
       h = nn.silu(dense(cfg.mlp_dim, "gate", in_std)(x)) * dense(cfg.mlp_dim, "up", in_std)(x)
     else:
@@ -76,8 +84,11 @@ class Block(nn.Module):
 
   def setup(self):
     self.attn_norm = make_norm(self.config, "attn_norm")
-    self.attn = (LatentAttention(self.config, self.layer, self.backend) if self.config.is_latent
-                 else Attention(self.config, self.backend, self.layer))
+    self.attn = (
+      LatentAttention(self.config, self.layer, self.backend)
+      if self.config.is_latent
+      else Attention(self.config, self.backend, self.layer)
+    )
     self.mlp_norm = make_norm(self.config, "mlp_norm")
     self.mlp = Mlp(self.config, self.backend)
 
@@ -99,20 +110,34 @@ class Transformer(nn.Module):
 
   def setup(self):
     cfg = self.config
-    self.embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.compute_dtype,
-                          embedding_init=nn.initializers.normal(1.0), name="embed")
+    self.embed = nn.Embed(
+      cfg.vocab_size, cfg.d_model, dtype=cfg.compute_dtype, embedding_init=nn.initializers.normal(1.0), name="embed"
+    )
     if cfg.positions == "learned":
-      self.pos_embed = nn.Embed(cfg.max_len, cfg.d_model, dtype=cfg.compute_dtype,
-                                embedding_init=nn.initializers.normal(0.02), name="pos_embed")
+      self.pos_embed = nn.Embed(
+        cfg.max_len, cfg.d_model, dtype=cfg.compute_dtype, embedding_init=nn.initializers.normal(0.02), name="pos_embed"
+      )
     self.layers = [Block(cfg, self.backend, i, name=f"layers_{i}") for i in range(cfg.num_layers)]
     self.final_norm = make_norm(cfg, "final_norm")
     if not cfg.tie_embeddings:
-      self.lm_head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=cfg.compute_dtype, name="lm_head",
-                              dot_general=self.backend.dot_general,
-                              kernel_init=nn.initializers.normal(cfg.d_model ** -0.5))
+      self.lm_head = nn.Dense(
+        cfg.vocab_size,
+        use_bias=False,
+        dtype=cfg.compute_dtype,
+        name="lm_head",
+        dot_general=self.backend.dot_general,
+        kernel_init=nn.initializers.normal(cfg.d_model**-0.5),
+      )
 
-  def __call__(self, tokens: jax.Array, cache=None, *, lengths: jax.Array | None = None,
-               logits_at: jax.Array | None = None, from_empty: bool = False) -> jax.Array:
+  def __call__(
+    self,
+    tokens: jax.Array,
+    cache=None,
+    *,
+    lengths: jax.Array | None = None,
+    logits_at: jax.Array | None = None,
+    from_empty: bool = False,
+  ) -> jax.Array:
     """Logits of right-padded tokens, written after what each row of `cache` holds.
 
     Args:
@@ -129,9 +154,11 @@ class Transformer(nn.Module):
     """
     b, t = tokens.shape
     starts = jnp.zeros((b,), jnp.int32) if cache is None else cache.lengths
-    span = Span(positions=starts[:, None] + jnp.arange(t, dtype=jnp.int32),
-                lengths=jnp.full((b,), t, jnp.int32) if lengths is None else lengths.astype(jnp.int32),
-                from_empty=cache is None or from_empty)
+    span = Span(
+      positions=starts[:, None] + jnp.arange(t, dtype=jnp.int32),
+      lengths=jnp.full((b,), t, jnp.int32) if lengths is None else lengths.astype(jnp.int32),
+      from_empty=cache is None or from_empty,
+    )
     cache = NO_CACHE if cache is None else cache
     x = self.embed(tokens)
     if self.config.positions == "learned":

@@ -86,9 +86,8 @@ class PageAllocator:
         continue
       pages = self._pages[self._known(seq_id)]
       if len(pages) > width:
-        raise ValueError(f"sequence {seq_id!r} holds {len(pages)} pages, more than the page table's "
-                         f"width of {width}")
-      table[row, :len(pages)] = pages
+        raise ValueError(f"sequence {seq_id!r} holds {len(pages)} pages, more than the page table's width of {width}")
+      table[row, : len(pages)] = pages
     return table
 
   # Operations.
@@ -131,7 +130,7 @@ class PageAllocator:
       if j * self.page_size < length:
         copies.append((pages[j], page))
       pages[j] = page
-    pages.extend(fresh[len(shared):])
+    pages.extend(fresh[len(shared) :])
     self._lengths[seq_id] = length + num_tokens
     return copies
 
@@ -141,7 +140,7 @@ class PageAllocator:
     if child in self._pages:
       raise ValueError(f"sequence {child!r} already exists")
     length = self._lengths[self._known(parent)]
-    shared = self._pages[parent][:self.pages_for(length)]
+    shared = self._pages[parent][: self.pages_for(length)]
     for page in shared:
       self._refcount[page] += 1
     self._pages[child] = list(shared)
@@ -163,10 +162,12 @@ class PageAllocator:
       assert len(set(pages)) == len(pages), f"sequence {seq_id!r} holds a page twice: {pages}"
       assert NULL_PAGE not in pages, f"sequence {seq_id!r} holds the null page"
       assert len(pages) >= self.pages_for(self._lengths[seq_id]), (
-          f"sequence {seq_id!r} has {self._lengths[seq_id]} tokens in only {len(pages)} pages")
+        f"sequence {seq_id!r} has {self._lengths[seq_id]} tokens in only {len(pages)} pages"
+      )
       np.add.at(counts, pages, 1)
     assert (counts == self._refcount).all(), (
-        f"reference counts disagree with holders at pages {np.flatnonzero(counts != self._refcount)}")
+      f"reference counts disagree with holders at pages {np.flatnonzero(counts != self._refcount)}"
+    )
     free = set(self._free)
     assert len(free) == len(self._free), "a page is on the free list twice"
     assert NULL_PAGE not in free, "the null page is on the free list"

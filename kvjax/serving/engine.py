@@ -57,8 +57,9 @@ class EngineConfig:
   def __post_init__(self):
     check_positive(self, "num_slots", "num_pages")
     if not isinstance(self.cache, CacheConfig) or self.cache.layout != "paged":
-      raise ValueError(f"EngineConfig.cache must be a CacheConfig with layout='paged' (the engine allocates "
-                       f"pages), got {self.cache!r}")
+      raise ValueError(
+        f"EngineConfig.cache must be a CacheConfig with layout='paged' (the engine allocates pages), got {self.cache!r}"
+      )
     if self.max_len is not None:
       check_positive(self, "max_len")
     if self.num_pages < 2:
@@ -67,7 +68,8 @@ class EngineConfig:
     if isinstance(self.seed, bool) or not isinstance(self.seed, int):
       raise ValueError(f"EngineConfig.seed must be an integer, got {self.seed!r}")
     if not isinstance(self.stop_ids, (tuple, list)) or any(
-        isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_ids):
+      isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_ids
+    ):
       raise ValueError(f"EngineConfig.stop_ids must be a tuple of token ids, got {self.stop_ids!r}")
     object.__setattr__(self, "stop_ids", tuple(self.stop_ids))
 
@@ -129,8 +131,7 @@ def _decode(model, params, cache, tokens):
 def _stack(settings: list[tuple[float, int, float]]) -> Sampling:
   """Per-row sampling settings as one Sampling of [B] arrays."""
   temperature, top_k, top_p = zip(*settings)
-  return Sampling(jnp.asarray(temperature, jnp.float32), jnp.asarray(top_k, jnp.int32),
-                  jnp.asarray(top_p, jnp.float32))
+  return Sampling(jnp.asarray(temperature, jnp.float32), jnp.asarray(top_k, jnp.int32), jnp.asarray(top_p, jnp.float32))
 
 
 class Engine:
@@ -144,8 +145,9 @@ class Engine:
       raise ValueError(f"EngineConfig.max_len={self.max_len} exceeds ModelConfig.max_len={cfg.max_len}")
     self.allocator = PageAllocator(config.num_pages, config.cache.page_size)
     self.max_pages = self.allocator.pages_for(self.max_len)
-    self.cache = PagedCache.create(cfg, config.num_pages, config.cache.page_size, config.num_slots, self.max_pages,
-                                   config.cache)
+    self.cache = PagedCache.create(
+      cfg, config.num_pages, config.cache.page_size, config.num_slots, self.max_pages, config.cache
+    )
     self.waiting: list[Request] = []  # by id: preempted requests go back in arrival order
     self.slots: list[Request | None] = [None] * config.num_slots
     self.finished: dict[int, Request] = {}
@@ -166,12 +168,16 @@ class Engine:
     check_positive_int(max_new_tokens, "max_new_tokens")
     longest = prompt.size + max_new_tokens - 1
     if longest > self.max_len:
-      raise ValueError(f"prompt of {prompt.size} tokens + max_new_tokens={max_new_tokens} needs {longest} "
-                       f"cache positions, more than max_len={self.max_len}")
+      raise ValueError(
+        f"prompt of {prompt.size} tokens + max_new_tokens={max_new_tokens} needs {longest} "
+        f"cache positions, more than max_len={self.max_len}"
+      )
     peak = self.allocator.pages_for(self._target(longest, 0))
     if peak > self.allocator.num_usable:
-      raise ValueError(f"the request needs up to {peak} pages under allocation={self.config.allocation!r} "
-                       f"but the pool has {self.allocator.num_usable}")
+      raise ValueError(
+        f"the request needs up to {peak} pages under allocation={self.config.allocation!r} "
+        f"but the pool has {self.allocator.num_usable}"
+      )
     if sampling is None:
       settings = GREEDY
     elif isinstance(sampling, Sampling):
@@ -211,8 +217,9 @@ class Engine:
     n = MIN_PROMPT_BUCKET
     while True:
       bucket = size_bucket(n, self.max_len, MIN_PROMPT_BUCKET)
-      self._run_prefill(np.zeros((1, bucket), np.int32), np.ones(1, np.int32),
-                        np.zeros((1, self.max_pages), np.int32), GREEDY, 0, 0)
+      self._run_prefill(
+        np.zeros((1, bucket), np.int32), np.ones(1, np.int32), np.zeros((1, self.max_pages), np.int32), GREEDY, 0, 0
+      )
       if bucket >= self.max_len:
         break
       n = bucket + 1
@@ -268,10 +275,15 @@ class Engine:
       self.slots[request.slot] = request
       bucket = size_bucket(context.size, self.max_len, MIN_PROMPT_BUCKET)
       tokens = np.zeros((1, bucket), np.int32)
-      tokens[0, :context.size] = context
-      token = self._run_prefill(tokens, np.array([context.size], np.int32),
-                                alloc.page_table([request.id], self.max_pages),
-                                request.sampling, request.id, len(request.generated))
+      tokens[0, : context.size] = context
+      token = self._run_prefill(
+        tokens,
+        np.array([context.size], np.int32),
+        alloc.page_table([request.id], self.max_pages),
+        request.sampling,
+        request.id,
+        len(request.generated),
+      )
       self.stats.prefills += 1
       self._emit(request, int(token[0]), finished)
 
@@ -321,8 +333,11 @@ class Engine:
     cache = self.cache.with_rows(page_table, np.zeros_like(lengths))
     logits, cache = _prefill(self.model, self.params, cache, jnp.asarray(tokens), jnp.asarray(lengths))
     self.cache = cache
-    return np.asarray(_pick(logits, _stack([sampling]), self.config.seed, jnp.array([request_id], jnp.int32),
-                            jnp.array([index], jnp.int32)))
+    return np.asarray(
+      _pick(
+        logits, _stack([sampling]), self.config.seed, jnp.array([request_id], jnp.int32), jnp.array([index], jnp.int32)
+      )
+    )
 
   def _run_decode(self, slots: list[Request | None], width: int) -> np.ndarray:
     """One decode step over all rows; a request's pages already hold the position it writes."""
@@ -334,5 +349,12 @@ class Engine:
     index = np.array([0 if r is None else len(r.generated) for r in slots], np.int32)
     sampling = _stack([GREEDY if r is None else r.sampling for r in slots])
     logits, self.cache = _decode(self.model, self.params, self.cache.with_rows(table, lengths), jnp.asarray(tokens))
-    return np.asarray(_pick(logits, sampling, self.config.seed,
-                            jnp.asarray([0 if i is None else i for i in ids], jnp.int32), jnp.asarray(index)))
+    return np.asarray(
+      _pick(
+        logits,
+        sampling,
+        self.config.seed,
+        jnp.asarray([0 if i is None else i for i in ids], jnp.int32),
+        jnp.asarray(index),
+      )
+    )

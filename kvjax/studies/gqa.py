@@ -30,10 +30,10 @@ from kvjax.training.evaluate import evaluate
 
 # Table 1 of the paper: inference time per sample (s) and average score over its tasks.
 PAPER_TABLE = (
-    ("MHA-Large", 0.37, 46.0),
-    ("MHA-XXL", 1.51, 47.2),
-    ("MQA-XXL", 0.24, 46.6),
-    ("GQA-8-XXL", 0.28, 47.1),
+  ("MHA-Large", 0.37, 46.0),
+  ("MHA-XXL", 1.51, 47.2),
+  ("MQA-XXL", 0.24, 46.6),
+  ("GQA-8-XXL", 0.28, 47.1),
 )
 
 
@@ -66,8 +66,10 @@ class GqaStudy:
     for name in ("small", "big"):
       cfg = getattr(self, name)
       if cfg.num_kv_heads != cfg.num_heads:
-        raise ValueError(f"GqaStudy.{name} must be MHA (num_kv_heads == num_heads), got "
-                         f"{cfg.num_kv_heads} kv heads for {cfg.num_heads} heads")
+        raise ValueError(
+          f"GqaStudy.{name} must be MHA (num_kv_heads == num_heads), got "
+          f"{cfg.num_kv_heads} kv heads for {cfg.num_heads} heads"
+        )
     if self.gqa_kv_heads == 0:
       object.__setattr__(self, "gqa_kv_heads", max(1, self.big.num_heads // 8))
     check_positive(self, "gqa_kv_heads")
@@ -82,8 +84,9 @@ class GqaStudy:
     if not self.conversions:
       object.__setattr__(self, "conversions", (KVHeads(self.gqa_kv_heads, "pca"), KVHeads(1, "pca")))
     if not isinstance(self.conversions, tuple) or not all(isinstance(c, KINDS) for c in self.conversions):
-      raise ValueError(f"GqaStudy.conversions must be a tuple of conversions (KVHeads, ToMLA), got "
-                       f"{self.conversions!r}")
+      raise ValueError(
+        f"GqaStudy.conversions must be a tuple of conversions (KVHeads, ToMLA), got {self.conversions!r}"
+      )
     names = [c.name for c in self.conversions]
     if len(set(names)) != len(names):
       raise ValueError(f"GqaStudy.conversions: each conversion once, got {names}")
@@ -163,13 +166,15 @@ def pretrain(study: GqaStudy, stages: Stages, which: str) -> dict:
   return shared.pretrain(stages, which, study.pretraining(which))
 
 
-def uptrained(study: GqaStudy, stages: Stages, conversion: Conversion, fraction: float | None = None,
-              distill: float = 0.0) -> Path:
+def uptrained(
+  study: GqaStudy, stages: Stages, conversion: Conversion, fraction: float | None = None, distill: float = 0.0
+) -> Path:
   """Uptrains MHA-big by `conversion` (alpha = study.fraction unless given) in its own workdir,
   on the study's training mesh; returns that workdir."""
   fraction = study.fraction if fraction is None else fraction
-  return shared.uptrained(stages, shared.pretrained(stages.workdir, "big"), conversion, fraction, distill,
-                          mesh=study.train.mesh)
+  return shared.uptrained(
+    stages, shared.pretrained(stages.workdir, "big"), conversion, fraction, distill, mesh=study.train.mesh
+  )
 
 
 def task_scores(study: GqaStudy, stages: Stages, workdirs_by_name: dict[str, Path]) -> dict[str, dict]:
@@ -178,12 +183,13 @@ def task_scores(study: GqaStudy, stages: Stages, workdirs_by_name: dict[str, Pat
   {name: {task: score, ..., "avg_score": mean over tasks}}."""
   out = {}
   for name, path in workdirs_by_name.items():
+
     def run(path=path):
       model, params, _ = checkpoint.load_model(path)
       results = tasks.score_all(model, params, study.tasks)
       exact = {f"{task}_exact_match": r["exact_match"] for task, r in results.items() if "exact_match" in r}
-      return {**{task: r["score"] for task, r in results.items()}, **exact,
-              "avg_score": tasks.average_score(results)}
+      return {**{task: r["score"] for task, r in results.items()}, **exact, "avg_score": tasks.average_score(results)}
+
     # Stages named tasks_* (before generated tasks were scored by byte accuracy) are not reused.
     out[name] = stages.run(f"task_scores_{name}", run)
   return out
@@ -192,9 +198,11 @@ def task_scores(study: GqaStudy, stages: Stages, workdirs_by_name: dict[str, Pat
 def measure_quality(study: GqaStudy, stages: Stages, workdirs: dict[str, Path]) -> dict[str, dict]:
   """Held-out quality (a stage per model) of the latest checkpoint in each of {name: workdir}."""
   data = load_dataset(study.data)
+
   def quality(path):
     model, params, _ = checkpoint.load_model(path)
     return evaluate(model, params, data, batch_size=study.train.batch_size, num_batches=study.train.eval_batches)
+
   return {name: stages.run(f"quality_{name}", lambda path=path: quality(path)) for name, path in workdirs.items()}
 
 
@@ -202,13 +210,25 @@ def measure(study: GqaStudy, stages: Stages, workdirs: dict[str, Path]) -> dict[
   """Held-out quality (a stage per model) and time per sample (one stage, timed together) of the
   latest checkpoint in each of {name: workdir}."""
   quality = measure_quality(study, stages, workdirs)
-  timing = stages.run("timing_" + "_".join(workdirs), lambda: shared.time_per_sample(
-      {name: checkpoint.load_model(path)[:2] for name, path in workdirs.items()}, study.timing))
+  timing = stages.run(
+    "timing_" + "_".join(workdirs),
+    lambda: shared.time_per_sample(
+      {name: checkpoint.load_model(path)[:2] for name, path in workdirs.items()}, study.timing
+    ),
+  )
   return {name: {**timing[name], **quality[name]} for name in workdirs}
 
 
-def plot(path: Path, series: list[report.Series], xlabel: str, ylabel: str, title: str,
-         annotate: list[list[str]] | None = None, paper: bool = False, lower_is_better: bool = True) -> None:
+def plot(
+  path: Path,
+  series: list[report.Series],
+  xlabel: str,
+  ylabel: str,
+  title: str,
+  annotate: list[list[str]] | None = None,
+  paper: bool = False,
+  lower_is_better: bool = True,
+) -> None:
   """Line/scatter plot of (label, xs, ys) series, better quality upwards; with paper=True, a
   second panel shows the paper's Table 1."""
   with report.figure(path, panels=2 if paper else 1, size=(11 if paper else 6, 4.2)) as axes:

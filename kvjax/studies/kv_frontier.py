@@ -90,8 +90,10 @@ class Variant:
     if self.conversion is not None and not isinstance(self.conversion, KINDS):
       raise ValueError(f"Variant {self.name!r}: conversion must be a KVHeads or ToMLA, got {self.conversion!r}")
     if self.family in CONVERTED_FAMILIES and getattr(self.conversion, "kind", None) != self.family:
-      raise ValueError(f"Variant {self.name!r}: family {self.family!r} runs params converted by a conversion of "
-                       f"that kind, got conversion={getattr(self.conversion, 'name', None)}")
+      raise ValueError(
+        f"Variant {self.name!r}: family {self.family!r} runs params converted by a conversion of "
+        f"that kind, got conversion={getattr(self.conversion, 'name', None)}"
+      )
     check_real(self, "distill", 0.0, 1e6)
     if self.distill and self.conversion is None:
       raise ValueError(f"Variant {self.name!r}: distill={self.distill} needs a conversion to uptrain")
@@ -100,12 +102,17 @@ class Variant:
     """The cache's choices that differ from the default, e.g. "dtype=int8, window=(32,)";
     "as trained" without any."""
     default = CacheConfig()
-    return ", ".join(f"{k}={v}" for k, v in to_dict(self.cache).items()
-                     if v != getattr(default, k)).replace("[", "(").replace("]", ",)") or "as trained"
+    return (
+      ", ".join(f"{k}={v}" for k, v in to_dict(self.cache).items() if v != getattr(default, k))
+      .replace("[", "(")
+      .replace("]", ",)")
+      or "as trained"
+    )
 
 
-def standard_variants(gqa: gs.GqaStudy, windows: tuple[int, ...] = (), sink_tokens: int = 4,
-                      dtypes: tuple[str, ...] = DTYPES) -> tuple[Variant, ...]:
+def standard_variants(
+  gqa: gs.GqaStudy, windows: tuple[int, ...] = (), sink_tokens: int = 4, dtypes: tuple[str, ...] = DTYPES
+) -> tuple[Variant, ...]:
   """Every family: a cache of each of `dtypes`; every uptraining of the GQA study
   (gqa.uptrainings(): GQA and MQA mean-pooled, each of gqa.conversions with gqa.distill); each
   window in `windows` on every layer, without sinks and, when sink_tokens > 0, with them."""
@@ -117,8 +124,11 @@ def standard_variants(gqa: gs.GqaStudy, windows: tuple[int, ...] = (), sink_toke
   for window in windows:
     out.append(Variant(f"window {window}", "window", CacheConfig(window=(window,))))
     if sink_tokens:
-      out.append(Variant(f"window {window} + {sink_tokens} sinks", "window",
-                         CacheConfig(window=(window,), sink_tokens=sink_tokens)))
+      out.append(
+        Variant(
+          f"window {window} + {sink_tokens} sinks", "window", CacheConfig(window=(window,), sink_tokens=sink_tokens)
+        )
+      )
   return tuple(out)
 
 
@@ -150,7 +160,11 @@ class KVFrontierStudy:
     for name, cls in (("gqa", gs.GqaStudy), ("recall", RecallConfig), ("timing", TimingConfig)):
       if not isinstance(getattr(self, name), cls):
         raise ValueError(f"KVFrontierStudy.{name} must be a {cls.__name__}, got {getattr(self, name)!r}")
-    if not isinstance(self.variants, tuple) or not self.variants or not all(isinstance(v, Variant) for v in self.variants):
+    if (
+      not isinstance(self.variants, tuple)
+      or not self.variants
+      or not all(isinstance(v, Variant) for v in self.variants)
+    ):
       raise ValueError(f"KVFrontierStudy.variants must be a non-empty tuple of Variants, got {self.variants!r}")
     names = [v.name for v in self.variants]
     if len(set(names)) != len(names):
@@ -163,8 +177,11 @@ class KVFrontierStudy:
         raise ValueError(f"Variant {v.name!r}: {v.conversion.name} does not convert MHA-big: {err}") from None
     if not isinstance(self.gqa_workdir, str):
       raise ValueError(f"KVFrontierStudy.gqa_workdir must be a path or '', got {self.gqa_workdir!r}")
-    defaults = {"context": big.max_len, "eval_batch_size": self.gqa.train.batch_size,
-                "eval_batches": self.gqa.train.eval_batches}
+    defaults = {
+      "context": big.max_len,
+      "eval_batch_size": self.gqa.train.batch_size,
+      "eval_batches": self.gqa.train.eval_batches,
+    }
     for name, value in defaults.items():
       if getattr(self, name) is None:
         object.__setattr__(self, name, value)
@@ -217,12 +234,16 @@ def prepare_sources(study: KVFrontierStudy, workdir: Path) -> dict[str, Path]:
       raise ValueError(f"KVFrontierStudy.gqa_workdir={root} is not a GQA study's workdir: {err}") from None
     diffs = stages.settings_diffs(done.get("study") or {}, gs.stage_settings(study.gqa), gs.recorded_settings)
     if diffs:
-      raise ValueError(f"KVFrontierStudy.gqa_workdir={root} holds a GQA study with other settings than "
-                       f"KVFrontierStudy.gqa ({'; '.join(diffs)})")
+      raise ValueError(
+        f"KVFrontierStudy.gqa_workdir={root} holds a GQA study with other settings than "
+        f"KVFrontierStudy.gqa ({'; '.join(diffs)})"
+      )
     missing = [n for n in names if ("pretrain_big" if n == MHA_BIG else n) not in done]
     if missing:
-      raise ValueError(f"KVFrontierStudy.gqa_workdir={root} has not finished {missing}: run that study first, "
-                       "or set gqa_workdir='' to train them in this workdir")
+      raise ValueError(
+        f"KVFrontierStudy.gqa_workdir={root} has not finished {missing}: run that study first, "
+        "or set gqa_workdir='' to train them in this workdir"
+      )
     return {name: root / name for name in names}
   gqa = study.gqa
   study_stages = gs.open_stages(gqa, workdir)
@@ -230,18 +251,27 @@ def prepare_sources(study: KVFrontierStudy, workdir: Path) -> dict[str, Path]:
   paths = {MHA_BIG: stages.pretrained(workdir, "big")}
   for variant in study.variants:
     if variant.conversion is not None:
-      paths[source(study, variant)] = stages.uptrained(study_stages, paths[MHA_BIG], variant.conversion,
-                                                       gqa.fraction, variant.distill, mesh=gqa.train.mesh)
+      paths[source(study, variant)] = stages.uptrained(
+        study_stages, paths[MHA_BIG], variant.conversion, gqa.fraction, variant.distill, mesh=gqa.train.mesh
+      )
   return {name: paths[name] for name in names}
 
 
 # Measurements of one variant.
 
+
 def kv_bytes_per_token(model: Transformer, params, context: int, cache_config: CacheConfig) -> float:
   """Bytes a prefill of one token into a one-row cache of `context` positions allocates (the
   cache's nbytes: every array of its layers), over `context`."""
-  _, cache = decode.prefill(model, params, np.zeros((1, 1), np.int32), np.ones((1,), np.int32), context,
-                            logits="last", cache_config=cache_config)
+  _, cache = decode.prefill(
+    model,
+    params,
+    np.zeros((1, 1), np.int32),
+    np.ones((1,), np.int32),
+    context,
+    logits="last",
+    cache_config=cache_config,
+  )
   return cache.nbytes / context
 
 
@@ -266,19 +296,22 @@ def _decode_nats(model: Transformer, params, cache, inputs, targets):
   return nats.sum()
 
 
-def cached_bits_per_byte(model: Transformer, params, data: Dataset, batch_size: int, num_batches: int,
-                         cache_config: CacheConfig) -> dict:
+def cached_bits_per_byte(
+  model: Transformer, params, data: Dataset, batch_size: int, num_batches: int, cache_config: CacheConfig
+) -> dict:
   """Held-out bits per byte through the cache on the windows of training.evaluate.evaluate:
   "bits_per_byte" from one extend of each window into an empty cache, "decode_bits_per_byte" from
   its first byte prefilled and the rest fed one per decode step."""
   prefilled = decoded = 0.0
   for inputs, targets in eval_batches(data.val, data.seq_len, batch_size, num_batches):
     batch, seq = inputs.shape
-    logits, _ = decode.prefill(model, params, inputs, np.full((batch,), seq, np.int32), seq, logits="all",
-                               cache_config=cache_config)
+    logits, _ = decode.prefill(
+      model, params, inputs, np.full((batch,), seq, np.int32), seq, logits="all", cache_config=cache_config
+    )
     prefilled += float(_nats(logits, targets))
-    first, cache = decode.prefill(model, params, inputs[:, :1], np.ones((batch,), np.int32), seq, logits="all",
-                                  cache_config=cache_config)
+    first, cache = decode.prefill(
+      model, params, inputs[:, :1], np.ones((batch,), np.int32), seq, logits="all", cache_config=cache_config
+    )
     decode.check_cache(model, cache, np.full((batch,), seq - 1, np.int32))
     decoded += float(_nats(first, targets[:, :1]))
     decoded += float(_decode_nats(decode.for_decoding(model), params, cache, inputs[:, 1:], targets[:, 1:]))
@@ -289,8 +322,10 @@ def cached_bits_per_byte(model: Transformer, params, data: Dataset, batch_size: 
 def pareto(rows: list[dict], x: str, y: str) -> list[bool]:
   """Whether each row is on the Pareto front of (x, y), both lower-is-better: no other row is at
   most as large on both and smaller on one."""
+
   def dominated(r):
     return any(o[x] <= r[x] and o[y] <= r[y] and (o[x] < r[x] or o[y] < r[y]) for o in rows)
+
   return [not dominated(r) for r in rows]
 
 
@@ -299,28 +334,40 @@ def measure(study: KVFrontierStudy, paths: dict[str, Path]) -> list[dict]:
   front of bits_per_byte against kv_bytes_per_token."""
   data = load_dataset(study.gqa.data)
   loaded = {name: checkpoint.load_model(path)[:2] for name, path in paths.items()}
-  plain = {name: evaluate(model, params, data, batch_size=study.eval_batch_size,
-                          num_batches=study.eval_batches)["bits_per_byte"]
-           for name, (model, params) in loaded.items()}
+  plain = {
+    name: evaluate(model, params, data, batch_size=study.eval_batch_size, num_batches=study.eval_batches)[
+      "bits_per_byte"
+    ]
+    for name, (model, params) in loaded.items()
+  }
   models, rows = {}, []
   for variant in study.variants:
     base, params = loaded[source(study, variant)]
     model = models[variant.name] = base
     cache = variant.cache
     print(f"kv_frontier: measuring {variant.name}", flush=True)
-    row = {"variant": variant.name, "family": variant.family, "params": source(study, variant),
-           "changes": variant.describe(), "kv_heads": model.config.num_kv_heads,
-           "cache_dtype": cache.codec(model.config).name, "kv_latent_rank": model.config.kv_latent_rank,
-           "rope_dims": model.config.rope_dims,
-           "kv_bytes_per_token": kv_bytes_per_token(model, params, study.context, cache),
-           **cached_bits_per_byte(model, params, data, study.eval_batch_size, study.eval_batches, cache),
-           "plain_bits_per_byte": plain[source(study, variant)]}
+    row = {
+      "variant": variant.name,
+      "family": variant.family,
+      "params": source(study, variant),
+      "changes": variant.describe(),
+      "kv_heads": model.config.num_kv_heads,
+      "cache_dtype": cache.codec(model.config).name,
+      "kv_latent_rank": model.config.kv_latent_rank,
+      "rope_dims": model.config.rope_dims,
+      "kv_bytes_per_token": kv_bytes_per_token(model, params, study.context, cache),
+      **cached_bits_per_byte(model, params, data, study.eval_batch_size, study.eval_batches, cache),
+      "plain_bits_per_byte": plain[source(study, variant)],
+    }
     for distance, result in recall_test.recall(model, params, study.recall, data.val, cache).items():
       row[f"recall_{distance}"] = result["exact_match"]
       row[f"recall_bytes_{distance}"] = result["byte_accuracy"]
     rows.append(row)
-  timing = stages.time_per_sample({v.name: (models[v.name], loaded[source(study, v)][1]) for v in study.variants},
-                                  study.timing, {v.name: v.cache for v in study.variants})
+  timing = stages.time_per_sample(
+    {v.name: (models[v.name], loaded[source(study, v)][1]) for v in study.variants},
+    study.timing,
+    {v.name: v.cache for v in study.variants},
+  )
   for row, on_front in zip(rows, pareto(rows, "kv_bytes_per_token", "bits_per_byte")):
     times = timing[row["variant"]]["times_s"]
     row["decode_step_ms"] = 1e3 * statistics.median(times) / study.timing.new_tokens
@@ -331,34 +378,57 @@ def measure(study: KVFrontierStudy, paths: dict[str, Path]) -> list[dict]:
 
 # The report.
 
+
 def columns(study: KVFrontierStudy) -> list[report.Column]:
   """The table's columns: one recall column per distance (exact match)."""
   recall = [(f"recall_{d}", f"recall @{d}", ".0%") for d in study.recall.distances]
-  return ([("variant", "variant", ""), ("family", "family", ""), ("changes", "changes", ""),
-           ("params", "params", ""), ("kv_bytes_per_token", "KV bytes/token", ",.0f"),
-           ("bits_per_byte", "bits/byte", ".4f"), ("decode_bits_per_byte", "decode bits/byte", ".4f"),
-           ("plain_bits_per_byte", "no-cache bits/byte", ".4f")] + recall
-          + [("decode_step_ms", "decode step (ms)", ".2f"), ("pareto", "front", "")])
+  return (
+    [
+      ("variant", "variant", ""),
+      ("family", "family", ""),
+      ("changes", "changes", ""),
+      ("params", "params", ""),
+      ("kv_bytes_per_token", "KV bytes/token", ",.0f"),
+      ("bits_per_byte", "bits/byte", ".4f"),
+      ("decode_bits_per_byte", "decode bits/byte", ".4f"),
+      ("plain_bits_per_byte", "no-cache bits/byte", ".4f"),
+    ]
+    + recall
+    + [("decode_step_ms", "decode step (ms)", ".2f"), ("pareto", "front", "")]
+  )
 
 
 def csv_columns(study: KVFrontierStudy) -> list[report.Column]:
   """Every measured field but the raw times: the table's plus byte accuracy per distance."""
-  return columns(study)[:-2] + [("kv_heads", "kv heads", "d"), ("cache_dtype", "cache dtype", ""),
-                                ("kv_latent_rank", "latent rank", "d"), ("rope_dims", "rotary dims", "d")] + [
-      (f"recall_bytes_{d}", f"recall bytes @{d}", ".0%") for d in study.recall.distances] + columns(study)[-2:]
+  return (
+    columns(study)[:-2]
+    + [
+      ("kv_heads", "kv heads", "d"),
+      ("cache_dtype", "cache dtype", ""),
+      ("kv_latent_rank", "latent rank", "d"),
+      ("rope_dims", "rotary dims", "d"),
+    ]
+    + [(f"recall_bytes_{d}", f"recall bytes @{d}", ".0%") for d in study.recall.distances]
+    + columns(study)[-2:]
+  )
 
 
 def report_text(study: KVFrontierStudy, rows: list[dict]) -> str:
   shown = [{**r, "pareto": "yes" if r["pareto"] else ""} for r in rows]
   big, t, rc = study.gqa.big, study.timing, study.recall
   front = [r["variant"] for r in sorted(rows, key=lambda r: r["kv_bytes_per_token"]) if r["pareto"]]
-  return "\n".join([
-      "# KV frontier", "",
+  return "\n".join(
+    [
+      "# KV frontier",
+      "",
       f"MHA-big: d_model {big.d_model}, {big.num_layers} layers, {big.num_heads} heads of {big.head_dim}, "
       f"max_len {big.max_len}; {study.gqa.train.steps} pre-training steps; uptrained variants trained for "
-      f"alpha = {study.gqa.fraction} of them" + (f" (params read from {study.gqa_workdir})" if study.gqa_workdir else "")
-      + ".", "",
-      report.markdown_table(shown, columns(study)), "",
+      f"alpha = {study.gqa.fraction} of them"
+      + (f" (params read from {study.gqa_workdir})" if study.gqa_workdir else "")
+      + ".",
+      "",
+      report.markdown_table(shown, columns(study)),
+      "",
       f"- KV bytes/token: the bytes of a one-row cache of {study.context} positions (every array the cache "
       f"kind stores: scales and ring buffers included) over {study.context}.",
       f"- bits/byte: held-out bits per byte on {study.eval_batches} x {study.eval_batch_size} windows of "
@@ -369,7 +439,10 @@ def report_text(study: KVFrontierStudy, rows: list[dict]) -> str:
       "D bytes back in held-out text (kvjax.studies.recall), greedy through the cache.",
       f"- decode step: median of {t.repeats} jitted `generate` calls (batch {t.batch}, prompt {t.prompt}, "
       f"{t.new_tokens} new tokens) over {t.new_tokens}, every variant timed round-robin in one run.",
-      f"- front: not beaten on both KV bytes/token and bits/byte by another variant: {', '.join(front)}.", ""])
+      f"- front: not beaten on both KV bytes/token and bits/byte by another variant: {', '.join(front)}.",
+      "",
+    ]
+  )
 
 
 FAMILY_COLOURS = {"dtype": "tab:blue", "heads": "tab:orange", "window": "tab:green", "mla": "tab:red"}
@@ -380,22 +453,29 @@ def plot(study: KVFrontierStudy, rows: list[dict], path: Path) -> None:
   a marker per variant coloured by family; the Pareto front of bits per byte drawn as a line."""
   longest = max(study.recall.distances)
   with report.figure(path, panels=2, size=(12, 4.6)) as (quality, recall):
-    for ax, key, label in ((quality, "bits_per_byte", "held-out bits/byte through the cache (better: up)"),
-                           (recall, f"recall_{longest}", f"recall @{longest} bytes, exact (better: up)")):
+    for ax, key, label in (
+      (quality, "bits_per_byte", "held-out bits/byte through the cache (better: up)"),
+      (recall, f"recall_{longest}", f"recall @{longest} bytes, exact (better: up)"),
+    ):
       for family, colour in FAMILY_COLOURS.items():
         points = [r for r in rows if r["family"] == family]
         if points:
-          ax.plot([r["kv_bytes_per_token"] for r in points], [r[key] for r in points], "o", color=colour,
-                  label=family)
+          ax.plot([r["kv_bytes_per_token"] for r in points], [r[key] for r in points], "o", color=colour, label=family)
         for r in points:
-          ax.annotate(r["variant"], (r["kv_bytes_per_token"], r[key]), textcoords="offset points",
-                      xytext=(4, 4), fontsize=7)
+          ax.annotate(
+            r["variant"], (r["kv_bytes_per_token"], r[key]), textcoords="offset points", xytext=(4, 4), fontsize=7
+          )
       ax.set(xscale="log", xlabel=f"KV bytes per token at {study.context} positions", ylabel=label)
       ax.grid(alpha=0.3)
       ax.legend(fontsize=8)
     front = sorted((r for r in rows if r["pareto"]), key=lambda r: r["kv_bytes_per_token"])
-    quality.plot([r["kv_bytes_per_token"] for r in front], [r["bits_per_byte"] for r in front], "k--",
-                 linewidth=1, label="Pareto front")
+    quality.plot(
+      [r["kv_bytes_per_token"] for r in front],
+      [r["bits_per_byte"] for r in front],
+      "k--",
+      linewidth=1,
+      label="Pareto front",
+    )
     quality.invert_yaxis()
     quality.legend(fontsize=8)
     quality.set_title("quality against KV memory")

@@ -35,20 +35,42 @@ from kvjax.model.transformer import Transformer
 from kvjax.studies.report import figure, markdown_table, write_table
 from kvjax.training.workdir import claim_study
 
-CSV_FIELDS = ("policy", "cache_dtype", "page_size", "budget_tokens", "budget_bytes", "utilisation",
-              "peak_concurrent", "mean_concurrent", "preemptions", "decode_steps", "generated_tokens", "seconds",
-              "tokens_per_s", "identical_outputs")
+CSV_FIELDS = (
+  "policy",
+  "cache_dtype",
+  "page_size",
+  "budget_tokens",
+  "budget_bytes",
+  "utilisation",
+  "peak_concurrent",
+  "mean_concurrent",
+  "preemptions",
+  "decode_steps",
+  "generated_tokens",
+  "seconds",
+  "tokens_per_s",
+  "identical_outputs",
+)
 # The markdown table: (row field, heading, format); peak_over_max_len is the peak concurrency
 # over that of contiguous max_len preallocation.
-TABLE_COLUMNS = (("policy", "policy", ""), ("cache_dtype", "cache", ""), ("page_size", "page size", ""),
-                 ("utilisation", "utilisation", ".1%"), ("peak_concurrent", "peak concurrent", ""),
-                 ("peak_over_max_len", "x max_len", ".2f"),
-                 ("mean_concurrent", "mean concurrent", ".1f"), ("preemptions", "preemptions", ""),
-                 ("decode_steps", "decode steps", ""), ("tokens_per_s", "tokens/s", ".0f"))
+TABLE_COLUMNS = (
+  ("policy", "policy", ""),
+  ("cache_dtype", "cache", ""),
+  ("page_size", "page size", ""),
+  ("utilisation", "utilisation", ".1%"),
+  ("peak_concurrent", "peak concurrent", ""),
+  ("peak_over_max_len", "x max_len", ".2f"),
+  ("mean_concurrent", "mean concurrent", ".1f"),
+  ("preemptions", "preemptions", ""),
+  ("decode_steps", "decode steps", ""),
+  ("tokens_per_s", "tokens/s", ".0f"),
+)
 # Section 6.2 and Figure 2 of Kwon et al., "Efficient Memory Management for Large Language Model
 # Serving with PagedAttention" (SOSP 2023).
-VLLM_ANCHORS = (("earlier systems (Orca, FasterTransformer)", "20.4-38.2%", "1x"),
-                ("vLLM", "96.3%", "2.2x the best earlier system"))
+VLLM_ANCHORS = (
+  ("earlier systems (Orca, FasterTransformer)", "20.4-38.2%", "1x"),
+  ("vLLM", "96.3%", "2.2x the best earlier system"),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,21 +119,27 @@ class KVMemoryStudy:
         raise ValueError(f"KVMemoryStudy.{name} must be a {cls.__name__}, got {getattr(self, name)!r}")
     check_positive(self, "budget_tokens", "baseline_page_size", "num_slots")
     if not self.page_sizes:
-      raise ValueError(f"KVMemoryStudy.page_sizes must be a non-empty tuple of positive integers, "
-                       f"got {self.page_sizes!r}")
+      raise ValueError(
+        f"KVMemoryStudy.page_sizes must be a non-empty tuple of positive integers, got {self.page_sizes!r}"
+      )
     for i, size in enumerate(self.page_sizes):
       check_positive_int(size, f"KVMemoryStudy.page_sizes[{i}]")
     for size in (*self.page_sizes, self.baseline_page_size):
       if self.budget_tokens % size:
-        raise ValueError(f"KVMemoryStudy.budget_tokens={self.budget_tokens} is not a multiple of page "
-                         f"size {size}: every policy must get the same budget")
+        raise ValueError(
+          f"KVMemoryStudy.budget_tokens={self.budget_tokens} is not a multiple of page "
+          f"size {size}: every policy must get the same budget"
+        )
     if self.budget_tokens < self.model.max_len:
-      raise ValueError(f"KVMemoryStudy.budget_tokens={self.budget_tokens} cannot hold one request of "
-                       f"ModelConfig.max_len={self.model.max_len} positions")
+      raise ValueError(
+        f"KVMemoryStudy.budget_tokens={self.budget_tokens} cannot hold one request of "
+        f"ModelConfig.max_len={self.model.max_len} positions"
+      )
     if not isinstance(self.baselines, bool):
       raise ValueError(f"KVMemoryStudy.baselines must be a bool, got {self.baselines!r}")
-    for where, name in [("cache_dtype", self.cache_dtype)] + [(f"cache_dtypes[{i}]", n)
-                                                               for i, n in enumerate(self.cache_dtypes)]:
+    for where, name in [("cache_dtype", self.cache_dtype)] + [
+      (f"cache_dtypes[{i}]", n) for i, n in enumerate(self.cache_dtypes)
+    ]:
       if name is None and where == "cache_dtype":
         continue
       try:
@@ -129,8 +157,11 @@ class KVMemoryStudy:
     """(allocation, page size, cache dtype) triples, baselines first, then the other cache formats."""
     own = CacheConfig(dtype=self.cache_dtype).codec(self.model).name
     baselines = [("max_len", self.baseline_page_size, own), ("doubling", self.baseline_page_size, own)]
-    return ((baselines if self.baselines else []) + [("paged", size, own) for size in self.page_sizes]
-            + [("paged", self.headline_page_size, name) for name in self.cache_dtypes])
+    return (
+      (baselines if self.baselines else [])
+      + [("paged", size, own) for size in self.page_sizes]
+      + [("paged", self.headline_page_size, name) for name in self.cache_dtypes]
+    )
 
 
 def make_workload(config: WorkloadConfig, max_len: int, vocab_size: int) -> list[tuple[np.ndarray, int]]:
@@ -138,10 +169,10 @@ def make_workload(config: WorkloadConfig, max_len: int, vocab_size: int) -> list
   rng = np.random.default_rng(config.seed)
   requests = []
   for _ in range(config.num_requests):
-    prompt_len = int(np.clip(round(config.prompt_median * rng.lognormal(0.0, config.prompt_sigma)),
-                             1, max_len))
-    output_len = int(np.clip(round(config.output_median * rng.lognormal(0.0, config.output_sigma)),
-                             1, max_len - prompt_len + 1))
+    prompt_len = int(np.clip(round(config.prompt_median * rng.lognormal(0.0, config.prompt_sigma)), 1, max_len))
+    output_len = int(
+      np.clip(round(config.output_median * rng.lognormal(0.0, config.output_sigma)), 1, max_len - prompt_len + 1)
+    )
     requests.append((rng.integers(0, vocab_size, prompt_len, dtype=np.int32), output_len))
   return requests
 
@@ -160,19 +191,19 @@ def serve(model: Transformer, params, workload, config: EngineConfig) -> tuple[d
   page_size = config.cache.page_size
   budget = (config.num_pages - 1) * page_size
   metrics = {
-      "policy": config.allocation if config.allocation != "paged" else f"paged{page_size}",
-      "cache_dtype": config.cache.codec(model.config).name,
-      "page_size": page_size,
-      "budget_tokens": budget,
-      "budget_bytes": budget * kinds.bytes_per_token(model.config, config.cache),
-      "utilisation": stats.utilisation,
-      "peak_concurrent": max(stats.running),
-      "mean_concurrent": float(np.mean(stats.running)),
-      "preemptions": stats.preemptions,
-      "decode_steps": len(stats.running),
-      "generated_tokens": stats.generated_tokens,
-      "seconds": seconds,
-      "tokens_per_s": stats.generated_tokens / seconds,
+    "policy": config.allocation if config.allocation != "paged" else f"paged{page_size}",
+    "cache_dtype": config.cache.codec(model.config).name,
+    "page_size": page_size,
+    "budget_tokens": budget,
+    "budget_bytes": budget * kinds.bytes_per_token(model.config, config.cache),
+    "utilisation": stats.utilisation,
+    "peak_concurrent": max(stats.running),
+    "mean_concurrent": float(np.mean(stats.running)),
+    "preemptions": stats.preemptions,
+    "decode_steps": len(stats.running),
+    "generated_tokens": stats.generated_tokens,
+    "seconds": seconds,
+    "tokens_per_s": stats.generated_tokens / seconds,
   }
   trace = {"running": list(stats.running), "cached": list(stats.cached), "allocated": list(stats.allocated)}
   return {**metrics, "trace": trace}, outputs
@@ -191,16 +222,19 @@ def run_study(study: KVMemoryStudy, workdir: str | Path) -> list[dict]:
     for allocation, page_size, cache_dtype in study.policies():
       cache = CacheConfig(layout="paged", dtype=cache_dtype, page_size=page_size)
       pages = budget_bytes // (page_size * kinds.bytes_per_token(cfg, cache))
-      engine_config = EngineConfig(num_slots=study.num_slots, num_pages=pages + 1, cache=cache,
-                                   allocation=allocation, seed=study.seed)
+      engine_config = EngineConfig(
+        num_slots=study.num_slots, num_pages=pages + 1, cache=cache, allocation=allocation, seed=study.seed
+      )
       row, outputs = serve(model, params, workload, engine_config)
       reference = outputs if reference is None else reference
       row["identical_outputs"] = sum(np.array_equal(reference[i], outputs[i]) for i in reference)
       rows.append(row)
-      print(f"kv_memory: {row['policy']} {cache_dtype}: utilisation {row['utilisation']:.3f}, peak concurrent "
-            f"{row['peak_concurrent']}, {row['tokens_per_s']:.0f} tokens/s", flush=True)
-    write_table([{k: r[k] for k in CSV_FIELDS} for r in rows], workdir / "kv_memory",
-                [(k, k, "") for k in CSV_FIELDS])
+      print(
+        f"kv_memory: {row['policy']} {cache_dtype}: utilisation {row['utilisation']:.3f}, peak concurrent "
+        f"{row['peak_concurrent']}, {row['tokens_per_s']:.0f} tokens/s",
+        flush=True,
+      )
+    write_table([{k: r[k] for k in CSV_FIELDS} for r in rows], workdir / "kv_memory", [(k, k, "") for k in CSV_FIELDS])
     (workdir / "kv_memory.md").write_text(report(study, workload, rows))
     plot(rows, workdir / "kv_memory.png")
     return rows
@@ -211,23 +245,34 @@ def summary(rows: list[dict]) -> dict:
   (or the first paged run) and its concurrency over contiguous max_len preallocation; per further
   cache format, its peak and mean concurrency over the model's own format at that page size."""
   own = rows[0]["cache_dtype"]
-  paged = next((r for r in rows if r["policy"] == "paged16" and r["cache_dtype"] == own),
-               next(r for r in rows if r["policy"].startswith("paged")))
-  formats = {r["cache_dtype"]: {"peak_concurrent_over_" + own: r["peak_concurrent"] / paged["peak_concurrent"],
-                                "mean_concurrent_over_" + own: r["mean_concurrent"] / paged["mean_concurrent"]}
-             for r in rows if r["cache_dtype"] != own}
+  paged = next(
+    (r for r in rows if r["policy"] == "paged16" and r["cache_dtype"] == own),
+    next(r for r in rows if r["policy"].startswith("paged")),
+  )
+  formats = {
+    r["cache_dtype"]: {
+      "peak_concurrent_over_" + own: r["peak_concurrent"] / paged["peak_concurrent"],
+      "mean_concurrent_over_" + own: r["mean_concurrent"] / paged["mean_concurrent"],
+    }
+    for r in rows
+    if r["cache_dtype"] != own
+  }
   contiguous = next((r for r in rows if r["policy"] == "max_len"), None)
   if contiguous is None:
-    return {"rows": [{k: r[k] for k in CSV_FIELDS} for r in rows], "cache_dtypes": formats,
-            "paged_policy": paged["policy"], "paged_utilisation": paged["utilisation"]}
-  return {
-      "cache_dtypes": formats,
+    return {
       "rows": [{k: r[k] for k in CSV_FIELDS} for r in rows],
+      "cache_dtypes": formats,
       "paged_policy": paged["policy"],
       "paged_utilisation": paged["utilisation"],
-      "peak_concurrent_over_max_len": paged["peak_concurrent"] / contiguous["peak_concurrent"],
-      "mean_concurrent_over_max_len": paged["mean_concurrent"] / contiguous["mean_concurrent"],
-      "tokens_per_s_over_max_len": paged["tokens_per_s"] / contiguous["tokens_per_s"],
+    }
+  return {
+    "cache_dtypes": formats,
+    "rows": [{k: r[k] for k in CSV_FIELDS} for r in rows],
+    "paged_policy": paged["policy"],
+    "paged_utilisation": paged["utilisation"],
+    "peak_concurrent_over_max_len": paged["peak_concurrent"] / contiguous["peak_concurrent"],
+    "mean_concurrent_over_max_len": paged["mean_concurrent"] / contiguous["mean_concurrent"],
+    "tokens_per_s_over_max_len": paged["tokens_per_s"] / contiguous["tokens_per_s"],
   }
 
 
@@ -237,29 +282,41 @@ def report(study: KVMemoryStudy, workload, rows: list[dict]) -> str:
   contiguous = next((r for r in rows if r["policy"] == "max_len"), None)
   columns = TABLE_COLUMNS if contiguous else [c for c in TABLE_COLUMNS if c[0] != "peak_over_max_len"]
   lines = [
-      "# KV-memory study", "",
-      f"Workload: {len(workload)} requests queued at once; prompt length median {int(np.median(prompts))}, "
-      f"mean {prompts.mean():.0f}, max {prompts.max()}; output length median {int(np.median(outputs))}, "
-      f"mean {outputs.mean():.0f}, max {outputs.max()}; contexts capped at max_len={study.model.max_len}.",
-      f"KV budget: {study.budget_tokens} token slots in {rows[0]['cache_dtype']} = "
-      f"{rows[0]['budget_bytes']} bytes for every policy (a quantized cache fits "
-      f"more token slots in them); {study.num_slots} batch slots. Model: d_model {study.model.d_model}, "
-      f"{study.model.num_layers} layers, {study.model.num_heads} heads, {study.model.num_kv_heads} kv heads.",
-      f"Requests whose greedy tokens match the {rows[0]['policy']} run, per policy: "
-      + ", ".join(f"{r['policy']} {r['cache_dtype']} {r['identical_outputs']}/{len(workload)}" for r in rows)
-      + " (an allocation policy must not change what a request generates; a quantized cache may).", "",
-      markdown_table([{**r, "peak_over_max_len": r["peak_concurrent"] / contiguous["peak_concurrent"]}
-                      if contiguous else r for r in rows], columns),
+    "# KV-memory study",
+    "",
+    f"Workload: {len(workload)} requests queued at once; prompt length median {int(np.median(prompts))}, "
+    f"mean {prompts.mean():.0f}, max {prompts.max()}; output length median {int(np.median(outputs))}, "
+    f"mean {outputs.mean():.0f}, max {outputs.max()}; contexts capped at max_len={study.model.max_len}.",
+    f"KV budget: {study.budget_tokens} token slots in {rows[0]['cache_dtype']} = "
+    f"{rows[0]['budget_bytes']} bytes for every policy (a quantized cache fits "
+    f"more token slots in them); {study.num_slots} batch slots. Model: d_model {study.model.d_model}, "
+    f"{study.model.num_layers} layers, {study.model.num_heads} heads, {study.model.num_kv_heads} kv heads.",
+    f"Requests whose greedy tokens match the {rows[0]['policy']} run, per policy: "
+    + ", ".join(f"{r['policy']} {r['cache_dtype']} {r['identical_outputs']}/{len(workload)}" for r in rows)
+    + " (an allocation policy must not change what a request generates; a quantized cache may).",
+    "",
+    markdown_table(
+      [
+        {**r, "peak_over_max_len": r["peak_concurrent"] / contiguous["peak_concurrent"]} if contiguous else r
+        for r in rows
+      ],
+      columns,
+    ),
   ]
-  lines += ["", "Utilisation: tokens cached / token slots allocated, summed over decode steps. "
-            "Baselines are allocated in multiples of their page size. tokens/s: generated tokens over "
-            "the wall time of serving the whole workload after compilation, same kernels for every policy "
-            "(the paged vs contiguous kernel cost is `kvjax bench paged`).", "",
-            "Reference, vLLM paper (ShareGPT/Alpaca traces on GPUs): KV memory holding real tokens, and "
-            "concurrent requests:", "",
-            markdown_table([dict(zip(("system", "utilisation", "concurrent"), anchor)) for anchor in VLLM_ANCHORS],
-                           [("system", "system", ""), ("utilisation", "utilisation", ""),
-                            ("concurrent", "concurrent requests", "")])]
+  lines += [
+    "",
+    "Utilisation: tokens cached / token slots allocated, summed over decode steps. "
+    "Baselines are allocated in multiples of their page size. tokens/s: generated tokens over "
+    "the wall time of serving the whole workload after compilation, same kernels for every policy "
+    "(the paged vs contiguous kernel cost is `kvjax bench paged`).",
+    "",
+    "Reference, vLLM paper (ShareGPT/Alpaca traces on GPUs): KV memory holding real tokens, and concurrent requests:",
+    "",
+    markdown_table(
+      [dict(zip(("system", "utilisation", "concurrent"), anchor)) for anchor in VLLM_ANCHORS],
+      [("system", "system", ""), ("utilisation", "utilisation", ""), ("concurrent", "concurrent requests", "")],
+    ),
+  ]
   return "\n".join(lines) + "\n"
 
 

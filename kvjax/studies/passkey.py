@@ -48,8 +48,10 @@ from kvjax.serving.engine import Engine, EngineConfig
 from kvjax.training.checkpoint import latest_step, load_model
 from kvjax.training.data import documentation, paragraphs_of
 
-INSTRUCTION = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
-               "I will quiz you about the important information there.")
+INSTRUCTION = (
+  "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+  "I will quiz you about the important information there."
+)
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = "What is the pass key?"
 ANSWER = "The pass key is"
@@ -121,8 +123,9 @@ class Prose:
     sentences = prose_sentences(documentation()[1].decode() if text is None else text)
     if not sentences:
       raise ValueError("the pass-key test's prose has no sentences")
-    return cls(tuple(tokenizer.encode(s) for _, s in sentences),
-               tuple(tokenizer.encode(before + s) for before, s in sentences))
+    return cls(
+      tuple(tokenizer.encode(s) for _, s in sentences), tuple(tokenizer.encode(before + s) for before, s in sentences)
+    )
 
   def run(self, length: int, rng: np.random.Generator) -> np.ndarray:
     """int32 [length]: consecutive whole sentences with exactly `length` ids in all, drawn
@@ -137,11 +140,12 @@ class Prose:
     j = np.minimum(np.searchsorted(ends, want), len(ends) - 1)
     starts = np.flatnonzero((ends[j] == want) & (want >= ends[1:]))
     if not starts.size:
-      raise ValueError(f"no run of whole sentences of the pass-key prose has exactly {length} tokens: choose "
-                       "another distance or lead")
+      raise ValueError(
+        f"no run of whole sentences of the pass-key prose has exactly {length} tokens: choose another distance or lead"
+      )
     i = int(starts[rng.integers(starts.size)])
     stop = int(j[i])
-    return np.concatenate([self.starting[i], *self.following[i + 1:stop]]).astype(np.int32)
+    return np.concatenate([self.starting[i], *self.following[i + 1 : stop]]).astype(np.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,12 +163,16 @@ class Frame:
   def of(cls, tokenizer: TextTokenizer) -> "Frame":
     separator = tokenizer.encode(SEPARATOR)
     if tokenizer.chat_template is None:
-      return cls(tokenizer.encode(INSTRUCTION + SEPARATOR, add_special_tokens=True), separator,
-                 tokenizer.encode(f"{SEPARATOR}{QUESTION} {ANSWER}"))
+      return cls(
+        tokenizer.encode(INSTRUCTION + SEPARATOR, add_special_tokens=True),
+        separator,
+        tokenizer.encode(f"{SEPARATOR}{QUESTION} {ANSWER}"),
+      )
     text = tokenizer.apply_chat_template([{"role": "user", "content": PLACEHOLDER}], add_generation_prompt=True)
     opening, closing = text.split(PLACEHOLDER)
-    return cls(tokenizer.encode(opening + INSTRUCTION + SEPARATOR), separator,
-               tokenizer.encode(SEPARATOR + QUESTION + closing))
+    return cls(
+      tokenizer.encode(opening + INSTRUCTION + SEPARATOR), separator, tokenizer.encode(SEPARATOR + QUESTION + closing)
+    )
 
   def length(self, lead: int, distance: int) -> int:
     """The tokens of a prompt with `lead` tokens of prose before a needle `distance` from its end."""
@@ -178,20 +186,25 @@ def examples(tokenizer: TextTokenizer, config: PasskeyConfig, distance: int, pro
   rng = np.random.default_rng([config.seed, distance])
   rows, keys = [], []
   for _ in range(config.needles):
-    key = str(int(rng.integers(10 ** (config.digits - 1), 10 ** config.digits)))
+    key = str(int(rng.integers(10 ** (config.digits - 1), 10**config.digits)))
     needle = tokenizer.encode(NEEDLE.format(key=key) + SEPARATOR)
     fill = distance - len(needle) - len(frame.closing)
     if fill < 0:
-      raise ValueError(f"PasskeyConfig.distances: {distance} tokens cannot hold the needle sentence and the "
-                       f"question ({distance - fill} tokens for this tokenizer)")
+      raise ValueError(
+        f"PasskeyConfig.distances: {distance} tokens cannot hold the needle sentence and the "
+        f"question ({distance - fill} tokens for this tokenizer)"
+      )
     lead = prose.run(config.lead, rng)
-    rows.append(np.concatenate([frame.opening, lead, frame.separator, needle, prose.run(fill, rng),
-                                frame.closing]).astype(np.int32))
+    rows.append(
+      np.concatenate([frame.opening, lead, frame.separator, needle, prose.run(fill, rng), frame.closing]).astype(
+        np.int32
+      )
+    )
     keys.append(key)
   lengths = np.array([len(r) for r in rows], np.int32)
   prompts = np.zeros((len(rows), lengths.max()), np.int32)
   for i, row in enumerate(rows):
-    prompts[i, :len(row)] = row
+    prompts[i, : len(row)] = row
   return prompts, lengths, keys
 
 
@@ -201,55 +214,102 @@ def answered(text: str, key: str) -> bool:
   return found is not None and found.group() == key
 
 
-def answers(model: Transformer, params, prompts: np.ndarray, lengths: np.ndarray, new_tokens: int,
-            stop_ids, *, cache_config: CacheConfig = CacheConfig()) -> list[np.ndarray]:
+def answers(
+  model: Transformer,
+  params,
+  prompts: np.ndarray,
+  lengths: np.ndarray,
+  new_tokens: int,
+  stop_ids,
+  *,
+  cache_config: CacheConfig = CacheConfig(),
+) -> list[np.ndarray]:
   """Greedy answers [n] of int32 tokens (cut at the first stop token) through a contiguous cache
   (generate) or the engine's paged cache, of cache_config."""
   if cache_config.layout != "paged":
-    out = np.asarray(generate(model, params, prompts, lengths, new_tokens, stop_ids=stop_ids,
-                              cache_config=cache_config))
+    out = np.asarray(
+      generate(model, params, prompts, lengths, new_tokens, stop_ids=stop_ids, cache_config=cache_config)
+    )
     cut = [np.flatnonzero(np.isin(row, stop_ids)) for row in out]
-    return [row[:c[0]] if c.size else row for row, c in zip(out, cut)]
+    return [row[: c[0]] if c.size else row for row, c in zip(out, cut)]
   page_size = cache_config.page_size
   longest = int(lengths.max()) + new_tokens
   pages = -(-longest // page_size)
-  engine = Engine(model, params, EngineConfig(num_slots=len(prompts), num_pages=len(prompts) * pages + 1,
-                                              cache=cache_config, max_len=pages * page_size, stop_ids=tuple(stop_ids)))
+  engine = Engine(
+    model,
+    params,
+    EngineConfig(
+      num_slots=len(prompts),
+      num_pages=len(prompts) * pages + 1,
+      cache=cache_config,
+      max_len=pages * page_size,
+      stop_ids=tuple(stop_ids),
+    ),
+  )
   ids = [engine.submit(prompt[:length], new_tokens) for prompt, length in zip(prompts, lengths)]
   out = engine.run()
   return [out[i][:-1] if len(out[i]) and out[i][-1] in stop_ids else out[i] for i in ids]
 
 
-def passkey(model: Transformer, params, tokenizer: TextTokenizer, config: PasskeyConfig, *,
-            cache_config: CacheConfig = CacheConfig()) -> dict[str, dict]:
+def passkey(
+  model: Transformer,
+  params,
+  tokenizer: TextTokenizer,
+  config: PasskeyConfig,
+  *,
+  cache_config: CacheConfig = CacheConfig(),
+) -> dict[str, dict]:
   """Exact-match recall per distance -> {str(D): {"distance", "exact_match", "needles", "answers"}}."""
   longest = Frame.of(tokenizer).length(config.lead, max(config.distances)) + config.answer_tokens
-  cache_config.model(model.config).check_length(longest, f"PasskeyConfig.distances: distance {max(config.distances)} needs {longest} "
-                                     "positions")
+  cache_config.model(model.config).check_length(
+    longest, f"PasskeyConfig.distances: distance {max(config.distances)} needs {longest} positions"
+  )
   prose = Prose.of(tokenizer)
   out = {}
   for distance in config.distances:
     prompts, lengths, keys = examples(tokenizer, config, distance, prose)
-    texts = [tokenizer.decode(a) for start in range(0, config.needles, config.batch_size)
-             for a in answers(model, params, prompts[start:start + config.batch_size],
-                              lengths[start:start + config.batch_size], config.answer_tokens, tokenizer.stop_ids,
-                              cache_config=cache_config)]
+    texts = [
+      tokenizer.decode(a)
+      for start in range(0, config.needles, config.batch_size)
+      for a in answers(
+        model,
+        params,
+        prompts[start : start + config.batch_size],
+        lengths[start : start + config.batch_size],
+        config.answer_tokens,
+        tokenizer.stop_ids,
+        cache_config=cache_config,
+      )
+    ]
     hits = [answered(text, key) for text, key in zip(texts, keys)]
-    out[str(distance)] = {"distance": distance, "exact_match": float(np.mean(hits)), "needles": config.needles,
-                          "answers": [{"key": k, "answer": t} for k, t in zip(keys, texts)]}
+    out[str(distance)] = {
+      "distance": distance,
+      "exact_match": float(np.mean(hits)),
+      "needles": config.needles,
+      "answers": [{"key": k, "answer": t} for k, t in zip(keys, texts)],
+    }
   return out
 
 
-def passkey_checkpoint(workdir: str | Path, config: PasskeyConfig, *, step: int | None = None,
-                       cache_config: CacheConfig | None = None) -> dict:
+def passkey_checkpoint(
+  workdir: str | Path, config: PasskeyConfig, *, step: int | None = None, cache_config: CacheConfig | None = None
+) -> dict:
   """`passkey` of a workdir's checkpoint (latest unless `step`) with its tokenizer, through a cache
   of `cache_config` (default: contiguous, the model's dtype)."""
   step = latest_step(workdir) if step is None else step
   model, params, _ = load_model(workdir, step)
   tokenizer = TextTokenizer.load(workdir, model.config.vocab_size)
   if tokenizer is None:
-    raise ValueError(f"{workdir} has no tokenizer: the pass-key test is for tokenized models (the byte-level "
-                     "recall test serves models trained here)")
+    raise ValueError(
+      f"{workdir} has no tokenizer: the pass-key test is for tokenized models (the byte-level "
+      "recall test serves models trained here)"
+    )
   cache_config = cache_config or CacheConfig()
-  return {"step": step, "test": "passkey", "digits": config.digits, "seed": config.seed,
-          "cache": to_dict(cache_config), "recall": passkey(model, params, tokenizer, config, cache_config=cache_config)}
+  return {
+    "step": step,
+    "test": "passkey",
+    "digits": config.digits,
+    "seed": config.seed,
+    "cache": to_dict(cache_config),
+    "recall": passkey(model, params, tokenizer, config, cache_config=cache_config),
+  }

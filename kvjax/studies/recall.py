@@ -63,8 +63,10 @@ class RecallConfig:
     for i, distance in enumerate(self.distances):
       check_positive_int(distance, f"RecallConfig.distances[{i}]")
       if distance < self.min_distance:
-        raise ValueError(f"RecallConfig.distances[{i}]={distance} is below {self.min_distance}: the marker, a "
-                         f"needle of {self.needle_bytes} bytes and its closing quote take that many positions")
+        raise ValueError(
+          f"RecallConfig.distances[{i}]={distance} is below {self.min_distance}: the marker, a "
+          f"needle of {self.needle_bytes} bytes and its closing quote take that many positions"
+        )
     if len(set(self.distances)) != len(self.distances):
       raise ValueError(f"RecallConfig.distances must be distinct, got {self.distances!r}")
 
@@ -79,12 +81,15 @@ class RecallConfig:
   def check_model(self, max_len: int, vocab_size: int) -> None:
     """Refuses a model whose vocabulary is not bytes or whose positions do not hold the longest example."""
     if vocab_size < 256:
-      raise ValueError(f"ModelConfig.vocab_size={vocab_size}: the recall test is byte-level and needs a "
-                       "vocabulary of at least 256")
+      raise ValueError(
+        f"ModelConfig.vocab_size={vocab_size}: the recall test is byte-level and needs a vocabulary of at least 256"
+      )
     longest = max(self.distances)
     if self.positions(longest) > max_len:
-      raise ValueError(f"RecallConfig.distances: distance {longest} needs {self.positions(longest)} positions, "
-                       f"more than ModelConfig.max_len={max_len}")
+      raise ValueError(
+        f"RecallConfig.distances: distance {longest} needs {self.positions(longest)} positions, "
+        f"more than ModelConfig.max_len={max_len}"
+      )
 
 
 def examples(config: RecallConfig, distance: int, filler: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -101,7 +106,7 @@ def examples(config: RecallConfig, distance: int, filler: np.ndarray) -> tuple[n
   while len(prompts) < config.needles:
     needle = ALPHABET[rng.integers(len(ALPHABET), size=config.needle_bytes)].tobytes()
     start = int(rng.integers(len(filler) - size + 1))
-    prompt = MARKER + needle + CLOSE + filler[start:start + size].tobytes() + SEPARATOR + MARKER
+    prompt = MARKER + needle + CLOSE + filler[start : start + size].tobytes() + SEPARATOR + MARKER
     if prompt.count(MARKER) == 2:  # the filler must not plant a marker of its own
       prompts.append(prompt)
       needles.append(needle)
@@ -109,8 +114,9 @@ def examples(config: RecallConfig, distance: int, filler: np.ndarray) -> tuple[n
   return as_ids(prompts), as_ids(needles)
 
 
-def recall(model: Transformer, params, config: RecallConfig, filler: np.ndarray,
-           cache_config: CacheConfig = CacheConfig()) -> dict[str, dict]:
+def recall(
+  model: Transformer, params, config: RecallConfig, filler: np.ndarray, cache_config: CacheConfig = CacheConfig()
+) -> dict[str, dict]:
   """Greedy copies of the needles at every distance -> {str(D): {"distance", "byte_accuracy",
   "exact_match", "needles"}}; one kvjax.generate call per distance, through a cache of
   `cache_config`."""
@@ -136,12 +142,22 @@ def recall_checkpoint(workdir: str | Path, config: RecallConfig, *, step: int | 
   its run's corpus. A workdir with its own tokenizer (an imported model) is refused: the test is
   written in bytes."""
   if (Path(workdir) / TOKENIZER_FILE).exists():
-    raise ValueError(f"{workdir} holds a {TOKENIZER_FILE}: its model reads that tokenizer's ids, and the "
-                     "recall test is written in bytes")
+    raise ValueError(
+      f"{workdir} holds a {TOKENIZER_FILE}: its model reads that tokenizer's ids, and the "
+      "recall test is written in bytes"
+    )
   step = latest_step(workdir) if step is None else step
   model, params, run_config = load_model(workdir, step)
   config.check_model(model.config.max_len, model.config.vocab_size)
-  data = load_dataset(from_dict(DataConfig, run_config["data"]) if "data" in run_config
-                      else DataConfig(seq_len=min(128, model.config.max_len)))
-  return {"step": step, "needle_bytes": config.needle_bytes, "seed": config.seed,
-          "corpus": data.info.source, "recall": recall(model, params, config, data.val)}
+  data = load_dataset(
+    from_dict(DataConfig, run_config["data"])
+    if "data" in run_config
+    else DataConfig(seq_len=min(128, model.config.max_len))
+  )
+  return {
+    "step": step,
+    "needle_bytes": config.needle_bytes,
+    "seed": config.seed,
+    "corpus": data.info.source,
+    "recall": recall(model, params, config, data.val),
+  }

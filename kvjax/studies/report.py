@@ -46,8 +46,7 @@ def write_table(rows: Sequence[dict], stem: str | Path, columns: Sequence[Column
 
 
 @contextlib.contextmanager
-def figure(path: str | Path, panels: int = 1, size: tuple[float, float] = (6, 4.2),
-           dpi: int = 120) -> Iterator[list]:
+def figure(path: str | Path, panels: int = 1, size: tuple[float, float] = (6, 4.2), dpi: int = 120) -> Iterator[list]:
   """The axes of a new figure of `panels` side by side, `size` inches; on leaving the block the
   figure is laid out and written to `path` (PNG)."""
   from matplotlib.figure import Figure  # matplotlib is imported only by the studies that plot
@@ -59,8 +58,15 @@ def figure(path: str | Path, panels: int = 1, size: tuple[float, float] = (6, 4.
   fig.savefig(path, dpi=dpi)
 
 
-def plot_series(ax, series: Sequence[Series], xlabel: str, ylabel: str, title: str,
-                annotate: Sequence[Sequence[str]] | None = None, invert_y: bool = False) -> None:
+def plot_series(
+  ax,
+  series: Sequence[Series],
+  xlabel: str,
+  ylabel: str,
+  title: str,
+  annotate: Sequence[Sequence[str]] | None = None,
+  invert_y: bool = False,
+) -> None:
   """Draws each (label, xs, ys) on `ax`, points labelled by `annotate[i]` (one text per point of
   series i); invert_y puts small values at the top (a loss, drawn so that better is up)."""
   for i, (label, xs, ys) in enumerate(series):

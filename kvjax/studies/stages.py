@@ -64,15 +64,18 @@ class Stages:
 
   def __init__(self, workdir: Path, settings: dict, read_back: Callable[[dict], dict] = lambda d: d):
     if workdirs.held(workdir) != workdirs.STUDY:
-      raise ValueError(f"{workdir} is not claimed as a study's workdir: run the study with `kvjax run`, "
-                       "or inside kvjax.training.workdir.claim_study")
+      raise ValueError(
+        f"{workdir} is not claimed as a study's workdir: run the study with `kvjax run`, "
+        "or inside kvjax.training.workdir.claim_study"
+      )
     self.workdir = Path(workdir)
     self.path = self.workdir / "stages.json"
     self.done = json.loads(self.path.read_text()) if self.path.exists() else {}
     diffs = settings_diffs(self.done.setdefault("study", settings), settings, read_back)
     if diffs:
-      raise ValueError(f"{self.path} holds stages of a study with other settings ({'; '.join(diffs)}); "
-                       "run it in another --workdir")
+      raise ValueError(
+        f"{self.path} holds stages of a study with other settings ({'; '.join(diffs)}); run it in another --workdir"
+      )
 
   def run(self, name: str, fn):
     if name not in self.done:
@@ -97,16 +100,18 @@ def uptrained_name(conversion: Conversion, fraction: float, distill: float = 0.0
   return f"{conversion.name}_alpha{fraction:g}" + (f"_distill{distill:g}" if distill else "")
 
 
-def uptrained(stages: Stages, source: Path, conversion: Conversion, fraction: float, distill: float = 0.0,
-              mesh: str | None = None) -> Path:
+def uptrained(
+  stages: Stages, source: Path, conversion: Conversion, fraction: float, distill: float = 0.0, mesh: str | None = None
+) -> Path:
   """Uptrains the checkpoint in `source` by `conversion` (kvjax.conversion.uptrain) in its own
   folder of the stages' workdir, once; returns that folder. The uptraining's record
   (uptrain.json: quality before, at and after) is the stage's result. mesh: train.mesh of the
   uptraining (a mesh is not inherited from the source)."""
   dest = stages.workdir / uptrained_name(conversion, fraction, distill)
   overrides = [f"train.mesh={mesh}"] if mesh else []
-  stages.run(dest.name, lambda: uptrain(source, dest, conversion, fraction=fraction, distill=distill,
-                                        overrides=overrides))
+  stages.run(
+    dest.name, lambda: uptrain(source, dest, conversion, fraction=fraction, distill=distill, overrides=overrides)
+  )
   return dest
 
 
@@ -123,11 +128,21 @@ def time_per_sample(models: dict, timing: TimingConfig, caches: dict | None = No
   vocab = min(model.config.vocab_size for model, _ in models.values())
   prompts = rng.integers(0, vocab, (timing.batch, timing.prompt), dtype=np.int32)
   lengths = np.full((timing.batch,), timing.prompt, np.int32)
-  calls = {name: (lambda m=model, p=params, c=caches[name]: decode.generate(m, p, prompts, lengths,
-                                                                             timing.new_tokens, cache_config=c))
-           for name, (model, params) in models.items()}
+  calls = {
+    name: (
+      lambda m=model, p=params, c=caches[name]: decode.generate(
+        m, p, prompts, lengths, timing.new_tokens, cache_config=c
+      )
+    )
+    for name, (model, params) in models.items()
+  }
   times = timed_alternating(calls, timing.repeats)
-  return {name: {"time_per_sample_s": statistics.median(times[name]) / timing.batch, "times_s": times[name],
-                 "kv_bytes_per_token": kinds.bytes_per_token(model.config, caches[name]),
-                 "params": int(sum(x.size for x in jax.tree.leaves(params)))}
-          for name, (model, params) in models.items()}
+  return {
+    name: {
+      "time_per_sample_s": statistics.median(times[name]) / timing.batch,
+      "times_s": times[name],
+      "kv_bytes_per_token": kinds.bytes_per_token(model.config, caches[name]),
+      "params": int(sum(x.size for x in jax.tree.leaves(params))),
+    }
+    for name, (model, params) in models.items()
+  }

@@ -77,8 +77,9 @@ class TaskConfig:
     if self.seq_len < MIN_SEQ_LEN:
       raise ValueError(f"TaskConfig.seq_len must be at least {MIN_SEQ_LEN}, got {self.seq_len!r}")
     if not isinstance(self.tasks, tuple) or not self.tasks or len(set(self.tasks)) != len(self.tasks):
-      raise ValueError(f"TaskConfig.tasks must be a non-empty tuple of distinct task names from {TASKS}, "
-                       f"got {self.tasks!r}")
+      raise ValueError(
+        f"TaskConfig.tasks must be a non-empty tuple of distinct task names from {TASKS}, got {self.tasks!r}"
+      )
     for task in self.tasks:
       check_task(task, "TaskConfig.tasks")
 
@@ -91,14 +92,16 @@ def check_task(task, name: str = "task") -> None:
 def check_model(model: Transformer, config: TaskConfig) -> None:
   """Refuses a model whose vocabulary does not hold the bytes or whose positions do not hold seq_len."""
   if model.config.vocab_size < 256:
-    raise ValueError(f"ModelConfig.vocab_size={model.config.vocab_size}: the tasks are byte-level and "
-                     "need a vocabulary of at least 256")
+    raise ValueError(
+      f"ModelConfig.vocab_size={model.config.vocab_size}: the tasks are byte-level and "
+      "need a vocabulary of at least 256"
+    )
   if model.config.max_len < config.seq_len:
-    raise ValueError(f"ModelConfig.max_len={model.config.max_len} is below TaskConfig.seq_len="
-                     f"{config.seq_len}")
+    raise ValueError(f"ModelConfig.max_len={model.config.max_len} is below TaskConfig.seq_len={config.seq_len}")
 
 
 # The data.
+
 
 @dataclasses.dataclass(frozen=True)
 class Examples:
@@ -118,8 +121,11 @@ def prose_words(text: bytes) -> list[str]:
   words = []
   for paragraph in paragraphs_of(text.decode()):
     lines = paragraph.splitlines()
-    if (not paragraph.isascii() or any(line[:1].isspace() for line in lines)
-        or any(set(line) <= set("=*-") for line in lines)):
+    if (
+      not paragraph.isascii()
+      or any(line[:1].isspace() for line in lines)
+      or any(set(line) <= set("=*-") for line in lines)
+    ):
       continue
     words += [w for w in paragraph.split() if len(w) <= ROT13_SOURCE_BYTES[0]]
   return words
@@ -181,8 +187,8 @@ def rows(texts: list[bytes], seq_len: int, answer_from: list[int]) -> Examples:
   for i, (text, start) in enumerate(zip(texts, answer_from)):
     if len(text) > seq_len + 1:
       raise ValueError(f"an example of {len(text)} bytes does not fit seq_len + 1 = {seq_len + 1}")
-    padded[i, :len(text)] = np.frombuffer(text, np.uint8)
-    mask[i, max(start, 1) - 1:len(text) - 1] = 1.0
+    padded[i, : len(text)] = np.frombuffer(text, np.uint8)
+    mask[i, max(start, 1) - 1 : len(text) - 1] = 1.0
   padded.flags.writeable = mask.flags.writeable = False  # held-out sets are cached and shared
   return Examples(inputs=padded[:, :-1], targets=padded[:, 1:], mask=mask)
 
@@ -202,7 +208,7 @@ def sample(task: str, config: TaskConfig, count: int, rng: np.random.Generator, 
   text = documentation()[split == "held_out"]
   if task == "prose":
     starts = rng.integers(len(text) - config.seq_len, size=count)
-    return rows([text[s:s + config.seq_len + 1] for s in starts], config.seq_len, [0] * count)
+    return rows([text[s : s + config.seq_len + 1] for s in starts], config.seq_len, [0] * count)
   if task == "rot13":
     words, longest = split_words(split), rot13_longest(config.seq_len)
     sources = [rot13_source(words, rng, longest) for _ in range(count)]
@@ -229,7 +235,7 @@ def held_out(task: str, config: TaskConfig) -> Examples:
   n = config.eval_examples
   if task == "prose":
     starts = np.linspace(0, len(text) - config.seq_len - 1, n).astype(np.int64)
-    return rows([text[s:s + config.seq_len + 1] for s in starts], config.seq_len, [0] * n)
+    return rows([text[s : s + config.seq_len + 1] for s in starts], config.seq_len, [0] * n)
   rng = task_rng(config, task, "held_out")
   if task == "recall":
     return sample(task, config, n, rng, "held_out")
@@ -242,11 +248,13 @@ def held_out(task: str, config: TaskConfig) -> Examples:
       sources.append(source)
       if len(sources) == n:
         return pair_rows([(s + b"\t", rot13(s)) for s in sources], config.seq_len)
-  raise ValueError(f"TaskConfig.eval_examples={n}: the held-out documentation has only {len(sources)} "
-                   "distinct rot13 sources")
+  raise ValueError(
+    f"TaskConfig.eval_examples={n}: the held-out documentation has only {len(sources)} distinct rot13 sources"
+  )
 
 
 # Fine-tuning and scoring.
+
 
 def masked_loss(model: Transformer, params, inputs, targets, mask):
   """-> (per-token cross entropy float32 [B, T], argmax hits bool [B, T])."""
@@ -284,8 +292,9 @@ def finetune(model: Transformer, params, task: str, config: TaskConfig):
     return params, None
   optimizer_config = tuning(config)
   step = tuning_step(model, optimizer_config)
-  state = train.init_state(model, train.make_optimizer(optimizer_config), jax.random.key(0),
-                           jax.tree.map(jnp.copy, params))
+  state = train.init_state(
+    model, train.make_optimizer(optimizer_config), jax.random.key(0), jax.tree.map(jnp.copy, params)
+  )
   for batch in train_batches(task, config):
     state, metrics = step(state, batch.inputs, batch.targets, batch.mask)
   return state.params, float(metrics["loss"])
@@ -295,11 +304,13 @@ def teacher_forced(model: Transformer, params, examples: Examples, batch_size: i
   """Mean loss (nats) and accuracy (%) over the masked targets, in batches of batch_size rows (the
   last padded with unscored rows) so the compiled shapes are the train step's."""
   pad = -len(examples.inputs) % batch_size
-  arrays = [np.concatenate([x, np.zeros((pad,) + x.shape[1:], x.dtype)])
-            for x in (examples.inputs, examples.targets, examples.mask)]
+  arrays = [
+    np.concatenate([x, np.zeros((pad,) + x.shape[1:], x.dtype)])
+    for x in (examples.inputs, examples.targets, examples.mask)
+  ]
   loss, hits = 0.0, 0
   for i in range(0, len(arrays[0]), batch_size):
-    total, correct = _sums(model, params, *(x[i:i + batch_size] for x in arrays))
+    total, correct = _sums(model, params, *(x[i : i + batch_size] for x in arrays))
     loss, hits = loss + float(total), hits + int(correct)
   count = float(examples.mask.sum())
   return {"loss": loss / count, "accuracy": 100.0 * hits / count}
@@ -308,7 +319,7 @@ def teacher_forced(model: Transformer, params, examples: Examples, batch_size: i
 def produced(row: np.ndarray) -> np.ndarray:
   """A greedy output int[N] up to its first newline (all of it when it has none)."""
   stop = np.flatnonzero(row == NEWLINE)
-  return row[:stop[0]] if len(stop) else row
+  return row[: stop[0]] if len(stop) else row
 
 
 def exact_match(outputs, answers: tuple[bytes, ...]) -> float:
@@ -339,10 +350,9 @@ def greedy_outputs(model: Transformer, params, examples: Examples) -> np.ndarray
   longest = max(map(len, examples.prompts))
   prompts = np.zeros((len(examples.prompts), longest), np.int32)
   for i, prompt in enumerate(examples.prompts):
-    prompts[i, :len(prompt)] = np.frombuffer(prompt, np.uint8)
+    prompts[i, : len(prompt)] = np.frombuffer(prompt, np.uint8)
   lengths = np.array([len(p) for p in examples.prompts], np.int32)
-  return np.asarray(generate(model, params, prompts, lengths, max(map(len, examples.answers)) + 1,
-                             stop_ids=NEWLINE))
+  return np.asarray(generate(model, params, prompts, lengths, max(map(len, examples.answers)) + 1, stop_ids=NEWLINE))
 
 
 def score(model: Transformer, params, task: str, config: TaskConfig) -> dict:
@@ -355,8 +365,12 @@ def score(model: Transformer, params, task: str, config: TaskConfig) -> dict:
   if task == "prose":
     return {"score": forced["accuracy"], "metric": "next-byte accuracy %", "eval_loss": forced["loss"]}
   outputs = greedy_outputs(model, params, examples)
-  return {"score": byte_accuracy(outputs, examples.answers), "metric": "greedy byte accuracy %",
-          "exact_match": exact_match(outputs, examples.answers), "eval_loss": forced["loss"]}
+  return {
+    "score": byte_accuracy(outputs, examples.answers),
+    "metric": "greedy byte accuracy %",
+    "exact_match": exact_match(outputs, examples.answers),
+    "eval_loss": forced["loss"],
+  }
 
 
 def finetune_and_score(model: Transformer, params, task: str, config: TaskConfig) -> dict:

@@ -44,15 +44,25 @@ ITEMS = ("params", "opt_state", "meta")
 # Run-config keys that may change when a run is resumed: they extend or re-pace the run, or place
 # it on other devices (train.mesh), without changing what any step computes beyond float rounding.
 # A new train.steps is further held to check_resume's rule.
-RESUMABLE_KEYS = frozenset({"train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
-                            "train.checkpoint_every", "train.keep_checkpoints", "train.mesh"})
+RESUMABLE_KEYS = frozenset(
+  {
+    "train.steps",
+    "train.log_every",
+    "train.eval_every",
+    "train.eval_batches",
+    "train.checkpoint_every",
+    "train.keep_checkpoints",
+    "train.mesh",
+  }
+)
 # The JSON files of an orbax checkpoint (of the step folder, and of each item's folder), checked
 # to parse before a restore so that a damaged one is named; orbax reads some only to log a failure.
 JSON_FILES = ("_CHECKPOINT_METADATA",)
 ITEM_JSON_FILES = ("_METADATA", "_sharding", "array_metadatas/*", "metadata")
 # How tensorstore names the array (its key, dot-joined) and the item folder it failed to read.
 _TENSORSTORE_ERROR = re.compile(
-    r'(?:Error reading|Metadata at) "([^"/]+)[^"]*" in OCDBT database at local file "([^"]+)"(.*)', re.S)
+  r'(?:Error reading|Metadata at) "([^"/]+)[^"]*" in OCDBT database at local file "([^"]+)"(.*)', re.S
+)
 
 
 def checkpoint_dir(workdir: str | Path) -> Path:
@@ -80,8 +90,9 @@ def write_atomically(path: str | Path, text: str) -> None:
 def open_manager(workdir: str | Path, *, keep: int | None = None, writing: bool = False) -> ocp.CheckpointManager:
   """A CheckpointManager over WORKDIR/checkpoints. Only a writer cleans up the temporary folders
   of interrupted saves, so a reader never races a training run that is saving."""
-  options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=writing, cleanup_tmp_directories=writing,
-                                         enable_async_checkpointing=False)
+  options = ocp.CheckpointManagerOptions(
+    max_to_keep=keep, create=writing, cleanup_tmp_directories=writing, enable_async_checkpointing=False
+  )
   return ocp.CheckpointManager(checkpoint_dir(workdir), item_names=ITEMS, options=options)
 
 
@@ -138,16 +149,21 @@ def with_checksums(meta: dict, **items) -> dict:
   """`meta` as saved: with the checksums of the arrays of `items` ({"params": tree, ...}) and the
   digest of it all."""
   meta = json.loads(json.dumps(meta))  # lists for tuples, as the JSON item reads back
-  meta["checksums"] = {name: digest for item, tree in items.items()
-                       for name, digest in array_checksums(item, tree).items()}
+  meta["checksums"] = {
+    name: digest for item, tree in items.items() for name, digest in array_checksums(item, tree).items()
+  }
   meta["digest"] = _digest(meta)
   return meta
 
 
 def _damaged(workdir, step: int, what: str) -> ValueError:
   others = sorted(int(p.name) for p in checkpoint_dir(workdir).iterdir() if p.name.isdigit() and int(p.name) != step)
-  also = (f"; the workdir also holds checkpoints of steps {others} (delete {step_dir(workdir, step)} "
-          "to resume from the newest of them)" if others else "")
+  also = (
+    f"; the workdir also holds checkpoints of steps {others} (delete {step_dir(workdir, step)} "
+    "to resume from the newest of them)"
+    if others
+    else ""
+  )
   return ValueError(f"checkpoint step {step} of {Path(workdir).resolve()} is damaged: {what}{also}")
 
 
@@ -177,8 +193,9 @@ def _read_error(err: Exception, workdir, step: int) -> ValueError:
       status = re.match(r"([A-Z_]+): ", text)
       reason = relative(read[3].split("[tensorstore_spec")[0]).strip(": \n")
       reason = f"{status[1]}: {reason}" if status else reason
-      return _damaged(workdir, step, f"{Path(read[2]).name}/{read[1].replace('.', '/')} cannot be read "
-                                     f"({reason[:300]})")
+      return _damaged(
+        workdir, step, f"{Path(read[2]).name}/{read[1].replace('.', '/')} cannot be read ({reason[:300]})"
+      )
     cause = cause.__cause__ or cause.__context__
   first_line = (str(err).splitlines() or [""])[0][:300]
   return ValueError(f"cannot read checkpoint {folder}: {type(err).__name__}: {first_line}")
@@ -213,8 +230,12 @@ def read_meta(workdir: str | Path, step: int | None = None) -> dict:
   with open_manager(workdir) as manager:
     meta = _restore(manager, workdir, step, meta=ocp.args.JsonRestore()).meta
   if not isinstance(meta, dict) or not isinstance(meta.get("checksums"), dict) or "digest" not in meta:
-    raise _damaged(workdir, step, "meta/metadata records no checksums (it was altered, or written by a kvjax "
-                                  "that did not checksum its checkpoints)")
+    raise _damaged(
+      workdir,
+      step,
+      "meta/metadata records no checksums (it was altered, or written by a kvjax "
+      "that did not checksum its checkpoints)",
+    )
   if meta["digest"] != _digest(meta):
     raise _damaged(workdir, step, "meta/metadata does not match its checksum")
   if not isinstance(meta.get("config"), dict):
@@ -239,19 +260,28 @@ def _require_step(workdir, step: int | None) -> int:
 
 def save_train_state(manager: ocp.CheckpointManager, step: int, params, opt_state, meta: dict) -> None:
   meta = with_checksums(meta, params=params, opt_state=opt_state)
-  manager.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
-                                             opt_state=ocp.args.StandardSave(opt_state),
-                                             meta=ocp.args.JsonSave(meta)))
+  manager.save(
+    step,
+    args=ocp.args.Composite(
+      params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state), meta=ocp.args.JsonSave(meta)
+    ),
+  )
   manager.wait_until_finished()
 
 
-def restore_train_state(manager: ocp.CheckpointManager, workdir, step: int, params_like, opt_state_like,
-                        mesh: Mesh | None = None):
+def restore_train_state(
+  manager: ocp.CheckpointManager, workdir, step: int, params_like, opt_state_like, mesh: Mesh | None = None
+):
   """-> (params, opt_state) of checkpoint `step`, verified, shaped like the given trees, on the
   default device or sharded over `mesh` (whatever mesh, if any, the checkpoint was written from)."""
   meta = read_meta(workdir, step)
-  restored = _restore(manager, workdir, step, params=ocp.args.StandardRestore(abstract(params_like, mesh)),
-                      opt_state=ocp.args.StandardRestore(abstract(opt_state_like, mesh)))
+  restored = _restore(
+    manager,
+    workdir,
+    step,
+    params=ocp.args.StandardRestore(abstract(params_like, mesh)),
+    opt_state=ocp.args.StandardRestore(abstract(opt_state_like, mesh)),
+  )
   verify_arrays(workdir, step, meta, "params", restored.params)
   verify_arrays(workdir, step, meta, "opt_state", restored.opt_state)
   return restored.params, restored.opt_state
@@ -269,20 +299,25 @@ def flat(config: dict, prefix: str = "") -> dict:
 
 
 def config_diffs(saved: dict, new: dict, ignore=frozenset()) -> list[str]:
-  """"section.field: old -> new" for every field where two nested config dicts differ."""
+  """ "section.field: old -> new" for every field where two nested config dicts differ."""
   old, cur = flat(saved), flat(new)
   show = lambda config, k, missing: repr(config[k]) if k in config else missing
-  return [f"{k}: {show(old, k, '(not recorded: written before kvjax had this field)')} -> "
-          f"{show(cur, k, '(no longer a field)')}" for k in sorted(set(old) | set(cur))
-          if old.get(k) != cur.get(k) and k not in ignore]
+  return [
+    f"{k}: {show(old, k, '(not recorded: written before kvjax had this field)')} -> "
+    f"{show(cur, k, '(no longer a field)')}"
+    for k in sorted(set(old) | set(cur))
+    if old.get(k) != cur.get(k) and k not in ignore
+  ]
 
 
 def check_compatible(saved: dict, new: dict, where: str | Path) -> None:
   """Raises ValueError unless run config `new` may resume checkpoints written under `saved`."""
   diffs = config_diffs(saved, new, RESUMABLE_KEYS)
   if diffs:
-    raise ValueError(f"{where} holds checkpoints of a different config ({'; '.join(diffs)}); "
-                     "resume with the same config, or train in another --workdir")
+    raise ValueError(
+      f"{where} holds checkpoints of a different config ({'; '.join(diffs)}); "
+      "resume with the same config, or train in another --workdir"
+    )
 
 
 def check_resume(meta: dict, new: dict, workdir: str | Path) -> None:
@@ -298,22 +333,26 @@ def check_resume(meta: dict, new: dict, workdir: str | Path) -> None:
   if meta.get("kind") != "train" or steps is None or steps == configured:
     return
   if steps < done:
-    raise ValueError(f"{workdir} holds a checkpoint at step {done}, past train.steps={steps}: a run cannot "
-                     f"be cut below the steps it has taken (kvjax eval --step reads an earlier checkpoint)")
+    raise ValueError(
+      f"{workdir} holds a checkpoint at step {done}, past train.steps={steps}: a run cannot "
+      f"be cut below the steps it has taken (kvjax eval --step reads an earlier checkpoint)"
+    )
   warmup = saved.get("warmup_steps", 0)
   if done > warmup:
     kv_heads = meta["config"].get("model", {}).get("num_kv_heads")
     raise ValueError(
-        f"{workdir} holds a run of train.steps={configured} at step {done}, past its {warmup} warmup steps: "
-        f"its learning rate decays over those {configured} steps, and train.steps={steps} would change the "
-        f"rate of every step still to come. Resume with train.steps={configured}; to train {steps} steps, "
-        f"start a run with train.steps={steps} in another --workdir, or continue these weights with a fresh "
-        f"optimizer and schedule: kvjax uptrain --from {workdir} --workdir NEW --kv-heads {kv_heads} "
-        "--set train.steps=N")
+      f"{workdir} holds a run of train.steps={configured} at step {done}, past its {warmup} warmup steps: "
+      f"its learning rate decays over those {configured} steps, and train.steps={steps} would change the "
+      f"rate of every step still to come. Resume with train.steps={configured}; to train {steps} steps, "
+      f"start a run with train.steps={steps} in another --workdir, or continue these weights with a fresh "
+      f"optimizer and schedule: kvjax uptrain --from {workdir} --workdir NEW --kv-heads {kv_heads} "
+      "--set train.steps=N"
+    )
 
 
-def load_model(workdir: str | Path, step: int | None = None, *,
-               mesh: Mesh | None = None) -> tuple[Transformer, Any, dict]:
+def load_model(
+  workdir: str | Path, step: int | None = None, *, mesh: Mesh | None = None
+) -> tuple[Transformer, Any, dict]:
   """Latest (or given) checkpoint of a workdir -> (model, verified params, run config dict).
   Params only, on the default device or sharded over `mesh`."""
   step = _require_step(workdir, step)
@@ -331,8 +370,9 @@ def load_model(workdir: str | Path, step: int | None = None, *,
   return model, params, config
 
 
-def save_params(workdir: str | Path, params, model_config: ModelConfig, *, step: int = 0,
-                run_config: dict | None = None) -> Path:
+def save_params(
+  workdir: str | Path, params, model_config: ModelConfig, *, step: int = 0, run_config: dict | None = None
+) -> Path:
   """Writes `params` as a checkpoint that load_model (and so `kvjax eval` / `generate`) reads.
 
   run_config defaults to {"job": "import", "model": model_config.to_dict()} and is also written to
@@ -342,8 +382,9 @@ def save_params(workdir: str | Path, params, model_config: ModelConfig, *, step:
   job, so it writes only into a new or empty one, or one of that job. Returns the checkpoint's path.
   """
   if latest_step(workdir) is not None:
-    raise ValueError(f"{checkpoint_dir(workdir)} already holds checkpoints; "
-                     "save into a new workdir rather than overwrite them")
+    raise ValueError(
+      f"{checkpoint_dir(workdir)} already holds checkpoints; save into a new workdir rather than overwrite them"
+    )
   check_params(params, model_config)
   config = dict(run_config) if run_config is not None else {"job": "import"}
   config["model"] = model_config.to_dict()
@@ -351,7 +392,6 @@ def save_params(workdir: str | Path, params, model_config: ModelConfig, *, step:
   with workdirs.claim(workdir, config["job"], {"config": config}):  # a workdir of its job's kind
     write_atomically(Path(workdir) / "config.json", json.dumps(config, indent=2) + "\n")
     with open_manager(workdir, writing=True) as manager:
-      manager.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
-                                                 meta=ocp.args.JsonSave(meta)))
+      manager.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params), meta=ocp.args.JsonSave(meta)))
       manager.wait_until_finished()
   return step_dir(workdir, step)

@@ -11,12 +11,21 @@ import math
 import os
 
 from kvjax.config import ModelConfig
-from kvjax.fields import (INT32_MAX, SEED_MAX, apply_overrides, check_choice, check_nonnegative, check_positive,
-                          check_real, config_keys, from_dict, to_dict)
+from kvjax.fields import (
+  INT32_MAX,
+  SEED_MAX,
+  apply_overrides,
+  check_choice,
+  check_nonnegative,
+  check_positive,
+  check_real,
+  config_keys,
+  from_dict,
+  to_dict,
+)
 from kvjax.sharding import parse_mesh
 
-__all__ = ["DataConfig", "TrainConfig", "TrainRun", "apply_overrides", "config_keys", "from_dict",
-           "to_dict"]
+__all__ = ["DataConfig", "TrainConfig", "TrainRun", "apply_overrides", "config_keys", "from_dict", "to_dict"]
 
 
 HELD_OUT_RULES = ("spread", "tail")
@@ -90,8 +99,17 @@ class TrainConfig:
   mesh: str | None = None
 
   def __post_init__(self):
-    check_positive(self, "steps", "batch_size", "log_every", "eval_every", "eval_batches",
-                   "checkpoint_every", "keep_checkpoints", most=INT32_MAX)  # optax counts steps in int32
+    check_positive(
+      self,
+      "steps",
+      "batch_size",
+      "log_every",
+      "eval_every",
+      "eval_batches",
+      "checkpoint_every",
+      "keep_checkpoints",
+      most=INT32_MAX,
+    )  # optax counts steps in int32
     check_nonnegative(self, "warmup_steps", most=INT32_MAX)
     check_nonnegative(self, "seed", most=SEED_MAX)
     check_real(self, "lr", 0.0, math.inf, open_low=True, open_high=True)
@@ -114,8 +132,10 @@ class TrainConfig:
     except ValueError as err:
       raise ValueError(f"TrainConfig.mesh={self.mesh!r}: {err}") from None
     if self.batch_size % data:
-      raise ValueError(f"TrainConfig.batch_size={self.batch_size} does not split over the data axis "
-                       f"of TrainConfig.mesh={self.mesh!r} ({data}); use a multiple of {data}")
+      raise ValueError(
+        f"TrainConfig.batch_size={self.batch_size} does not split over the data axis "
+        f"of TrainConfig.mesh={self.mesh!r} ({data}); use a multiple of {data}"
+      )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,8 +154,8 @@ class TrainRun:
       if not isinstance(getattr(self, name), cls):
         raise ValueError(f"TrainRun.{name} must be a {cls.__name__}, got {getattr(self, name)!r}")
     if self.model.vocab_size < 256:
-      raise ValueError(f"ModelConfig.vocab_size={self.model.vocab_size} is too small for the byte "
-                       "tokenizer, which needs 256")
+      raise ValueError(
+        f"ModelConfig.vocab_size={self.model.vocab_size} is too small for the byte tokenizer, which needs 256"
+      )
     if self.data.seq_len > self.model.max_len:
-      raise ValueError(f"DataConfig.seq_len={self.data.seq_len} exceeds ModelConfig.max_len="
-                       f"{self.model.max_len}")
+      raise ValueError(f"DataConfig.seq_len={self.data.seq_len} exceeds ModelConfig.max_len={self.model.max_len}")

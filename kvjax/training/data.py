@@ -102,8 +102,9 @@ def corpus_files(source: str) -> tuple[Path, list[Path]]:
       return root.parent, [root]
     if not root.is_dir():
       raise ValueError(f"DataConfig.source: no such file or directory: {root}")
-    files = [p for p in root.rglob("*") if p.is_file()
-             and not any(part.startswith(".") for part in p.relative_to(root).parts)]
+    files = [
+      p for p in root.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts)
+    ]
   files.sort(key=lambda p: p.relative_to(root).as_posix())
   if not files:
     raise ValueError(f"DataConfig.source: no files found under {root}")
@@ -118,7 +119,7 @@ def load_corpus(config: DataConfig) -> tuple[np.ndarray, CorpusInfo]:
     if size >= config.max_bytes:
       break
     try:
-      chunk = path.read_bytes()[:config.max_bytes - size]
+      chunk = path.read_bytes()[: config.max_bytes - size]
     except OSError as err:
       raise ValueError(f"cannot read corpus file {path}: {err}") from err
     chunks.append(chunk)
@@ -127,9 +128,13 @@ def load_corpus(config: DataConfig) -> tuple[np.ndarray, CorpusInfo]:
   data = b"".join(chunks)
   if not data:
     raise ValueError(f"DataConfig.source: the corpus {config.source} is empty ({used} file(s) of 0 bytes under {root})")
-  info = CorpusInfo(source=config.source if config.source == "stdlib" else str(Path(config.source).resolve()),
-                    root=str(root), num_files=used, num_bytes=len(data),
-                    sha256=hashlib.sha256(data).hexdigest())
+  info = CorpusInfo(
+    source=config.source if config.source == "stdlib" else str(Path(config.source).resolve()),
+    root=str(root),
+    num_files=used,
+    num_bytes=len(data),
+    sha256=hashlib.sha256(data).hexdigest(),
+  )
   return np.frombuffer(data, np.uint8), info
 
 
@@ -174,8 +179,13 @@ def load_dataset(config: DataConfig, tokenizer=None) -> Dataset:
   workdir's, kvjax.interop.tokenizer.TextTokenizer), that tokenizer's ids of them."""
   if config.source == PROSE:  # the documentation's own split; max_bytes, val_fraction, held_out do not apply
     train, val = documentation()
-    info = CorpusInfo(source=PROSE, root="pydoc_data.topics", num_files=1, num_bytes=len(train) + len(val),
-                      sha256=hashlib.sha256(train + val).hexdigest())
+    info = CorpusInfo(
+      source=PROSE,
+      root="pydoc_data.topics",
+      num_files=1,
+      num_bytes=len(train) + len(val),
+      sha256=hashlib.sha256(train + val).hexdigest(),
+    )
     train, val = np.frombuffer(train, np.uint8), np.frombuffer(val, np.uint8)
   else:
     corpus, info = load_corpus(config)
@@ -184,9 +194,10 @@ def load_dataset(config: DataConfig, tokenizer=None) -> Dataset:
   need = config.seq_len + 1
   if tokenizer is None and min(len(train), len(val)) < need:
     raise ValueError(
-        f"corpus {info.source} has {len(train) + len(val)} bytes: too small for windows of seq_len + 1 = "
-        f"{need} bytes in both the train split ({len(train)}) and the held-out split ({len(val)}); use a "
-        "larger corpus, max_bytes or val_fraction, or a smaller seq_len")
+      f"corpus {info.source} has {len(train) + len(val)} bytes: too small for windows of seq_len + 1 = "
+      f"{need} bytes in both the train split ({len(train)}) and the held-out split ({len(val)}); use a "
+      "larger corpus, max_bytes or val_fraction, or a smaller seq_len"
+    )
   dataset = Dataset(train=train, val=val, seq_len=config.seq_len, info=info)
   return dataset if tokenizer is None else retokenize(dataset, tokenizer.encode)
 
@@ -197,13 +208,16 @@ def retokenize(dataset: Dataset, encode: Callable[[str], Sequence[int]]) -> Data
   bytes_per_token becomes the held-out split's bytes per token, the usual normalisation for
   reporting such a model's loss in bits per byte.
   """
+
   def ids(split: np.ndarray) -> np.ndarray:
     return np.asarray(encode(split.tobytes().decode("utf-8", errors="replace")), np.int32)
 
   train, val = ids(dataset.train), ids(dataset.val)
   if min(len(train), len(val)) < dataset.seq_len + 1:
-    raise ValueError(f"corpus {dataset.info.source} gives {len(train)} train and {len(val)} held-out tokens: "
-                     f"too few for windows of seq_len + 1 = {dataset.seq_len + 1} tokens")
+    raise ValueError(
+      f"corpus {dataset.info.source} gives {len(train)} train and {len(val)} held-out tokens: "
+      f"too few for windows of seq_len + 1 = {dataset.seq_len + 1} tokens"
+    )
   return dataclasses.replace(dataset, train=train, val=val, bytes_per_token=len(dataset.val) / len(val))
 
 
@@ -244,4 +258,4 @@ def eval_batches(tokens: np.ndarray, seq_len: int, batch_size: int, num_batches:
   count = batch_size * num_batches
   starts = np.linspace(0, len(tokens) - seq_len - 1, count).astype(np.int64)
   for i in range(num_batches):
-    yield windows(tokens, starts[i * batch_size:(i + 1) * batch_size], seq_len)
+    yield windows(tokens, starts[i * batch_size : (i + 1) * batch_size], seq_len)

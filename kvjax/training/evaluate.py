@@ -49,8 +49,17 @@ def _eval_sums(model: Transformer, params, inputs, targets, cache_config: CacheC
   return loss, (logits.argmax(-1) == targets).sum()
 
 
-def evaluate(model: Transformer, params, data: Dataset, *, batch_size: int, num_batches: int,
-             split: str = "val", mesh: Mesh | None = None, cache_config: CacheConfig | None = None) -> dict:
+def evaluate(
+  model: Transformer,
+  params,
+  data: Dataset,
+  *,
+  batch_size: int,
+  num_batches: int,
+  split: str = "val",
+  mesh: Mesh | None = None,
+  cache_config: CacheConfig | None = None,
+) -> dict:
   """Mean next-token loss (nats), bits per byte and accuracy over fixed windows of a split,
   sharded over `mesh` (kvjax.sharding's rules; batch_size must split over `data`) when given.
   Bits per byte is loss / ln 2 / data.bytes_per_token (exact for bytes, a corpus average otherwise).
@@ -70,14 +79,26 @@ def evaluate(model: Transformer, params, data: Dataset, *, batch_size: int, num_
   count = batch_size * num_batches * data.seq_len
   loss = float(np.sum([np.float64(s[0]) for s in sums])) / count
   correct = int(np.sum([int(s[1]) for s in sums]))
-  return {"loss": loss, "perplexity": math.exp(loss), "bits_per_byte": loss / math.log(2) / data.bytes_per_token,
-          "accuracy": correct / count}
+  return {
+    "loss": loss,
+    "perplexity": math.exp(loss),
+    "bits_per_byte": loss / math.log(2) / data.bytes_per_token,
+    "accuracy": correct / count,
+  }
 
 
-def evaluate_checkpoint(workdir: str | Path, *, step: int | None = None, split: str = "val",
-                        batch_size: int | None = None, num_batches: int | None = None,
-                        mesh: Mesh | None = None, cache_config: CacheConfig | None = None,
-                        corpus: str | None = None, seq_len: int | None = None) -> dict:
+def evaluate_checkpoint(
+  workdir: str | Path,
+  *,
+  step: int | None = None,
+  split: str = "val",
+  batch_size: int | None = None,
+  num_batches: int | None = None,
+  mesh: Mesh | None = None,
+  cache_config: CacheConfig | None = None,
+  corpus: str | None = None,
+  seq_len: int | None = None,
+) -> dict:
   """`evaluate` of a workdir's checkpoint (latest unless `step`) on the corpus of its run's config.
 
   batch_size and num_batches default to the run's train.batch_size and train.eval_batches (8
@@ -93,19 +114,38 @@ def evaluate_checkpoint(workdir: str | Path, *, step: int | None = None, split: 
   model, params, config = load_model(workdir, step, mesh=mesh)
   meta = read_meta(workdir, step)
   tokenizer = TextTokenizer.load(workdir, model.config.vocab_size)
-  data_config = from_dict(DataConfig, config["data"]) if "data" in config else DataConfig(
-      source="stdlib" if tokenizer is None else PROSE, seq_len=min(128, model.config.max_len))
-  data_config = dataclasses.replace(data_config, **({"source": corpus} if corpus else {}),
-                                    **({"seq_len": seq_len} if seq_len else {}))
+  data_config = (
+    from_dict(DataConfig, config["data"])
+    if "data" in config
+    else DataConfig(source="stdlib" if tokenizer is None else PROSE, seq_len=min(128, model.config.max_len))
+  )
+  data_config = dataclasses.replace(
+    data_config, **({"source": corpus} if corpus else {}), **({"seq_len": seq_len} if seq_len else {})
+  )
   model.config.check_length(data_config.seq_len, f"windows of seq_len={data_config.seq_len} tokens")
   train = config.get("train", {})
   batch_size = batch_size or train.get("batch_size", 8)
   num_batches = num_batches or train.get("eval_batches", 8)
   data = load_dataset(data_config, tokenizer)
-  metrics = evaluate(model, params, data, batch_size=batch_size, num_batches=num_batches, split=split,
-                     mesh=mesh, cache_config=cache_config)
+  metrics = evaluate(
+    model,
+    params,
+    data,
+    batch_size=batch_size,
+    num_batches=num_batches,
+    split=split,
+    mesh=mesh,
+    cache_config=cache_config,
+  )
   cache = None if cache_config is None else to_dict(cache_config)
-  return {"step": step, "split": split, "cache": cache, **metrics, "seq_len": data_config.seq_len,
-          "tokens": batch_size * num_batches * data_config.seq_len,
-          "corpus": data.info.source, "corpus_sha256": data.info.sha256,
-          "trained_corpus_sha256": meta.get("corpus", {}).get("sha256")}
+  return {
+    "step": step,
+    "split": split,
+    "cache": cache,
+    **metrics,
+    "seq_len": data_config.seq_len,
+    "tokens": batch_size * num_batches * data_config.seq_len,
+    "corpus": data.info.source,
+    "corpus_sha256": data.info.sha256,
+    "trained_corpus_sha256": meta.get("corpus", {}).get("sha256"),
+  }

@@ -59,17 +59,21 @@ class TrainState:
 def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
   """Global-norm clipping, then AdamW; weight decay applies to matrices (ndim >= 2) only."""
   return optax.chain(
-      optax.clip_by_global_norm(config.clip_norm),
-      optax.adamw(learning_rate_schedule(config), b1=config.b1, b2=config.b2,
-                  weight_decay=config.weight_decay,
-                  mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)))
+    optax.clip_by_global_norm(config.clip_norm),
+    optax.adamw(
+      learning_rate_schedule(config),
+      b1=config.b1,
+      b2=config.b2,
+      weight_decay=config.weight_decay,
+      mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params),
+    ),
+  )
 
 
 def learning_rate_schedule(config: TrainConfig) -> optax.Schedule:
   """Learning rate of optimizer step `count` (from 0)."""
   warmup = optax.linear_schedule(0.0, config.lr, max(config.warmup_steps, 1))
-  decay = optax.cosine_decay_schedule(config.lr, max(config.steps - config.warmup_steps, 1),
-                                      alpha=config.min_lr_ratio)
+  decay = optax.cosine_decay_schedule(config.lr, max(config.steps - config.warmup_steps, 1), alpha=config.min_lr_ratio)
   return optax.join_schedules([warmup, decay], [config.warmup_steps])
 
 
@@ -89,8 +93,9 @@ def place_state(state: TrainState, mesh: Mesh | None) -> TrainState:
   return jax.device_put(state, jax.devices()[0]) if mesh is None else sharding.shard_params(state, mesh)
 
 
-def init_state(model: Transformer, optimizer: optax.GradientTransformation, key: jax.Array,
-               params=None, mesh: Mesh | None = None) -> TrainState:
+def init_state(
+  model: Transformer, optimizer: optax.GradientTransformation, key: jax.Array, params=None, mesh: Mesh | None = None
+) -> TrainState:
   """The step-0 state (from `params`, else freshly initialised), placed by `place_state`."""
   if params is None:
     params = param_initializer(model, mesh)(key)
@@ -102,8 +107,14 @@ def init_state(model: Transformer, optimizer: optax.GradientTransformation, key:
   return place_state(state, mesh)
 
 
-def make_train_step(model: Transformer, optimizer: optax.GradientTransformation, state_sharding=None, *,
-                    teacher: tuple[Transformer, Any] | None = None, distill: float = 0.0):
+def make_train_step(
+  model: Transformer,
+  optimizer: optax.GradientTransformation,
+  state_sharding=None,
+  *,
+  teacher: tuple[Transformer, Any] | None = None,
+  distill: float = 0.0,
+):
   """-> jitted step(state, inputs, targets, mask=None) -> (state, {"loss", "grad_norm"[, "distill_kl"]});
   donates `state`. `state_sharding` (kvjax.sharding.param_sharding of the state) pins the new state
   to the layout the step was given, so that feeding it back hits the one compiled step. A float32
@@ -113,6 +124,7 @@ def make_train_step(model: Transformer, optimizer: optax.GradientTransformation,
   With a teacher (model, params) and distill > 0 the objective adds distill x KL(teacher || model)
   of the next-token distributions, averaged over tokens (knowledge distillation); "loss" stays the
   data's cross-entropy and "distill_kl" is the KL term."""
+
   def step(state: TrainState, inputs: jax.Array, targets: jax.Array, mask, teacher_params):
     average = (lambda x: x.mean()) if mask is None else (lambda x: (x * mask).sum() / jnp.maximum(mask.sum(), 1.0))
 
@@ -127,15 +139,16 @@ def make_train_step(model: Transformer, optimizer: optax.GradientTransformation,
 
     (objective, parts), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    new = TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),
-                     opt_state=opt_state)
+    new = TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates), opt_state=opt_state)
     return new, {"loss": objective, **parts, "grad_norm": optax.tree.norm(grads)}
 
   jitted = jax.jit(step, donate_argnums=0, out_shardings=(state_sharding, None))
   # The teacher's own buffers: a student made from it (uptraining) shares arrays it would donate.
   teacher_params = jax.tree.map(jnp.copy, teacher[1]) if teacher is not None and distill > 0 else None
+
   def run_step(state: TrainState, inputs: jax.Array, targets: jax.Array, mask: jax.Array | None = None):
     return jitted(state, inputs, targets, mask, teacher_params)
+
   run_step.jitted = jitted  # the one compiled step, e.g. to count its compilations
   run_step.lower = lambda state, inputs, targets, mask=None: jitted.lower(state, inputs, targets, mask, teacher_params)
   return run_step
@@ -164,8 +177,7 @@ class Logger:
       f.write(json.dumps(record) + "\n")
 
 
-def _resume(workdir: Path, config: dict, data: Dataset, like: TrainState, sampler: WindowSampler,
-            mesh: Mesh | None):
+def _resume(workdir: Path, config: dict, data: Dataset, like: TrainState, sampler: WindowSampler, mesh: Mesh | None):
   """Restores the latest checkpoint into (state, sampler) -> (state, step); (None, 0) when none.
   `like` gives the state's structure, shapes and dtypes; the state is restored onto `mesh`.
   Only reads: a refused resume leaves the workdir as it was."""
@@ -175,17 +187,20 @@ def _resume(workdir: Path, config: dict, data: Dataset, like: TrainState, sample
   where = checkpoint.step_dir(workdir, step)
   meta = checkpoint.read_meta(workdir, step)
   if meta.get("kind") != "train":
-    raise ValueError(f"checkpoint {where} holds {meta.get('kind')!r} weights without optimizer state "
-                     "and cannot be resumed; train in a new --workdir")
+    raise ValueError(
+      f"checkpoint {where} holds {meta.get('kind')!r} weights without optimizer state "
+      "and cannot be resumed; train in a new --workdir"
+    )
   checkpoint.check_resume(meta, config, workdir)
   saved_hash = meta.get("corpus", {}).get("sha256")
   if saved_hash != data.info.sha256:
-    raise ValueError(f"checkpoint {where} was trained on a corpus with sha256 {saved_hash}, but "
-                     f"{data.info.source} now has sha256 {data.info.sha256}; resuming would not be "
-                     "exact - train in another --workdir")
+    raise ValueError(
+      f"checkpoint {where} was trained on a corpus with sha256 {saved_hash}, but "
+      f"{data.info.source} now has sha256 {data.info.sha256}; resuming would not be "
+      "exact - train in another --workdir"
+    )
   with checkpoint.open_manager(workdir) as manager:
-    params, opt_state = checkpoint.restore_train_state(manager, workdir, step, like.params, like.opt_state,
-                                                       mesh)
+    params, opt_state = checkpoint.restore_train_state(manager, workdir, step, like.params, like.opt_state, mesh)
   try:
     sampler.restore(meta["data"])
   except (KeyError, TypeError, ValueError) as err:
@@ -221,8 +236,10 @@ def run(config: TrainRun, workdir: str | Path, init_params=None, teacher=None) -
   TrainConfig.distill > 0 needs `teacher`, a (model, params) pair whose next-token distributions
   the run learns from besides the data (kvjax uptrain passes its source)."""
   if config.train.distill > 0 and teacher is None:
-    raise ValueError(f"TrainConfig.distill={config.train.distill} needs a teacher model "
-                     "(kvjax uptrain --distill uses the source model)")
+    raise ValueError(
+      f"TrainConfig.distill={config.train.distill} needs a teacher model "
+      "(kvjax uptrain --distill uses the source model)"
+    )
   check_memory(config, init_params)  # before the workdir is claimed: a refusal writes nothing
   with claim_workdir(config, workdir) as path:
     return _run(config, path, init_params, teacher)
@@ -233,8 +250,13 @@ def check_memory(config: TrainRun, init_params=None) -> None:
   machine, or of the run's mesh, cannot hold (kvjax.memory.check_training)."""
   mesh = sharding.mesh_from_spec(config.train.mesh)
   resident = sum(x.nbytes for x in jax.tree.leaves(init_params) if isinstance(x, jax.Array))
-  memory.check_training(config.model, config.train.batch_size, config.data.seq_len, resident=resident,
-                        devices=None if mesh is None else list(mesh.devices.flat))
+  memory.check_training(
+    config.model,
+    config.train.batch_size,
+    config.data.seq_len,
+    resident=resident,
+    devices=None if mesh is None else list(mesh.devices.flat),
+  )
 
 
 def _run(config: TrainRun, workdir: Path, init_params, teacher=None) -> dict:
@@ -250,25 +272,38 @@ def _run(config: TrainRun, workdir: Path, init_params, teacher=None) -> dict:
   num_params = sum(x.size for x in jax.tree.leaves(like.params))
 
   state, start = _resume(workdir, config_dict, data, like, sampler, mesh)
-  about = (f"kvjax train: {num_params:,} parameters, corpus {data.info.source} ({data.info.num_bytes:,} bytes, "
-           f"{data.info.num_files} files), ")
+  about = (
+    f"kvjax train: {num_params:,} parameters, corpus {data.info.source} ({data.info.num_bytes:,} bytes, "
+    f"{data.info.num_files} files), "
+  )
   if start == tc.steps:  # finished: evaluated again, nothing written
     print(about + f"finished at step {start}; nothing to train", flush=True)
-    val = evaluate(compute_model, state.params, data, batch_size=tc.batch_size, num_batches=tc.eval_batches,
-                   mesh=mesh)
-    return {"step": start, "val_loss": val["loss"], "bits_per_byte": val["bits_per_byte"],
-            "accuracy": val["accuracy"], "tokens_per_s": None, "mfu": None, "peak_flops_source": None,
-            "params": num_params}
+    val = evaluate(compute_model, state.params, data, batch_size=tc.batch_size, num_batches=tc.eval_batches, mesh=mesh)
+    return {
+      "step": start,
+      "val_loss": val["loss"],
+      "bits_per_byte": val["bits_per_byte"],
+      "accuracy": val["accuracy"],
+      "tokens_per_s": None,
+      "mfu": None,
+      "peak_flops_source": None,
+      "params": num_params,
+    }
   manager = checkpoint.open_manager(workdir, keep=tc.keep_checkpoints, writing=True)
   try:
     if state is None:
       state = init_state(model, optimizer, key, init_params, mesh)
     checkpoint.write_atomically(workdir / "corpus.json", json.dumps(data.info.to_dict(), indent=2) + "\n")
-    print(about + (f"resuming at step {start}" if start else "starting at step 0")
-          + (f", on a mesh of {dict(mesh.shape)}" if mesh is not None else ""), flush=True)
+    print(
+      about
+      + (f"resuming at step {start}" if start else "starting at step 0")
+      + (f", on a mesh of {dict(mesh.shape)}" if mesh is not None else ""),
+      flush=True,
+    )
     state_sharding = sharding.param_sharding(like, mesh) if mesh is not None else None
-    trainer = _Trainer(config, workdir, manager, compute_model, optimizer, data, sampler, start, mesh,
-                       state_sharding, like, teacher)
+    trainer = _Trainer(
+      config, workdir, manager, compute_model, optimizer, data, sampler, start, mesh, state_sharding, like, teacher
+    )
     return trainer.loop(state, start) | {"params": num_params}
   finally:
     manager.close()
@@ -277,8 +312,21 @@ def _run(config: TrainRun, workdir: Path, init_params, teacher=None) -> dict:
 class _Trainer:
   """The training loop's bookkeeping: logging windows, throughput, eval and checkpoint cadence."""
 
-  def __init__(self, config: TrainRun, workdir: Path, manager, model, optimizer, data, sampler, start, mesh,
-               state_sharding, like: TrainState, teacher=None):
+  def __init__(
+    self,
+    config: TrainRun,
+    workdir: Path,
+    manager,
+    model,
+    optimizer,
+    data,
+    sampler,
+    start,
+    mesh,
+    state_sharding,
+    like: TrainState,
+    teacher=None,
+  ):
     self.config, self.tc, self.workdir, self.manager = config, config.train, workdir, manager
     self.like = like  # the state's structure, for reading a checkpoint back
     self.model, self.data, self.sampler, self.mesh = model, data, sampler, mesh
@@ -324,9 +372,15 @@ class _Trainer:
     finally:
       bar.close()
     tokens_per_s = self.timed_steps * self.tokens_per_step / self.timed_seconds if self.timed_seconds else None
-    return {"step": int(state.step), "val_loss": self.val["loss"], "bits_per_byte": self.val["bits_per_byte"],
-            "accuracy": self.val["accuracy"], "tokens_per_s": tokens_per_s, "mfu": self._mfu(tokens_per_s),
-            "peak_flops_source": self.peak_source}
+    return {
+      "step": int(state.step),
+      "val_loss": self.val["loss"],
+      "bits_per_byte": self.val["bits_per_byte"],
+      "accuracy": self.val["accuracy"],
+      "tokens_per_s": tokens_per_s,
+      "mfu": self._mfu(tokens_per_s),
+      "peak_flops_source": self.peak_source,
+    }
 
   def _mfu(self, tokens_per_s: float | None) -> float | None:
     if tokens_per_s is None or self.peak is None:
@@ -343,8 +397,10 @@ class _Trainer:
     for step, metrics in self.pending:
       loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
       if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-        raise TrainingDiverged(f"training diverged at step {step}: loss {loss}, gradient norm {grad_norm}; "
-                               f"stopped, {self._last_good()}. Lower train.lr or raise train.warmup_steps.")
+        raise TrainingDiverged(
+          f"training diverged at step {step}: loss {loss}, gradient norm {grad_norm}; "
+          f"stopped, {self._last_good()}. Lower train.lr or raise train.warmup_steps."
+        )
       self.window["steps"] += 1
       self.window["loss"] += loss
       self.window["grad_norm"] += grad_norm
@@ -357,8 +413,9 @@ class _Trainer:
     if step is None:
       return "no checkpoint was written"
     try:
-      params, opt_state = checkpoint.restore_train_state(self.manager, self.workdir, step, self.like.params,
-                                                         self.like.opt_state, self.mesh)
+      params, opt_state = checkpoint.restore_train_state(
+        self.manager, self.workdir, step, self.like.params, self.like.opt_state, self.mesh
+      )
     except ValueError as err:
       return f"and no checkpoint is good: {err}"
     if not all(np.isfinite(x).all() for x in jax.tree.leaves((params, opt_state))):
@@ -372,9 +429,16 @@ class _Trainer:
     tokens_per_s = w["timed_steps"] * self.tokens_per_step / w["seconds"] if w["seconds"] else None
     # steps_averaged is log_every but in a window cut short: the first after a resume from a
     # checkpoint between log steps, or the last, at a train.steps that is not a multiple of it.
-    record = {"step": step, "kind": "train", "loss": w["loss"] / w["steps"], "steps_averaged": w["steps"],
-              "grad_norm": w["grad_norm"] / w["steps"], "lr": float(self.schedule(step - 1)),
-              "tokens_per_s": tokens_per_s, "mfu": self._mfu(tokens_per_s)}
+    record = {
+      "step": step,
+      "kind": "train",
+      "loss": w["loss"] / w["steps"],
+      "steps_averaged": w["steps"],
+      "grad_norm": w["grad_norm"] / w["steps"],
+      "lr": float(self.schedule(step - 1)),
+      "tokens_per_s": tokens_per_s,
+      "mfu": self._mfu(tokens_per_s),
+    }
     self.logger.write(record)
     postfix = {"loss": f"{record['loss']:.3f}"}
     if tokens_per_s:
@@ -385,13 +449,26 @@ class _Trainer:
     self.window = self._new_window()
 
   def _eval(self, step: int, state: TrainState) -> None:
-    self.val = evaluate(self.model, state.params, self.data, batch_size=self.tc.batch_size,
-                        num_batches=self.tc.eval_batches, mesh=self.mesh)
+    self.val = evaluate(
+      self.model,
+      state.params,
+      self.data,
+      batch_size=self.tc.batch_size,
+      num_batches=self.tc.eval_batches,
+      mesh=self.mesh,
+    )
     self.logger.write({"step": step, "kind": "eval", **{f"val_{k}": v for k, v in self.val.items()}})
-    tqdm.write(f"step {step}: val loss {self.val['loss']:.4f}, {self.val['bits_per_byte']:.3f} bits/byte, "
-               f"accuracy {self.val['accuracy']:.3f}")
+    tqdm.write(
+      f"step {step}: val loss {self.val['loss']:.4f}, {self.val['bits_per_byte']:.3f} bits/byte, "
+      f"accuracy {self.val['accuracy']:.3f}"
+    )
 
   def _save(self, step: int, state: TrainState) -> None:
-    meta = {"kind": "train", "step": step, "config": to_dict(self.config), "data": self.sampler.state(),
-            "corpus": self.data.info.to_dict()}
+    meta = {
+      "kind": "train",
+      "step": step,
+      "config": to_dict(self.config),
+      "data": self.sampler.state(),
+      "corpus": self.data.info.to_dict(),
+    }
     checkpoint.save_train_state(self.manager, step, state.params, state.opt_state, meta)

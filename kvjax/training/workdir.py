@@ -61,8 +61,9 @@ def resolve(path: str | os.PathLike) -> Path:
   """The absolute path of a workdir; an empty path (which would mean the current directory) is
   refused."""
   if not os.fspath(path).strip():
-    raise WorkdirRefused("the workdir is an empty path, which would be the current directory; "
-                         "name the directory to write into")
+    raise WorkdirRefused(
+      "the workdir is an empty path, which would be the current directory; name the directory to write into"
+    )
   return Path(path).expanduser().resolve()
 
 
@@ -71,8 +72,9 @@ def held(path: str | os.PathLike) -> str | None:
   return _held.get(resolve(path))
 
 
-def check(path: str | os.PathLike, kind: str, job: dict | None = None, *,
-          same_job: Callable[[dict], None] | None = None) -> Path:
+def check(
+  path: str | os.PathLike, kind: str, job: dict | None = None, *, same_job: Callable[[dict], None] | None = None
+) -> Path:
   """Reads `path` and raises WorkdirRefused unless `claim` could take it (job None: any job of
   `kind`); writes nothing. Returns the resolved path. For refusing early, before a slow step
   that the claim's job depends on."""
@@ -82,8 +84,9 @@ def check(path: str | os.PathLike, kind: str, job: dict | None = None, *,
 
 
 @contextlib.contextmanager
-def claim(path: str | os.PathLike, kind: str, job: dict, *,
-          same_job: Callable[[dict], None] | None = None) -> Iterator[Path]:
+def claim(
+  path: str | os.PathLike, kind: str, job: dict, *, same_job: Callable[[dict], None] | None = None
+) -> Iterator[Path]:
   """Claims the workdir `path` for a `kind` job identified by `job` (JSON) and holds its lock until
   the block ends; yields the resolved path.
 
@@ -106,8 +109,9 @@ def claim(path: str | os.PathLike, kind: str, job: dict, *,
     try:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-      raise WorkdirInUse(f"{path} is in use by another kvjax process ({_holder(fd)}); wait for it to "
-                         "finish, or use another workdir") from None
+      raise WorkdirInUse(
+        f"{path} is in use by another kvjax process ({_holder(fd)}); wait for it to finish, or use another workdir"
+      ) from None
     except OSError as err:
       raise WorkdirRefused(f"cannot lock {path / LOCK}: {err.strerror or err}") from None
     # Again under the lock: another process may have claimed the directory since.
@@ -170,8 +174,9 @@ def _inspect(path: Path, kind: str, job: dict | None, same_job) -> dict | None:
   if marker.exists():
     recorded = _read_marker(marker)
     if recorded["kind"] != kind:
-      raise WorkdirRefused(f"{path} is a kvjax workdir of another kind ({recorded['kind']}, not {kind}); use "
-                           "another workdir")
+      raise WorkdirRefused(
+        f"{path} is a kvjax workdir of another kind ({recorded['kind']}, not {kind}); use another workdir"
+      )
     if job is not None:
       (same_job or _equal_job(path, kind, job))(recorded["job"])
     return recorded["job"]
@@ -182,17 +187,22 @@ def _inspect(path: Path, kind: str, job: dict | None, same_job) -> dict | None:
   if entries:
     shown = ", ".join(entries[:4]) + (", ..." if len(entries) > 4 else "")
     counted = f"{len(entries)} {'entry' if len(entries) == 1 else 'entries'}"
-    raise WorkdirRefused(f"{path} is not empty ({counted}: {shown}) and no {MARKER} marks it "
-                         f"as a kvjax workdir of this kind ({kind}): kvjax writes only into a new or empty "
-                         "directory or a workdir it made for this kind of job; use another workdir")
+    raise WorkdirRefused(
+      f"{path} is not empty ({counted}: {shown}) and no {MARKER} marks it "
+      f"as a kvjax workdir of this kind ({kind}): kvjax writes only into a new or empty "
+      "directory or a workdir it made for this kind of job; use another workdir"
+    )
   return None
 
 
 def _equal_job(path: Path, kind: str, job: dict) -> Callable[[dict], None]:
   def same_job(recorded: dict) -> None:
     if recorded != job:
-      raise WorkdirRefused(f"{path} is the workdir of another {kind} job: it records {json.dumps(recorded)}, "
-                           f"this one is {json.dumps(job)}; use another workdir")
+      raise WorkdirRefused(
+        f"{path} is the workdir of another {kind} job: it records {json.dumps(recorded)}, "
+        f"this one is {json.dumps(job)}; use another workdir"
+      )
+
   return same_job
 
 
@@ -201,13 +211,16 @@ def _read_marker(marker: Path) -> dict:
     recorded = json.loads(marker.read_text())
   except (OSError, ValueError) as err:
     raise WorkdirRefused(f"cannot read the workdir marker {marker}: {err}") from None
-  if not (isinstance(recorded, dict) and isinstance(recorded.get("kind"), str)
-          and isinstance(recorded.get("job"), dict)):
+  if not (
+    isinstance(recorded, dict) and isinstance(recorded.get("kind"), str) and isinstance(recorded.get("job"), dict)
+  ):
     raise WorkdirRefused(f"the workdir marker {marker} is damaged (no kind and job)")
   if not isinstance(recorded.get("kvjax_version"), str):
-    raise WorkdirRefused(f"{marker.parent} was written by a kvjax from before workdirs recorded their version "
-                         f"(its {MARKER} has no kvjax_version); kvjax {version()} does not read it: use a new "
-                         "workdir, and import or train the model again")
+    raise WorkdirRefused(
+      f"{marker.parent} was written by a kvjax from before workdirs recorded their version "
+      f"(its {MARKER} has no kvjax_version); kvjax {version()} does not read it: use a new "
+      "workdir, and import or train the model again"
+    )
   return recorded
 
 
@@ -230,8 +243,12 @@ def _write_marker(path: Path, kind: str, job: dict) -> None:
 def _process() -> dict:
   """Who holds a lock: what the refusal of a second process names."""
   command = shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]) if sys.argv else "?"
-  return {"pid": os.getpid(), "host": socket.gethostname(), "command": command,
-          "since": datetime.datetime.now().isoformat(timespec="seconds")}
+  return {
+    "pid": os.getpid(),
+    "host": socket.gethostname(),
+    "command": command,
+    "since": datetime.datetime.now().isoformat(timespec="seconds"),
+  }
 
 
 def _holder(fd: int) -> str:

@@ -46,8 +46,9 @@ def test_bench_quant_compares_equal_caches():
   assert result["int8_cache_bytes"] * 4 * TINY.head_dim == result["float32_cache_bytes"] * (TINY.head_dim + 4)
   # Whole decode steps: the int8 cache holds the float32 cache's values quantized; its bytes as counted.
   assert result["decode_first_step_max_logit_diff"] < 0.05 and result["int8_decode_step_ms"] > 0
-  assert result["decode_cache_bytes"] == {name: 2 * (40 + 2) * bytes_per_token(TINY, CacheConfig(dtype=name))
-                                          for name in ("float32", "int8")}
+  assert result["decode_cache_bytes"] == {
+    name: 2 * (40 + 2) * bytes_per_token(TINY, CacheConfig(dtype=name)) for name in ("float32", "int8")
+  }
 
 
 def test_bench_decode_takes_an_int8_cache():

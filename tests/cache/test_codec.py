@@ -58,7 +58,7 @@ def half_step(x: np.ndarray, scale: np.ndarray, fmt: str) -> np.ndarray:
     return np.broadcast_to(scale / 2, x.shape)
   # e4m3: 3 mantissa bits; spacing 2^(e - 3) in the binade [2^e, 2^(e + 1)), 2^-9 below 2^-6.
   y = np.abs(x / np.where(scale > 0, scale, 1))
-  exponent = np.floor(np.log2(np.maximum(y, 2.0 ** -6)))
+  exponent = np.floor(np.log2(np.maximum(y, 2.0**-6)))
   return 2.0 ** (exponent - 3) / 2 * scale
 
 
@@ -126,7 +126,8 @@ def roundtrip_reference(config, cache, fmt) -> RoundtripCache:
   base = kvjax.ContiguousCache.create(config, cache.lengths.shape[0], cache.max_len)
   fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
   return RoundtripCache(**fields, stored_as=codec(fmt)).replace(
-      layers=float_layers(config, cache), lengths=jnp.array(cache.lengths))
+    layers=float_layers(config, cache), lengths=jnp.array(cache.lengths)
+  )
 
 
 @pytest.mark.parametrize("fmt", QUANTIZED)
@@ -206,11 +207,10 @@ def test_engine_and_generate_agree_on_a_quantized_cache(window):
   model, params = model_params()
   model = kvjax.Transformer(model.config.replace(window=window, sink_tokens=1 if window else 0))
   _, prompts = sequences()
-  engine = kvjax.Engine(model, params, kvjax.EngineConfig(num_slots=2, num_pages=24, max_len=32,
-                                                          cache=paged("int8")))
+  engine = kvjax.Engine(model, params, kvjax.EngineConfig(num_slots=2, num_pages=24, max_len=32, cache=paged("int8")))
   assert engine.cache.route == ("paged", "int8")
   for row in range(3):
-    engine.submit(prompts[row, :LENGTHS[row]], 6)
+    engine.submit(prompts[row, : LENGTHS[row]], 6)
   outputs = engine.run()
   want = kvjax.generate(model, params, prompts, LENGTHS, 6, cache_config=contiguous("int8"))
   for row in range(3):
@@ -221,10 +221,17 @@ def test_engine_and_generate_agree_on_a_quantized_cache(window):
 def test_byte_counts_are_exact(fmt):
   """nbytes of every layout == bytes per token x positions, where the bytes per token count
   values and scales by hand here; the sizes kvjax.cache.kinds gives from the configs agree."""
-  config = kvjax.ModelConfig(vocab_size=64, d_model=128, num_layers=2, num_heads=4, num_kv_heads=2,
-                             head_dim=64, max_len=32)
-  per_head = {"float32": 256, "bfloat16": 128, "float16": 128, "int8": 64 + 4, "float8_e4m3fn": 64 + 4,
-              "int4": 32 + 4 * 2}[fmt]
+  config = kvjax.ModelConfig(
+    vocab_size=64, d_model=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64, max_len=32
+  )
+  per_head = {
+    "float32": 256,
+    "bfloat16": 128,
+    "float16": 128,
+    "int8": 64 + 4,
+    "float8_e4m3fn": 64 + 4,
+    "int4": 32 + 4 * 2,
+  }[fmt]
   per_token = 2 * 2 * 2 * per_head  # layers x (k, v) x kv heads
   assert kinds.bytes_per_token(config, contiguous(fmt)) == per_token
   cache = kvjax.ContiguousCache.create(config, 3, 20, contiguous(fmt))
@@ -236,7 +243,8 @@ def test_byte_counts_are_exact(fmt):
   rows = kvjax.PagedCache.rows(config, 3, 20, paged(fmt))  # 5 pages per row and the null page
   assert rows.nbytes == (1 + 3 * 5) * 4 * per_token
   assert kinds.cache_bytes(config, paged(fmt), 3, 20) == rows.nbytes + 4 * 3 * 6
-  assert kinds.sequence_bytes(config, contiguous(fmt), 20) == kinds.sequence_bytes(config, paged(fmt), 20) \
-      == 20 * per_token
+  assert (
+    kinds.sequence_bytes(config, contiguous(fmt), 20) == kinds.sequence_bytes(config, paged(fmt), 20) == 20 * per_token
+  )
   for made in (cache, pool, rows):
     made.check_model(config)

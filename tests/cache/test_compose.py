@@ -21,8 +21,11 @@ from conftest import init_params, tiny_config
 from oracles import StoredForward, forward
 
 BATCH, MAX_LEN, PAGE_SIZE = 2, 12, 4
-PAYLOADS = {"kv": {}, "latent": dict(kv_latent_rank=12, rope_dims=8),
-            "latent-no-rope": dict(kv_latent_rank=12, positions="learned")}
+PAYLOADS = {
+  "kv": {},
+  "latent": dict(kv_latent_rank=12, rope_dims=8),
+  "latent-no-rope": dict(kv_latent_rank=12, positions="learned"),
+}
 # Layer 0 windowed (4 wide, 1 sink: a ring of 5 slots), layer 1 global; by the model or by the cache.
 WINDOW = dict(window=(4, 0), sink_tokens=1)
 WINDOWS = ("global", "model", "cache")
@@ -45,9 +48,14 @@ def widths_by_hand(payload: str) -> dict[str, tuple[int, int]]:
 def stored_by_hand(dtype: str, width: int) -> tuple[int, np.dtype, int]:
   """(values per vector, their dtype, float32 scales per vector) of `dtype`: int4 packs two per
   byte with one scale per group, and widths 8 and 12 are one group each."""
-  return {"float32": (width, np.float32, 0), "bfloat16": (width, jax.numpy.bfloat16, 0),
-          "float16": (width, np.float16, 0), "int8": (width, np.int8, 1),
-          "float8_e4m3fn": (width, jax.numpy.float8_e4m3fn, 1), "int4": (width // 2, np.uint8, 1)}[dtype]
+  return {
+    "float32": (width, np.float32, 0),
+    "bfloat16": (width, jax.numpy.bfloat16, 0),
+    "float16": (width, np.float16, 0),
+    "int8": (width, np.int8, 1),
+    "float8_e4m3fn": (width, jax.numpy.float8_e4m3fn, 1),
+    "int4": (width // 2, np.uint8, 1),
+  }[dtype]
 
 
 def vector_bytes_by_hand(dtype: str, width: int) -> int:
@@ -97,12 +105,17 @@ def test_every_combination_is_made_to_fit_its_model(payload, window):
         got = {name: (tuple(x.shape), np.dtype(x.dtype)) for name, x in layer.items()}
         assert got == arrays_by_hand(payload, window, layout, dtype, i), (where, i)
         assert got == cache.layer_spec(cache.model_config(config), i), (where, i)
-      per_position = sum(heads * vector_bytes_by_hand(dtype, width) for heads, width in widths_by_hand(payload).values())
+      per_position = sum(
+        heads * vector_bytes_by_hand(dtype, width) for heads, width in widths_by_hand(payload).values()
+      )
       assert kinds.bytes_per_token(config, cache_config) == config.num_layers * per_position, where
       bookkeeping = 4 * BATCH * (1 + -(-MAX_LEN // PAGE_SIZE) if layout == "paged" else 1)
       assert cache.nbytes + bookkeeping == kinds.cache_bytes(config, cache_config, BATCH, MAX_LEN), where
-      assert cache.nbytes == sum(math.prod(shape) * dt.itemsize for i in range(2)
-                                 for shape, dt in arrays_by_hand(payload, window, layout, dtype, i).values()), where
+      assert cache.nbytes == sum(
+        math.prod(shape) * dt.itemsize
+        for i in range(2)
+        for shape, dt in arrays_by_hand(payload, window, layout, dtype, i).values()
+      ), where
       cache.check_model(config)
 
 
@@ -118,12 +131,15 @@ def model_params(payload: str, windowed: bool):
   return init_params(tiny_config(2, max_len=24, **PAYLOADS[payload], **(WINDOW if windowed else {})))
 
 
-@pytest.mark.parametrize("layout, dtype, payload, windowed", [
+@pytest.mark.parametrize(
+  "layout, dtype, payload, windowed",
+  [
     ("contiguous", "int4", "latent", True),  # a ring of int4 latents and rotary keys
     ("paged", "float8_e4m3fn", "latent", True),
     ("paged", "bfloat16", "latent-no-rope", False),
     ("contiguous", "float16", "kv", True),
-])
+  ],
+)
 def test_decode_of_a_composed_cache_is_the_forward_over_what_it_stores(layout, dtype, payload, windowed):
   """Corners the concept tests do not reach (test_codec: K/V through every codec; test_latent:
   latents through them; test_window: rings of float and int8): a ragged prefill and decode steps
@@ -149,15 +165,22 @@ def test_what_cannot_be_composed_is_refused_with_its_reason():
   """Each refusal in the one place that knows it (CacheConfig, the codec, the layout, the
   engine), before any array is allocated or computed."""
   for changes, message in (
-      (dict(dtype="int3"), r"CacheConfig.dtype must be one of \('float32', .*'int4'.*\) or None, got 'int3'"),
-      (dict(layout="ring"), r"CacheConfig.layout must be one of \('contiguous', 'paged'\), got 'ring'"),
-      (dict(page_size=0), "CacheConfig.page_size must be a positive integer, got 0"),
-      (dict(absorb=1), "CacheConfig.absorb must be True or False, got 1"),
-      (dict(paged_read="flash"), "CacheConfig.paged_read must be one of"),
-      (dict(paged_read="pallas_interpret"), r"paged_read='pallas_interpret' reads float page pools only; use "
-                                            r"'gather' with layout='contiguous'"),
-      (dict(layout="paged", dtype="int8", paged_read="pallas"), r"reads float page pools only; use 'gather' "
-                                                                r"with layout='paged' and dtype='int8'")):
+    (dict(dtype="int3"), r"CacheConfig.dtype must be one of \('float32', .*'int4'.*\) or None, got 'int3'"),
+    (dict(layout="ring"), r"CacheConfig.layout must be one of \('contiguous', 'paged'\), got 'ring'"),
+    (dict(page_size=0), "CacheConfig.page_size must be a positive integer, got 0"),
+    (dict(absorb=1), "CacheConfig.absorb must be True or False, got 1"),
+    (dict(paged_read="flash"), "CacheConfig.paged_read must be one of"),
+    (
+      dict(paged_read="pallas_interpret"),
+      r"paged_read='pallas_interpret' reads float page pools only; use "
+      r"'gather' with layout='contiguous'",
+    ),
+    (
+      dict(layout="paged", dtype="int8", paged_read="pallas"),
+      r"reads float page pools only; use 'gather' "
+      r"with layout='paged' and dtype='int8'",
+    ),
+  ):
     with pytest.raises(ValueError, match=message):
       CacheConfig(**changes)
   assert CacheConfig(dtype="fp8").dtype == "float8_e4m3fn"  # aliases resolve to the codec's name
@@ -168,27 +191,35 @@ def test_what_cannot_be_composed_is_refused_with_its_reason():
   int4 = CacheConfig(dtype="int4")
   for config, name in ((odd_head, "k"), (odd_latent, "latent")):
     for layout in ("contiguous", "paged"):
-      with pytest.raises(ValueError, match=f"an int4 cache packs two values per byte, which needs an even width; "
-                                           f"the model's cached {name} is {9 if name == 'k' else 7} wide"):
+      with pytest.raises(
+        ValueError,
+        match=f"an int4 cache packs two values per byte, which needs an even width; "
+        f"the model's cached {name} is {9 if name == 'k' else 7} wide",
+      ):
         kinds.create(config, int4.replace(layout=layout), 1, 8)
   with pytest.raises(ValueError, match="the model's cached latent is 7 wide"):
-    kvjax.generate(kvjax.Transformer(odd_latent), None, np.ones((1, 3), np.int32), np.array([3]), 2,
-                   cache_config=int4)
+    kvjax.generate(kvjax.Transformer(odd_latent), None, np.ones((1, 3), np.int32), np.array([3]), 2, cache_config=int4)
   kinds.create(odd_latent, CacheConfig(dtype="int8"), 1, 8)  # int8 stores any width
 
   mla = tiny_config(2, **PAYLOADS["latent"])
   if paged.pallas_kernel() is not None:
-    with pytest.raises(ValueError, match="paged_read='pallas_interpret' reads K/V pools; an MLA model's pages are "
-                                         "read by 'gather'"):
+    with pytest.raises(
+      ValueError, match="paged_read='pallas_interpret' reads K/V pools; an MLA model's pages are read by 'gather'"
+    ):
       kinds.create(mla, CacheConfig(layout="paged", paged_read="pallas_interpret"), 1, 8)
   model = kvjax.Transformer(tiny_config(2))
   if not paged.pallas_available():
-    with pytest.raises(ValueError, match=f"paged_read='pallas' needs a GPU backend .* the backend is "
-                                         f"'{jax.default_backend()}'"):
+    with pytest.raises(
+      ValueError, match=f"paged_read='pallas' needs a GPU backend .* the backend is '{jax.default_backend()}'"
+    ):
       kvjax.Engine(model, None, kvjax.EngineConfig(cache=CacheConfig(layout="paged", paged_read="pallas")))
-  with pytest.raises(ValueError, match=r"EngineConfig.cache must be a CacheConfig with layout='paged' \(the engine "
-                                       r"allocates pages\), got CacheConfig\(layout='contiguous'"):
+  with pytest.raises(
+    ValueError,
+    match=r"EngineConfig.cache must be a CacheConfig with layout='paged' \(the engine "
+    r"allocates pages\), got CacheConfig\(layout='contiguous'",
+  ):
     kvjax.EngineConfig(cache=CacheConfig(layout="contiguous"))
   with pytest.raises(ValueError, match="an int4 cache packs two values per byte"):
-    kvjax.Engine(kvjax.Transformer(odd_latent), None, kvjax.EngineConfig(cache=CacheConfig(layout="paged",
-                                                                                           dtype="int4")))
+    kvjax.Engine(
+      kvjax.Transformer(odd_latent), None, kvjax.EngineConfig(cache=CacheConfig(layout="paged", dtype="int4"))
+    )

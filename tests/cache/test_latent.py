@@ -42,7 +42,7 @@ def random_tokens(shape, seed):
 
 
 def scattered_table(seed: int) -> np.ndarray:
-  pages = np.random.default_rng(seed).permutation(np.arange(1, NUM_PAGES))[:3 * MAX_PAGES]
+  pages = np.random.default_rng(seed).permutation(np.arange(1, NUM_PAGES))[: 3 * MAX_PAGES]
   return pages.reshape(3, MAX_PAGES).astype(np.int32)
 
 
@@ -50,8 +50,9 @@ def empty_cache(config, layout: str, **choices) -> kvjax.KVCache:
   """3 rows of 32 positions: contiguous, or scattered pages of PAGE_SIZE tokens."""
   if layout == "contiguous":
     return kvjax.ContiguousCache.create(config, 3, 32, CacheConfig(**choices))
-  cache = kvjax.PagedCache.create(config, NUM_PAGES, PAGE_SIZE, 3, MAX_PAGES,
-                                  CacheConfig(layout="paged", page_size=PAGE_SIZE, **choices))
+  cache = kvjax.PagedCache.create(
+    config, NUM_PAGES, PAGE_SIZE, 3, MAX_PAGES, CacheConfig(layout="paged", page_size=PAGE_SIZE, **choices)
+  )
   return cache.with_rows(scattered_table(0), np.zeros(3, np.int32))
 
 
@@ -71,8 +72,11 @@ def at_steps(full, steps):
   return np.stack([full[np.arange(3), LENGTHS - 1 + step] for step in range(steps + 1)])
 
 
-@pytest.mark.parametrize("layout, absorb", [("contiguous", True), ("paged", True), ("contiguous", False)],
-                         ids=["contiguous", "paged", "expanded"])
+@pytest.mark.parametrize(
+  "layout, absorb",
+  [("contiguous", True), ("paged", True), ("contiguous", False)],
+  ids=["contiguous", "paged", "expanded"],
+)
 def test_cached_decode_matches_forward(layout, absorb):
   """Prefill of ragged prompts then 8 decode steps give the full forward pass's logits, with the
   contiguous and the paged latent cache (absorbed reads) and the contiguous one read expanded."""
@@ -111,13 +115,16 @@ def test_generate_and_engine_match_forward_greedy():
   tokens = np.asarray(kvjax.generate(model, params, prompts, lengths, 5))
   for row in range(2):  # teacher-forced: each generated token is the argmax after the ones before it
     context = np.zeros((1, 11), np.int32)  # one compiled shape: causality leaves the padding unread
-    context[0, :lengths[row] + 5] = np.concatenate([prompts[row, :lengths[row]], tokens[row]])
-    logits = forward(model, params, context)[0, lengths[row] - 1:lengths[row] + 4]
+    context[0, : lengths[row] + 5] = np.concatenate([prompts[row, : lengths[row]], tokens[row]])
+    logits = forward(model, params, context)[0, lengths[row] - 1 : lengths[row] + 4]
     np.testing.assert_array_equal(np.argmax(logits, axis=-1), tokens[row])
-  engine = kvjax.Engine(model, params, kvjax.EngineConfig(
-      num_slots=2, num_pages=20, max_len=32, cache=CacheConfig(layout="paged", page_size=4)))
+  engine = kvjax.Engine(
+    model,
+    params,
+    kvjax.EngineConfig(num_slots=2, num_pages=20, max_len=32, cache=CacheConfig(layout="paged", page_size=4)),
+  )
   assert isinstance(engine.cache, kvjax.PagedCache) and engine.cache.fields == latent_payload(model.config)
-  ids = [engine.submit(prompts[row, :lengths[row]], 5) for row in range(2)]
+  ids = [engine.submit(prompts[row, : lengths[row]], 5) for row in range(2)]
   results = engine.run()
   for row, i in enumerate(ids):
     np.testing.assert_array_equal(results[i], tokens[row])
@@ -160,8 +167,13 @@ def test_bytes_per_token_formula():
   codec's bytes, and the float32 scales of a quantized codec (one per vector; int4 one per group
   of int4_group_size: 12 and 8 are one group each); the caches' nbytes and the kinds' sizes
   equal it exactly."""
-  per_layer = {"float32": (12 + 8) * 4, "bfloat16": (12 + 8) * 2, "int8": 12 + 4 + 8 + 4,
-               "float8_e4m3fn": 12 + 4 + 8 + 4, "int4": 6 + 4 + 4 + 4}
+  per_layer = {
+    "float32": (12 + 8) * 4,
+    "bfloat16": (12 + 8) * 2,
+    "int8": 12 + 4 + 8 + 4,
+    "float8_e4m3fn": 12 + 4 + 8 + 4,
+    "int4": 6 + 4 + 4 + 4,
+  }
   for config in (mla_config(), mla_config(num_heads=8, head_dim=8)):
     for fmt, per_position in per_layer.items():
       per_token = config.num_layers * per_position
@@ -180,8 +192,11 @@ def test_bytes_per_token_formula():
 def test_wrong_cache_kind_is_refused():
   model, params = model_params()
   kv_cache = kvjax.ContiguousCache.create(tiny_config(2), 3, 16)
-  with pytest.raises(ValueError, match=r"it stores \['k', 'v'\] per token .* the model's attention hands it "
-                                       r"\{'latent'"):
+  with pytest.raises(
+    ValueError,
+    match=r"it stores \['k', 'v'\] per token .* the model's attention hands it "
+    r"\{'latent'",
+  ):
     kvjax.decode_step(model, params, kv_cache, np.zeros(3, np.int32))
   latent_cache = kvjax.ContiguousCache.create(model.config, 3, 16)
   with pytest.raises(ValueError, match=r"it stores \['latent', 'rope_key'\] per token"):

@@ -28,15 +28,23 @@ def as_bfloat16(cache):
 
 
 @pytest.mark.parametrize("make", [contiguous, paged], ids=["contiguous", "paged"])
-@pytest.mark.parametrize("changes, message", [
-    (dict(num_kv_heads=2), r"it stores \['k', 'v'\] per token \(\{'k': Field\(heads=2, width=8.*\), "
-                           r"the model's attention hands it \{'k': Field\(heads=1, width=8"),
+@pytest.mark.parametrize(
+  "changes, message",
+  [
+    (
+      dict(num_kv_heads=2),
+      r"it stores \['k', 'v'\] per token \(\{'k': Field\(heads=2, width=8.*\), "
+      r"the model's attention hands it \{'k': Field\(heads=1, width=8",
+    ),
     (dict(num_kv_heads=1, head_dim=16), r"Field\(heads=1, width=16.* hands it \{'k': Field\(heads=1, width=8,"),
     (dict(num_kv_heads=1, num_layers=3), r"has 3 layers but the model has num_layers=2"),
-    (dict(num_kv_heads=1, kv_latent_rank=8, rope_dims=2),
-     r"it stores \['latent', 'rope_key'\] per token .* the model's attention hands it \{'k'"),
+    (
+      dict(num_kv_heads=1, kv_latent_rank=8, rope_dims=2),
+      r"it stores \['latent', 'rope_key'\] per token .* the model's attention hands it \{'k'",
+    ),
     ("bfloat16 arrays", r"layer 0 k is \(.*bfloat16.*\), but .* in a float32 cache needs \(.*float32"),
-])
+  ],
+)
 def test_a_cache_of_another_model_is_refused(make, changes, message):
   model, params = init_params(tiny_config(1))
   cache = as_bfloat16(make(model.config)) if changes == "bfloat16 arrays" else make(model.config, **changes)

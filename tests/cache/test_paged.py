@@ -41,7 +41,7 @@ def new_cache(config, table=None, lengths=None, paged_read="gather") -> kvjax.Pa
 
 def scattered_table(seed: int) -> np.ndarray:
   """Every row owns MAX_PAGES pages drawn at random from the pool (never the null page)."""
-  pages = np.random.default_rng(seed).permutation(np.arange(1, NUM_PAGES))[:3 * MAX_PAGES]
+  pages = np.random.default_rng(seed).permutation(np.arange(1, NUM_PAGES))[: 3 * MAX_PAGES]
   return pages.reshape(3, MAX_PAGES).astype(np.int32)
 
 
@@ -78,8 +78,9 @@ def test_fork_copy_on_write_matches_contiguous():
   alloc = PageAllocator(NUM_PAGES, PAGE_SIZE)
   for row in range(3):
     alloc.allocate(row, int(LENGTHS[row]))
-  _, cache = kvjax.extend(model, params, new_cache(model.config, alloc.page_table(range(3), MAX_PAGES)),
-                          prompts, LENGTHS)
+  _, cache = kvjax.extend(
+    model, params, new_cache(model.config, alloc.page_table(range(3), MAX_PAGES)), prompts, LENGTHS
+  )
   alloc.free(2)
   alloc.fork(0, "child")
   rows = [0, 1, "child"]
@@ -107,8 +108,9 @@ def test_fork_copy_on_write_matches_contiguous():
 
 def test_pallas_kernel_matches_gather():
   """The Pallas fast path (interpreted on CPU) gives the gather path's logits."""
-  pytest.importorskip("jax.experimental.pallas.ops.gpu.paged_attention",
-                      reason="this JAX has no Pallas GPU paged-attention kernel")
+  pytest.importorskip(
+    "jax.experimental.pallas.ops.gpu.paged_attention", reason="this JAX has no Pallas GPU paged-attention kernel"
+  )
   model, params = model_params()
   prompts = random_tokens((3, 10), seed=5)
   table = scattered_table(seed=1)

@@ -52,7 +52,7 @@ def test_windowed_forward_reads_only_the_window():
   full = np.asarray(jax.jit(windowed.apply)({"params": params}, tokens))
   run_plain = jax.jit(plain.apply)
   for t in (4, 9, 15):
-    alone = np.asarray(run_plain({"params": params}, tokens[:, t - 4:t + 1]))
+    alone = np.asarray(run_plain({"params": params}, tokens[:, t - 4 : t + 1]))
     np.testing.assert_allclose(full[:, t], alone[:, -1], atol=1e-4)
   np.testing.assert_allclose(full[:, :5], np.asarray(run_plain({"params": params}, tokens[:, :5])), atol=1e-5)
   assert not np.allclose(full[:, 15], np.asarray(run_plain({"params": params}, tokens))[:, 15], atol=1e-3)
@@ -61,9 +61,10 @@ def test_windowed_forward_reads_only_the_window():
 def empty_cache(layout, config, cache_config=CacheConfig(), batch=3):
   if layout == "contiguous":
     return kvjax.ContiguousCache.create(config, batch, MAX_PAGES * PAGE_SIZE, cache_config)
-  table = np.random.default_rng(0).permutation(np.arange(1, NUM_PAGES))[:batch * MAX_PAGES]
-  cache = kvjax.PagedCache.create(config, NUM_PAGES, PAGE_SIZE, batch, MAX_PAGES,
-                                  cache_config.replace(layout="paged", page_size=PAGE_SIZE))
+  table = np.random.default_rng(0).permutation(np.arange(1, NUM_PAGES))[: batch * MAX_PAGES]
+  cache = kvjax.PagedCache.create(
+    config, NUM_PAGES, PAGE_SIZE, batch, MAX_PAGES, cache_config.replace(layout="paged", page_size=PAGE_SIZE)
+  )
   return cache.with_rows(table.reshape(batch, MAX_PAGES), np.zeros(batch, np.int32))
 
 
@@ -72,7 +73,7 @@ def chunk(seqs, held, lengths, width=11):
   shape for every chunk)."""
   out = np.zeros((len(held), width), np.int32)
   for row, (start, n) in enumerate(zip(held, lengths)):
-    out[row, :n] = seqs[row, start:start + n]
+    out[row, :n] = seqs[row, start : start + n]
   return out
 
 
@@ -86,8 +87,12 @@ def decode_against_forward(model, params, kind, seqs, full=None, atol=1e-5, cach
   for lengths in (np.array([3, 7, 1]), np.array([11, 0, 4]), np.array([1, 2, 9])):
     logits, cache = kvjax.extend(model, params, cache, chunk(seqs, held, lengths), lengths)
     for row in range(3):
-      np.testing.assert_allclose(logits[row, :lengths[row]], full[row, held[row]:held[row] + lengths[row]],
-                                 atol=atol, err_msg=f"{kind} extend row {row}")
+      np.testing.assert_allclose(
+        logits[row, : lengths[row]],
+        full[row, held[row] : held[row] + lengths[row]],
+        atol=atol,
+        err_msg=f"{kind} extend row {row}",
+      )
     held = held + lengths
   steps = []
   for _ in range(12):
@@ -203,11 +208,11 @@ def greedy_reference(model, params, prompt, total):
   (one compiled shape: the sequence is padded to `total`, which causality leaves unread)."""
   forward = jax.jit(lambda tokens: model.apply({"params": params}, tokens))
   seq = np.zeros((1, total), np.int32)
-  seq[0, :len(prompt)] = prompt
+  seq[0, : len(prompt)] = prompt
   for t in range(len(prompt), total + 1):
     token = int(np.argmax(np.asarray(forward(seq))[0, t - 1]))
     if t == total:
-      return seq[0, len(prompt):], token
+      return seq[0, len(prompt) :], token
     seq[0, t] = token
 
 
@@ -222,12 +227,16 @@ def test_all_window_model_generates_four_times_max_len_in_constant_memory():
   np.testing.assert_array_equal(tokens, np.append(fed, last))
   plain = kvjax.Transformer(model.config.replace(window=(), sink_tokens=0))
   override = CacheConfig(window=(5,), sink_tokens=2)
-  np.testing.assert_array_equal(kvjax.generate(plain, params, prompt[None], np.array([6]), new,
-                                               cache_config=override)[0], tokens)
+  np.testing.assert_array_equal(
+    kvjax.generate(plain, params, prompt[None], np.array([6]), new, cache_config=override)[0], tokens
+  )
   # The cache of 4x max_len positions is the cache of max_len: 7 slots per layer.
-  assert (kvjax.ContiguousCache.create(model.config, 1, total).nbytes
-          == kvjax.ContiguousCache.create(model.config, 1, 16).nbytes
-          == kinds.sequence_bytes(model.config, CacheConfig(), 7) == 2 * 7 * 2 * 2 * 8 * 4)
+  assert (
+    kvjax.ContiguousCache.create(model.config, 1, total).nbytes
+    == kvjax.ContiguousCache.create(model.config, 1, 16).nbytes
+    == kinds.sequence_bytes(model.config, CacheConfig(), 7)
+    == 2 * 7 * 2 * 2 * 8 * 4
+  )
   # decode_step goes past max_len on a cache made for it, and its arrays keep their shapes.
   logits, cache = kvjax.prefill(model, params, prompt[None], np.array([6]), total, logits="last")
   shapes = jax.tree.map(np.shape, cache.layers)
@@ -239,14 +248,15 @@ def test_all_window_model_generates_four_times_max_len_in_constant_memory():
 
 def test_bad_windows_are_refused():
   for changes, message in (
-      (dict(window=(65,)), r"window\[0\]=65 is larger than max_len=64"),
-      (dict(window=(4, -1)), r"window\[1\] must be a non-negative integer"),
-      (dict(window=(4, True)), r"window\[1\] must be a non-negative integer"),
-      (dict(window=4), "must be a tuple of per-layer window widths"),
-      (dict(sink_tokens=2), r"sink_tokens=2 needs a windowed layer, but window=\(\)"),
-      (dict(window=(0, 0), sink_tokens=1), "sink_tokens=1 needs a windowed layer"),
-      (dict(window=(8,), sink_tokens=-1), "sink_tokens must be a non-negative integer"),
-      (dict(window=(60,), sink_tokens=5), r"sink_tokens=5 \+ window 60 is more than max_len=64")):
+    (dict(window=(65,)), r"window\[0\]=65 is larger than max_len=64"),
+    (dict(window=(4, -1)), r"window\[1\] must be a non-negative integer"),
+    (dict(window=(4, True)), r"window\[1\] must be a non-negative integer"),
+    (dict(window=4), "must be a tuple of per-layer window widths"),
+    (dict(sink_tokens=2), r"sink_tokens=2 needs a windowed layer, but window=\(\)"),
+    (dict(window=(0, 0), sink_tokens=1), "sink_tokens=1 needs a windowed layer"),
+    (dict(window=(8,), sink_tokens=-1), "sink_tokens must be a non-negative integer"),
+    (dict(window=(60,), sink_tokens=5), r"sink_tokens=5 \+ window 60 is more than max_len=64"),
+  ):
     with pytest.raises(ValueError, match=message):
       tiny_config(2, **changes)
   run = apply_overrides(tiny_config(2), ["window=(8, 0)", "sink_tokens=4"])
@@ -265,11 +275,20 @@ def test_bad_windows_are_refused():
     kvjax.decode_step(local_global, params, kvjax.ContiguousCache.create(tiny_config(2), 1, 64), np.array([1]))
   with pytest.raises(ValueError, match=r"this one has windowed layers \(window=\(8, 0\)\)"):
     kvjax.ContiguousCache.create(local_global.config, 1, 32).resized(64)
-  with pytest.raises(ValueError, match=r"CacheConfig.window=\(65,\), sink_tokens=None do not fit the model: "
-                                       r"ModelConfig.window\[0\]=65 is larger than max_len=64"):
+  with pytest.raises(
+    ValueError,
+    match=r"CacheConfig.window=\(65,\), sink_tokens=None do not fit the model: "
+    r"ModelConfig.window\[0\]=65 is larger than max_len=64",
+  ):
     kvjax.ContiguousCache.create(tiny_config(2), 1, 64, CacheConfig(window=(65,)))
   with pytest.raises(ValueError, match=r"window\[1\] must be a non-negative integer"):
     CacheConfig(window=(4, -1))
   with pytest.raises(ValueError, match=r"do not fit the model: ModelConfig.sink_tokens=2 needs a windowed layer"):
-    kvjax.prefill(local_global, params, np.ones((1, 4), np.int32), np.array([4]), 8,
-                  cache_config=CacheConfig(window=(0,), sink_tokens=2))
+    kvjax.prefill(
+      local_global,
+      params,
+      np.ones((1, 4), np.int32),
+      np.array([4]),
+      8,
+      cache_config=CacheConfig(window=(0,), sink_tokens=2),
+    )

@@ -43,13 +43,26 @@ def setup(tmp_path_factory) -> dict[str, Path]:
   """A config file of a 4-step run, a finished run of it, and a Hugging Face-like model folder."""
   root = tmp_path_factory.mktemp("cli")
   corpus = word_corpus(root / "words.txt", 0)
-  config = TrainRun(model=MODEL, data=DataConfig(source=str(corpus), seq_len=32, val_fraction=0.1),
-                    train=TrainConfig(steps=4, batch_size=4, warmup_steps=1, log_every=2, eval_every=4,
-                                      eval_batches=1, checkpoint_every=2, keep_checkpoints=1))
+  config = TrainRun(
+    model=MODEL,
+    data=DataConfig(source=str(corpus), seq_len=32, val_fraction=0.1),
+    train=TrainConfig(
+      steps=4,
+      batch_size=4,
+      warmup_steps=1,
+      log_every=2,
+      eval_every=4,
+      eval_batches=1,
+      checkpoint_every=2,
+      keep_checkpoints=1,
+    ),
+  )
   config_file = root / "tiny.py"
-  config_file.write_text("from kvjax.config import ModelConfig\n"
-                         "from kvjax.training.config import DataConfig, TrainConfig, TrainRun\n"
-                         f"def get_config():\n  return {config!r}\n")
+  config_file.write_text(
+    "from kvjax.config import ModelConfig\n"
+    "from kvjax.training.config import DataConfig, TrainConfig, TrainRun\n"
+    f"def get_config():\n  return {config!r}\n"
+  )
   run = root / "run"
   train.run(config, run)
   hf = root / "hf_model"
@@ -72,8 +85,9 @@ def kvjax(*args: str, user: int | None = None) -> subprocess.CompletedProcess:
   """`kvjax ARGS` in a fresh process (as uid `user` when given), stdout and stderr captured."""
   prefix = [] if user is None else ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups"]
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "MPLCONFIGDIR": tempfile.gettempdir()}
-  return subprocess.run([*prefix, sys.executable, "-m", "kvjax.cli.main", *args], env=env, capture_output=True,
-                        text=True, timeout=300)
+  return subprocess.run(
+    [*prefix, sys.executable, "-m", "kvjax.cli.main", *args], env=env, capture_output=True, text=True, timeout=300
+  )
 
 
 def refusals(s: dict[str, Path]) -> list[tuple[list[str], str]]:
@@ -84,21 +98,27 @@ def refusals(s: dict[str, Path]) -> list[tuple[list[str], str]]:
   (unknown / "todo.txt").write_text("mine")
   a_file.write_text("data")
   return [
-      (["run", config, "--workdir", hf], rf"{hf} is not empty \(2 entries: config.json, model.safetensors\)"),
-      (["run", config, "--workdir", run, "--set", "model.d_model=64"],
-       rf"{run} holds checkpoints of a different config \(model.d_model: 32 -> 64"),
-      (["run", config, "--workdir", imported], r"is a kvjax workdir of another kind \(import, not train\)"),
-      (["run", config, "--workdir", str(unknown)], r"is not empty \(1 entry: todo.txt\)"),
-      (["run", config, "--workdir", str(a_file)], f"{a_file} is a file, not a directory"),
-      (["run", str(ROOT / "configs/kv_memory/tiny.py"), "--workdir", run],
-       r"is a kvjax workdir of another kind \(train, not study\)"),
-      (["uptrain", "--from", imported, "--workdir", run, "--kv-heads", "1", "--fraction", "0"],
-       r"is a kvjax workdir of another kind \(train, not uptrain\)"),
-      (["import-hf", hf, "--workdir", run], r"is a kvjax workdir of another kind \(train, not import\)"),
-      (["import-hf", hf, "--workdir", hf], "is not empty"),
-      (["eval", "--workdir", str(unknown)], "no checkpoint found in"),
-      (["run", config, "--workdir", str(s["root"] / "new"), "--set", "model.d_model=-1"], "ModelConfig.d_model"),
-      (["run", str(s["root"] / "missing.py")], "config file not found"),
+    (["run", config, "--workdir", hf], rf"{hf} is not empty \(2 entries: config.json, model.safetensors\)"),
+    (
+      ["run", config, "--workdir", run, "--set", "model.d_model=64"],
+      rf"{run} holds checkpoints of a different config \(model.d_model: 32 -> 64",
+    ),
+    (["run", config, "--workdir", imported], r"is a kvjax workdir of another kind \(import, not train\)"),
+    (["run", config, "--workdir", str(unknown)], r"is not empty \(1 entry: todo.txt\)"),
+    (["run", config, "--workdir", str(a_file)], f"{a_file} is a file, not a directory"),
+    (
+      ["run", str(ROOT / "configs/kv_memory/tiny.py"), "--workdir", run],
+      r"is a kvjax workdir of another kind \(train, not study\)",
+    ),
+    (
+      ["uptrain", "--from", imported, "--workdir", run, "--kv-heads", "1", "--fraction", "0"],
+      r"is a kvjax workdir of another kind \(train, not uptrain\)",
+    ),
+    (["import-hf", hf, "--workdir", run], r"is a kvjax workdir of another kind \(train, not import\)"),
+    (["import-hf", hf, "--workdir", hf], "is not empty"),
+    (["eval", "--workdir", str(unknown)], "no checkpoint found in"),
+    (["run", config, "--workdir", str(s["root"] / "new"), "--set", "model.d_model=-1"], "ModelConfig.d_model"),
+    (["run", str(s["root"] / "missing.py")], "config file not found"),
   ]
 
 
@@ -112,13 +132,17 @@ def test_each_refusal_is_one_line_and_changes_no_byte(setup, snapshot, capsys):
     assert snapshot(setup["root"]) == before, f"{argv}: bytes changed"
 
 
-def test_an_empty_workdir_is_refused_not_taken_for_the_current_directory(setup, tmp_path, monkeypatch, snapshot,
-                                                                         capsys):
+def test_an_empty_workdir_is_refused_not_taken_for_the_current_directory(
+  setup, tmp_path, monkeypatch, snapshot, capsys
+):
   monkeypatch.chdir(tmp_path)
   (tmp_path / "mine.txt").write_text("x")
   before = snapshot(tmp_path)
-  for argv in (["run", str(setup["config"]), "--workdir", ""], ["import", str(setup["hf"]), "--workdir", ""],
-               ["uptrain", "--from", str(setup["run"]), "--workdir", "", "--kv-heads", "1"]):
+  for argv in (
+    ["run", str(setup["config"]), "--workdir", ""],
+    ["import", str(setup["hf"]), "--workdir", ""],
+    ["uptrain", "--from", str(setup["run"]), "--workdir", "", "--kv-heads", "1"],
+  ):
     with pytest.raises(SystemExit) as exit_:
       cli.main(argv)
     assert exit_.value.code == 2
@@ -130,9 +154,15 @@ def test_an_empty_workdir_is_refused_not_taken_for_the_current_directory(setup, 
 def test_a_run_from_a_kvjax_that_recorded_no_version_is_refused_untouched(setup, tmp_path, snapshot, capsys):
   """kvjax 0.1 reads only workdirs that record its version: one written without (before
   versions were recorded, or with no marker at all) is refused, every byte left as it was."""
-  for name, edit in (("unversioned", lambda marker: marker.write_text(json.dumps(
-                          {k: v for k, v in json.loads(marker.read_text()).items() if k != "kvjax_version"}))),
-                     ("unmarked", lambda marker: marker.unlink())):
+  for name, edit in (
+    (
+      "unversioned",
+      lambda marker: marker.write_text(
+        json.dumps({k: v for k, v in json.loads(marker.read_text()).items() if k != "kvjax_version"})
+      ),
+    ),
+    ("unmarked", lambda marker: marker.unlink()),
+  ):
     old = tmp_path / name
     shutil.copytree(setup["run"], old)
     edit(old / workdirs.MARKER)
@@ -145,8 +175,12 @@ def test_a_run_from_a_kvjax_that_recorded_no_version_is_refused_untouched(setup,
 
 def test_a_second_run_is_refused_naming_the_holder_and_a_killed_holder_blocks_nothing(setup, tmp_path, snapshot):
   workdir = tmp_path / "run"
-  holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(setup["config"]), str(workdir)],
-                            stdout=subprocess.PIPE, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  holder = subprocess.Popen(
+    [sys.executable, "-c", HOLDER, str(setup["config"]), str(workdir)],
+    stdout=subprocess.PIPE,
+    text=True,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+  )
   try:
     assert holder.stdout.readline() == "held\n"
     before = snapshot(workdir)
@@ -177,8 +211,10 @@ def test_a_read_only_workdir_is_refused(setup, snapshot):
     read_only.mkdir(mode=0o555)
     read_only.chmod(0o555)
     before = snapshot(root)
-    for workdir, reason in ((read_only, f"{read_only} is not writable"),
-                            (read_only / "run", f"cannot create {read_only / 'run'}: {read_only} is not writable")):
+    for workdir, reason in (
+      (read_only, f"{read_only} is not writable"),
+      (read_only / "run", f"cannot create {read_only / 'run'}: {read_only} is not writable"),
+    ):
       proc = kvjax("run", str(config), "--workdir", str(workdir), user=user)
       assert proc.returncode == 2, proc.stderr
       assert one_error_line(proc.stderr, "run").endswith(reason)

@@ -44,15 +44,42 @@ from conftest import word_corpus
 
 MODEL = ModelConfig(d_model=32, num_layers=1, num_heads=2, num_kv_heads=2, mlp_dim=64, max_len=64)
 # Derandomized: the same examples on every run, so that CI is reproducible.
-FUZZ = settings(max_examples=60, deadline=None, derandomize=True, database=None,
-                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+FUZZ = settings(
+  max_examples=60,
+  deadline=None,
+  derandomize=True,
+  database=None,
+  suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 NEW = itertools.count()
 
 # Hostile values, as the command line gives them (text).
 HUGE = (2**31, 2**63, 10**30)  # past JAX's int32 indices, past int64, far past both
 NOT_FINITE = ("nan", "NaN", "inf", "-inf", "1e400", "-1e400")  # 1e400 reads as inf
-ODD = ("", " ", "\t\n", "\x00", "\ud800", "é", "☃", "\u200b", "x" * 5000, "-", "=", ",", ":", "None", "[]",
-       "()", "{}", "1.5", "1e3", "10**30", "0x10", "1,2")
+ODD = (
+  "",
+  " ",
+  "\t\n",
+  "\x00",
+  "\ud800",
+  "é",
+  "☃",
+  "\u200b",
+  "x" * 5000,
+  "-",
+  "=",
+  ",",
+  ":",
+  "None",
+  "[]",
+  "()",
+  "{}",
+  "1.5",
+  "1e3",
+  "10**30",
+  "0x10",
+  "1,2",
+)
 NOT_PATHS = ("", " ", "\x00", "a\x00b", "\ud800")  # blank, or what no file name holds
 PATH_ODD = (*NOT_PATHS, "missing/deeper")  # and a path to nothing (where a command would create it)
 
@@ -74,15 +101,33 @@ BAD_COUNT = st.one_of(not_a(int), st.integers(max_value=0).map(str), st.sampled_
 BAD_NONNEGATIVE = st.one_of(not_a(int), st.integers(max_value=-1).map(str), st.sampled_from(HUGE).map(str))
 BAD_SEED = st.one_of(not_a(int), st.integers(max_value=-1).map(str), st.sampled_from(HUGE[1:]).map(str))
 BAD_STEP = st.one_of(not_a(int), st.sampled_from((-1, 1, 7, *HUGE)).map(str))  # the workdirs hold step 0 only
-BAD_MESH = st.sampled_from(("", " ", "data=0", "data=-1", "model=nan", "data=1e400", f"data={10**30}", "data=4096",
-                            "x=1", "data", "=", ",", "data=1,data=1", "model=2,model=2", "\x00"))
+BAD_MESH = st.sampled_from(
+  (
+    "",
+    " ",
+    "data=0",
+    "data=-1",
+    "model=nan",
+    "data=1e400",
+    f"data={10**30}",
+    "data=4096",
+    "x=1",
+    "data",
+    "=",
+    ",",
+    "data=1,data=1",
+    "model=2,model=2",
+    "\x00",
+  )
+)
 
 
 def bad_choice(*valid: str) -> st.SearchStrategy[str]:
   """Text that is none of `valid` (in any case)."""
   valid = {v.lower() for v in valid}
   return st.one_of(st.sampled_from(ODD + ("int3", "Float32", "float64", "val ")), st.text(max_size=6)).filter(
-      lambda t: t.strip().lower() not in valid)
+    lambda t: t.strip().lower() not in valid
+  )
 
 
 def option(flag: str, values: st.SearchStrategy[str]) -> st.SearchStrategy[tuple[list[str], list[str]]]:
@@ -92,10 +137,39 @@ def option(flag: str, values: st.SearchStrategy[str]) -> st.SearchStrategy[tuple
 
 
 # --set items each refused whatever the other items and the config are.
-MALFORMED = ("foo", "=", "=1", " = ", "x.y", "x.y=1", "\x00=1", "model.=1", "model..d_model=1", ".=1", "model",
-             "cache", "model.d_model", "cache.dtype")
-BAD_INT_LITERALS = ("-1", "0", "1e400", "-1e400", "10**30", str(10**30), str(2**31), "1.5", "nan", "'8'", "True",
-                    "[1]", "(1,)", "{}", "")
+MALFORMED = (
+  "foo",
+  "=",
+  "=1",
+  " = ",
+  "x.y",
+  "x.y=1",
+  "\x00=1",
+  "model.=1",
+  "model..d_model=1",
+  ".=1",
+  "model",
+  "cache",
+  "model.d_model",
+  "cache.dtype",
+)
+BAD_INT_LITERALS = (
+  "-1",
+  "0",
+  "1e400",
+  "-1e400",
+  "10**30",
+  str(10**30),
+  str(2**31),
+  "1.5",
+  "nan",
+  "'8'",
+  "True",
+  "[1]",
+  "(1,)",
+  "{}",
+  "",
+)
 BAD_REAL_LITERALS = ("0", "-1", "1e400", "-1e400", "nan", "'x'", "True", "[1.0]", "None", "")
 
 
@@ -104,40 +178,106 @@ def items(section: str, names: tuple[str, ...], values: tuple[str, ...]) -> tupl
 
 
 MODEL_ITEMS = (
-    *items("model", ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "max_len", "head_dim",
-                     "mlp_dim"), BAD_INT_LITERALS),
-    *items("model", ("norm_eps", "rope_theta"), BAD_REAL_LITERALS),
-    *items("model", ("activation", "norm", "positions", "dtype"), ("int3", "''", "1", "None", "GELU", "float64")),
-    "model.window=(0,-1)", "model.window=(-1,)", "model.window=(1e400,)", "model.window=1e400",
-    f"model.window=({10**30},)", f"model.window=({2**31},)", "model.window='x'", "model.window=(1.5,)",
-    "model.sink_tokens=-1", f"model.sink_tokens={10**30}", "model.sink_tokens=1e400", "model.kv_latent_rank=-1",
-    f"model.kv_latent_rank={10**30}", "model.rope_dims=-2", "model.rope_pairs=((1,),)", "model.qkv_bias=1",
-    "model.tie_embeddings='yes'", "model.rope_scaling=3", "model.rope_scaling={'factor': 1e400}",
-    "model.rope_scaling={'factor': 0.5}", "model.rope_scaling={'original_max_position': 0}",
-    "model.rope_scaling={'low_freq_factor': 4, 'high_freq_factor': 1}", "model.rope_scaling={'kind': 'yarn'}",
-    "model.rope_scaling={'nope': 1}", "model.rope_scaling={'factor': float('nan')}")
+  *items(
+    "model",
+    ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "max_len", "head_dim", "mlp_dim"),
+    BAD_INT_LITERALS,
+  ),
+  *items("model", ("norm_eps", "rope_theta"), BAD_REAL_LITERALS),
+  *items("model", ("activation", "norm", "positions", "dtype"), ("int3", "''", "1", "None", "GELU", "float64")),
+  "model.window=(0,-1)",
+  "model.window=(-1,)",
+  "model.window=(1e400,)",
+  "model.window=1e400",
+  f"model.window=({10**30},)",
+  f"model.window=({2**31},)",
+  "model.window='x'",
+  "model.window=(1.5,)",
+  "model.sink_tokens=-1",
+  f"model.sink_tokens={10**30}",
+  "model.sink_tokens=1e400",
+  "model.kv_latent_rank=-1",
+  f"model.kv_latent_rank={10**30}",
+  "model.rope_dims=-2",
+  "model.rope_pairs=((1,),)",
+  "model.qkv_bias=1",
+  "model.tie_embeddings='yes'",
+  "model.rope_scaling=3",
+  "model.rope_scaling={'factor': 1e400}",
+  "model.rope_scaling={'factor': 0.5}",
+  "model.rope_scaling={'original_max_position': 0}",
+  "model.rope_scaling={'low_freq_factor': 4, 'high_freq_factor': 1}",
+  "model.rope_scaling={'kind': 'yarn'}",
+  "model.rope_scaling={'nope': 1}",
+  "model.rope_scaling={'factor': float('nan')}",
+)
 CACHE_ITEMS = (
-    *items("cache", ("page_size",), BAD_INT_LITERALS),
-    *items("cache", ("sink_tokens",), ("-1", "1e400", str(10**30), "1.5", "'4'", "nan")),
-    *items("cache", ("window",), ("(0,-1)", "(-1,)", "(1e400,)", "1e400", f"({10**30},)", "'x'", "(True,)", "[1.5]")),
-    "cache.dtype=int3", "cache.dtype=''", "cache.dtype=1", "cache.dtype=float64", "cache.dtype=int2",
-    "cache.layout=", "cache.layout=Paged", "cache.layout=None", "cache.layout=1", "cache.paged_read=pallas",
-    "cache.paged_read=x", "cache.absorb=1", "cache.absorb='yes'", "cache.absorb=None", "cache.nope=1", "cache.=1")
+  *items("cache", ("page_size",), BAD_INT_LITERALS),
+  *items("cache", ("sink_tokens",), ("-1", "1e400", str(10**30), "1.5", "'4'", "nan")),
+  *items("cache", ("window",), ("(0,-1)", "(-1,)", "(1e400,)", "1e400", f"({10**30},)", "'x'", "(True,)", "[1.5]")),
+  "cache.dtype=int3",
+  "cache.dtype=''",
+  "cache.dtype=1",
+  "cache.dtype=float64",
+  "cache.dtype=int2",
+  "cache.layout=",
+  "cache.layout=Paged",
+  "cache.layout=None",
+  "cache.layout=1",
+  "cache.paged_read=pallas",
+  "cache.paged_read=x",
+  "cache.absorb=1",
+  "cache.absorb='yes'",
+  "cache.absorb=None",
+  "cache.nope=1",
+  "cache.=1",
+)
 TRAIN_ITEMS = (
-    *items("train", ("steps", "batch_size", "eval_batches", "log_every", "eval_every", "checkpoint_every",
-                     "keep_checkpoints"), BAD_INT_LITERALS),
-    *items("train", ("lr", "clip_norm"), BAD_REAL_LITERALS),
-    *items("train", ("min_lr_ratio", "b1", "b2"), ("-0.1", "1.5", "1e400", "nan", "'x'", "None")),
-    "train.warmup_steps=-1", f"train.warmup_steps={10**30}", "train.seed=-1", f"train.seed={10**30}",
-    "train.weight_decay=-1", "train.weight_decay=1e400", "train.distill=-1", "train.distill=1e400", "train.bf16=1",
-    "train.mesh=data=0", "train.mesh=''", "train.mesh=x", "train.mesh=data=4096", "data.source=", "data.max_bytes=0",
-    "data.max_bytes=1e400", "data.seq_len=0", f"data.seq_len={10**30}", "data.val_fraction=0", "data.val_fraction=0.9",
-    "data.val_fraction=nan", "data.held_out=middle", "data.seed=-1", "data.source=' '", "data.source='\\x00'",
-    "data.source='\\ud800'", "job=", "job='not a job'", "job=1")
+  *items(
+    "train",
+    ("steps", "batch_size", "eval_batches", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints"),
+    BAD_INT_LITERALS,
+  ),
+  *items("train", ("lr", "clip_norm"), BAD_REAL_LITERALS),
+  *items("train", ("min_lr_ratio", "b1", "b2"), ("-0.1", "1.5", "1e400", "nan", "'x'", "None")),
+  "train.warmup_steps=-1",
+  f"train.warmup_steps={10**30}",
+  "train.seed=-1",
+  f"train.seed={10**30}",
+  "train.weight_decay=-1",
+  "train.weight_decay=1e400",
+  "train.distill=-1",
+  "train.distill=1e400",
+  "train.bf16=1",
+  "train.mesh=data=0",
+  "train.mesh=''",
+  "train.mesh=x",
+  "train.mesh=data=4096",
+  "data.source=",
+  "data.max_bytes=0",
+  "data.max_bytes=1e400",
+  "data.seq_len=0",
+  f"data.seq_len={10**30}",
+  "data.val_fraction=0",
+  "data.val_fraction=0.9",
+  "data.val_fraction=nan",
+  "data.held_out=middle",
+  "data.seed=-1",
+  "data.source=' '",
+  "data.source='\\x00'",
+  "data.source='\\ud800'",
+  "job=",
+  "job='not a job'",
+  "job=1",
+)
 # The --set items each command takes: those of its config, and the ones it has no key for.
-SET_ITEMS = {"run": MALFORMED + MODEL_ITEMS + TRAIN_ITEMS + CACHE_ITEMS, "eval": MALFORMED + CACHE_ITEMS + MODEL_ITEMS,
-             "generate": MALFORMED + CACHE_ITEMS + MODEL_ITEMS, "bench": MALFORMED + MODEL_ITEMS + CACHE_ITEMS,
-             "uptrain": MALFORMED + MODEL_ITEMS + TRAIN_ITEMS}
+SET_ITEMS = {
+  "run": MALFORMED + MODEL_ITEMS + TRAIN_ITEMS + CACHE_ITEMS,
+  "eval": MALFORMED + CACHE_ITEMS + MODEL_ITEMS,
+  "generate": MALFORMED + CACHE_ITEMS + MODEL_ITEMS,
+  "bench": MALFORMED + MODEL_ITEMS + CACHE_ITEMS,
+  "uptrain": MALFORMED + MODEL_ITEMS + TRAIN_ITEMS,
+}
 
 
 def set_clues(item: str) -> list[str]:
@@ -159,6 +299,7 @@ class Tripwire(BaseException):
 def tripwire(name: str):
   def called(*args, **kwargs):
     raise Tripwire(f"{name} was called")
+
   return called
 
 
@@ -197,10 +338,11 @@ def files(tmp_path_factory) -> dict[str, str]:
   root = tmp_path_factory.mktemp("fuzz")
   corpus = word_corpus(root / "words.txt")
   (root / "config.py").write_text(
-      "from kvjax.config import ModelConfig\n"
-      "from kvjax.training.config import DataConfig, TrainConfig, TrainRun\n"
-      f"def get_config():\n  return TrainRun(model={MODEL!r}, data=DataConfig(source={str(corpus)!r}, seq_len=32),\n"
-      "                  train=TrainConfig(steps=2, batch_size=2, warmup_steps=1))\n")
+    "from kvjax.config import ModelConfig\n"
+    "from kvjax.training.config import DataConfig, TrainConfig, TrainRun\n"
+    f"def get_config():\n  return TrainRun(model={MODEL!r}, data=DataConfig(source={str(corpus)!r}, seq_len=32),\n"
+    "                  train=TrainConfig(steps=2, batch_size=2, warmup_steps=1))\n"
+  )
   workdir = root / "imported"
   checkpoint.save_params(workdir, train.param_initializer(Transformer(MODEL))(jax.random.key(0)), MODEL)
   notes = root / "notes"
@@ -208,15 +350,26 @@ def files(tmp_path_factory) -> dict[str, str]:
   (notes / "todo.txt").write_text("mine")
   (root / "empty_dir").mkdir()
   (root / "cwd").mkdir()
-  texts = {"empty": "", "empty.py": "", "model.gguf": "not a gguf\n", "garbage.json": "{garbage",
-           "model.safetensors": "\x00\x01", "noget.py": "x = 1\n", "syntax.py": "{{{\n",
-           "notdc.py": "def get_config():\n  return 3\n", "nojob.py": "def get_config():\n  return {'job': 'train'}\n"}
+  texts = {
+    "empty": "",
+    "empty.py": "",
+    "model.gguf": "not a gguf\n",
+    "garbage.json": "{garbage",
+    "model.safetensors": "\x00\x01",
+    "noget.py": "x = 1\n",
+    "syntax.py": "{{{\n",
+    "notdc.py": "def get_config():\n  return 3\n",
+    "nojob.py": "def get_config():\n  return {'job': 'train'}\n",
+  }
   for name, text in texts.items():
     (root / name).write_text(text)
   (root / "nul.py").write_bytes(b"\x00\xff\xfe")
   (root / "truncated.gguf").write_bytes(b"GGUF\x03\x00\x00\x00")
-  hf_configs = {"hf_garbage": "{garbage", "hf_partial": json.dumps({"model_type": "llama", "hidden_size": -1}),
-                "hf_unknown": json.dumps({"model_type": "bert"})}
+  hf_configs = {
+    "hf_garbage": "{garbage",
+    "hf_partial": json.dumps({"model_type": "llama", "hidden_size": -1}),
+    "hf_unknown": json.dumps({"model_type": "bert"}),
+  }
   for name, config in hf_configs.items():
     (root / name).mkdir()
     (root / name / "config.json").write_text(config)
@@ -227,12 +380,19 @@ def files(tmp_path_factory) -> dict[str, str]:
 def tripwires(monkeypatch, files):
   """The work of each command replaced by a tripwire; the scratch folder as working directory."""
   monkeypatch.chdir(files["cwd"])
-  for module, name in ((kvjax.training.train, "make_optimizer"), (kvjax.training.evaluate, "_eval_sums"),
-                       (kvjax.decoding.stream, "prefill"), (kvjax.studies.recall, "recall"),
-                       (kvjax.studies.passkey, "passkey"), (kvjax.interop.hf_export, "save_file"),
-                       (kvjax.training.checkpoint, "save_params"), (conversions.KVHeads, "convert"),
-                       (conversions.ToMLA, "convert"), (kvjax.bench.real_model, "hf_reference"),
-                       (kvjax.kernels.build, "build")):
+  for module, name in (
+    (kvjax.training.train, "make_optimizer"),
+    (kvjax.training.evaluate, "_eval_sums"),
+    (kvjax.decoding.stream, "prefill"),
+    (kvjax.studies.recall, "recall"),
+    (kvjax.studies.passkey, "passkey"),
+    (kvjax.interop.hf_export, "save_file"),
+    (kvjax.training.checkpoint, "save_params"),
+    (conversions.KVHeads, "convert"),
+    (conversions.ToMLA, "convert"),
+    (kvjax.bench.real_model, "hf_reference"),
+    (kvjax.kernels.build, "build"),
+  ):
     monkeypatch.setattr(module, name, tripwire(f"{module.__name__}.{name}"))
   monkeypatch.setattr(kvjax.bench.real_model, "_torch", lambda: (NoTorch(), NoTorch()))
   for name in bench.BENCHMARKS:
@@ -266,34 +426,64 @@ WORKDIRS = ("model.gguf", "empty", "notes", "missing", "empty_dir", "config.py")
 @FUZZ
 @given(data=st.data())
 def test_run(files, tripwires, capsys, data):
-  config, clues, hostile = draw_positional(data, "config", files["config.py"], st.one_of(
-      paths(files, "notes", "empty", "empty.py", "model.gguf", "garbage.json", "noget.py", "syntax.py", "notdc.py",
-            "nojob.py", "nul.py", "missing"), st.sampled_from(("-", "config", "é.py")), st.text(max_size=6))
-      .filter(lambda t: not t.startswith("-") or t == "-"))
+  config, clues, hostile = draw_positional(
+    data,
+    "config",
+    files["config.py"],
+    st.one_of(
+      paths(
+        files,
+        "notes",
+        "empty",
+        "empty.py",
+        "model.gguf",
+        "garbage.json",
+        "noget.py",
+        "syntax.py",
+        "notdc.py",
+        "nojob.py",
+        "nul.py",
+        "missing",
+      ),
+      st.sampled_from(("-", "config", "é.py")),
+      st.text(max_size=6),
+    ).filter(lambda t: not t.startswith("-") or t == "-"),
+  )
   corpora = paths(files, "notes", "empty_dir", "missing", "model.gguf", "empty")
-  pieces = [sets("run"), corpora.map(lambda p: (["--set", f"data.source={p!r}"], [p, "source"])),
-            option("--workdir", paths(files, "empty", "notes", "imported", "model.gguf", odd=NOT_PATHS)),
-            option("--mesh", BAD_MESH)]
+  pieces = [
+    sets("run"),
+    corpora.map(lambda p: (["--set", f"data.source={p!r}"], [p, "source"])),
+    option("--workdir", paths(files, "empty", "notes", "imported", "model.gguf", odd=NOT_PATHS)),
+    option("--mesh", BAD_MESH),
+  ]
   argv, more = draw_pieces(data, pieces, at_least=0 if hostile else 1)
   refused(["run", config, "--workdir", new_path(files), *argv], clues + more, capsys)
 
 
 def decode_pieces(files: dict[str, str], command: str) -> list:
   """The hostile pieces of the commands that decode a checkpoint (eval, generate)."""
-  return [option("--workdir", paths(files, *WORKDIRS)), option("--step", BAD_STEP), option("--mesh", BAD_MESH),
-          sets(command)]
+  return [
+    option("--workdir", paths(files, *WORKDIRS)),
+    option("--step", BAD_STEP),
+    option("--mesh", BAD_MESH),
+    sets(command),
+  ]
 
 
 @FUZZ
 @given(data=st.data())
 def test_eval(files, tripwires, capsys, data):
   pieces = decode_pieces(files, "eval") + [
-      option("--batches", BAD_COUNT), option("--batch-size", BAD_COUNT),
-      option("--seq-len", st.one_of(BAD_COUNT, st.sampled_from(("65", "1000")))),  # the model holds 64
-      option("--split", bad_choice("val", "train")),
-      option("--corpus", paths(files, "notes", "missing", "model.gguf", "empty_dir")),
-      option("--recall", st.sampled_from(("", " ", "0", "-1", "1,,2", "nan", "1e400", "a,b", str(10**30), "5,0"))),
-      option("--needles", BAD_COUNT), option("--needle-bytes", BAD_COUNT), option("--seed", BAD_SEED)]
+    option("--batches", BAD_COUNT),
+    option("--batch-size", BAD_COUNT),
+    option("--seq-len", st.one_of(BAD_COUNT, st.sampled_from(("65", "1000")))),  # the model holds 64
+    option("--split", bad_choice("val", "train")),
+    option("--corpus", paths(files, "notes", "missing", "model.gguf", "empty_dir")),
+    option("--recall", st.sampled_from(("", " ", "0", "-1", "1,,2", "nan", "1e400", "a,b", str(10**30), "5,0"))),
+    option("--needles", BAD_COUNT),
+    option("--needle-bytes", BAD_COUNT),
+    option("--seed", BAD_SEED),
+  ]
   argv, clues = draw_pieces(data, pieces)
   refused(["eval", "--workdir", files["imported"], *argv], clues, capsys)
 
@@ -302,13 +492,22 @@ def test_eval(files, tripwires, capsys, data):
 @given(data=st.data())
 def test_generate(files, tripwires, capsys, data):
   temperatures = st.one_of(not_a(float), st.sampled_from(NOT_FINITE), st.floats(max_value=-1e-9).map(repr))
-  top_ps = st.one_of(not_a(float), st.sampled_from(NOT_FINITE + ("0", "-0.0", "1.0000001", "2")),
-                     st.floats(max_value=0).map(repr), st.floats(min_value=1.0000001).map(repr))
+  top_ps = st.one_of(
+    not_a(float),
+    st.sampled_from(NOT_FINITE + ("0", "-0.0", "1.0000001", "2")),
+    st.floats(max_value=0).map(repr),
+    st.floats(min_value=1.0000001).map(repr),
+  )
   pieces = decode_pieces(files, "generate") + [
-      option("--prompt", st.sampled_from(("", "\ud800", "a\udfffb"))), option("--temperature", temperatures),
-      option("--top-k", BAD_COUNT), option("--top-p", top_ps), option("--seed", BAD_SEED),
-      option("--max-new-tokens", st.one_of(BAD_COUNT, st.sampled_from(("64", "1000")))),  # 2 + 64 - 1 > 64
-      st.just((["--chat"], ["--chat"])), st.just((["--system", "be brief"], ["--system"]))]  # a byte-level model
+    option("--prompt", st.sampled_from(("", "\ud800", "a\udfffb"))),
+    option("--temperature", temperatures),
+    option("--top-k", BAD_COUNT),
+    option("--top-p", top_ps),
+    option("--seed", BAD_SEED),
+    option("--max-new-tokens", st.one_of(BAD_COUNT, st.sampled_from(("64", "1000")))),  # 2 + 64 - 1 > 64
+    st.just((["--chat"], ["--chat"])),
+    st.just((["--system", "be brief"], ["--system"])),
+  ]  # a byte-level model
   argv, clues = draw_pieces(data, pieces)
   refused(["generate", "--workdir", files["imported"], "--prompt", "hi", "--max-new-tokens", "4", *argv], clues, capsys)
 
@@ -316,8 +515,11 @@ def test_generate(files, tripwires, capsys, data):
 @FUZZ
 @given(data=st.data())
 def test_export_hf(files, tripwires, capsys, data):
-  pieces = [option("--workdir", paths(files, *WORKDIRS)), option("--step", BAD_STEP),
-            option("--out", paths(files, "empty", "notes", "imported", "model.gguf", odd=NOT_PATHS))]
+  pieces = [
+    option("--workdir", paths(files, *WORKDIRS)),
+    option("--step", BAD_STEP),
+    option("--out", paths(files, "empty", "notes", "imported", "model.gguf", odd=NOT_PATHS)),
+  ]
   argv, clues = draw_pieces(data, pieces)
   refused(["export-hf", "--workdir", files["imported"], "--out", new_path(files), *argv], clues, capsys)
 
@@ -326,12 +528,31 @@ def test_export_hf(files, tripwires, capsys, data):
 @given(data=st.data())
 def test_import(files, tripwires, capsys, data):
   command = data.draw(st.sampled_from(("import", "import-hf")))
-  source = data.draw(st.one_of(
-      paths(files, "notes", "empty_dir", "empty", "model.gguf", "truncated.gguf", "garbage.json", "model.safetensors",
-            "hf_garbage", "hf_partial", "hf_unknown", "imported", "config.py", "missing"),
-      st.sampled_from(("smollm3-135m", "smollm2", "gpt2", "llama"))))
-  pieces = [option("--workdir", paths(files, "empty", "notes", "imported", "model.gguf")),
-            option("--dtype", bad_choice("float32", "bfloat16", "float16"))]
+  source = data.draw(
+    st.one_of(
+      paths(
+        files,
+        "notes",
+        "empty_dir",
+        "empty",
+        "model.gguf",
+        "truncated.gguf",
+        "garbage.json",
+        "model.safetensors",
+        "hf_garbage",
+        "hf_partial",
+        "hf_unknown",
+        "imported",
+        "config.py",
+        "missing",
+      ),
+      st.sampled_from(("smollm3-135m", "smollm2", "gpt2", "llama")),
+    )
+  )
+  pieces = [
+    option("--workdir", paths(files, "empty", "notes", "imported", "model.gguf")),
+    option("--dtype", bad_choice("float32", "bfloat16", "float16")),
+  ]
   argv, clues = draw_pieces(data, pieces, at_least=0)
   clues += [source, "source", "argument", "config.json", "model_type"]  # a folder's config.json, named as such
   refused([command, source, "--workdir", new_path(files), *argv], clues, capsys)
@@ -341,16 +562,32 @@ def test_import(files, tripwires, capsys, data):
 @given(data=st.data())
 def test_kv_size(files, tripwires, capsys, data):
   valid = data.draw(st.sampled_from((files["config.py"], files["imported"], "GPT-2")))
-  model, clues, hostile = draw_positional(data, "model", valid,
-                                          paths(files, "notes", "empty_dir", "empty", "model.gguf", "truncated.gguf",
-                                                "garbage.json", "hf_partial", "noget.py", "notdc.py", "missing"))
+  model, clues, hostile = draw_positional(
+    data,
+    "model",
+    valid,
+    paths(
+      files,
+      "notes",
+      "empty_dir",
+      "empty",
+      "model.gguf",
+      "truncated.gguf",
+      "garbage.json",
+      "hf_partial",
+      "noget.py",
+      "notdc.py",
+      "missing",
+    ),
+  )
   not_positive = st.one_of(not_a(int), st.integers(max_value=0).map(str), st.integers(min_value=2**31).map(str))
   pieces = [option(flag, not_positive) for flag in ("--context", "--batch", "--devices", "--page-size")] + [
-      option("--dtype", bad_choice(*DTYPE_NAMES)),
-      option("--weight-dtype", bad_choice(*BYTES_PER_ELEMENT)),
-      option("--layout", bad_choice("contiguous", "paged")),
-      option("--device-memory", st.sampled_from(("", " ", "nan", "infGB", "1e400GB", "-5GB", "5XB", "GB", "1.2.3"))),
-      option("--mla", st.sampled_from(("0:0", "-1:-1", "x", ":", "1e400:2", f"{10**30}:2", "8:-2", "8:x")))]
+    option("--dtype", bad_choice(*DTYPE_NAMES)),
+    option("--weight-dtype", bad_choice(*BYTES_PER_ELEMENT)),
+    option("--layout", bad_choice("contiguous", "paged")),
+    option("--device-memory", st.sampled_from(("", " ", "nan", "infGB", "1e400GB", "-5GB", "5XB", "GB", "1.2.3"))),
+    option("--mla", st.sampled_from(("0:0", "-1:-1", "x", ":", "1e400:2", f"{10**30}:2", "8:-2", "8:x"))),
+  ]
   argv, more = draw_pieces(data, pieces, at_least=0 if hostile else 1)
   refused(["kv-size", model, *argv], clues + more, capsys)
 
@@ -358,15 +595,34 @@ def test_kv_size(files, tripwires, capsys, data):
 @FUZZ
 @given(data=st.data())
 def test_bench(files, tripwires, capsys, data):
-  benchmark, clues, hostile = draw_positional(data, "benchmark", data.draw(st.sampled_from(sorted(bench.BENCHMARKS))),
-                                              bad_choice(*bench.BENCHMARKS, *bench.REAL_MODEL_BENCHMARKS)
-                                              .filter(lambda t: not t.startswith("-")))
+  benchmark, clues, hostile = draw_positional(
+    data,
+    "benchmark",
+    data.draw(st.sampled_from(sorted(bench.BENCHMARKS))),
+    bad_choice(*bench.BENCHMARKS, *bench.REAL_MODEL_BENCHMARKS).filter(lambda t: not t.startswith("-")),
+  )
   lengths = st.one_of(not_a(int), st.sampled_from(("0", "1,-1", "64,", ",", str(10**30), "1e400")))
-  pieces = [option(flag, BAD_COUNT) for flag in ("--batch", "--prompt", "--new", "--repeats", "--seq-len",
-                                                 "--windows-batches", "--context", "--page-size")] + [
-      option(flag, BAD_NONNEGATIVE) for flag in ("--concat-max", "--threads", "--rope-dims")] + [
-      option("--lengths", lengths), sets("bench"),
-      option("--model", paths(files, "notes", "empty", "model.gguf", "hf_garbage", "hf_partial", "missing"))]
+  pieces = (
+    [
+      option(flag, BAD_COUNT)
+      for flag in (
+        "--batch",
+        "--prompt",
+        "--new",
+        "--repeats",
+        "--seq-len",
+        "--windows-batches",
+        "--context",
+        "--page-size",
+      )
+    ]
+    + [option(flag, BAD_NONNEGATIVE) for flag in ("--concat-max", "--threads", "--rope-dims")]
+    + [
+      option("--lengths", lengths),
+      sets("bench"),
+      option("--model", paths(files, "notes", "empty", "model.gguf", "hf_garbage", "hf_partial", "missing")),
+    ]
+  )
   argv, more = draw_pieces(data, pieces, at_least=0 if hostile else 1)
   refused(["bench", benchmark, *argv], clues + more, capsys)
 
@@ -377,36 +633,61 @@ def test_uptrain(files, tripwires, capsys, data):
   fractions = st.one_of(not_a(float), st.sampled_from(NOT_FINITE + ("-0.1", "1.5")))
   workdirs = st.sampled_from([files["imported"], files["empty"], files["notes"], *NOT_PATHS])
   sources = paths(files, *WORKDIRS)
-  pieces = [option("--from", sources), option("--workdir", workdirs),
-            option("--kv-heads", st.one_of(BAD_COUNT, st.just("3"))),  # 3 does not divide the 2 kv heads
-            option("--to-mla", BAD_COUNT), option("--rope-dims", st.one_of(not_a(int), st.just("-1"))),
-            option("--method", bad_choice(*METHODS)),
-            option("--seed", st.one_of(not_a(int), st.integers(max_value=-1).map(str),
-                                       st.integers(min_value=2**63).map(str))),
-            option("--fraction", fractions),
-            option("--distill", st.one_of(not_a(float), st.sampled_from(NOT_FINITE + ("-1",)))),
-            option("--mesh", BAD_MESH), sets("uptrain")]
+  pieces = [
+    option("--from", sources),
+    option("--workdir", workdirs),
+    option("--kv-heads", st.one_of(BAD_COUNT, st.just("3"))),  # 3 does not divide the 2 kv heads
+    option("--to-mla", BAD_COUNT),
+    option("--rope-dims", st.one_of(not_a(int), st.just("-1"))),
+    option("--method", bad_choice(*METHODS)),
+    option("--seed", st.one_of(not_a(int), st.integers(max_value=-1).map(str), st.integers(min_value=2**63).map(str))),
+    option("--fraction", fractions),
+    option("--distill", st.one_of(not_a(float), st.sampled_from(NOT_FINITE + ("-1",)))),
+    option("--mesh", BAD_MESH),
+    sets("uptrain"),
+  ]
   argv, clues = draw_pieces(data, pieces)
-  refused(["uptrain", "--from", files["imported"], "--workdir", new_path(files), "--kv-heads", "1", "--fraction",
-           "0", *argv], clues, capsys)
+  refused(
+    ["uptrain", "--from", files["imported"], "--workdir", new_path(files), "--kv-heads", "1", "--fraction", "0", *argv],
+    clues,
+    capsys,
+  )
 
 
 @FUZZ
-@given(extra=st.lists(st.one_of(st.sampled_from(("x", "--set", "x=1", "--workdir", "run", "-v")),
-                                st.text(min_size=1, max_size=6).filter(lambda t: not t.startswith("-"))),
-                      min_size=1, max_size=3))
+@given(
+  extra=st.lists(
+    st.one_of(
+      st.sampled_from(("x", "--set", "x=1", "--workdir", "run", "-v")),
+      st.text(min_size=1, max_size=6).filter(lambda t: not t.startswith("-")),
+    ),
+    min_size=1,
+    max_size=3,
+  )
+)
 def test_build_kernels(tripwires, capsys, extra):
   refused(["build-kernels", *extra], ["unrecognized arguments", "expected one argument"], capsys)
 
 
 def base_argv(files: dict[str, str], command: str) -> list[str]:
   """A command line of `command` that its hostile pieces are added to."""
-  return {"run": ["run", files["config.py"], "--workdir", new_path(files)],
-          "eval": ["eval", "--workdir", files["imported"]],
-          "generate": ["generate", "--workdir", files["imported"], "--prompt", "hi", "--max-new-tokens", "4"],
-          "bench": ["bench", "decode"],
-          "uptrain": ["uptrain", "--from", files["imported"], "--workdir", new_path(files), "--kv-heads", "1",
-                      "--fraction", "0"]}[command]
+  return {
+    "run": ["run", files["config.py"], "--workdir", new_path(files)],
+    "eval": ["eval", "--workdir", files["imported"]],
+    "generate": ["generate", "--workdir", files["imported"], "--prompt", "hi", "--max-new-tokens", "4"],
+    "bench": ["bench", "decode"],
+    "uptrain": [
+      "uptrain",
+      "--from",
+      files["imported"],
+      "--workdir",
+      new_path(files),
+      "--kv-heads",
+      "1",
+      "--fraction",
+      "0",
+    ],
+  }[command]
 
 
 @pytest.mark.parametrize("command", ["run", "eval", "generate", "bench"])

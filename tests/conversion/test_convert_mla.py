@@ -21,8 +21,11 @@ def logits(config, params):
   return np.asarray(kvjax.Transformer(config).apply({"params": params}, TOKENS))
 
 
-@pytest.mark.parametrize("num_kv_heads, changes", [(2, {}), (4, {"qkv_bias": True}), (2, {"positions": "learned"})],
-                         ids=["gqa", "mha-bias", "learned"])
+@pytest.mark.parametrize(
+  "num_kv_heads, changes",
+  [(2, {}), (4, {"qkv_bias": True}), (2, {"positions": "learned"})],
+  ids=["gqa", "mha-bias", "learned"],
+)
 def test_full_rank_every_frequency_kept_is_exact(num_kv_heads, changes):
   """Every frequency kept and the rank of the stacked K/V projections: the source's logits, and a
   cache that holds as many bytes per token as the source's."""
@@ -48,10 +51,10 @@ def structured(params, config, kept: dict[int, list[int]], rank: int, seed: int 
     attn = params[f"layers_{i}"]["attn"]
     for j, pairs in kept.items():
       dropped = np.setdiff1d(np.arange(h // 2), pairs)
-      attn["q"]["kernel"][:, j * g:(j + 1) * g][..., np.concatenate([dropped, dropped + h // 2])] = 0
-    joint = (rng.normal(size=(d, rank)) @ rng.normal(size=(rank, 2 * k * h))) * d ** -0.5 / rank ** 0.5
-    attn["k"]["kernel"][:] = joint[:, :k * h].reshape(d, k, h)
-    attn["v"]["kernel"][:] = joint[:, k * h:].reshape(d, k, h)
+      attn["q"]["kernel"][:, j * g : (j + 1) * g][..., np.concatenate([dropped, dropped + h // 2])] = 0
+    joint = (rng.normal(size=(d, rank)) @ rng.normal(size=(rank, 2 * k * h))) * d**-0.5 / rank**0.5
+    attn["k"]["kernel"][:] = joint[:, : k * h].reshape(d, k, h)
+    attn["v"]["kernel"][:] = joint[:, k * h :].reshape(d, k, h)
   return params
 
 
@@ -87,7 +90,8 @@ def test_errors():
   config = tiny_config(2)
   _, params = init_params(config)
   convert = lambda cfg=config, rank=8, rope_dims=8, calibration=CALIBRATION: convert_to_mla(
-      params, cfg, rank, rope_dims, calibration=calibration)
+    params, cfg, rank, rope_dims, calibration=calibration
+  )
   with pytest.raises(ValueError, match="kv_latent_rank=33 is larger than possible"):
     convert(rank=33)
   with pytest.raises(ValueError, match="more than head_dim=8"):

@@ -93,18 +93,21 @@ def test_random_reinitialises_kv_only(mha):
   config, params = mha
   new_params, _ = kvjax.convert_kv_heads(params, config, 2, "random", rng=jax.random.key(3))
   kernel = np.asarray(new_params["layers_0"]["attn"]["k"]["kernel"])
-  assert kernel.shape == (32, 2, 8) and abs(kernel.std() - 32 ** -0.5) < 0.03
+  assert kernel.shape == (32, 2, 8) and abs(kernel.std() - 32**-0.5) < 0.03
   assert not np.allclose(kernel, kvjax.convert_kv_heads(params, config, 2)[0]["layers_0"]["attn"]["k"]["kernel"])
   np.testing.assert_array_equal(new_params["layers_0"]["attn"]["k"]["bias"], 0)
 
 
-@pytest.mark.parametrize("target,method,kwargs,match", [
+@pytest.mark.parametrize(
+  "target,method,kwargs,match",
+  [
     (3, "mean", {}, "cannot convert 4 kv heads to 3"),
     (8, "mean", {}, "cannot convert 4 kv heads to 8"),
     (0, "mean", {}, "positive integer"),
     (2, "median", {}, "method must be one of"),
     (2, "random", {}, "needs an rng"),
-])
+  ],
+)
 def test_errors(mha, target, method, kwargs, match):
   config, params = mha
   with pytest.raises(ValueError, match=match):

@@ -32,8 +32,9 @@ def transformed_heads(params, config, group: int, seed: int = 0):
       for head in range(first + 1, first + group):
         if config.positions == "rope":
           rotate = rng.normal(size=h // 2) + 1j * rng.normal(size=h // 2)
+
           def k_map(a):
-            z = (a[..., :h // 2] + 1j * a[..., h // 2:]) * rotate
+            z = (a[..., : h // 2] + 1j * a[..., h // 2 :]) * rotate
             return np.concatenate([z.real, z.imag], axis=-1)
         else:
           matrix = rng.normal(size=(h, h)) + 2 * np.eye(h)
@@ -98,12 +99,15 @@ def test_pca_errors():
 
 def test_permuting_heads_keeps_the_function():
   from kvjax.conversion import pca
+
   config = tiny_config(2, qkv_bias=True, use_bias=True)
   params = jax.tree.map(np.asarray, init_params(config)[1])
   permuted = dict(params)
   for i in range(config.num_layers):
-    permuted[f"layers_{i}"] = {**params[f"layers_{i}"],
-                               "attn": pca.permute_heads(params[f"layers_{i}"]["attn"], config, np.array([1, 0]))}
+    permuted[f"layers_{i}"] = {
+      **params[f"layers_{i}"],
+      "attn": pca.permute_heads(params[f"layers_{i}"]["attn"], config, np.array([1, 0])),
+    }
   assert not np.array_equal(permuted["layers_0"]["attn"]["k"]["kernel"], params["layers_0"]["attn"]["k"]["kernel"])
   np.testing.assert_allclose(logits(config, permuted), logits(config, params), atol=1e-5)
 
@@ -117,9 +121,12 @@ def test_regroup_finds_strided_partners_that_index_order_splits():
   contiguous = transformed_heads(params, config, 2)
   strided = dict(contiguous)
   from kvjax.conversion import pca
+
   for i in range(config.num_layers):  # the tied pairs moved apart: new head order[j] = old head j
-    strided[f"layers_{i}"] = {**contiguous[f"layers_{i}"], "attn": pca.permute_heads(
-        contiguous[f"layers_{i}"]["attn"], config, np.argsort(order))}
+    strided[f"layers_{i}"] = {
+      **contiguous[f"layers_{i}"],
+      "attn": pca.permute_heads(contiguous[f"layers_{i}"]["attn"], config, np.argsort(order)),
+    }
   want = logits(config, strided)
   regrouped, new_config = KVHeads(2, "regroup").convert(strided, config, CALIBRATION)
   np.testing.assert_allclose(logits(new_config, regrouped), want, atol=2e-4, rtol=1e-4)

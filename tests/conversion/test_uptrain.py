@@ -23,9 +23,21 @@ MODEL = ModelConfig(d_model=32, num_layers=1, num_heads=2, num_kv_heads=2, mlp_d
 
 
 def tiny_run(corpus: Path, seed: int) -> TrainRun:
-  return TrainRun(model=MODEL, data=DataConfig(source=str(corpus), seq_len=32, val_fraction=0.1),
-                  train=TrainConfig(steps=4, batch_size=4, warmup_steps=1, log_every=2, eval_every=4,
-                                    eval_batches=1, checkpoint_every=4, keep_checkpoints=1, seed=seed))
+  return TrainRun(
+    model=MODEL,
+    data=DataConfig(source=str(corpus), seq_len=32, val_fraction=0.1),
+    train=TrainConfig(
+      steps=4,
+      batch_size=4,
+      warmup_steps=1,
+      log_every=2,
+      eval_every=4,
+      eval_batches=1,
+      checkpoint_every=4,
+      keep_checkpoints=1,
+      seed=seed,
+    ),
+  )
 
 
 @pytest.fixture(scope="module")
@@ -58,11 +70,17 @@ def test_an_uptraining_records_its_source_and_refuses_another(sources, tmp_path,
   assert source_id(a)["fingerprint"] != source_id(b)["fingerprint"]
   before = snapshot(dest)
   fp_a, fp_b = source_id(a)["fingerprint"][:12], source_id(b)["fingerprint"][:12]
-  with pytest.raises(workdirs.WorkdirRefused, match=rf"{dest} holds an uptraining of {a} at step 4 \(fingerprint "
-                     rf"{fp_a}\), not of {b} at step 4 \(fingerprint {fp_b}\)"):
+  with pytest.raises(
+    workdirs.WorkdirRefused,
+    match=rf"{dest} holds an uptraining of {a} at step 4 \(fingerprint "
+    rf"{fp_a}\), not of {b} at step 4 \(fingerprint {fp_b}\)",
+  ):
     uptrain(b, dest, KVHeads(1), fraction=0.5)
-  with pytest.raises(workdirs.WorkdirRefused, match=r"holds an uptraining with conversion kv1_mean, fraction 0.5, "
-                     r"not conversion kv1_first, fraction 0.5"):
+  with pytest.raises(
+    workdirs.WorkdirRefused,
+    match=r"holds an uptraining with conversion kv1_mean, fraction 0.5, "
+    r"not conversion kv1_first, fraction 0.5",
+  ):
     uptrain(a, dest, KVHeads(1, "first"), fraction=0.5)
   assert snapshot(dest) == before
   assert uptrain(a, dest, KVHeads(1), fraction=0.5)["after"] == record["after"]  # its own source: resumed, finished
@@ -77,8 +95,11 @@ def test_a_source_changed_in_place_is_refused(sources, tmp_path, snapshot):
   shutil.copytree(b, source)  # the same path, other weights
   before = snapshot(dest)
   fp_a, fp_b = source_id(a)["fingerprint"][:12], source_id(b)["fingerprint"][:12]
-  with pytest.raises(workdirs.WorkdirRefused, match=rf"holds an uptraining of {source} at step 4 \(fingerprint "
-                     rf"{fp_a}\), and that source has changed since: it is now {source} at step 4 "
-                     rf"\(fingerprint {fp_b}\)"):
+  with pytest.raises(
+    workdirs.WorkdirRefused,
+    match=rf"holds an uptraining of {source} at step 4 \(fingerprint "
+    rf"{fp_a}\), and that source has changed since: it is now {source} at step 4 "
+    rf"\(fingerprint {fp_b}\)",
+  ):
     uptrain(source, dest, KVHeads(1), fraction=0)
   assert snapshot(dest) == before

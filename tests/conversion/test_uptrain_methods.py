@@ -21,9 +21,20 @@ MODEL = ModelConfig(d_model=32, num_layers=1, num_heads=4, num_kv_heads=4, mlp_d
 def source(tmp_path_factory) -> Path:
   root = tmp_path_factory.mktemp("source")
   corpus = word_corpus(root / "words.txt", 1)
-  run = TrainRun(model=MODEL, data=DataConfig(source=str(corpus), seq_len=32, val_fraction=0.1),
-                 train=TrainConfig(steps=8, batch_size=4, warmup_steps=1, log_every=4, eval_every=8,
-                                   eval_batches=1, checkpoint_every=8, keep_checkpoints=1))
+  run = TrainRun(
+    model=MODEL,
+    data=DataConfig(source=str(corpus), seq_len=32, val_fraction=0.1),
+    train=TrainConfig(
+      steps=8,
+      batch_size=4,
+      warmup_steps=1,
+      log_every=4,
+      eval_every=8,
+      eval_batches=1,
+      checkpoint_every=8,
+      keep_checkpoints=1,
+    ),
+  )
   train.run(run, root / "mha")
   return root / "mha"
 
@@ -42,7 +53,10 @@ def test_pca_with_distillation_uptrains_and_records_its_settings(source, tmp_pat
 
 def test_regroup_at_alpha_zero(source, tmp_path):
   record = uptrain(source, tmp_path / "mqa", KVHeads(1, "regroup"), fraction=0.0)
-  assert record["conversion"] == {"num_kv_heads": 1, "method": "regroup", "seed": 0} and record["after"] == record["converted"]
+  assert (
+    record["conversion"] == {"num_kv_heads": 1, "method": "regroup", "seed": 0}
+    and record["after"] == record["converted"]
+  )
 
 
 def test_a_conversion_that_does_not_fit_the_source_is_refused_before_anything_is_written(source, tmp_path):

@@ -24,20 +24,52 @@ MODEL = ModelConfig(d_model=32, num_layers=1, num_heads=4, num_kv_heads=2, mlp_d
 def source(tmp_path_factory) -> Path:
   root = tmp_path_factory.mktemp("source")
   corpus = word_corpus(root / "words.txt", 2)
-  run = TrainRun(model=MODEL, data=DataConfig(source=str(corpus), seq_len=32, val_fraction=0.1),
-                 train=TrainConfig(steps=8, batch_size=4, warmup_steps=1, log_every=4, eval_every=8,
-                                   eval_batches=1, checkpoint_every=8, keep_checkpoints=1))
+  run = TrainRun(
+    model=MODEL,
+    data=DataConfig(source=str(corpus), seq_len=32, val_fraction=0.1),
+    train=TrainConfig(
+      steps=8,
+      batch_size=4,
+      warmup_steps=1,
+      log_every=4,
+      eval_every=8,
+      eval_batches=1,
+      checkpoint_every=8,
+      keep_checkpoints=1,
+    ),
+  )
   train.run(run, root / "gqa")
   return root / "gqa"
 
 
 def test_uptrain_to_mla_gives_a_checkpoint_that_generates(source, tmp_path, capsys):
   dest = tmp_path / "mla"
-  assert main(["uptrain", "--from", str(source), "--workdir", str(dest), "--to-mla", "12", "--rope-dims", "4",
-               "--fraction", "0.5", "--distill", "0.5"]) == 0
+  assert (
+    main(
+      [
+        "uptrain",
+        "--from",
+        str(source),
+        "--workdir",
+        str(dest),
+        "--to-mla",
+        "12",
+        "--rope-dims",
+        "4",
+        "--fraction",
+        "0.5",
+        "--distill",
+        "0.5",
+      ]
+    )
+    == 0
+  )
   assert "uptrained (alpha=0.5)" in capsys.readouterr().out
   record = json.loads((dest / "uptrain.json").read_text())
-  assert record["conversion"] == {"kv_latent_rank": 12, "rope_dims": 4, "factorisation": "activation"} and record["steps"] == 4
+  assert (
+    record["conversion"] == {"kv_latent_rank": 12, "rope_dims": 4, "factorisation": "activation"}
+    and record["steps"] == 4
+  )
   model, params, config = checkpoint.load_model(dest)
   assert model.config.is_latent and model.config.rope_dims == 4 and len(model.config.rope_pairs) == 1
   assert kinds.bytes_per_token(model.config) == (12 + 4) * 4
@@ -56,11 +88,19 @@ def test_uptrain_to_mla_errors(source, tmp_path, capsys):
   assert "kvjax uptrain: error: kv_latent_rank=40 is larger than possible" in capsys.readouterr().err
   assert main(["uptrain", "--from", str(source), "--workdir", str(dest), "--to-mla", "8"]) == 2
   assert "--rope-dims D go together" in capsys.readouterr().err
-  assert main(["uptrain", "--from", str(source), "--workdir", str(dest), "--kv-heads", "1", "--to-mla", "8",
-               "--rope-dims", "4"]) == 2
+  assert (
+    main(
+      ["uptrain", "--from", str(source), "--workdir", str(dest), "--kv-heads", "1", "--to-mla", "8", "--rope-dims", "4"]
+    )
+    == 2
+  )
   assert "exactly one of --kv-heads" in capsys.readouterr().err
-  assert main(["uptrain", "--from", str(source), "--workdir", str(dest), "--to-mla", "8", "--rope-dims", "4",
-               "--method", "pca"]) == 2
+  assert (
+    main(
+      ["uptrain", "--from", str(source), "--workdir", str(dest), "--to-mla", "8", "--rope-dims", "4", "--method", "pca"]
+    )
+    == 2
+  )
   assert "--method and --seed choose how kv heads are regrouped (--kv-heads), not --to-mla" in capsys.readouterr().err
   assert main(["uptrain", "--from", str(source), "--workdir", str(dest), "--kv-heads", "1", "--rope-dims", "4"]) == 2
   assert "--rope-dims D goes with --to-mla RANK" in capsys.readouterr().err

@@ -46,7 +46,7 @@ def test_ragged_batch_rows_match_running_alone(variant):
   lengths = np.array([9, 3, 6])
   batched = np.asarray(kvjax.generate(model, params, prompts, lengths, 8))
   for row, n in enumerate(lengths):
-    alone = kvjax.generate(model, params, prompts[row:row + 1, :n], np.array([n]), 8)
+    alone = kvjax.generate(model, params, prompts[row : row + 1, :n], np.array([n]), 8)
     np.testing.assert_array_equal(batched[row], np.asarray(alone)[0])
 
 
@@ -68,8 +68,9 @@ def test_bf16_cache_stays_close_to_fp32():
     np.testing.assert_allclose(l16, l32, atol=5e-2)
     worst = max(worst, float(np.abs(l16 - l32).max()))
   assert worst > 0  # the bfloat16 cache is read as stored, rounded
-  first = np.argmax(np.asarray(kvjax.prefill(model, params, seqs[:, :8], lengths, 16, logits="last",
-                                             cache_config=bf16)[0]), -1)
+  first = np.argmax(
+    np.asarray(kvjax.prefill(model, params, seqs[:, :8], lengths, 16, logits="last", cache_config=bf16)[0]), -1
+  )
   np.testing.assert_array_equal(kvjax.generate(model, params, seqs[:, :8], lengths, 1, cache_config=bf16)[:, 0], first)
 
 
@@ -81,7 +82,8 @@ def test_baselines_agree_with_preallocated_cache():
   np.testing.assert_array_equal(baselines.generate_nocache(model, params, prompts, lengths, 10), expected)
   np.testing.assert_array_equal(baselines.generate_concat(model, params, prompts, lengths, 10), expected)
   np.testing.assert_array_equal(
-      baselines.generate_doubling(model, params, prompts, lengths, 10, initial_capacity=8), expected)
+    baselines.generate_doubling(model, params, prompts, lengths, 10, initial_capacity=8), expected
+  )
 
 
 def test_cache_bytes_follow_num_kv_heads():
@@ -99,7 +101,9 @@ def test_generate_compiles_once_per_bucket():
   model, params = init_params(tiny_config(2))
   decode._generate.clear_cache()
   for n in (5, 9, 12):  # all in the 16-token bucket
-    kvjax.generate(model, params, random_tokens((2, n)), np.array([n, n - 2]), 6, temperature=0.5, rng=jax.random.key(n))
+    kvjax.generate(
+      model, params, random_tokens((2, n)), np.array([n, n - 2]), 6, temperature=0.5, rng=jax.random.key(n)
+    )
   kvjax.generate(model, params, random_tokens((2, 3)), np.array([3, 3]), 6, top_k=5, top_p=0.9)
   assert decode._generate._cache_size() == 1
 
@@ -115,7 +119,7 @@ def test_stop_tokens_end_each_row_at_its_first_stop():
     end = hits[0] if hits.size else 12
     np.testing.assert_array_equal(kept, free[row, :end])
     if hits.size:
-      np.testing.assert_array_equal(stopped[row, :end + 1], free[row, :end + 1])
+      np.testing.assert_array_equal(stopped[row, : end + 1], free[row, : end + 1])
       assert (stopped[row, end:] == free[row, end]).all()  # a stopped row repeats its stop token
   with pytest.raises(ValueError, match="stop token id 64"):
     kvjax.generate(model, params, prompts, np.array([6, 6, 6]), 4, stop_ids=(1, 64))

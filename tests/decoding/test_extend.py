@@ -21,7 +21,7 @@ def random_tokens(shape, seed):
 def empty_cache(kind: str, config) -> kvjax.KVCache:
   if kind == "contiguous":
     return kvjax.ContiguousCache.create(config, 3, MAX_PAGES * PAGE_SIZE)
-  table = np.random.default_rng(0).permutation(np.arange(1, NUM_PAGES))[:3 * MAX_PAGES].reshape(3, MAX_PAGES)
+  table = np.random.default_rng(0).permutation(np.arange(1, NUM_PAGES))[: 3 * MAX_PAGES].reshape(3, MAX_PAGES)
   cache = kvjax.PagedCache.create(config, NUM_PAGES, PAGE_SIZE, 3, MAX_PAGES)
   return cache.with_rows(table, np.zeros(3, np.int32))
 
@@ -30,7 +30,7 @@ def chunk(seqs, held, lengths):
   """Right-padded [3, max(lengths)] chunk of each row's next lengths[b] tokens after held[b]."""
   out = np.zeros((3, max(int(lengths.max()), 1)), np.int32)
   for row in range(3):
-    out[row, :lengths[row]] = seqs[row, held[row]:held[row] + lengths[row]]
+    out[row, : lengths[row]] = seqs[row, held[row] : held[row] + lengths[row]]
   return out
 
 
@@ -39,14 +39,16 @@ def test_chunked_prefill_matches_one_shot_and_full_forward(variant, kind):
   _, model, params = variant
   seqs = random_tokens((3, 24), seed=1)
   full = np.asarray(model.apply({"params": params}, seqs))
-  one_shot, _ = kvjax.extend(model, params, empty_cache(kind, model.config), chunk(seqs, np.zeros(3, int), TOTAL), TOTAL)
+  one_shot, _ = kvjax.extend(
+    model, params, empty_cache(kind, model.config), chunk(seqs, np.zeros(3, int), TOTAL), TOTAL
+  )
   cache, held = empty_cache(kind, model.config), np.zeros(3, int)
   for lengths in CHUNKS:
     logits, cache = kvjax.extend(model, params, cache, chunk(seqs, held, lengths), lengths)
     for row in range(3):
       span = slice(held[row], held[row] + lengths[row])
-      np.testing.assert_allclose(logits[row, :lengths[row]], full[row, span], atol=1e-5)
-      np.testing.assert_allclose(logits[row, :lengths[row]], one_shot[row, span], atol=1e-5)
+      np.testing.assert_allclose(logits[row, : lengths[row]], full[row, span], atol=1e-5)
+      np.testing.assert_allclose(logits[row, : lengths[row]], one_shot[row, span], atol=1e-5)
     held = held + lengths
   np.testing.assert_array_equal(cache.lengths, TOTAL)
   # Decoding goes on from the chunked cache as from a one-shot prefill.
@@ -76,8 +78,9 @@ def test_chunk_that_overflows_is_refused_before_compute_and_loses_nothing():
   model, params = init_params(tiny_config(2))
   seqs = random_tokens((3, 24), seed=3)
   cache = kvjax.ContiguousCache.create(model.config, 3, 16)
-  _, cache = kvjax.extend(model, params, cache, chunk(seqs, np.zeros(3, int), np.array([4, 12, 2])),
-                          np.array([4, 12, 2]))
+  _, cache = kvjax.extend(
+    model, params, cache, chunk(seqs, np.zeros(3, int), np.array([4, 12, 2])), np.array([4, 12, 2])
+  )
   with pytest.raises(ValueError, match="cache is full: row 1 holds 12 tokens and 5 more do not fit its 16 positions"):
     kvjax.extend(model, params, cache, np.ones((3, 5), np.int32), np.array([5, 5, 5]))
   with pytest.raises(ValueError, match="negative length: row 2"):
@@ -87,8 +90,9 @@ def test_chunk_that_overflows_is_refused_before_compute_and_loses_nothing():
   with pytest.raises(ValueError, match="tokens have 2 rows but the cache has 3"):
     kvjax.extend(model, params, cache, np.ones((2, 2), np.int32), np.array([1, 1]))
   # A row near its end takes a chunk padded past it: only its valid tokens are written.
-  logits, cache = kvjax.extend(model, params, cache, chunk(seqs, np.array([4, 12, 2]), np.array([12, 4, 1])),
-                               np.array([12, 4, 1]))
+  logits, cache = kvjax.extend(
+    model, params, cache, chunk(seqs, np.array([4, 12, 2]), np.array([12, 4, 1])), np.array([12, 4, 1])
+  )
   full = np.asarray(model.apply({"params": params}, seqs[:, :16]))
   np.testing.assert_allclose(logits[1, :4], full[1, 12:16], atol=1e-5)
   np.testing.assert_allclose(logits[0, :12], full[0, 4:16], atol=1e-5)

@@ -12,7 +12,9 @@ from kvjax.decoding.sampling import Sampling, filter_logits, sample
 LOGITS = jnp.log(jnp.array([[0.5, 0.2, 0.15, 0.1, 0.05]]))
 
 
-@pytest.mark.parametrize("top_k,top_p,kept", [
+@pytest.mark.parametrize(
+  "top_k,top_p,kept",
+  [
     (0, 1.0, [0, 1, 2, 3, 4]),
     (2, 1.0, [0, 1]),
     (0, 0.5, [0]),  # the top token alone holds 0.5 of the mass
@@ -20,7 +22,8 @@ LOGITS = jnp.log(jnp.array([[0.5, 0.2, 0.15, 0.1, 0.05]]))
     (0, 0.86, [0, 1, 2, 3]),
     (3, 0.6, [0, 1]),  # both filters apply
     (1, 1.0, [0]),
-])
+  ],
+)
 def test_filter_logits_keeps_the_expected_tokens(top_k, top_p, kept):
   out = filter_logits(LOGITS, jnp.int32(top_k), jnp.float32(top_p))
   assert np.flatnonzero(np.isfinite(out[0])).tolist() == kept
@@ -35,13 +38,16 @@ def test_greedy_and_sampled_frequencies():
   np.testing.assert_allclose(freq, [0.5 / 0.85, 0.2 / 0.85, 0.15 / 0.85, 0, 0], atol=0.03)
 
 
-@pytest.mark.parametrize("kwargs,match", [
+@pytest.mark.parametrize(
+  "kwargs,match",
+  [
     (dict(temperature=-1.0), "temperature"),
     (dict(temperature=float("nan")), "temperature"),
     (dict(top_k=0), "top_k"),
     (dict(top_k=2.5), "top_k"),
     (dict(top_p=0.0), "top_p"),
-])
+  ],
+)
 def test_bad_settings_raise(kwargs, match):
   with pytest.raises(ValueError, match=match):
     Sampling.create(**kwargs)

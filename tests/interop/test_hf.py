@@ -32,27 +32,49 @@ def _transformers():
 def _case(name: str):
   """(model class name, config) for each parity case; all with vocab 128 and 2 layers."""
   tf = _transformers()
-  common = dict(vocab_size=VOCAB, bos_token_id=None, eos_token_id=None, pad_token_id=None,
-                initializer_range=0.3)
+  common = dict(vocab_size=VOCAB, bos_token_id=None, eos_token_id=None, pad_token_id=None, initializer_range=0.3)
   if name == "llama_gqa_14_2":
     return "LlamaForCausalLM", tf.LlamaConfig(
-        hidden_size=56, intermediate_size=72, num_hidden_layers=2, num_attention_heads=14,
-        num_key_value_heads=2, head_dim=4, max_position_embeddings=64, rms_norm_eps=1e-5,
-        rope_theta=500.0, **common)
+      hidden_size=56,
+      intermediate_size=72,
+      num_hidden_layers=2,
+      num_attention_heads=14,
+      num_key_value_heads=2,
+      head_dim=4,
+      max_position_embeddings=64,
+      rms_norm_eps=1e-5,
+      rope_theta=500.0,
+      **common,
+    )
   if name == "llama_bias_tied":
     return "LlamaForCausalLM", tf.LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, max_position_embeddings=32, attention_bias=True,
-        tie_word_embeddings=True, **common)
+      hidden_size=32,
+      intermediate_size=64,
+      num_hidden_layers=2,
+      num_attention_heads=4,
+      num_key_value_heads=4,
+      max_position_embeddings=32,
+      attention_bias=True,
+      tie_word_embeddings=True,
+      **common,
+    )
   if name == "qwen2_gqa_6_2":
     return "Qwen2ForCausalLM", tf.Qwen2Config(
-        hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True, **common)
+      hidden_size=48,
+      intermediate_size=96,
+      num_hidden_layers=2,
+      num_attention_heads=6,
+      num_key_value_heads=2,
+      max_position_embeddings=64,
+      tie_word_embeddings=True,
+      **common,
+    )
   return "GPT2LMHeadModel", tf.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=64, **common)
 
 
 def _save_random(name: str, path, shard: bool = False):
   import torch
+
   tf = _transformers()
   cls, config = _case(name)
   torch.manual_seed(0)
@@ -70,6 +92,7 @@ def _save_random(name: str, path, shard: bool = False):
 @pytest.mark.parametrize("name", ["llama_gqa_14_2", "llama_bias_tied", "qwen2_gqa_6_2", "gpt2"])
 def test_parity_with_transformers(name, tmp_path):
   import torch
+
   shard = name == "llama_gqa_14_2"
   hf_model = _save_random(name, tmp_path, shard=shard)
   if shard:
@@ -89,9 +112,10 @@ def test_parity_with_transformers(name, tmp_path):
   hf_tokens, hf_logits = [], []
   with torch.no_grad():
     for row, n in enumerate(PROMPT_LENGTHS):
-      ids = torch.tensor(prompts[row:row + 1, :n], dtype=torch.long)
-      out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                              do_sample=False, pad_token_id=0)
+      ids = torch.tensor(prompts[row : row + 1, :n], dtype=torch.long)
+      out = hf_model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0
+      )
       hf_tokens.append(out[0, n:].numpy())
       hf_logits.append(hf_model(out).logits[0].numpy())  # [n + NEW_TOKENS, V]
   hf_tokens = np.stack(hf_tokens)
@@ -120,6 +144,7 @@ def test_parity_with_transformers(name, tmp_path):
 
 def test_bfloat16_checkpoint_is_read_exactly(tmp_path):
   import torch
+
   hf_model = _save_random("qwen2_gqa_6_2", tmp_path)
   hf_model.to(torch.bfloat16).save_pretrained(tmp_path, safe_serialization=True)
   params, cfg = from_hf(tmp_path)
@@ -127,31 +152,47 @@ def test_bfloat16_checkpoint_is_read_exactly(tmp_path):
   q_proj = hf_model.model.layers[1].self_attn.q_proj
   want = q_proj.weight.detach().float().numpy().T.reshape(48, 6, 8)
   np.testing.assert_array_equal(params["layers_1"]["attn"]["q"]["kernel"], want)
-  np.testing.assert_array_equal(params["layers_1"]["attn"]["q"]["bias"],
-                                q_proj.bias.detach().float().numpy().reshape(6, 8))
+  np.testing.assert_array_equal(
+    params["layers_1"]["attn"]["q"]["bias"], q_proj.bias.detach().float().numpy().reshape(6, 8)
+  )
   assert from_hf(tmp_path, dtype="float32")[1].dtype == "float32"
 
 
 def _tiny_llama(path, **overrides):
   """A hand-written 1-layer Llama directory (no transformers needed)."""
-  config = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=16,
-                hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
-                num_key_value_heads=1, max_position_embeddings=32, rms_norm_eps=1e-6,
-                rope_theta=10000.0, tie_word_embeddings=False, hidden_act="silu")
+  config = dict(
+    model_type="llama",
+    architectures=["LlamaForCausalLM"],
+    vocab_size=16,
+    hidden_size=8,
+    intermediate_size=16,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=32,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    hidden_act="silu",
+  )
   config.update(overrides)
   path.mkdir(exist_ok=True)
   (path / "config.json").write_text(json.dumps(config))
   rng = np.random.default_rng(0)
-  shapes = {"model.embed_tokens.weight": (16, 8), "model.norm.weight": (8,), "lm_head.weight": (16, 8),
-            "model.layers.0.input_layernorm.weight": (8,),
-            "model.layers.0.post_attention_layernorm.weight": (8,),
-            "model.layers.0.self_attn.q_proj.weight": (8, 8),
-            "model.layers.0.self_attn.k_proj.weight": (4, 8),
-            "model.layers.0.self_attn.v_proj.weight": (4, 8),
-            "model.layers.0.self_attn.o_proj.weight": (8, 8),
-            "model.layers.0.mlp.gate_proj.weight": (16, 8),
-            "model.layers.0.mlp.up_proj.weight": (16, 8),
-            "model.layers.0.mlp.down_proj.weight": (8, 16)}
+  shapes = {
+    "model.embed_tokens.weight": (16, 8),
+    "model.norm.weight": (8,),
+    "lm_head.weight": (16, 8),
+    "model.layers.0.input_layernorm.weight": (8,),
+    "model.layers.0.post_attention_layernorm.weight": (8,),
+    "model.layers.0.self_attn.q_proj.weight": (8, 8),
+    "model.layers.0.self_attn.k_proj.weight": (4, 8),
+    "model.layers.0.self_attn.v_proj.weight": (4, 8),
+    "model.layers.0.self_attn.o_proj.weight": (8, 8),
+    "model.layers.0.mlp.gate_proj.weight": (16, 8),
+    "model.layers.0.mlp.up_proj.weight": (16, 8),
+    "model.layers.0.mlp.down_proj.weight": (8, 16),
+  }
   tensors = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
   save_file(tensors, str(path / "model.safetensors"))
   return tensors
@@ -169,7 +210,9 @@ def test_hand_written_llama_maps_layouts(tmp_path):
   np.testing.assert_array_equal(params["lm_head"]["kernel"], tensors["lm_head.weight"].T)
 
 
-@pytest.mark.parametrize("overrides, message", [
+@pytest.mark.parametrize(
+  "overrides, message",
+  [
     (dict(model_type="gemma", architectures=["GemmaForCausalLM"]), "'gemma'"),
     (dict(model_type="mistral", sliding_window=4), "sliding_window=4"),
     (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "'llama3' lacks"),
@@ -178,7 +221,8 @@ def test_hand_written_llama_maps_layouts(tmp_path):
     (dict(num_hidden_layers=2), "layers.1.input_layernorm.weight"),
     (dict(attention_bias=True), "self_attn.q_proj.bias"),
     (dict(num_key_value_heads=2), "self_attn.k_proj.weight"),
-])
+  ],
+)
 def test_unsupported_or_inconsistent_checkpoint_is_named(tmp_path, overrides, message):
   _tiny_llama(tmp_path, **overrides)
   with pytest.raises(ValueError, match=message.replace(".", r"\.").replace("[", r"\[")):
@@ -191,8 +235,9 @@ def test_missing_and_unexpected_tensors_are_named(tmp_path):
   save_file(kept, str(tmp_path / "model.safetensors"))
   with pytest.raises(ValueError, match=r"lacks 1 tensor.*layers\.0\.mlp\.up_proj\.weight"):
     from_hf(tmp_path)
-  save_file({**tensors, "model.layers.0.self_attn.o_proj.bias": np.zeros(8, np.float32)},
-            str(tmp_path / "model.safetensors"))
+  save_file(
+    {**tensors, "model.layers.0.self_attn.o_proj.bias": np.zeros(8, np.float32)}, str(tmp_path / "model.safetensors")
+  )
   with pytest.raises(ValueError, match=r"does not account for.*o_proj\.bias"):
     from_hf(tmp_path)
 
@@ -232,6 +277,7 @@ def test_import_hf_writes_a_loadable_checkpoint(tmp_path, capsys):
   from kvjax.cli import main as cli
   from kvjax.conversion.import_model import import_model
   from kvjax.training.checkpoint import load_model
+
   hf_dir, workdir = tmp_path / "hf", tmp_path / "run"
   _tiny_llama(hf_dir)
   _word_tokenizer(["hello", "world"]).save(str(hf_dir / "tokenizer.json"))
@@ -257,17 +303,30 @@ def test_imported_gpt2_converts_to_gqa_and_uptrains(tmp_path):
   from kvjax.conversion.conversions import KVHeads
   from kvjax.conversion.import_model import import_model
   from kvjax.conversion.uptrain import uptrain
+
   tf = _transformers()
   torch.manual_seed(0)
-  config = tf.GPT2Config(vocab_size=256, n_embd=32, n_layer=2, n_head=4, n_positions=64,
-                         bos_token_id=None, eos_token_id=None)
+  config = tf.GPT2Config(
+    vocab_size=256, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=None, eos_token_id=None
+  )
   tf.GPT2LMHeadModel(config).save_pretrained(tmp_path / "hf", safe_serialization=True)
   import_model(tmp_path / "hf", tmp_path / "imported")
   corpus = tmp_path / "corpus.txt"
   corpus.write_text("the quick brown fox jumps over the lazy dog. " * 400)
-  record = uptrain(tmp_path / "imported", tmp_path / "gqa", KVHeads(2, "mean"), overrides=[
-      f"data.source={corpus}", "data.seq_len=32", "train.steps=6", "train.batch_size=4",
-      "train.lr=3e-3", "train.warmup_steps=1", "train.eval_batches=2"])
+  record = uptrain(
+    tmp_path / "imported",
+    tmp_path / "gqa",
+    KVHeads(2, "mean"),
+    overrides=[
+      f"data.source={corpus}",
+      "data.seq_len=32",
+      "train.steps=6",
+      "train.batch_size=4",
+      "train.lr=3e-3",
+      "train.warmup_steps=1",
+      "train.eval_batches=2",
+    ],
+  )
   model, _, _ = load_model(tmp_path / "gqa")
   assert (model.config.num_heads, model.config.num_kv_heads) == (4, 2)
   assert (model.config.positions, model.config.norm, model.config.use_bias) == ("learned", "layernorm", True)
@@ -321,11 +380,15 @@ def test_sharded_checkpoint_reads_exactly_what_its_index_declares(tmp_path):
       from_hf(tmp_path)
 
   # The index places a tensor in a shard that does not hold it.
-  refused({**index["weight_map"], name: other},
-          rf"places tensor {re.escape(name)} in {other}, which does not hold it \(it is in {shard}\)")
+  refused(
+    {**index["weight_map"], name: other},
+    rf"places tensor {re.escape(name)} in {other}, which does not hold it \(it is in {shard}\)",
+  )
   # A shard holds a tensor the index does not place there.
-  refused({k: v for k, v in index["weight_map"].items() if k != name},
-          rf"{shard} holds 1 tensor\(s\) that model.safetensors.index.json does not place there: \['{re.escape(name)}'\]")
+  refused(
+    {k: v for k, v in index["weight_map"].items() if k != name},
+    rf"{shard} holds 1 tensor\(s\) that model.safetensors.index.json does not place there: \['{re.escape(name)}'\]",
+  )
   refused({**index["weight_map"], name: f"../{shard}"}, "which is not a file in")
   # A declared shard that is missing.
   index_path.write_text(json.dumps(index))
@@ -336,8 +399,9 @@ def test_sharded_checkpoint_reads_exactly_what_its_index_declares(tmp_path):
 
 @pytest.mark.parametrize("damage", ["truncated", "header", "empty", "truncated shard"])
 def test_damaged_safetensors_file_is_refused_naming_it(tmp_path, damage):
-  _save_random("qwen2_gqa_6_2" if damage != "truncated shard" else "llama_gqa_14_2", tmp_path,
-               shard=damage == "truncated shard")
+  _save_random(
+    "qwen2_gqa_6_2" if damage != "truncated shard" else "llama_gqa_14_2", tmp_path, shard=damage == "truncated shard"
+  )
   if damage == "truncated shard":
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     path = tmp_path / sorted(set(index["weight_map"].values()))[1]
@@ -345,8 +409,12 @@ def test_damaged_safetensors_file_is_refused_naming_it(tmp_path, damage):
     path = tmp_path / "model.safetensors"
   data = path.read_bytes()
   header = int.from_bytes(data[:8], "little")
-  damaged = {"truncated": data[:len(data) - 100], "truncated shard": data[:len(data) - 100],
-             "header": data[:8] + b"x" * header + data[8 + header:], "empty": b""}[damage]
+  damaged = {
+    "truncated": data[: len(data) - 100],
+    "truncated shard": data[: len(data) - 100],
+    "header": data[:8] + b"x" * header + data[8 + header :],
+    "empty": b"",
+  }[damage]
   path.write_bytes(damaged)
   with pytest.raises(ValueError, match=rf"^{re.escape(str(path))} is not a readable safetensors file"):
     from_hf(tmp_path)
@@ -359,18 +427,26 @@ def test_tensor_of_the_wrong_dtype_or_shape_is_named_with_its_file(tmp_path):
   with pytest.raises(ValueError, match=rf"tensor model\.norm\.weight in {re.escape(str(path))} has dtype I32"):
     from_hf(tmp_path)
   save_file({**tensors, "model.layers.0.self_attn.k_proj.weight": np.zeros((5, 8), np.float32)}, str(path))
-  with pytest.raises(ValueError, match=rf"tensor layers\.0\.self_attn\.k_proj\.weight of shape \(5, 8\) in "
-                                       rf"{re.escape(str(path))} does not fit kvjax parameter layers_0/attn/k/kernel"):
+  with pytest.raises(
+    ValueError,
+    match=rf"tensor layers\.0\.self_attn\.k_proj\.weight of shape \(5, 8\) in "
+    rf"{re.escape(str(path))} does not fit kvjax parameter layers_0/attn/k/kernel",
+  ):
     from_hf(tmp_path)
 
 
-@pytest.mark.parametrize("tokenizer, message", [
+@pytest.mark.parametrize(
+  "tokenizer, message",
+  [
     ('{"version": "1.0"}', "is not a valid tokenizer.json"),
     ("{not json", "is not a valid tokenizer.json"),
     ([f"w{i}" for i in range(20)], r"has token ids up to 20, past the model's vocab_size=16"),
-], ids=["no_model", "not_json", "ids_past_vocab"])
+  ],
+  ids=["no_model", "not_json", "ids_past_vocab"],
+)
 def test_bad_tokenizer_json_is_refused_at_import(tmp_path, tokenizer, message):
   from kvjax.conversion.import_model import import_model
+
   hf_dir, workdir = tmp_path / "hf", tmp_path / "run"
   _tiny_llama(hf_dir)  # vocab_size 16
   path = hf_dir / "tokenizer.json"
@@ -393,19 +469,32 @@ def test_tokenizer_travels_to_the_uptrained_workdir_and_is_used(tmp_path):
   from kvjax.conversion.uptrain import uptrain
   from kvjax.training.checkpoint import load_model
   from kvjax.training.evaluate import evaluate_checkpoint
+
   tf = _transformers()
   torch.manual_seed(0)
-  config = tf.GPT2Config(vocab_size=256, n_embd=32, n_layer=2, n_head=4, n_positions=64,
-                         bos_token_id=None, eos_token_id=None)
+  config = tf.GPT2Config(
+    vocab_size=256, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=None, eos_token_id=None
+  )
   tf.GPT2LMHeadModel(config).save_pretrained(tmp_path / "hf", safe_serialization=True)
   tokenizer = _word_tokenizer("the quick brown fox jumps over lazy dog .".split())
   tokenizer.save(str(tmp_path / "hf" / "tokenizer.json"))
   import_model(tmp_path / "hf", tmp_path / "imported")
   corpus = tmp_path / "corpus.txt"
   corpus.write_text("the quick brown fox jumps over the lazy dog. " * 400)
-  record = uptrain(tmp_path / "imported", tmp_path / "gqa", KVHeads(2, "mean"), overrides=[
-      f"data.source={corpus}", "data.seq_len=16", "train.steps=4", "train.batch_size=4",
-      "train.lr=3e-3", "train.warmup_steps=1", "train.eval_batches=2"])
+  record = uptrain(
+    tmp_path / "imported",
+    tmp_path / "gqa",
+    KVHeads(2, "mean"),
+    overrides=[
+      f"data.source={corpus}",
+      "data.seq_len=16",
+      "train.steps=4",
+      "train.batch_size=4",
+      "train.lr=3e-3",
+      "train.warmup_steps=1",
+      "train.eval_batches=2",
+    ],
+  )
   copied = tmp_path / "gqa" / "tokenizer.json"
   assert copied.read_bytes() == (tmp_path / "hf" / "tokenizer.json").read_bytes()
   # Each sentence is 45 bytes in 10 tokens; on byte ids, loss / bits per byte would be ln 2 exactly.
@@ -416,5 +505,6 @@ def test_tokenizer_travels_to_the_uptrained_workdir_and_is_used(tmp_path):
   model, params, _ = load_model(tmp_path / "gqa")
   prompt = np.array([tokenizer.encode("the quick").ids], np.int32)  # [[1, 2]]
   ids = generate(model, params, prompt, [2], 6, rng=jax.random.key(0))
-  assert continue_text(tmp_path / "gqa", "the quick", max_new_tokens=6, temperature=0.0) == \
-      tokenizer.decode(np.asarray(ids[0]).tolist())
+  assert continue_text(tmp_path / "gqa", "the quick", max_new_tokens=6, temperature=0.0) == tokenizer.decode(
+    np.asarray(ids[0]).tolist()
+  )

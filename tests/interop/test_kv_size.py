@@ -45,8 +45,10 @@ def test_checked_numbers_bf16(capsys):
   assert out["architecture"]["num_kv_heads"] == 8 and out["architecture"]["params"] == 70_553_706_496
 
 
-@pytest.mark.parametrize("name", ["Qwen2-0.5B", "Qwen2-1.5B", "Qwen2-7B", "Qwen2-72B", "Llama-2-70B",
-                                  "Llama-3-70B", "GPT-2", "Mistral-7B-v0.1"])
+@pytest.mark.parametrize(
+  "name",
+  ["Qwen2-0.5B", "Qwen2-1.5B", "Qwen2-7B", "Qwen2-72B", "Llama-2-70B", "Llama-3-70B", "GPT-2", "Mistral-7B-v0.1"],
+)
 def test_dense_presets_match_their_published_parameter_counts(name):
   assert param_count(PRESETS[name].config) == PRESETS[name].params
 
@@ -67,15 +69,30 @@ def test_planner_counts_what_the_cache_kinds_allocate(model, dtype, layout):
   config = config.replace(**WINDOWED) if model.endswith("_windowed") else config
   batch, context, page_size = 3, 20, 8
   cache_config = CacheConfig(layout=layout, dtype=dtype, page_size=page_size)
-  result = plan(kv_size.from_model_config("tiny", config), context=context, batch=batch, dtype=dtype,
-                layout=layout, page_size=page_size, mla=((20, 4),))
+  result = plan(
+    kv_size.from_model_config("tiny", config),
+    context=context,
+    batch=batch,
+    dtype=dtype,
+    layout=layout,
+    page_size=page_size,
+    mla=((20, 4),),
+  )
   # Every row against a cache of the model it names, built here, not by the planner.
   models = {("MLA 20+4", 2): MLA.replace(window=config.window, sink_tokens=config.sink_tokens)}
-  models.update({(name, k): config.replace(num_kv_heads=k, kv_latent_rank=0, rope_dims=0)
-                 for name, k in (("MHA", 6), ("GQA", 3), ("GQA", 2), ("MQA", 1))})
+  models.update(
+    {
+      (name, k): config.replace(num_kv_heads=k, kv_latent_rank=0, rope_dims=0)
+      for name, k in (("MHA", 6), ("GQA", 3), ("GQA", 2), ("MQA", 1))
+    }
+  )
   rows = result["variants"]
   assert [(row["variant"], row["kv_heads"]) for row in rows] == [("MLA 20+4", 2)] * (1 + config.is_latent) + [
-      ("MHA", 6), ("GQA", 3), ("GQA", 2), ("MQA", 1)]
+    ("MHA", 6),
+    ("GQA", 3),
+    ("GQA", 2),
+    ("MQA", 1),
+  ]
   for row in rows:
     variant = models[row["variant"], row["kv_heads"]]
     cache = kinds.create(variant, cache_config, batch, context)
@@ -112,8 +129,7 @@ def test_fitting_is_the_largest_that_fits():
 
 
 def test_tensor_parallel_splits_kv_heads_as_kvjax_shards_them():
-  result = plan(PRESETS["Llama-3-70B"], context=8192, batch=1, device_memory=parse_bytes("80GB"),
-                devices=8)
+  result = plan(PRESETS["Llama-3-70B"], context=8192, batch=1, device_memory=parse_bytes("80GB"), devices=8)
   by_heads = {row["kv_heads"]: row["max_batch"] for row in result["variants"]}
   # kvjax's sharding splits the cache's kv heads over the model axis when they divide and
   # replicates it whole otherwise: 8 heads put one on each of 8 devices, 16 two; 4 and 2 heads do
@@ -123,10 +139,12 @@ def test_tensor_parallel_splits_kv_heads_as_kvjax_shards_them():
   assert by_heads[8] == kv_size.max_batch(one_head, CacheConfig(dtype="bf16"), 8192, result["free_bytes_per_device"])
   assert plan(PRESETS["Llama-3-70B"], context=1, batch=1, device_memory=parse_bytes("80GB"))["max_batch"] == 0
   # An MLA cache is not split: each device holds all of it.
-  mla = plan(PRESETS["Llama-3-70B"], context=8192, batch=1, device_memory=parse_bytes("80GB"), devices=8,
-             mla=((512, 64),))["variants"][0]
-  full = kinds.cache_bytes(kv_size.mla_variant(PRESETS["Llama-3-70B"].config, 512, 64), CacheConfig(dtype="bf16"),
-                           mla["max_batch"], 8192)
+  mla = plan(
+    PRESETS["Llama-3-70B"], context=8192, batch=1, device_memory=parse_bytes("80GB"), devices=8, mla=((512, 64),)
+  )["variants"][0]
+  full = kinds.cache_bytes(
+    kv_size.mla_variant(PRESETS["Llama-3-70B"].config, 512, 64), CacheConfig(dtype="bf16"), mla["max_batch"], 8192
+  )
   assert full <= result["free_bytes_per_device"] and mla["max_batch"] > 0
 
 
@@ -143,10 +161,12 @@ def test_mla_variants():
   assert row["variant"] == "MLA 512+64" and row["bytes_per_token"] == 28 * (512 + 4 + 64 + 4)
   row = plan(PRESETS["Qwen2-7B"], context=1, batch=1, dtype="int4", mla=((512, 64),))["variants"][0]
   assert row["bytes_per_token"] == 28 * (256 + 4 * 16 + 32 + 4 * 2)
-  for mla, message in (((5000, 64), "no MLA variant 5000\\+64 of this model: ModelConfig.kv_latent_rank=5000"),
-                       ((512, 63), "no MLA variant 512\\+63 of this model: ModelConfig.rope_dims=63"),
-                       ((0, 64), "MLA latent rank must be a positive integer"),
-                       ((512, -2), "MLA rope dims must be a non-negative integer")):
+  for mla, message in (
+    ((5000, 64), "no MLA variant 5000\\+64 of this model: ModelConfig.kv_latent_rank=5000"),
+    ((512, 63), "no MLA variant 512\\+63 of this model: ModelConfig.rope_dims=63"),
+    ((0, 64), "MLA latent rank must be a positive integer"),
+    ((512, -2), "MLA rope dims must be a non-negative integer"),
+  ):
     with pytest.raises(ValueError, match=message):
       plan(PRESETS["GPT-2"], context=1, batch=1, mla=(mla,))
   with pytest.raises(ValueError, match="int4 cache packs two values per byte.*latent is 21 wide"):
@@ -156,17 +176,29 @@ def test_mla_variants():
 def test_models_from_config_file_workdir_and_hf_dir(tmp_path):
   config = ModelConfig(vocab_size=96, d_model=64, num_layers=2, num_heads=8, num_kv_heads=2)
   (tmp_path / "cfg.py").write_text(
-      "import types\nfrom kvjax.config import ModelConfig\n"
-      f"def get_config():\n  return types.SimpleNamespace(job='train', model=ModelConfig(**{config.to_dict()!r}))\n")
+    "import types\nfrom kvjax.config import ModelConfig\n"
+    f"def get_config():\n  return types.SimpleNamespace(job='train', model=ModelConfig(**{config.to_dict()!r}))\n"
+  )
   workdir = tmp_path / "run"
   workdir.mkdir()
   (workdir / "config.json").write_text(json.dumps({"job": "train", "model": config.to_dict()}))
   hf_dir = tmp_path / "hf"
   hf_dir.mkdir()
-  (hf_dir / "config.json").write_text(json.dumps(dict(
-      model_type="qwen2", vocab_size=96, hidden_size=64, intermediate_size=config.mlp_dim,
-      num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
-      max_position_embeddings=1024, tie_word_embeddings=False)))
+  (hf_dir / "config.json").write_text(
+    json.dumps(
+      dict(
+        model_type="qwen2",
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=config.mlp_dim,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+      )
+    )
+  )
   for spec in (tmp_path / "cfg.py", workdir, hf_dir):
     arch = resolve(str(spec))
     # 2 layers x K and V x 2 kv heads x head dim 8 x 4 bytes.
@@ -207,12 +239,14 @@ def test_text_output_and_errors(capsys, tmp_path):
   with pytest.raises(ValueError, match="'bert'"):
     resolve(str(tmp_path))
   # A user's mistake is one line on stderr and exit status 2.
-  for argv, message in ((["no-such-model"], "unknown model 'no-such-model'"),
-                        (["gpt-2", "--dtype", "fp4"], "dtype 'fp4' is not one of"),
-                        (["gpt-2", "--mla", "512:63"], "no MLA variant 512+63 of this model"),
-                        (["gpt-2", "--layout", "rows"], "CacheConfig.layout must be one of"),
-                        (["gpt-2", "--page-size", "0"], "argument --page-size: must be a positive integer"),
-                        (["gpt-2", "--device-memory", "lots"], "cannot read memory size 'lots'")):
+  for argv, message in (
+    (["no-such-model"], "unknown model 'no-such-model'"),
+    (["gpt-2", "--dtype", "fp4"], "dtype 'fp4' is not one of"),
+    (["gpt-2", "--mla", "512:63"], "no MLA variant 512+63 of this model"),
+    (["gpt-2", "--layout", "rows"], "CacheConfig.layout must be one of"),
+    (["gpt-2", "--page-size", "0"], "argument --page-size: must be a positive integer"),
+    (["gpt-2", "--device-memory", "lots"], "cannot read memory size 'lots'"),
+  ):
     try:
       status = cli.main(["kv-size", *argv])
     except SystemExit as exit_:  # argparse's refusal of an argument's value
@@ -245,8 +279,9 @@ def test_windowed_layers_stop_growing_at_window_plus_sinks():
   assert kv_size.max_context(every, CacheConfig("paged", "float32", 4), 2, free) == 8 * 4
   # An MLA variant (latent 20 + rotary 4 per position) keeps the same positions per layer, in any codec.
   latent = 24 * 4
-  latent_row = plan(arch, context=20, batch=2, dtype="fp32", device_memory=2 * latent * (200 + 12) + 8 + arch.params * 4,
-                    mla=((20, 4),))["variants"][0]
+  latent_row = plan(
+    arch, context=20, batch=2, dtype="fp32", device_memory=2 * latent * (200 + 12) + 8 + arch.params * 4, mla=((20, 4),)
+  )["variants"][0]
   assert latent_row["variant"] == "MLA 20+4" and latent_row["bytes_per_token"] == 3 * latent
   assert latent_row["cache_bytes"] == 2 * latent * (20 + 6 + 6) + 8
   assert latent_row["max_context"] == 200

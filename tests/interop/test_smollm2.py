@@ -18,9 +18,11 @@ from kvjax.training.config import DataConfig
 from kvjax.training.data import PROSE, eval_batches, load_dataset
 from kvjax.training.evaluate import evaluate
 
-TEXT = ("def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n\n"
-        "The quick brown fox jumps over the lazy dog. Ünïcödé façade, naïve café; 北京欢迎你. "
-        "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n")
+TEXT = (
+  "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n\n"
+  "The quick brown fox jumps over the lazy dog. Ünïcödé façade, naïve café; 北京欢迎你. "
+  "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n"
+)
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +31,7 @@ def reference():
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
   path = NAMED_MODELS["smollm2-135m"].path("smollm2-135m")
-  return transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                           dtype=torch.float32).eval()
+  return transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +42,7 @@ def loaded(smollm2):
 
 def test_logits_and_greedy_tokens_match_transformers(loaded, reference):
   import torch
+
   model, params, tokenizer = loaded
   cfg = model.config
   assert (cfg.num_layers, cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (30, 576, 9, 3, 64)
@@ -56,28 +58,40 @@ def test_logits_and_greedy_tokens_match_transformers(loaded, reference):
   greedy = np.asarray(kvjax.generate(model, params, prompt[None], [len(prompt)], 32))[0]
   with torch.no_grad():
     ids = torch.from_numpy(prompt[None].astype(np.int64))
-    want = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, min_new_tokens=32,
-                              do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(prompt):].numpy()
+    want = reference.generate(
+      ids,
+      attention_mask=torch.ones_like(ids),
+      max_new_tokens=32,
+      min_new_tokens=32,
+      do_sample=False,
+      eos_token_id=None,
+      pad_token_id=0,
+    )[0, len(prompt) :].numpy()
   np.testing.assert_array_equal(greedy, want)
 
 
 def test_prose_perplexity_matches_transformers(loaded, reference):
   import torch
+
   model, params, tokenizer = loaded
   data = load_dataset(DataConfig(source=PROSE, seq_len=256), tokenizer)
   ours = evaluate(model, params, data, batch_size=2, num_batches=1)
   inputs, targets = next(eval_batches(data.val, 256, 2, 1))
   with torch.no_grad():
     logits = reference(torch.from_numpy(inputs.astype(np.int64))).logits
-    loss = float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                                   torch.from_numpy(targets.astype(np.int64)).reshape(-1)))
+    loss = float(
+      torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), torch.from_numpy(targets.astype(np.int64)).reshape(-1)
+      )
+    )
   assert 2 < ours["perplexity"] < 50  # English prose, not noise
   assert abs(ours["perplexity"] / math.exp(loss) - 1) < 1e-3
 
 
 def test_chat_answer_streams_and_stops_at_end_of_turn(smollm2):
   pieces = []
-  text = continue_text(smollm2, "What is the capital of France?", chat=True, max_new_tokens=64, temperature=0.0,
-                       on_text=pieces.append)
+  text = continue_text(
+    smollm2, "What is the capital of France?", chat=True, max_new_tokens=64, temperature=0.0, on_text=pieces.append
+  )
   assert text == "The capital of France is Paris."  # ends at <|im_end|>, which is not shown
   assert len(pieces) > 3 and "".join(pieces) == text

@@ -14,24 +14,32 @@ from kvjax.interop.tokenizer import TOKENIZER_CONFIG_FILE, TextTokenizer
 gguf = pytest.importorskip("gguf")
 
 SAMPLES = {
-    "python": ('import numpy as np\n\n\ndef softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:\n'
-               '    """Stable softmax."""\n    z = x - x.max(axis=axis, keepdims=True)\n'
-               '\tif z.ndim > 2:  # [B, T, V]\n        return np.exp(z) / np.exp(z).sum(axis, keepdims=True)\n'
-               "    raise ValueError(f'bad rank {z.ndim!r}')  # x != y && a <= b; 0x1F, 3.14e-10\n"),
-    "prose": ("It's the cache's job, isn't it? They'd said we'll see -- and you've known since 1999 that "
-              "12,345.67 tokens/s won't do. \"Quoted\", (parenthesised) & [bracketed]; ALL CAPS, MiXeD CaSe, "
-              "e-mail: someone@example.com, https://example.org/a?b=c#d. The quick brown fox jumps over the lazy dog.\n"),
-    "european": ("Ça va? Größe, naïve café, Ærøskøbing, żółć gęślą jaźń, Ελληνικά γράμματα, русский текст, "
-                 "Türkçe ığüşöç, Español: ¿qué tal? ¡Olé! Æsir — “curly quotes” ‘single’ … €100 £5 ¥7\n"),
-    "cjk": "我们今天去北京的故宫博物院参观。東京タワーは高いです。한국어 텍스트도 있습니다。\n",
-    "emoji": "Emoji: 👍🏽 🇫🇷 👨‍👩‍👧 ❤️ 🙂🙂🙂 ∑∫√∞ ≠ ≤ → ✓ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢\n",
-    "whitespace": "a  b   c\t\t d\n\n\n  e \r\n    \t  \n       f" + " " * 17 + "g\n\n",
-    "special": "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n<|endoftext|>x<repo_name> <|im_end|>",
-    "empty": "",
+  "python": (
+    "import numpy as np\n\n\ndef softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:\n"
+    '    """Stable softmax."""\n    z = x - x.max(axis=axis, keepdims=True)\n'
+    "\tif z.ndim > 2:  # [B, T, V]\n        return np.exp(z) / np.exp(z).sum(axis, keepdims=True)\n"
+    "    raise ValueError(f'bad rank {z.ndim!r}')  # x != y && a <= b; 0x1F, 3.14e-10\n"
+  ),
+  "prose": (
+    "It's the cache's job, isn't it? They'd said we'll see -- and you've known since 1999 that "
+    '12,345.67 tokens/s won\'t do. "Quoted", (parenthesised) & [bracketed]; ALL CAPS, MiXeD CaSe, '
+    "e-mail: someone@example.com, https://example.org/a?b=c#d. The quick brown fox jumps over the lazy dog.\n"
+  ),
+  "european": (
+    "Ça va? Größe, naïve café, Ærøskøbing, żółć gęślą jaźń, Ελληνικά γράμματα, русский текст, "
+    "Türkçe ığüşöç, Español: ¿qué tal? ¡Olé! Æsir — “curly quotes” ‘single’ … €100 £5 ¥7\n"
+  ),
+  "cjk": "我们今天去北京的故宫博物院参观。東京タワーは高いです。한국어 텍스트도 있습니다。\n",
+  "emoji": "Emoji: 👍🏽 🇫🇷 👨‍👩‍👧 ❤️ 🙂🙂🙂 ∑∫√∞ ≠ ≤ → ✓ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢\n",
+  "whitespace": "a  b   c\t\t d\n\n\n  e \r\n    \t  \n       f" + " " * 17 + "g\n\n",
+  "special": "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n<|endoftext|>x<repo_name> <|im_end|>",
+  "empty": "",
 }
 TEXT = "".join(SAMPLES.values())
-SYSTEM_USER = [{"role": "system", "content": "You answer in one word."},
-               {"role": "user", "content": "Capital of France? Ça dépend 🙂"}]
+SYSTEM_USER = [
+  {"role": "system", "content": "You answer in one word."},
+  {"role": "user", "content": "Capital of France? Ça dépend 🙂"},
+]
 USER_ONLY = [{"role": "user", "content": "What is 2 + 2?"}]
 
 
@@ -81,7 +89,8 @@ def test_gguf_split_regex_equals_transformers(smollm_metadata, smollm):
   metadata = {**smollm_metadata, "tokenizer.ggml.pre": "llama-bpe"}
   renames = gguf_tokenizer.GGUF_TOKENIZER_MAPPING["tokenizer"]
   hf, _ = gguf_tokenizer.convert_gguf_tokenizer(
-      "llama", {name: metadata[f"tokenizer.{key}"] for key, name in renames.items() if f"tokenizer.{key}" in metadata})
+    "llama", {name: metadata[f"tokenizer.{key}"] for key, name in renames.items() if f"tokenizer.{key}" in metadata}
+  )
   ours = TextTokenizer.from_gguf_metadata(metadata)
   assert ours.encode(TEXT).tolist() == hf.encode(TEXT, add_special_tokens=False).ids
   newlines = "a\n\n  b"  # GPT-2's split keeps "\n\n " whole; Llama 3's splits the newlines from the spaces
@@ -155,16 +164,49 @@ def test_directories_load_on_both_sides(smollm, hf_smollm, tmp_path):
   hf = transformers.AutoTokenizer.from_pretrained(tmp_path / "kvjax")
   assert hf.encode(TEXT) == smollm.encode(TEXT).tolist()
   assert (hf.bos_token_id, hf.eos_token_id, hf.pad_token_id) == (1, 2, 2)
-  assert hf.apply_chat_template(USER_ONLY, tokenize=False, add_generation_prompt=True) == \
-      smollm.apply_chat_template(USER_ONLY)
+  assert hf.apply_chat_template(USER_ONLY, tokenize=False, add_generation_prompt=True) == smollm.apply_chat_template(
+    USER_ONLY
+  )
 
 
 def test_sentencepiece_gguf_equals_transformers(tmp_path):
   """A 'llama' vocabulary: '▁' spaces, byte fallback, merges from scores, a BOS prepended."""
   transformers = pytest.importorskip("transformers")
   # Best score first: "ab" outranks "bc", so "abc" must split as ab|c, not a|bc.
-  pieces = ["▁", "t", "h", "e", "a", "b", "c", "ab", "bc", "i", "s", "n", "d", "o", "r", "▁t", "he", "▁the", "▁a",
-            "in", "an", "▁an", "▁and", "is", "▁is", "er", "on", "▁o", "▁on", "<|im_end|>", "<think>", "é"]
+  pieces = [
+    "▁",
+    "t",
+    "h",
+    "e",
+    "a",
+    "b",
+    "c",
+    "ab",
+    "bc",
+    "i",
+    "s",
+    "n",
+    "d",
+    "o",
+    "r",
+    "▁t",
+    "he",
+    "▁the",
+    "▁a",
+    "in",
+    "an",
+    "▁an",
+    "▁and",
+    "is",
+    "▁is",
+    "er",
+    "on",
+    "▁o",
+    "▁on",
+    "<|im_end|>",
+    "<think>",
+    "é",
+  ]
   tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *pieces]
   types = [2, 3, 3, *[6] * 256, *[1] * len(pieces)]
   types[tokens.index("<|im_end|>")], types[tokens.index("<think>")] = 3, 4
@@ -193,7 +235,14 @@ def test_sentencepiece_gguf_equals_transformers(tmp_path):
   reader = gguf.GGUFReader(tmp_path / "tiny.gguf")
   ours = TextTokenizer.from_gguf_metadata({k: f.contents() for k, f in reader.fields.items()})
   hf = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="tiny.gguf")
-  texts = ["the and an is on abc", "  hello  the", "é ü 中 👍 <s>x</s> <unk> <think> <|im_end|>", "", " ", "\n\nthe\tand  "]
+  texts = [
+    "the and an is on abc",
+    "  hello  the",
+    "é ü 中 👍 <s>x</s> <unk> <think> <|im_end|>",
+    "",
+    " ",
+    "\n\nthe\tand  ",
+  ]
   for text in texts:
     ids = ours.encode(text, add_special_tokens=True).tolist()
     assert ids == hf.encode(text, add_special_tokens=True), text

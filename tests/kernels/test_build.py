@@ -37,8 +37,9 @@ print(json.dumps({{"tokens": tokens, "warned": warned, "xla": for_decoding(model
 
 
 def run_python(code: str, **env) -> str:
-  done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                        env={**os.environ, **env})
+  done = subprocess.run(
+    [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env={**os.environ, **env}
+  )
   assert done.returncode == 0, done.stderr[-3000:]
   return done.stdout
 
@@ -59,8 +60,10 @@ def test_without_a_compiler_warns_once_and_gives_the_same_tokens(tmp_path):
 def test_concurrent_first_builds_share_one_library(tmp_path):
   code = "import json; from kvjax.kernels import build; print(json.dumps(build.build()))"
   env = {**os.environ, "KVJAX_CACHE": str(tmp_path)}
-  procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env) for _ in range(2)]
+  procs = [
+    subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    for _ in range(2)
+  ]
   results = []
   for proc in procs:
     out, err = proc.communicate(timeout=600)

@@ -22,9 +22,11 @@ def attend_cache(q, k, v, lengths, route=ROUTE):
   xla = functools.partial(attend_one, codec=codec(route[1]))
   return attention_kernel.cache_attention(route, q, k, v, lengths, xla)
 
+
 pytestmark = pytest.mark.skipif(
-    jax.default_backend() != "cpu" or shutil.which("g++") is None and shutil.which("c++") is None,
-    reason="the kernel is built for the CPU with the system's C++ compiler")
+  jax.default_backend() != "cpu" or shutil.which("g++") is None and shutil.which("c++") is None,
+  reason="the kernel is built for the CPU with the system's C++ compiler",
+)
 
 
 def reference(q, k, v, lengths):
@@ -36,7 +38,7 @@ def reference(q, k, v, lengths):
   for row in range(b):
     for head in range(n):
       kv = attention.kv_head_of(head, n, k.shape[1])
-      keys, values = k[row, kv, :, :lengths[row] + 1], v[row, kv, :lengths[row] + 1]
+      keys, values = k[row, kv, :, : lengths[row] + 1], v[row, kv, : lengths[row] + 1]
       scores = q[row, 0, head] @ keys / np.sqrt(h)
       probs = np.exp(scores - scores.max())
       out[row, head] = probs / probs.sum() @ values
@@ -57,28 +59,35 @@ def test_kernel_builds():
   assert cpu_kernels.available("attention")
 
 
-@pytest.mark.parametrize("batch,kv_heads,groups,head_dim,max_len,lengths", [
+@pytest.mark.parametrize(
+  "batch,kv_heads,groups,head_dim,max_len,lengths",
+  [
     (2, 2, 4, 64, 256, [0, 255]),  # one position; the whole cache
     (3, 1, 3, 12, 100, [5, 50, 99]),  # head dim and positions not multiples of a vector
     (1, 1, 16, 12, 1000, [999]),  # MQA, one long row: split into chunks and merged
     (2, 2, 5, 130, 40, [17, 39]),  # head dim over one output tile
     (2, 1, 8, 32, 90, [89, 40]),  # GQA-8: a full score tile that reaches past the cache's end
     (2, 1, 1, 7, 3000, [0, 1500]),  # MHA; row 0's chunks past its one position are empty
-])
+  ],
+)
 def test_kernel_matches_reference(batch, kv_heads, groups, head_dim, max_len, lengths):
   q, k, v, lengths = inputs(batch, kv_heads, groups, head_dim, max_len, lengths)
-  np.testing.assert_allclose(jax.jit(attend_cache)(q, k, v, lengths), reference(q, k, v, lengths),
-                             rtol=1e-5, atol=2e-6)
+  np.testing.assert_allclose(jax.jit(attend_cache)(q, k, v, lengths), reference(q, k, v, lengths), rtol=1e-5, atol=2e-6)
 
 
 @settings(max_examples=10, deadline=None)
-@given(batch=st.integers(1, 4), kv_heads=st.integers(1, 3), groups=st.integers(1, 17), head_dim=st.integers(1, 80),
-       max_len=st.integers(1, 600), data=st.data())
+@given(
+  batch=st.integers(1, 4),
+  kv_heads=st.integers(1, 3),
+  groups=st.integers(1, 17),
+  head_dim=st.integers(1, 80),
+  max_len=st.integers(1, 600),
+  data=st.data(),
+)
 def test_kernel_matches_reference_any_shape(batch, kv_heads, groups, head_dim, max_len, data):
   lengths = data.draw(st.lists(st.integers(0, max_len - 1), min_size=batch, max_size=batch))
   q, k, v, lengths = inputs(batch, kv_heads, groups, head_dim, max_len, lengths)
-  np.testing.assert_allclose(attend_cache(q, k, v, lengths), reference(q, k, v, lengths),
-                             rtol=1e-5, atol=2e-6)
+  np.testing.assert_allclose(attend_cache(q, k, v, lengths), reference(q, k, v, lengths), rtol=1e-5, atol=2e-6)
 
 
 def test_kernel_propagates_nan():
@@ -100,12 +109,18 @@ def test_routing():
   k16, v16 = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
   assert target not in lowered(q, k16, v16, lengths)
   assert "kvjax_" not in lowered(q, k16, v16, lengths, route=("contiguous", "bfloat16"))
-  np.testing.assert_allclose(attend_cache(q, k16, v16, lengths, route=("contiguous", "bfloat16")),
-                             reference(q, k16.astype(np.float32), v16.astype(np.float32), lengths), rtol=1e-5, atol=2e-6)
+  np.testing.assert_allclose(
+    attend_cache(q, k16, v16, lengths, route=("contiguous", "bfloat16")),
+    reference(q, k16.astype(np.float32), v16.astype(np.float32), lengths),
+    rtol=1e-5,
+    atol=2e-6,
+  )
   assert attention_kernel.uses_kernel(jnp.float32, ROUTE)
   assert not attention_kernel.uses_kernel(jnp.bfloat16, ROUTE)
-  assert not any(attention_kernel.uses_kernel(jnp.float32, ("contiguous", name))
-                 for name in ("bfloat16", "float16", "int4", "float8_e4m3fn"))
+  assert not any(
+    attention_kernel.uses_kernel(jnp.float32, ("contiguous", name))
+    for name in ("bfloat16", "float16", "int4", "float8_e4m3fn")
+  )
 
 
 def test_gradients_are_xla():

@@ -12,8 +12,9 @@ from jax import lax
 from kvjax.kernels import matmul
 
 pytestmark = pytest.mark.skipif(
-    jax.default_backend() != "cpu" or shutil.which("g++") is None and shutil.which("c++") is None,
-    reason="the kernel is built for the CPU with the system's C++ compiler")
+  jax.default_backend() != "cpu" or shutil.which("g++") is None and shutil.which("c++") is None,
+  reason="the kernel is built for the CPU with the system's C++ compiler",
+)
 
 
 def reference(x, w):
@@ -25,13 +26,15 @@ def test_kernel_builds():
   assert matmul.kernel_available()
 
 
-@pytest.mark.parametrize("m,k,n", [(1, 5, 3), (3, 17, 33), (8, 512, 1408), (7, 100, 1000), (16, 64, 50),
-                                   (2, 512, 16), (5, 40, 15), (16, 1408, 512)])
+@pytest.mark.parametrize(
+  "m,k,n",
+  [(1, 5, 3), (3, 17, 33), (8, 512, 1408), (7, 100, 1000), (16, 64, 50), (2, 512, 16), (5, 40, 15), (16, 1408, 512)],
+)
 def test_matches_reference(m, k, n):
   # Covers column tiles of every width, the columns past the last full vector and an odd row.
   rng = np.random.default_rng(m * k * n)
   x, w = rng.standard_normal((m, k), np.float32), rng.standard_normal((k, n), np.float32)
-  np.testing.assert_allclose(jax.jit(matmul.small_matmul)(x, w), reference(x, w), rtol=1e-5, atol=1e-5 * k ** 0.5)
+  np.testing.assert_allclose(jax.jit(matmul.small_matmul)(x, w), reference(x, w), rtol=1e-5, atol=1e-5 * k**0.5)
 
 
 @settings(max_examples=12, deadline=None)
@@ -39,7 +42,7 @@ def test_matches_reference(m, k, n):
 def test_matches_reference_any_shape(m, k, n):
   rng = np.random.default_rng(0)
   x, w = rng.standard_normal((m, k), np.float32), rng.standard_normal((k, n), np.float32)
-  np.testing.assert_allclose(matmul.small_matmul(x, w), reference(x, w), rtol=1e-5, atol=1e-5 * k ** 0.5)
+  np.testing.assert_allclose(matmul.small_matmul(x, w), reference(x, w), rtol=1e-5, atol=1e-5 * k**0.5)
 
 
 def test_empty_contraction_gives_zeros():
@@ -82,7 +85,9 @@ def test_dot_general_routes_dense_products():
   heads = jnp.ones((4, 1, 2, 8), jnp.float32)
   out_kernel = jnp.ones((2, 8, 32), jnp.float32)  # out projection contracts [heads, H]
   out_dims = (((2, 3), (0, 1)), ((), ()))
-  np.testing.assert_allclose(matmul.dot_general(heads, out_kernel, out_dims), lax.dot_general(heads, out_kernel, out_dims))
+  np.testing.assert_allclose(
+    matmul.dot_general(heads, out_kernel, out_dims), lax.dot_general(heads, out_kernel, out_dims)
+  )
   assert routed(heads, out_kernel, out_dims)
 
 

@@ -40,8 +40,9 @@ def test_attend_matches_reference(num_heads, num_kv_heads):
   np.testing.assert_allclose(kvjax.attend(q, k, v, mask), expected, atol=1e-5)
   # The cache's layout (keys [B, K, H, S]), and one query token as in a decode step.
   np.testing.assert_allclose(kvjax.attend(q, k.swapaxes(2, 3), v, mask, k_transposed=True), expected, atol=1e-5)
-  np.testing.assert_allclose(kvjax.attend(q[:, -1:], k.swapaxes(2, 3), v, mask[:, -1:], k_transposed=True),
-                             expected[:, -1:], atol=1e-5)
+  np.testing.assert_allclose(
+    kvjax.attend(q[:, -1:], k.swapaxes(2, 3), v, mask[:, -1:], k_transposed=True), expected[:, -1:], atol=1e-5
+  )
 
 
 def test_grouping_rule_is_contiguous():
@@ -59,15 +60,19 @@ class Recording(NoCache):
     return super().attend(stored, query, q_positions, new, span, backend)
 
 
-@pytest.mark.parametrize("changes", [dict(num_kv_heads=2), dict(num_kv_heads=1, kv_latent_rank=12, rope_dims=4)],
-                         ids=["gqa", "mla"])
+@pytest.mark.parametrize(
+  "changes", [dict(num_kv_heads=2), dict(num_kv_heads=1, kv_latent_rank=12, rope_dims=4)], ids=["gqa", "mla"]
+)
 def test_each_layer_hands_its_cache_the_payload_it_declares(changes):
   """What a layer's attention writes to any cache kind is the payload kvjax.model.transformer
   .cache_payload declares (what the caches size their arrays by): [B, heads, T, width] per name."""
   config = kvjax.ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, max_len=16, **changes)
   recording = Recording(batch=3)
-  jax.eval_shape(lambda p, t: kvjax.Transformer(config).apply({"params": p}, t, recording),
-                 abstract_params(config), jax.ShapeDtypeStruct((3, 5), jnp.int32))
+  jax.eval_shape(
+    lambda p, t: kvjax.Transformer(config).apply({"params": p}, t, recording),
+    abstract_params(config),
+    jax.ShapeDtypeStruct((3, 5), jnp.int32),
+  )
   want = {name: (3, field.heads, 5, field.width) for name, field in cache_payload(config).items()}
   assert recording.handed == [want] * config.num_layers
   assert sorted(want) == (["latent", "rope_key"] if config.is_latent else ["k", "v"])

@@ -13,7 +13,9 @@ from kvjax.model.transformer import cache_payload
 from conftest import tiny_config
 
 
-@pytest.mark.parametrize("changes, match", [
+@pytest.mark.parametrize(
+  "changes, match",
+  [
     (dict(kv_latent_rank=33, rope_dims=8), "kv_latent_rank=33 is larger than possible"),
     (dict(kv_latent_rank=8, rope_dims=20), "more than head_dim=8"),
     (dict(kv_latent_rank=8, rope_dims=6), "rope_dims=6 must split"),
@@ -23,7 +25,8 @@ from conftest import tiny_config
     (dict(kv_latent_rank=-1), "kv_latent_rank must be a non-negative"),
     (dict(kv_latent_rank=8, rope_dims=4, rope_pairs=((0,), (1,))), "rope_pairs must hold"),
     (dict(kv_latent_rank=8, rope_dims=4, rope_pairs=((0, 4), (1, 2))), "frequency index 4"),
-])
+  ],
+)
 def test_config_errors(changes, match):
   with pytest.raises(ValueError, match=match):
     tiny_config(2, **changes)
@@ -69,8 +72,14 @@ def mla_params_by_hand(config: kvjax.ModelConfig) -> int:
   return total
 
 
-@pytest.mark.parametrize("changes", [dict(), dict(qkv_bias=True, use_bias=True, num_kv_heads=1, rope_dims=4),
-                                     dict(positions="learned", rope_dims=0, norm="layernorm", activation="gelu")])
+@pytest.mark.parametrize(
+  "changes",
+  [
+    dict(),
+    dict(qkv_bias=True, use_bias=True, num_kv_heads=1, rope_dims=4),
+    dict(positions="learned", rope_dims=0, norm="layernorm", activation="gelu"),
+  ],
+)
 def test_param_count(changes):
   changes = {"num_kv_heads": 2, "kv_latent_rank": 12, "rope_dims": 8, **changes}
   config = tiny_config(changes.pop("num_kv_heads"), **changes)
@@ -90,7 +99,11 @@ def test_run_configs_record_every_field_and_read_back():
   import dataclasses
   from kvjax.training import checkpoint
   from kvjax.training.config import TrainRun
-  for model in (tiny_config(2, vocab_size=256, max_len=128), tiny_config(2, vocab_size=256, max_len=128, kv_latent_rank=8, rope_dims=4)):
+
+  for model in (
+    tiny_config(2, vocab_size=256, max_len=128),
+    tiny_config(2, vocab_size=256, max_len=128, kv_latent_rank=8, rope_dims=4),
+  ):
     recorded = kvjax.to_dict(TrainRun(model=model))
     assert set(recorded["model"]) == {f.name for f in dataclasses.fields(kvjax.ModelConfig)}
     assert recorded["model"]["kv_latent_rank"] == model.kv_latent_rank and recorded["model"]["rope_pairs"] is None
@@ -100,5 +113,6 @@ def test_run_configs_record_every_field_and_read_back():
 
 def test_hf_export_refuses_mla():
   from kvjax.interop.hf_export import family
+
   with pytest.raises(ValueError, match="kv_latent_rank=8 has no Hugging Face Llama / Qwen2 equivalent"):
     family(tiny_config(2, kv_latent_rank=8, rope_dims=4))

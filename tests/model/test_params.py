@@ -12,10 +12,22 @@ from kvjax.model.params import abstract_params, check_params, param_signature
 from kvjax.model.transformer import Transformer
 
 CONFIGS = {
-    "gqa": ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=64),
-    "gpt2": ModelConfig(vocab_size=64, d_model=32, num_layers=1, num_heads=4, num_kv_heads=4, activation="gelu",
-                        norm="layernorm", positions="learned", qkv_bias=True, use_bias=True, tie_embeddings=True,
-                        max_len=16, dtype="bfloat16"),
+  "gqa": ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=64),
+  "gpt2": ModelConfig(
+    vocab_size=64,
+    d_model=32,
+    num_layers=1,
+    num_heads=4,
+    num_kv_heads=4,
+    activation="gelu",
+    norm="layernorm",
+    positions="learned",
+    qkv_bias=True,
+    use_bias=True,
+    tie_embeddings=True,
+    max_len=16,
+    dtype="bfloat16",
+  ),
 }
 
 
@@ -34,6 +46,9 @@ def test_check_params_names_the_differing_parameters():
   params = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), abstract_params(config))
   params["layers_1"]["attn"]["k"]["kernel"] = np.zeros((32, 4, 8), np.float32)  # MHA's kv heads
   del params["final_norm"]
-  with pytest.raises(ValueError, match=r"imported do not match the model config: final_norm/scale: "
-                                       r"expected \(\(32,\), 'float32'\), got None; layers_1/attn/k/kernel"):
+  with pytest.raises(
+    ValueError,
+    match=r"imported do not match the model config: final_norm/scale: "
+    r"expected \(\(32,\), 'float32'\), got None; layers_1/attn/k/kernel",
+  ):
     check_params(params, config, "imported")

@@ -18,38 +18,63 @@ from kvjax.model.mla import rope_frequencies
 from kvjax.model.rope import frequencies
 from conftest import init_params, tiny_config
 
-transformers = pytest.importorskip("transformers", reason="parity needs transformers + torch (pip install kvjax[bench])")
+transformers = pytest.importorskip(
+  "transformers", reason="parity needs transformers + torch (pip install kvjax[bench])"
+)
 torch = pytest.importorskip("torch")
 
 VOCAB, TOKENS = 96, 48
 # Llama 3's factors over a short "pretraining" context, so that at TOKENS positions the scaling
 # matters: with head_dim 16 and theta 1e4, the wavelengths 2 pi, 19.9, 62.8, ... fall in all three
 # regimes (under 32 / 4 kept, between blended, over 32 / 1 slowed by 8).
-LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-              original_max_position_embeddings=32)
+LLAMA3 = dict(
+  rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=32
+)
 SCALING = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=32)
 
 
 def hf_llama(rope_parameters: dict, head_dim: int = 16, theta: float = 1e4, **changes):
-  base = dict(vocab_size=VOCAB, hidden_size=4 * head_dim, intermediate_size=64, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=64,
-              rms_norm_eps=1e-5, rope_parameters={**rope_parameters, "rope_theta": theta}, initializer_range=0.3,
-              bos_token_id=None, eos_token_id=None, pad_token_id=None)
+  base = dict(
+    vocab_size=VOCAB,
+    hidden_size=4 * head_dim,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=head_dim,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-5,
+    rope_parameters={**rope_parameters, "rope_theta": theta},
+    initializer_range=0.3,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+  )
   return transformers.LlamaConfig(**{**base, **changes})
 
 
-@pytest.mark.parametrize("theta, dims, factor, low, high, original", [
+@pytest.mark.parametrize(
+  "theta, dims, factor, low, high, original",
+  [
     (5e5, 128, 8.0, 1.0, 4.0, 8192),  # Llama 3.1
     (5e5, 64, 32.0, 1.0, 4.0, 8192),  # Llama 3.2 1B
     (1e4, 16, 8.0, 1.0, 4.0, 32),
     (1e4, 16, 4.0, 2.0, 3.0, 150),
-])
+  ],
+)
 def test_llama3_frequencies_equal_transformers_inv_freq(theta, dims, factor, low, high, original):
   from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-  params = dict(rope_type="llama3", factor=factor, low_freq_factor=low, high_freq_factor=high,
-                original_max_position_embeddings=original)
+
+  params = dict(
+    rope_type="llama3",
+    factor=factor,
+    low_freq_factor=low,
+    high_freq_factor=high,
+    original_max_position_embeddings=original,
+  )
   inv_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](
-      hf_llama(params, head_dim=dims, theta=theta, max_position_embeddings=2 * original), "cpu")
+    hf_llama(params, head_dim=dims, theta=theta, max_position_embeddings=2 * original), "cpu"
+  )
   scaling = RopeScaling(factor=factor, low_freq_factor=low, high_freq_factor=high, original_max_position=original)
   ours = frequencies(theta, dims, scaling)
   assert ours.dtype == np.float32 and ours.shape == (dims // 2,)
@@ -113,12 +138,15 @@ def test_transformers_4_layout_reads_the_same(tmp_path):
   assert config_from_hf(top).rope_scaling.original_max_position == 24
 
 
-@pytest.mark.parametrize("rope, message", [
+@pytest.mark.parametrize(
+  "rope, message",
+  [
     (dict(rope_type="yarn", factor=4.0), "rope_parameters of type 'yarn' is not supported"),
     (dict(rope_type="linear", factor=4.0), "'linear'"),
     (dict(rope_type="llama3", factor=8.0), r"'llama3' lacks \['low_freq_factor', 'high_freq_factor'\]"),
     ({**LLAMA3, "high_freq_factor": 1.0}, r"config.json rope_parameters: RopeScaling.high_freq_factor=1.0"),
-])
+  ],
+)
 def test_importer_refuses_other_rope_types_by_name(rope, message):
   hf = hf_llama({}).to_dict()
   hf["rope_parameters"] = {**rope, "rope_theta": 1e4}
@@ -126,7 +154,9 @@ def test_importer_refuses_other_rope_types_by_name(rope, message):
     config_from_hf(hf)
 
 
-@pytest.mark.parametrize("changes, message", [
+@pytest.mark.parametrize(
+  "changes, message",
+  [
     (dict(kind="yarn"), r"RopeScaling.kind must be one of \('llama3',\), got 'yarn'"),
     (dict(factor=0.5), r"RopeScaling.factor must be .* got 0.5"),
     (dict(factor=float("nan")), r"RopeScaling.factor must be"),
@@ -134,7 +164,8 @@ def test_importer_refuses_other_rope_types_by_name(rope, message):
     (dict(high_freq_factor=1.0), r"RopeScaling.high_freq_factor=1.0 must be larger than low_freq_factor=1.0"),
     (dict(original_max_position=0), r"RopeScaling.original_max_position must be a positive integer, got 0"),
     (dict(original_max_position=32.0), r"RopeScaling.original_max_position must be a positive integer"),
-])
+  ],
+)
 def test_rope_scaling_checks_name_the_field(changes, message):
   with pytest.raises(ValueError, match=message):
     RopeScaling(**changes)
@@ -153,15 +184,21 @@ def test_rope_scaling_round_trips():
   assert from_dict(kvjax.ModelConfig, to_dict(plain)) == plain
   scaled = tiny_config(rope_scaling=RopeScaling(factor=8, original_max_position=32))
   saved = json.loads(json.dumps(to_dict(scaled)))
-  assert saved["rope_scaling"] == {"kind": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                   "high_freq_factor": 4.0, "original_max_position": 32}
+  assert saved["rope_scaling"] == {
+    "kind": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position": 32,
+  }
   assert from_dict(kvjax.ModelConfig, saved) == scaled
   with pytest.raises(ValueError, match="ModelConfig.rope_scaling"):
     from_dict(kvjax.ModelConfig, {**saved, "rope_scaling": {**saved["rope_scaling"], "factor": 0.5}})
   # Overrides reach the nested fields, or set the whole scaling from a dict.
   assert apply_overrides(scaled, ["rope_scaling.factor=4"]).rope_scaling.factor == 4.0
   assert apply_overrides(plain, ["rope_scaling={'original_max_position': 32}"]).rope_scaling == RopeScaling(
-      original_max_position=32)
+    original_max_position=32
+  )
 
 
 def test_scaled_model_exports_to_transformers(tmp_path):

@@ -39,8 +39,7 @@ class AllocatorMachine(RuleBasedStateMachine):
       self.memory[pages[pos // size], pos % size] = self.tokens[seq][pos]
 
   def _snapshot(self):
-    return ({s: (self.alloc.pages(s), self.alloc.length(s)) for s in self.alloc.sequences()},
-            self.alloc.num_free)
+    return ({s: (self.alloc.pages(s), self.alloc.length(s)) for s in self.alloc.sequences()}, self.alloc.num_free)
 
   @rule(target=seqs, num_tokens=st.integers(0, 12))
   def allocate(self, num_tokens):

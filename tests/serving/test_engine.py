@@ -33,7 +33,7 @@ def workload(seed: int, count: int = 9):
 def greedy_alone(model, params, prompt, max_new_tokens):
   """The contiguous cache, one request at a time, greedy."""
   tokens = np.zeros((1, PROMPT_PAD), np.int32)
-  tokens[0, :prompt.size] = prompt
+  tokens[0, : prompt.size] = prompt
   logits, cache = kvjax.prefill(model, params, tokens, np.array([prompt.size]), max_len=MAX_LEN)
   out = [int(np.argmax(logits[0, prompt.size - 1]))]
   while len(out) < max_new_tokens:
@@ -100,7 +100,7 @@ def test_eos_stops_a_request_and_frees_its_pages(model_params):
   stop = int(np.argmax(full == eos))
   config = EngineConfig(**{**vars(CONFIG), "stop_ids": (eos,)})
   (tokens,), _ = serve(model, params, [(prompt, 20)], config)
-  np.testing.assert_array_equal(tokens, full[:stop + 1])
+  np.testing.assert_array_equal(tokens, full[: stop + 1])
 
 
 def test_bad_requests_are_rejected_and_lose_nothing(model_params):

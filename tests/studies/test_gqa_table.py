@@ -30,8 +30,14 @@ def test_tiny_table_writes_every_file_with_the_paper_rows(table):
     assert (table / f"gqa_table.{suffix}").stat().st_size > 0
   rows = json.loads((table / "gqa_table.json").read_text())
   assert [(r["model"], r["num_kv_heads"]) for r in rows] == [
-      ("MHA-small", 4), ("MHA-big", 16), ("GQA-2-big", 2), ("MQA-big", 1),
-      ("GQA-2-big (pca + distill)", 2), ("MQA-big (pca + distill)", 1), ("MLA-big (32+32 + distill)", 8)]
+    ("MHA-small", 4),
+    ("MHA-big", 16),
+    ("GQA-2-big", 2),
+    ("MQA-big", 1),
+    ("GQA-2-big (pca + distill)", 2),
+    ("MQA-big (pca + distill)", 1),
+    ("MLA-big (32+32 + distill)", 8),
+  ]
   small, big = rows[0], rows[1]
   for row in rows[2:]:
     assert row["kv_bytes_per_token"] * 16 == big["kv_bytes_per_token"] * row["num_kv_heads"]
@@ -70,6 +76,7 @@ def test_stages_recorded_before_new_fields_still_read(tmp_path):
   from kvjax.fields import to_dict
   from kvjax.studies import gqa as gs
   from kvjax.training.workdir import claim_study
+
   study = load_config(ROOT / "configs/gqa_table/cpu.py")
   assert len(study.conversions) == 4
   old = {k: v for k, v in to_dict(study).items() if k not in ("job", "fractions", "methods", "conversions")}
@@ -85,8 +92,7 @@ def test_stages_recorded_before_new_fields_still_read(tmp_path):
 
 def test_rerun_with_other_settings_is_refused(table, capsys):
   before = (table / "stages.json").read_text()
-  assert main(["run", str(ROOT / "configs/gqa_table/tiny.py"), "--workdir", str(table),
-               "--set", "timing.batch=4"]) == 2
+  assert main(["run", str(ROOT / "configs/gqa_table/tiny.py"), "--workdir", str(table), "--set", "timing.batch=4"]) == 2
   assert "timing.batch: 8 -> 4" in capsys.readouterr().err
   assert (table / "stages.json").read_text() == before
 
@@ -95,8 +101,7 @@ def test_uptrain_cli_records_quality_and_leaves_the_source_alone(table, tmp_path
   source = table / "mha_big"
   before = tree_state(source)
   dest = tmp_path / "gqa4"
-  assert main(["uptrain", "--from", str(source), "--workdir", str(dest), "--kv-heads", "4",
-               "--fraction", "0.1"]) == 0
+  assert main(["uptrain", "--from", str(source), "--workdir", str(dest), "--kv-heads", "4", "--fraction", "0.1"]) == 0
   record = json.loads((dest / "uptrain.json").read_text())
   assert record["source_step"] == 60 and record["steps"] == 6
   assert record["conversion"] == {"num_kv_heads": 4, "method": "mean", "seed": 0}

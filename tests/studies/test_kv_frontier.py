@@ -50,8 +50,17 @@ def frontier(tmp_path_factory):
 def test_tiny_study_writes_a_row_per_variant_and_the_columns_asked_for(frontier):
   study, workdir, rows = frontier
   names = [v.name for v in study.variants]
-  assert {"fp32", "bf16", "GQA-2 mean", "GQA-2 pca+distill1", "MQA mean", "MQA pca+distill1",
-          "window 16", "window 16 + 2 sinks", MLA} <= set(names)
+  assert {
+    "fp32",
+    "bf16",
+    "GQA-2 mean",
+    "GQA-2 pca+distill1",
+    "MQA mean",
+    "MQA pca+distill1",
+    "window 16",
+    "window 16 + 2 sinks",
+    MLA,
+  } <= set(names)
   with open(workdir / "kv_frontier.csv") as f:
     table = list(csv.DictReader(f))
   assert [r["variant"] for r in table] == names
@@ -105,15 +114,30 @@ def test_float32_cache_matches_the_plain_evaluation_and_bytes_are_exact(frontier
   mla_run = json.loads((workdir / mla["params"] / "uptrain.json").read_text())
   assert mla_run["conversion"] == {"kv_latent_rank": 32, "rope_dims": 32, "factorisation": "activation"}
   assert {k: mla_run[k] for k in ("fraction", "distill", "steps", "source_step")} == {
-      k: gqa_run[k] for k in ("fraction", "distill", "steps", "source_step")}
+    k: gqa_run[k] for k in ("fraction", "distill", "steps", "source_step")
+  }
 
 
 def test_kvjax_eval_recall_scores_as_the_study_does(frontier, capsys):
   study, workdir, rows = frontier
   rc = study.recall
   capsys.readouterr()
-  assert kvjax_main(["eval", "--workdir", str(workdir / "mha_big"), "--recall", ",".join(map(str, rc.distances)),
-                     "--needles", str(rc.needles), "--needle-bytes", str(rc.needle_bytes)]) == 0
+  assert (
+    kvjax_main(
+      [
+        "eval",
+        "--workdir",
+        str(workdir / "mha_big"),
+        "--recall",
+        ",".join(map(str, rc.distances)),
+        "--needles",
+        str(rc.needles),
+        "--needle-bytes",
+        str(rc.needle_bytes),
+      ]
+    )
+    == 0
+  )
   result = json.loads(capsys.readouterr().out)
   fp32 = rows[[r["variant"] for r in rows].index("fp32")]
   for d in rc.distances:
@@ -144,10 +168,14 @@ def test_a_finished_study_is_reused_read_only(frontier, tmp_path):
 
 def test_a_variant_this_kvjax_lacks_is_refused_up_front(tmp_path):
   study = load_config(TINY)
-  too_wide = dataclasses.replace(study, variants=study.variants[:1] + (
-      kvf.Variant("ring", "window", CacheConfig(window=(4096,))),))
-  with pytest.raises(ValueError, match=r"variant 'ring' \(window=\(4096,\)\) cannot decode its model: .*window\[0\]=4096 "
-                     "is larger than max_len=128"):
+  too_wide = dataclasses.replace(
+    study, variants=study.variants[:1] + (kvf.Variant("ring", "window", CacheConfig(window=(4096,))),)
+  )
+  with pytest.raises(
+    ValueError,
+    match=r"variant 'ring' \(window=\(4096,\)\) cannot decode its model: .*window\[0\]=4096 "
+    "is larger than max_len=128",
+  ):
     kvf.check_variants(too_wide)
   odd = dataclasses.replace(study.gqa.big, head_dim=9, positions="learned")
   with pytest.raises(ValueError, match=r"variant 'int4' \(dtype=int4\) cannot decode its model: an int4 cache packs"):
@@ -163,15 +191,19 @@ def test_bad_study_configs_name_the_field():
   study = load_config(TINY)
   with pytest.raises(ValueError, match="names must be distinct"):
     dataclasses.replace(study, variants=study.variants[:1] * 2)
-  with pytest.raises(ValueError, match=r"Variant 'GQA-3': kv3_mean does not convert MHA-big: KVHeads.num_kv_heads=3: "
-                     "cannot convert 16 kv heads to 3"):
+  with pytest.raises(
+    ValueError,
+    match=r"Variant 'GQA-3': kv3_mean does not convert MHA-big: KVHeads.num_kv_heads=3: "
+    "cannot convert 16 kv heads to 3",
+  ):
     dataclasses.replace(study, variants=(kvf.Variant("GQA-3", "heads", conversion=KVHeads(3)),))
   with pytest.raises(ValueError, match=r"Variant 'x': cache must be a CacheConfig, got \{'num_kv_heads': 2\}"):
     kvf.Variant("x", "window", {"num_kv_heads": 2})
   with pytest.raises(ValueError, match="Variant.family must be one of"):
     kvf.Variant("x", "pruning")
-  with pytest.raises(ValueError, match="family 'mla' runs params converted by a conversion of that kind, got "
-                     "conversion=None"):
+  with pytest.raises(
+    ValueError, match="family 'mla' runs params converted by a conversion of that kind, got conversion=None"
+  ):
     kvf.Variant("x", "mla")
   with pytest.raises(ValueError, match="family 'heads' .* got conversion=mla_r32_rope32"):
     kvf.Variant("x", "heads", conversion=ToMLA(32, 32))

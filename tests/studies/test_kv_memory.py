@@ -86,14 +86,18 @@ def test_quantized_formats_hold_more_requests_within_the_same_bytes(tmp_path):
   """int8 pages within the float32 budget's bytes: more token slots, at least as many requests at
   once, and the rows name their format."""
   tiny = load(ROOT / "configs/kv_memory/tiny.py").get_config()
-  study = dataclasses.replace(tiny, model=tiny.model.replace(head_dim=32), page_sizes=(16,),
-                              cache_dtypes=("int8",), baselines=False)
+  study = dataclasses.replace(
+    tiny, model=tiny.model.replace(head_dim=32), page_sizes=(16,), cache_dtypes=("int8",), baselines=False
+  )
   rows = load(ROOT / "experiments/kv_memory.py").main(study, str(tmp_path))["rows"]
   assert [(r["policy"], r["cache_dtype"]) for r in rows] == [("paged16", "float32"), ("paged16", "int8")]
   own, int8 = rows
   assert own["budget_tokens"] == study.budget_tokens
-  assert int8["budget_bytes"] <= own["budget_bytes"] < int8["budget_bytes"] + 16 * bytes_per_token(
-      study.model, CacheConfig(dtype="int8"))
+  assert (
+    int8["budget_bytes"]
+    <= own["budget_bytes"]
+    < int8["budget_bytes"] + 16 * bytes_per_token(study.model, CacheConfig(dtype="int8"))
+  )
   assert int8["budget_tokens"] == 16 * (study.budget_tokens * 128 // (16 * 36))  # (32 + 4) bytes vs 4 x 32
   assert int8["peak_concurrent"] >= own["peak_concurrent"]
   with pytest.raises(ValueError, match=r"cache_dtypes\[0\]: CacheConfig.dtype must be one of"):

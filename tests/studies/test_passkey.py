@@ -12,15 +12,31 @@ import pytest
 
 from kvjax.cache.config import CacheConfig
 from kvjax.interop.tokenizer import TextTokenizer
-from kvjax.studies.passkey import (ANSWER, INSTRUCTION, NEEDLE, PARAGRAPH, QUESTION, SEPARATOR, Frame, PasskeyConfig,
-                                   Prose, answered, answers, examples, passkey, prose_sentences)
+from kvjax.studies.passkey import (
+  ANSWER,
+  INSTRUCTION,
+  NEEDLE,
+  PARAGRAPH,
+  QUESTION,
+  SEPARATOR,
+  Frame,
+  PasskeyConfig,
+  Prose,
+  answered,
+  answers,
+  examples,
+  passkey,
+  prose_sentences,
+)
 from kvjax.training.data import documentation
 from conftest import init_params, tiny_config
 
 tokenizers = pytest.importorskip("tokenizers", reason="needs the tokenizers package")
 
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHAT_TEMPLATE = (
+  "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 CHAT_OPENING, CHAT_CLOSING = "<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n"
 SPECIAL = ("<unk>", "<s>", "<|im_start|>", "<|im_end|>")
 
@@ -32,8 +48,15 @@ def word_tokenizer(chat: bool) -> TextTokenizer:
   back into the text. With a chat template (ChatML) or without one (then a bos starts a prompt)."""
   split = tokenizers.pre_tokenizers.Split(tokenizers.Regex(r" ?[A-Za-z]+| ?[0-9]|\s|[^\sA-Za-z0-9]"), "isolated")
   sentences = [(before + sentence, sentence) for before, sentence in prose_sentences(documentation()[1].decode())]
-  texts = (*(text for pair in sentences for text in pair), INSTRUCTION, SEPARATOR + PARAGRAPH,
-           NEEDLE.format(key="0123456789 " + " ".join("0123456789")), QUESTION, ANSWER, "user\nassistant")
+  texts = (
+    *(text for pair in sentences for text in pair),
+    INSTRUCTION,
+    SEPARATOR + PARAGRAPH,
+    NEEDLE.format(key="0123456789 " + " ".join("0123456789")),
+    QUESTION,
+    ANSWER,
+    "user\nassistant",
+  )
   pieces = sorted({piece for text in texts for piece, _ in split.pre_tokenize_str(text)})
   vocab = {token: i for i, token in enumerate((*SPECIAL, *pieces))}
   tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
@@ -46,8 +69,9 @@ def word_tokenizer(chat: bool) -> TextTokenizer:
 
 def tiny_llama(tokenizer: TextTokenizer, max_len: int):
   """A random Llama-family model (RMSNorm, SwiGLU, RoPE, GQA) over the tokenizer's vocabulary."""
-  return init_params(tiny_config(vocab_size=tokenizer.vocab_size, max_len=max_len, activation="swiglu",
-                                 norm="rmsnorm", positions="rope"))
+  return init_params(
+    tiny_config(vocab_size=tokenizer.vocab_size, max_len=max_len, activation="swiglu", norm="rmsnorm", positions="rope")
+  )
 
 
 def sentences_of(text: str) -> list[str]:
@@ -66,7 +90,7 @@ def test_the_needle_lies_exactly_distance_tokens_before_the_prompt_end(chat, dis
   whole = {sentence for _, sentence in prose_sentences(documentation()[1].decode())}
   for prompt, length, key in zip(prompts, lengths, keys):
     ids, needle = prompt[:length], tokenizer.encode(NEEDLE.format(key=key))
-    assert len(key) == 5 and (ids[length - distance:length - distance + len(needle)] == needle).all()
+    assert len(key) == 5 and (ids[length - distance : length - distance + len(needle)] == needle).all()
     text = tokenizer.decode(ids)
     if chat:
       head, tail = CHAT_OPENING + INSTRUCTION + SEPARATOR, SEPARATOR + QUESTION + CHAT_CLOSING
@@ -74,7 +98,7 @@ def test_the_needle_lies_exactly_distance_tokens_before_the_prompt_end(chat, dis
       assert ids[0] == tokenizer.bos_id and "<|im_start|>" not in text
       head, tail = "<s>" + INSTRUCTION + SEPARATOR, f"{SEPARATOR}{QUESTION} {ANSWER}"
     assert text.startswith(head) and text.endswith(tail) and "<unk>" not in text
-    lead, filler = text[len(head):-len(tail)].split(SEPARATOR + NEEDLE.format(key=key) + SEPARATOR)
+    lead, filler = text[len(head) : -len(tail)].split(SEPARATOR + NEEDLE.format(key=key) + SEPARATOR)
     assert set(sentences_of(lead)) | set(sentences_of(filler)) <= whole  # whole sentences of the prose
     assert len(tokenizer.encode(lead)) == config.lead
   again = examples(tokenizer, config, distance, prose)
@@ -110,8 +134,11 @@ def test_paged_answers_in_batches_equal_the_contiguous_cache():
 def test_too_short_a_distance_or_model_is_refused():
   tokenizer = word_tokenizer(True)
   prose = Prose.of(tokenizer)
-  with pytest.raises(ValueError, match=r"distances: 20 tokens cannot hold the needle sentence and the question "
-                                       r"\(\d+ tokens"):
+  with pytest.raises(
+    ValueError,
+    match=r"distances: 20 tokens cannot hold the needle sentence and the question "
+    r"\(\d+ tokens",
+  ):
     examples(tokenizer, PasskeyConfig(distances=(20,)), 20, prose)
   with pytest.raises(ValueError, match="no run of whole sentences of the pass-key prose has exactly 3 tokens"):
     Prose.of(tokenizer, "Ab cd ef gh. Ij kl mn.").run(3, np.random.default_rng(0))

@@ -6,8 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvjax.studies.recall import (CLOSE, MARKER, SEPARATOR, RecallConfig, examples, recall, recall_checkpoint,
-                                 score)
+from kvjax.studies.recall import CLOSE, MARKER, SEPARATOR, RecallConfig, examples, recall, recall_checkpoint, score
 from conftest import init_params, tiny_config
 
 FILLER = np.frombuffer(b"def f(x):\n    return x + 1\n" * 40, np.uint8)
@@ -21,9 +20,9 @@ def test_the_needle_lies_exactly_distance_positions_before_the_prompt_end(distan
   for prompt, needle in zip(prompts, needles):
     text = prompt.astype(np.uint8).tobytes()
     last = len(text) - 1
-    assert text[last - distance:last - distance + 6] == needle.astype(np.uint8).tobytes()  # D back
+    assert text[last - distance : last - distance + 6] == needle.astype(np.uint8).tobytes()  # D back
     assert text.startswith(MARKER) and text.endswith(SEPARATOR + MARKER) and text.count(MARKER) == 2
-    filler = text[len(MARKER) + 6 + len(CLOSE):-len(SEPARATOR + MARKER)]
+    filler = text[len(MARKER) + 6 + len(CLOSE) : -len(SEPARATOR + MARKER)]
     assert filler in FILLER.tobytes() and len(filler) == distance - config.min_distance
     assert needle.astype(np.uint8).tobytes().isalnum()
   again = examples(config, distance, FILLER)

@@ -24,8 +24,9 @@ CONFIG = tasks.TaskConfig(steps=2, batch_size=8, eval_examples=8, seq_len=64, lr
 
 @pytest.fixture(scope="module")
 def tiny():
-  config = kvjax.ModelConfig(vocab_size=256, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                             mlp_dim=64, max_len=128)
+  config = kvjax.ModelConfig(
+    vocab_size=256, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=64, max_len=128
+  )
   model = kvjax.Transformer(config)
   return model, model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
 
@@ -107,7 +108,7 @@ def test_exact_match_scores_true_answers_100_and_wrong_outputs_0():
     out = np.full((len(texts), width), ord("\n"), np.int32)
     for i, text in enumerate(texts):
       text = text[:width]
-      out[i, :len(text)] = np.frombuffer(text, np.uint8)
+      out[i, : len(text)] = np.frombuffer(text, np.uint8)
     return out
 
   assert tasks.exact_match(outputs([a + b"\n" for a in answers]), answers) == 100.0
@@ -121,11 +122,13 @@ def test_exact_match_scores_true_answers_100_and_wrong_outputs_0():
 
 def test_byte_accuracy_gives_partial_credit_in_place_and_charges_for_length():
   answers = (b"abcd", b"wxyz")
+
   def outputs(texts):
     out = np.full((len(texts), 8), ord("\n"), np.int32)
     for i, text in enumerate(texts):
-      out[i, :len(text)] = np.frombuffer(text, np.uint8)
+      out[i, : len(text)] = np.frombuffer(text, np.uint8)
     return out
+
   assert tasks.byte_accuracy(outputs([b"abcd", b"wxyz"]), answers) == 100.0
   assert tasks.byte_accuracy(outputs([b"abXd", b"wxyz"]), answers) == 87.5  # 3/4 and 4/4
   assert tasks.byte_accuracy(outputs([b"ab", b"wxyzwxyz"]), answers) == 50.0  # 2/4 and 4/8 (no newline)
@@ -200,8 +203,16 @@ def test_bad_input_is_refused_naming_the_field(tiny):
     tasks.finetune_and_score(model, params, "summary", CONFIG)
   with pytest.raises(ValueError, match="TaskConfig.tasks: unknown task 'bleu'"):
     tasks.TaskConfig(tasks=("prose", "bleu"))
-  for field, value in [("steps", -1), ("batch_size", 0), ("lr", 0.0), ("seq_len", 32), ("eval_examples", 0),
-                       ("tasks", ()), ("tasks", ("prose", "prose")), ("tasks", ["prose"])]:
+  for field, value in [
+    ("steps", -1),
+    ("batch_size", 0),
+    ("lr", 0.0),
+    ("seq_len", 32),
+    ("eval_examples", 0),
+    ("tasks", ()),
+    ("tasks", ("prose", "prose")),
+    ("tasks", ["prose"]),
+  ]:
     with pytest.raises(ValueError, match=f"TaskConfig.{field}"):
       tasks.TaskConfig(**{field: value})
   small_vocab = kvjax.Transformer(model.config.replace(vocab_size=64))

@@ -77,8 +77,9 @@ def write(kind: str, path, dir_fd=None, after=None):
     n = counts[here]
     writes.append([here, n, kind, relative])
     point = {"position": here, "n": n, "kind": kind, "path": relative}
-    due = kill_at is not None and (here > kill_at[0] or (here == kill_at[0] and kill_at[1] is not None
-                                                        and n >= kill_at[1]))
+    due = kill_at is not None and (
+      here > kill_at[0] or (here == kill_at[0] and kill_at[1] is not None and n >= kill_at[1])
+    )
     if due and after is None:
       kill(point)
   result = after() if after else None
@@ -91,6 +92,7 @@ def wrap(name: str, kind: str):
   def wrapper(path, *args, dir_fd=None, **kwargs):
     write(kind, path, dir_fd)
     return real[name](path, *args, dir_fd=dir_fd, **kwargs) if dir_fd is not None else real[name](path, *args, **kwargs)
+
   setattr(os, name, wrapper)
 
 

@@ -83,10 +83,13 @@ def test_stdlib_corpus_is_deterministic_and_capped():
   assert not any(part in data.STDLIB_SKIP for f in files for part in f.relative_to(root).parts)
 
 
-@pytest.mark.parametrize("make, message", [
+@pytest.mark.parametrize(
+  "make, message",
+  [
     (lambda p: str(p / "missing.txt"), "no such file or directory"),
     (lambda p: str(p), "no files found"),
-])
+  ],
+)
 def test_bad_sources(tmp_path, make, message):
   with pytest.raises(ValueError, match=message):
     data.load_corpus(DataConfig(source=make(tmp_path)))

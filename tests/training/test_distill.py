@@ -55,8 +55,12 @@ def test_a_teacher_pulls_the_student_towards_itself():
 
 def test_distill_needs_a_teacher(tmp_path):
   from kvjax.training import train
-  config = kvjax.TrainRun(model=tiny_config(2, vocab_size=256), data=kvjax.DataConfig(max_bytes=20_000, seq_len=16),
-                          train=TrainConfig(steps=2, batch_size=2, warmup_steps=0, distill=0.5))
+
+  config = kvjax.TrainRun(
+    model=tiny_config(2, vocab_size=256),
+    data=kvjax.DataConfig(max_bytes=20_000, seq_len=16),
+    train=TrainConfig(steps=2, batch_size=2, warmup_steps=0, distill=0.5),
+  )
   with pytest.raises(ValueError, match=r"TrainConfig.distill=0.5 needs a teacher"):
     train.run(config, tmp_path / "run")
   assert not (tmp_path / "run").exists()

@@ -37,8 +37,17 @@ DRIVER = Path(__file__).with_name("kill_driver.py")
 MODEL = ModelConfig(d_model=32, num_layers=1, num_heads=2, num_kv_heads=2, mlp_dim=64, max_len=64)
 STEPS = 40
 # Checkpoints every 5 steps and logs every 3, so that resumed runs start logging mid-window.
-TRAIN = TrainConfig(steps=STEPS, batch_size=8, lr=1e-2, warmup_steps=5, log_every=3, eval_every=10,
-                    eval_batches=2, checkpoint_every=5, keep_checkpoints=2)
+TRAIN = TrainConfig(
+  steps=STEPS,
+  batch_size=8,
+  lr=1e-2,
+  warmup_steps=5,
+  log_every=3,
+  eval_every=10,
+  eval_batches=2,
+  checkpoint_every=5,
+  keep_checkpoints=2,
+)
 UPTRAIN_FRACTION, UPTRAIN_STEPS = 0.5, 20
 WORDS = "the quick brown fox jumps over a lazy dog while seven bold wizards pack boxes".split()
 
@@ -49,23 +58,38 @@ class Env:
     rng = random.Random(0)
     self.corpus = root / "words.txt"
     self.corpus.write_text("\n".join(" ".join(rng.choice(WORDS) for _ in range(10)) for _ in range(300)) + "\n")
-    self.config = TrainRun(model=MODEL, data=DataConfig(source=str(self.corpus), seq_len=32, val_fraction=0.1),
-                           train=TRAIN)
+    self.config = TrainRun(
+      model=MODEL, data=DataConfig(source=str(self.corpus), seq_len=32, val_fraction=0.1), train=TRAIN
+    )
     self.config_file = root / "faults.py"
     self.config_file.write_text(
-        "from kvjax.config import ModelConfig\nfrom kvjax.training.config import DataConfig, TrainConfig, TrainRun\n"
-        f"def get_config():\n  return {self.config!r}\n")
+      "from kvjax.config import ModelConfig\nfrom kvjax.training.config import DataConfig, TrainConfig, TrainRun\n"
+      f"def get_config():\n  return {self.config!r}\n"
+    )
     # All processes share one compilation cache: the references compile, the rest load.
-    self.environ = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(root / "jax_cache"),
-                    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-                    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    self.environ = {
+      **os.environ,
+      "JAX_PLATFORMS": "cpu",
+      "JAX_COMPILATION_CACHE_DIR": str(root / "jax_cache"),
+      "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+      "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    }
 
   def train_args(self, workdir: Path) -> list[str]:
     return ["run", str(self.config_file), "--workdir", str(workdir)]
 
   def uptrain_args(self, fraction: float):
-    return lambda workdir: ["uptrain", "--from", str(self.root / "reference_train"), "--workdir", str(workdir),
-                            "--kv-heads", "1", "--fraction", str(fraction)]
+    return lambda workdir: [
+      "uptrain",
+      "--from",
+      str(self.root / "reference_train"),
+      "--workdir",
+      str(workdir),
+      "--kv-heads",
+      "1",
+      "--fraction",
+      str(fraction),
+    ]
 
   def kvjax(self, args: list[str], *, workdir: Path | None = None, kill_at=None, record: Path | None = None):
     """Runs `kvjax ARGS` -> (exit code, stdout + stderr, stderr, the kill point or None). Under the
@@ -76,8 +100,16 @@ class Env:
       plan = self.root / "plan.json"
       last_words = self.root / "last_words.json"
       last_words.unlink(missing_ok=True)
-      plan.write_text(json.dumps({"workdir": str(workdir), "kill_at": kill_at, "last_words": str(last_words),
-                                  "record": str(record) if record else None}))
+      plan.write_text(
+        json.dumps(
+          {
+            "workdir": str(workdir),
+            "kill_at": kill_at,
+            "last_words": str(last_words),
+            "record": str(record) if record else None,
+          }
+        )
+      )
       command = [sys.executable, str(DRIVER), str(plan), *args]
     done = subprocess.run(command, env=self.environ, capture_output=True, text=True, timeout=300)
     point = None
@@ -107,8 +139,10 @@ def reference(env) -> dict:
 
 def files(folder: Path) -> dict:
   """{relative path: sha256 of the file, or None for a folder} of everything under `folder`."""
-  return {p.relative_to(folder): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else None
-          for p in folder.rglob("*")}
+  return {
+    p.relative_to(folder): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else None
+    for p in folder.rglob("*")
+  }
 
 
 def metrics(workdir: Path) -> dict:
@@ -216,8 +250,9 @@ def test_kill_9_anywhere_in_training_resumes_bitwise(env, reference):
 
 def test_kill_9_anywhere_in_uptraining_resumes_bitwise(env, reference):
   source = files(reference["train"][0])
-  points = kill_chain(env, 2, "uptrain", env.uptrain_args(UPTRAIN_FRACTION), reference["uptrain"],
-                      UPTRAIN_STEPS, kills=7)
+  points = kill_chain(
+    env, 2, "uptrain", env.uptrain_args(UPTRAIN_FRACTION), reference["uptrain"], UPTRAIN_STEPS, kills=7
+  )
   points += kill_chain(env, 3, "zero", env.uptrain_args(0), reference["zero"], 0, kills=3)
   kinds = [kind_of(p) for p in points]
   print("uptraining kill points:", points)
@@ -244,25 +279,41 @@ def _rewrite_meta(folder: Path, change) -> None:
 
 
 DAMAGE = {
-    "flipped bytes in params": (lambda f: _flip(_largest(f / "params"), 0.5), "params/\\S+ does not match its checksum"),
-    "flipped bytes in opt_state": (lambda f: _flip(_largest(f / "opt_state"), 0.5),
-                                   "opt_state/\\S+ does not match its checksum"),
-    "truncated array file": (lambda f: _largest(f / "params").write_bytes(_largest(f / "params").read_bytes()[:100]),
-                             "params/\\S+ cannot be read \\("),
-    "deleted array file": (lambda f: _largest(f / "opt_state").unlink(), "opt_state/\\S+ cannot be read \\("),
-    "deleted metadata": (lambda f: shutil.rmtree(f / "meta"), "its meta item \\(meta/\\) is missing"),
-    "deleted checksums": (lambda f: _rewrite_meta(f, lambda m: [m.pop("checksums"), m.pop("digest")]),
-                          "meta/metadata records no checksums"),
-    "altered sampler state": (lambda f: _rewrite_meta(f, lambda m: m["data"].update(position=1)),
-                              "meta/metadata does not match its checksum"),
-    "truncated metadata": (lambda f: (f / "meta" / "metadata").write_text('{"kind": "tr'),
-                           "meta/metadata is not valid JSON"),
-    "damaged orbax tree metadata": (lambda f: (f / "params" / "_METADATA").write_text("{ x"),
-                                    "params/_METADATA is not valid JSON"),
-    "damaged orbax manifest": (lambda f: (f / "params" / "manifest.ocdbt").write_bytes(b"\0" * 20),
-                               "params/\\S+ cannot be read \\(.*manifest.ocdbt"),
-    "damaged checkpoint metadata": (lambda f: (f / "_CHECKPOINT_METADATA").write_text("{ x"),
-                                    "_CHECKPOINT_METADATA is not valid JSON"),
+  "flipped bytes in params": (lambda f: _flip(_largest(f / "params"), 0.5), "params/\\S+ does not match its checksum"),
+  "flipped bytes in opt_state": (
+    lambda f: _flip(_largest(f / "opt_state"), 0.5),
+    "opt_state/\\S+ does not match its checksum",
+  ),
+  "truncated array file": (
+    lambda f: _largest(f / "params").write_bytes(_largest(f / "params").read_bytes()[:100]),
+    "params/\\S+ cannot be read \\(",
+  ),
+  "deleted array file": (lambda f: _largest(f / "opt_state").unlink(), "opt_state/\\S+ cannot be read \\("),
+  "deleted metadata": (lambda f: shutil.rmtree(f / "meta"), "its meta item \\(meta/\\) is missing"),
+  "deleted checksums": (
+    lambda f: _rewrite_meta(f, lambda m: [m.pop("checksums"), m.pop("digest")]),
+    "meta/metadata records no checksums",
+  ),
+  "altered sampler state": (
+    lambda f: _rewrite_meta(f, lambda m: m["data"].update(position=1)),
+    "meta/metadata does not match its checksum",
+  ),
+  "truncated metadata": (
+    lambda f: (f / "meta" / "metadata").write_text('{"kind": "tr'),
+    "meta/metadata is not valid JSON",
+  ),
+  "damaged orbax tree metadata": (
+    lambda f: (f / "params" / "_METADATA").write_text("{ x"),
+    "params/_METADATA is not valid JSON",
+  ),
+  "damaged orbax manifest": (
+    lambda f: (f / "params" / "manifest.ocdbt").write_bytes(b"\0" * 20),
+    "params/\\S+ cannot be read \\(.*manifest.ocdbt",
+  ),
+  "damaged checkpoint metadata": (
+    lambda f: (f / "_CHECKPOINT_METADATA").write_text("{ x"),
+    "_CHECKPOINT_METADATA is not valid JSON",
+  ),
 }
 COMMANDS = ("eval", "run", "generate", "uptrain")
 
@@ -285,9 +336,12 @@ def test_checkpoint_damage_is_named_and_refused(kind, env, reference, tmp_path):
       checkpoint.load_model(copy)
   # One command line per kind (resuming for optimizer state, which only a resume reads).
   command = "run" if "opt_state" in what else COMMANDS[list(DAMAGE).index(kind) % len(COMMANDS)]
-  args = {"eval": ["eval", "--workdir", str(copy)], "run": env.train_args(copy),
-          "generate": ["generate", "--workdir", str(copy), "--prompt", "the", "--max-new-tokens", "4"],
-          "uptrain": env.uptrain_args(0.5)(tmp_path / "dest")}[command]
+  args = {
+    "eval": ["eval", "--workdir", str(copy)],
+    "run": env.train_args(copy),
+    "generate": ["generate", "--workdir", str(copy), "--prompt", "the", "--max-new-tokens", "4"],
+    "uptrain": env.uptrain_args(0.5)(tmp_path / "dest"),
+  }[command]
   if command == "uptrain":
     args[args.index("--from") + 1] = str(copy)
   code, output, stderr, _ = env.kvjax(args)
@@ -306,12 +360,19 @@ def test_last_good_names_only_a_verified_checkpoint(env, tmp_path, monkeypatch):
     _flip(_largest(checkpoint.step_dir(tmp_path, step) / "params"), 0.5)
 
   monkeypatch.setattr(checkpoint, "save_train_state", save_then_damage)
-  config = TrainRun(model=MODEL, data=env.config.data,
-                    train=TrainConfig(steps=20, batch_size=8, lr=1e30, warmup_steps=0, checkpoint_every=1,
-                                      eval_every=1000, eval_batches=1))
+  config = TrainRun(
+    model=MODEL,
+    data=env.config.data,
+    train=TrainConfig(
+      steps=20, batch_size=8, lr=1e30, warmup_steps=0, checkpoint_every=1, eval_every=1000, eval_batches=1
+    ),
+  )
   with pytest.raises(train.TrainingDiverged) as err:
     train.run(config, tmp_path)
   message = str(err.value)
   assert "last good" not in message
-  assert re.search(r"no checkpoint is good: checkpoint step \d+ of \S+ is damaged: params/\S+ does not match "
-                   "its checksum", message), message
+  assert re.search(
+    r"no checkpoint is good: checkpoint step \d+ of \S+ is damaged: params/\S+ does not match "
+    "its checksum",
+    message,
+  ), message

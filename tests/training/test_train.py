@@ -37,10 +37,22 @@ WORDS = "the quick brown fox jumps over a lazy dog while seven bold wizards pack
 
 
 def tiny_run(source: str, **train_changes) -> TrainRun:
-  train_config = dict(steps=60, batch_size=8, lr=1e-2, warmup_steps=5, log_every=10, eval_every=1000,
-                      eval_batches=2, checkpoint_every=30, keep_checkpoints=2)
-  return TrainRun(model=MODEL, data=DataConfig(source=source, seq_len=32, val_fraction=0.1),
-                  train=TrainConfig(**{**train_config, **train_changes}))
+  train_config = dict(
+    steps=60,
+    batch_size=8,
+    lr=1e-2,
+    warmup_steps=5,
+    log_every=10,
+    eval_every=1000,
+    eval_batches=2,
+    checkpoint_every=30,
+    keep_checkpoints=2,
+  )
+  return TrainRun(
+    model=MODEL,
+    data=DataConfig(source=source, seq_len=32, val_fraction=0.1),
+    train=TrainConfig(**{**train_config, **train_changes}),
+  )
 
 
 @pytest.fixture(scope="module")
@@ -112,18 +124,22 @@ def test_eval_command_matches_the_run(trained, capsys):
 def test_generate_continues_greedily_with_the_cache(trained, capsys):
   workdir, _, _ = trained
   prompt = "the quick"
-  assert cli.main(["generate", "--workdir", str(workdir), "--prompt", prompt, "--max-new-tokens", "10",
-                   "--temperature", "0"]) == 0
+  assert (
+    cli.main(
+      ["generate", "--workdir", str(workdir), "--prompt", prompt, "--max-new-tokens", "10", "--temperature", "0"]
+    )
+    == 0
+  )
   printed = capsys.readouterr().out
   # Oracle: greedy decoding by full forward passes over the growing sequence, no cache.
   # Causal, so zero padding after position n does not change the logits at n: one compilation.
   model, params, _ = checkpoint.load_model(workdir)
   forward = jax.jit(lambda p, x: model.apply({"params": p}, x))
   tokens = np.zeros((1, 32), np.int32)
-  tokens[0, :len(prompt)] = list(prompt.encode())
+  tokens[0, : len(prompt)] = list(prompt.encode())
   for n in range(len(prompt), len(prompt) + 10):
     tokens[0, n] = int(jnp.argmax(forward(params, tokens)[0, n - 1]))
-  expected = bytes(tokens[0, len(prompt):len(prompt) + 10].tolist()).decode("utf-8", errors="replace")
+  expected = bytes(tokens[0, len(prompt) : len(prompt) + 10].tolist()).decode("utf-8", errors="replace")
   assert printed == expected + "\n"
   assert any(c.isalpha() for c in expected)
 
@@ -142,8 +158,9 @@ def test_config_diffs_name_fields_a_saved_config_lacks():
   saved = {"model": {"d_model": 32}, "data": {"seq_len": 16}, "train": {"steps": 5}}
   new = {"model": {"d_model": 64}, "data": {"seq_len": 16, "held_out": "spread"}, "train": {"steps": 9}}
   assert checkpoint.config_diffs(saved, new, checkpoint.RESUMABLE_KEYS) == [
-      "data.held_out: (not recorded: written before kvjax had this field) -> 'spread'",
-      "model.d_model: 32 -> 64"]
+    "data.held_out: (not recorded: written before kvjax had this field) -> 'spread'",
+    "model.d_model: 32 -> 64",
+  ]
 
 
 def test_mismatched_config_is_refused(trained, tmp_path, capsys):
@@ -160,8 +177,9 @@ def test_mismatched_config_is_refused(trained, tmp_path, capsys):
     train.run(apply_overrides(config, ["data.held_out=tail"]), copy)
   config_file = tmp_path / "tiny.py"
   config_file.write_text(
-      "from kvjax.config import ModelConfig\nfrom kvjax.training.config import DataConfig, TrainConfig, TrainRun\n"
-      f"def get_config():\n  return {config!r}\n")
+    "from kvjax.config import ModelConfig\nfrom kvjax.training.config import DataConfig, TrainConfig, TrainRun\n"
+    f"def get_config():\n  return {config!r}\n"
+  )
   assert cli.main(["run", str(config_file), "--workdir", str(copy), "--set", "model.num_layers=2"]) == 2
   assert f"{copy} holds checkpoints of a different config" in capsys.readouterr().err
   assert {p.relative_to(copy): p.read_bytes() for p in copy.rglob("*") if p.is_file()} == before
@@ -204,10 +222,20 @@ def test_save_params_is_loadable_and_never_overwrites(tmp_path):
 
 def _run_cli(config_file: Path, workdir: Path, cache: Path) -> subprocess.Popen:
   # The three runs share a compilation cache: later runs load the first one's executables.
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(cache),
-         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
-  return subprocess.Popen([sys.executable, "-m", "kvjax.cli.main", "run", str(config_file), "--workdir", str(workdir)],
-                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  env = {
+    **os.environ,
+    "JAX_PLATFORMS": "cpu",
+    "JAX_COMPILATION_CACHE_DIR": str(cache),
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+  }
+  return subprocess.Popen(
+    [sys.executable, "-m", "kvjax.cli.main", "run", str(config_file), "--workdir", str(workdir)],
+    env=env,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+  )
 
 
 def _complete_steps(workdir: Path) -> list[int]:
@@ -220,8 +248,9 @@ def test_sigkill_and_resume_is_bitwise_exact(corpus, tmp_path):
   config_file = tmp_path / "configs" / "resume.py"
   config_file.parent.mkdir()
   config_file.write_text(
-      "from kvjax.config import ModelConfig\nfrom kvjax.training.config import DataConfig, TrainConfig, TrainRun\n"
-      f"def get_config():\n  return {config!r}\n")
+    "from kvjax.config import ModelConfig\nfrom kvjax.training.config import DataConfig, TrainConfig, TrainRun\n"
+    f"def get_config():\n  return {config!r}\n"
+  )
 
   full = _run_cli(config_file, tmp_path / "full", tmp_path / "jax_cache")
   out, _ = full.communicate(timeout=300)
@@ -278,8 +307,9 @@ def test_resume_rules_for_train_steps(corpus, tmp_path, capsys):
   config = tiny_run(str(corpus), steps=30, log_every=4, **schedule)
   config_file = tmp_path / "grown.py"
   config_file.write_text(
-      "from kvjax.config import ModelConfig\nfrom kvjax.training.config import DataConfig, TrainConfig, TrainRun\n"
-      f"def get_config():\n  return {config!r}\n")
+    "from kvjax.config import ModelConfig\nfrom kvjax.training.config import DataConfig, TrainConfig, TrainRun\n"
+    f"def get_config():\n  return {config!r}\n"
+  )
   assert cli.main(["run", str(config_file), "--workdir", str(grown)]) == 0
   assert "resuming at step 10" in capsys.readouterr().out
   assert checkpoint.read_meta(grown)["checksums"] == checkpoint.read_meta(tmp_path / "full")["checksums"]
@@ -287,14 +317,26 @@ def test_resume_rules_for_train_steps(corpus, tmp_path, capsys):
   # The first line after the resume at step 10 averages steps 11 and 12 only, and says so.
   per_step = {r["step"]: r["loss"] for r in records(tmp_path / "full", "train")}
   logged = {r["step"]: r for r in records(grown, "train")}
-  assert {s: r["steps_averaged"] for s, r in logged.items()} == {4: 4, 8: 4, 10: 2, 12: 2, 16: 4, 20: 4, 24: 4,
-                                                                  28: 4, 30: 2}
+  assert {s: r["steps_averaged"] for s, r in logged.items()} == {
+    4: 4,
+    8: 4,
+    10: 2,
+    12: 2,
+    16: 4,
+    20: 4,
+    24: 4,
+    28: 4,
+    30: 2,
+  }
   assert logged[12]["loss"] == (per_step[11] + per_step[12]) / 2
   assert logged[16]["loss"] == (per_step[13] + per_step[14] + per_step[15] + per_step[16]) / 4
 
   before = _files(grown)
-  with pytest.raises(ValueError, match=r"train.steps=30 at step 30, past its 20 warmup steps.*"
-                                       r"train.steps=40 in another --workdir.*kvjax uptrain --from"):
+  with pytest.raises(
+    ValueError,
+    match=r"train.steps=30 at step 30, past its 20 warmup steps.*"
+    r"train.steps=40 in another --workdir.*kvjax uptrain --from",
+  ):
     train.run(apply_overrides(config, ["train.steps=40"]), grown)
   with pytest.raises(ValueError, match="holds a checkpoint at step 30, past train.steps=20"):
     train.run(apply_overrides(config, ["train.steps=20"]), grown)

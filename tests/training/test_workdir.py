@@ -35,8 +35,12 @@ with workdir.claim(sys.argv[1], "train", {"run": 1}):
 
 def hold(path: Path) -> subprocess.Popen:
   """A second process that claims `path` for the job {"run": 1}, says so, and sleeps."""
-  proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(path)], stdout=subprocess.PIPE, text=True,
-                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  proc = subprocess.Popen(
+    [sys.executable, "-c", HOLDER, str(path)],
+    stdout=subprocess.PIPE,
+    text=True,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+  )
   assert proc.stdout.readline() == "held\n"
   return proc
 
@@ -66,8 +70,11 @@ def test_a_claim_nests_within_its_process_for_the_same_kind_only(tmp_path):
     with workdirs.claim(tmp_path / "run", "uptrain", {"config": {}}):  # train.run inside uptrain
       assert workdirs.held(tmp_path / "run") == "uptrain"
     assert workdirs.held(tmp_path / "run") == "uptrain"
-    with pytest.raises(workdirs.WorkdirRefused, match=r"claimed by this process for another kind of job \(uptrain, "
-                       r"not train\)"):
+    with pytest.raises(
+      workdirs.WorkdirRefused,
+      match=r"claimed by this process for another kind of job \(uptrain, "
+      r"not train\)",
+    ):
       with workdirs.claim(tmp_path / "run", "train", {}):
         pass
 
@@ -95,14 +102,16 @@ def _victims(tmp_path: Path) -> dict[str, tuple[Path, str]]:
   a_file = tmp_path / "a_file"
   a_file.write_text("data")
   below_a_file = a_file / "run"
-  return {"hf_model": (hf, r"is not empty \(2 entries: config.json, model.safetensors\) and no kvjax-workdir.json"),
-          "unknown_files": (unknown, "is not empty"),
-          "another_kind": (imported, r"is a kvjax workdir of another kind \(import, not train\)"),
-          "another_job": (other_run, r'workdir of another train job: it records \{"run": 2\}'),
-          "damaged_marker": (damaged, "cannot read the workdir marker"),
-          "no_version": (unversioned, r"from before workdirs recorded their version .* no kvjax_version"),
-          "a_file": (a_file, "is a file, not a directory"),
-          "below_a_file": (below_a_file, f"cannot create {below_a_file}: {a_file} is a file")}
+  return {
+    "hf_model": (hf, r"is not empty \(2 entries: config.json, model.safetensors\) and no kvjax-workdir.json"),
+    "unknown_files": (unknown, "is not empty"),
+    "another_kind": (imported, r"is a kvjax workdir of another kind \(import, not train\)"),
+    "another_job": (other_run, r'workdir of another train job: it records \{"run": 2\}'),
+    "damaged_marker": (damaged, "cannot read the workdir marker"),
+    "no_version": (unversioned, r"from before workdirs recorded their version .* no kvjax_version"),
+    "a_file": (a_file, "is a file, not a directory"),
+    "below_a_file": (below_a_file, f"cannot create {below_a_file}: {a_file} is a file"),
+  }
 
 
 def test_every_refusal_leaves_the_directory_byte_identical(tmp_path, snapshot):
@@ -171,7 +180,9 @@ def test_an_import_records_its_source_and_is_never_redone_over_its_checkpoint(tm
   params, cfg = from_hf(tmp_path / "hf")
   recorded = json.loads((tmp_path / "imported" / workdirs.MARKER).read_text())
   assert recorded["kind"] == "import" and recorded["job"]["source"] == {
-      "path": str(tmp_path / "hf"), "fingerprint": workdirs.fingerprint(cfg.to_dict(), params)}
+    "path": str(tmp_path / "hf"),
+    "fingerprint": workdirs.fingerprint(cfg.to_dict(), params),
+  }
   before = snapshot(tmp_path)
   with pytest.raises(ValueError, match="already holds checkpoints"):
     import_model(tmp_path / "hf", tmp_path / "imported")
