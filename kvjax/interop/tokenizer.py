@@ -4,14 +4,9 @@ Built on the `tokenizers` library from either place a model keeps its tokenizer:
 - a tokenizer.json (a Hugging Face model directory, a kvjax workdir) with the tokenizer_config.json
   beside it for the special tokens, add_bos_token and the chat template (transformers 4.43+ write
   the template to chat_template.jinja instead; that file is read when the config has none);
-- a GGUF file's metadata (tokenizer.ggml.*), rebuilt the way transformers' GGUF loader builds it,
-  so the ids equal those of `AutoTokenizer.from_pretrained(folder, gguf_file=name)`. 'gpt2' files
-  are byte-level BPE: the vocabulary respelled in GPT-2's byte alphabet, the file's merges, text
-  split by the regex tokenizer.ggml.pre names (GPT-2's own for a name not in
-  PRE_TOKENIZER_SPLITS: 'default', 'gpt2', 'smollm', ...). 'llama' files are SentencePiece BPE
-  as LlamaTokenizer builds it: '▁' for spaces, one prepended to the text, byte fallback, merges
-  from the file or recovered from the token scores. Either way CONTROL tokens (token_type 3) are
-  matched whole as special tokens, USER_DEFINED ones (4) whole as plain added tokens.
+- a GGUF file's metadata (tokenizer.ggml.*), rebuilt as transformers' GGUF loader builds it
+  (kvjax.interop.gguf_tokenizer), so the ids equal those of
+  `AutoTokenizer.from_pretrained(folder, gguf_file=name)`.
 
 encode never runs the tokenizer's post-processor: whether a BOS is prepended is `add_bos`, decided
 once (tokenizer_config.json's add_bos_token, else what tokenizer.json's post-processor does, or the
@@ -20,78 +15,19 @@ GGUF flag), so no path adds a BOS twice.
 
 from __future__ import annotations
 
-import functools
 import json
 import pathlib
 from typing import Any, Mapping
 
 import numpy as np
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer
 
+from kvjax.interop import gguf_tokenizer
 from kvjax.interop.hf_files import CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, load_tokenizer
 
 # Markers chat templates end a turn with; one that is a token and appears in the template stops
 # generation (a base model without a template stops at eos only).
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "<end_of_turn>", "</s>", "<|eom_id|>")
-GGUF_MODELS = ("gpt2", "llama")
-# Architectures whose 'llama' vocabulary transformers builds differently (Gemma respells space
-# tokens and reorders merges, Phi-3 prepends the space in a normalizer): refused, not approximated.
-GGUF_OTHER_SENTENCEPIECE = ("gemma", "gemma2", "gemma3", "phi3")
-GGUF_SPECIAL_KEYS = {
-  "bos": "tokenizer.ggml.bos_token_id",
-  "eos": "tokenizer.ggml.eos_token_id",
-  "pad": "tokenizer.ggml.padding_token_id",
-  "unk": "tokenizer.ggml.unknown_token_id",
-}
-GGUF_CONTROL, GGUF_USER_DEFINED = 3, 4  # llama.cpp's token_type codes
-
-_LLAMA3_SPLIT = (
-  r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-  r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_GPT4O_SPLIT = (
-  r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-  r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-  r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
-  r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-  r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN35_SPLIT = (
-  r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
-  r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_TEKKEN_SPLIT = (
-  r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-  r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
-  r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-# tokenizer.ggml.pre -> the regex its merges were learned after (transformers' table).
-PRE_TOKENIZER_SPLITS = {
-  **dict.fromkeys(
-    (
-      "llama3",
-      "llama-v3",
-      "llama-bpe",
-      "falcon3",
-      "falcon-h1",
-      "pixtral",
-      "midm-2.0",
-      "lfm2",
-      "jina-v5-nano",
-      "dbrx",
-      "smaug-bpe",
-    ),
-    _LLAMA3_SPLIT,
-  ),
-  **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"), _QWEN2_SPLIT),
-  "qwen35": _QWEN35_SPLIT,
-  "tekken": _TEKKEN_SPLIT,
-  **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), _GPT4O_SPLIT),
-}
 
 
 class TextTokenizer:
@@ -249,140 +185,18 @@ class TextTokenizer:
 
   @classmethod
   def from_gguf_metadata(cls, metadata: Mapping[str, Any], source: str = "GGUF") -> TextTokenizer:
-    """The tokenizer a GGUF file's metadata describes ({key: python value}); ids identical to
-    transformers' for the same file. ValueError naming the key for a missing vocabulary or
-    merges, an unsupported tokenizer.ggml.model, or a special id outside the vocabulary."""
-    tokens = metadata.get("tokenizer.ggml.tokens")
-    if tokens is None or len(tokens) == 0:
-      raise ValueError(f"{source} has no tokenizer.ggml.tokens: it carries no tokenizer")
-    tokens = [str(token) for token in tokens]
-    kind = metadata.get("tokenizer.ggml.model")
-    if kind not in GGUF_MODELS:
-      raise ValueError(f"{source} has tokenizer.ggml.model={kind!r}; kvjax builds {', '.join(GGUF_MODELS)}")
-    architecture = metadata.get("general.architecture")
-    if kind == "llama" and architecture in GGUF_OTHER_SENTENCEPIECE:
-      raise ValueError(
-        f"{source}: the SentencePiece vocabulary of general.architecture={architecture!r} is built "
-        "another way than Llama's, which kvjax does not do"
-      )
-    types = list(metadata.get("tokenizer.ggml.token_type") or [])
-    if types and len(types) != len(tokens):
-      raise ValueError(f"{source} has {len(types)} tokenizer.ggml.token_type entries for {len(tokens)} tokens")
-    special = {name: _gguf_special_id(metadata, key, len(tokens), source) for name, key in GGUF_SPECIAL_KEYS.items()}
-    if kind == "gpt2":
-      tokenizer, spelled = _byte_level_bpe(tokens, metadata, source)
-    else:
-      tokenizer, spelled = _sentencepiece_bpe(tokens, metadata, source), tokens
-    # Added only where the token is spelled as the vocabulary spells it: transformers appends a
-    # mislabelled byte-level token (one outside the byte alphabet) as a new id past the vocabulary.
-    control = [t for t, s, token_type in zip(tokens, spelled, types) if token_type == GGUF_CONTROL and t == s]
-    named = [tokens[i] for i in special.values() if i is not None and tokens[i] == spelled[i]]
-    tokenizer.add_special_tokens(
-      [AddedToken(t, normalized=False, special=True) for t in dict.fromkeys(control + named)]
-    )
-    user = [t for t, s, token_type in zip(tokens, spelled, types) if token_type == GGUF_USER_DEFINED and t == s]
-    tokenizer.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
-    # llama.cpp adds a BOS to a SentencePiece vocabulary that does not say otherwise.
-    add_bos = metadata.get("tokenizer.ggml.add_bos_token", kind == "llama")
+    """The tokenizer a GGUF file's metadata describes ({key: python value}, built by
+    kvjax.interop.gguf_tokenizer); ids identical to transformers' for the same file. ValueError
+    naming the key for a missing vocabulary or merges, an unsupported tokenizer.ggml.model, or a
+    special id outside the vocabulary."""
+    tokenizer, special, add_bos = gguf_tokenizer.build(metadata, source)
     return cls(
       tokenizer,
       **{f"{name}_id": token_id for name, token_id in special.items()},
-      add_bos=bool(add_bos),
+      add_bos=add_bos,
       chat_template=metadata.get("tokenizer.chat_template"),
       source=source,
     )
-
-
-@functools.cache
-def _byte_spelling() -> dict[int, str]:
-  """GPT-2's byte -> character table: printable bytes stand for themselves, the others move to
-  chr(256 + n), so every byte-level token is printable text."""
-  printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-  spelling = {byte: chr(byte) for byte in printable}
-  spelling.update({byte: chr(256 + n) for n, byte in enumerate(b for b in range(256) if b not in spelling)})
-  return spelling
-
-
-def _byte_level_bpe(tokens: list[str], metadata: Mapping[str, Any], source: str) -> tuple[Tokenizer, list[str]]:
-  """Byte-level BPE of a 'gpt2' vocabulary and the vocabulary's spelling of each token (a token
-  that is not already byte-alphabet text is respelled from its UTF-8 bytes)."""
-  if "tokenizer.ggml.merges" not in metadata:
-    raise ValueError(
-      f"{source} is a byte-level BPE vocabulary without tokenizer.ggml.merges; its tokenizer cannot be rebuilt"
-    )
-  spelling = _byte_spelling()
-  alphabet = set(spelling.values())
-  spelled = [t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")) for t in tokens]
-  vocab = {token: i for i, token in enumerate(spelled)}
-  tokenizer = _bpe(
-    vocab, _gguf_merges(metadata, source), source, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False
-  )
-  split = PRE_TOKENIZER_SPLITS.get(metadata.get("tokenizer.ggml.pre"))
-  if split is None:  # GPT-2's split, ByteLevel's built-in regex
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  else:
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-      [
-        pre_tokenizers.Split(Regex(split), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-      ]
-    )  # the split is done above
-  tokenizer.decoder = decoders.ByteLevel()
-  return tokenizer, spelled
-
-
-def _sentencepiece_bpe(tokens: list[str], metadata: Mapping[str, Any], source: str) -> Tokenizer:
-  """SentencePiece BPE of a 'llama' vocabulary, as transformers' LlamaTokenizer builds it."""
-  vocab = {token: i for i, token in enumerate(tokens)}
-  if "tokenizer.ggml.merges" in metadata:
-    merges = _gguf_merges(metadata, source)
-  elif metadata.get("tokenizer.ggml.scores") is not None:
-    merges = _merges_from_scores(vocab, dict(zip(tokens, (float(s) for s in metadata["tokenizer.ggml.scores"]))))
-  else:
-    raise ValueError(f"{source} has neither tokenizer.ggml.merges nor tokenizer.ggml.scores to rank merges by")
-  tokenizer = _bpe(vocab, merges, source, fuse_unk=True, byte_fallback=True)
-  tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
-  tokenizer.decoder = decoders.Sequence(
-    [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(content=" ", left=1)]
-  )
-  return tokenizer
-
-
-def _bpe(vocab: dict[str, int], merges: list[tuple[str, str]], source: str, **options) -> Tokenizer:
-  try:
-    return Tokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, **options))
-  except Exception as err:  # tokenizers raises plain Exceptions, e.g. for a merge of unknown tokens
-    raise ValueError(f"{source}: tokenizer.ggml.merges do not fit tokenizer.ggml.tokens: {err}") from None
-
-
-def _gguf_merges(metadata: Mapping[str, Any], source: str) -> list[tuple[str, str]]:
-  merges = [str(merge).split(" ") for merge in metadata["tokenizer.ggml.merges"]]
-  bad = next((i for i, pair in enumerate(merges) if len(pair) != 2), None)
-  if bad is not None:
-    raise ValueError(
-      f"{source}: tokenizer.ggml.merges[{bad}]={' '.join(merges[bad])!r} is not two tokens separated by one space"
-    )
-  return [(left, right) for left, right in merges]
-
-
-def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
-  """The merges a SentencePiece vocabulary implies: every split of a token into two tokens, best
-  score first, ties to the shorter left part (transformers' order, so the ids agree)."""
-  merges = []
-  for token, score in scores.items():
-    pairs = [(token[:i], token[i:], score) for i in range(1, len(token)) if token[:i] in vocab and token[i:] in vocab]
-    merges.extend(sorted(pairs, key=lambda pair: (vocab[pair[0]], vocab[pair[1]])))
-  merges.sort(key=lambda pair: (pair[2], len(pair[0]), len(pair[1])), reverse=True)
-  return [(left, right) for left, right, _ in merges]
-
-
-def _gguf_special_id(metadata: Mapping[str, Any], key: str, num_tokens: int, source: str) -> int | None:
-  token_id = metadata.get(key)
-  if token_id is None:
-    return None
-  if isinstance(token_id, bool) or not isinstance(token_id, (int, np.integer)) or not 0 <= token_id < num_tokens:
-    raise ValueError(f"{source}: {key}={token_id!r} is not an id of its {num_tokens}-token vocabulary")
-  return int(token_id)
 
 
 def _read_json_object(path: pathlib.Path) -> dict:

@@ -83,7 +83,7 @@ def test_gguf_split_regex_equals_transformers(smollm_metadata, smollm):
   """The split tokenizer.ggml.pre names (SmolLM2's vocabulary under Llama 3's name), against the
   builder of transformers' GGUF loader; the regexes of the other names are compared as text."""
   gguf_tokenizer = pytest.importorskip("transformers.integrations.gguf.gguf_tokenizer_mapping")
-  from kvjax.interop.tokenizer import PRE_TOKENIZER_SPLITS
+  from kvjax.interop.gguf_tokenizer import PRE_TOKENIZER_SPLITS
 
   assert PRE_TOKENIZER_SPLITS == gguf_tokenizer.GGUF_PRE_TOKENIZER_SPLITS
   metadata = {**smollm_metadata, "tokenizer.ggml.pre": "llama-bpe"}
