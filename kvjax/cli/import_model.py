@@ -10,7 +10,7 @@ import json
 
 from kvjax.cli import options
 from kvjax.conversion.import_model import import_model
-from kvjax.interop.families import DTYPES
+from kvjax.interop.family import DTYPES
 from kvjax.interop.importer import NAMED_MODELS
 
 

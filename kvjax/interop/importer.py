@@ -2,8 +2,8 @@
 (kvjax params, ModelConfig), and the tokenizer that comes with it.
 
 Which family a checkpoint belongs to (config.json's model_type, the GGUF's general.architecture)
-picks its entry in kvjax.interop.families; the entry maps the config and lists every tensor;
-`read_params` here is the one loop that checks and reads them, whatever the format:
+picks its entry in kvjax.interop.families.FAMILIES; the entry maps the config and lists every
+tensor; `read_params` here is the one loop that checks and reads them, whatever the format:
   - every tensor the plan names is present and nothing the config does not account for is
     (an unsupported feature shows as a spare tensor);
   - every shape fits before any data is read (from the safetensors headers / GGUF tensor infos);
@@ -24,7 +24,8 @@ import numpy as np
 
 from kvjax import memory
 from kvjax.config import ModelConfig
-from kvjax.interop.families import FAMILIES, GGUF, HF, DTYPES, Family, Tensor
+from kvjax.interop.families import FAMILIES
+from kvjax.interop.family import DTYPES, GGUF, HF, Family, Tensor
 from kvjax.interop.gguf_file import GGUFFile, is_gguf
 from kvjax.interop.hf_files import TensorFiles, load_tokenizer, read_hf_config
 from kvjax.interop.tokenizer import TextTokenizer

@@ -11,7 +11,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from kvjax.conversion.import_model import import_model
-from kvjax.interop.families import unpermute_rows
+from kvjax.interop.llama import unpermute_rows
 from kvjax.interop.importer import flatten, read_gguf
 from gguf_files import TOKENS, VOCAB, permute, random_llama, write_llama
 
