@@ -9,7 +9,8 @@ import json
 
 from kvjax.cli import options
 from kvjax.cache.config import LAYOUTS, CacheConfig
-from kvjax.interop.kv_size import BYTES_PER_ELEMENT, DTYPE_NAMES, PRESETS, parse_bytes, plan, render, resolve
+from kvjax.interop.architectures import PRESETS, resolve
+from kvjax.interop.kv_size import BYTES_PER_ELEMENT, DTYPE_NAMES, parse_bytes, plan, render
 
 
 def _mla(text: str) -> tuple[int, int]:

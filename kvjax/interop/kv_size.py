@@ -1,8 +1,8 @@
 """KV-cache size planner: `kvjax kv-size MODEL [--context N] [--batch B] [--dtype bf16] ...`.
 
-A model is an Architecture: a ModelConfig, the number of its weights and a note. The planner
-asks the cache kinds (kvjax.cache.kinds) what that model's cache costs in a
-CacheConfig(layout, dtype, page_size) and does no cache arithmetic of its own:
+A model is an Architecture (kvjax.interop.architectures): a ModelConfig, the number of its
+weights and a note. The planner asks the cache kinds (kvjax.cache.kinds) what that model's cache
+costs in a CacheConfig(layout, dtype, page_size) and does no cache arithmetic of its own:
 
   bytes per token  kinds.bytes_per_token: every layer's payload (K and V of each kv head, or an
                    MLA layer's latent and rotary key) through the codec, scales included, no
@@ -20,29 +20,21 @@ MHA / GQA / MQA ones (every kv-head count that divides the query heads) and, wit
 framework overhead are not counted, and a context past the model's max_len is sized as if the
 model took it.
 
-MODEL is a preset name (PRESETS), a named pretrained model, a GGUF file, a kvjax config file
-(get_config() returning a ModelConfig or a config with a .model ModelConfig), a kvjax workdir,
-or a Hugging Face directory.
+MODEL is a preset name or a model read from files (kvjax.interop.architectures.resolve).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import importlib.util
 import math
 import re
-from pathlib import Path
 from typing import Callable
 
 from kvjax.cache import codec as codecs
 from kvjax.cache import kinds
 from kvjax.cache.config import CacheConfig
 from kvjax.config import ModelConfig
-from kvjax.fields import check_positive_int, from_dict
-from kvjax.interop.gguf_file import is_gguf
-from kvjax.interop.hf_files import read_hf_config
-from kvjax.interop.importer import NAMED_MODELS, config_from_hf, read_config
-from kvjax.model.params import param_count
+from kvjax.fields import check_positive_int
+from kvjax.interop.architectures import Architecture
 
 # Cache formats: the codecs' names and their short forms (kvjax.cache.codec).
 DTYPE_NAMES = (*codecs.NAMES, *codecs.ALIASES)
@@ -70,9 +62,6 @@ UNITS = {
   "gib": 2**30,
   "tib": 2**40,
 }
-# The max_len of the presets with RoPE: long enough for any window they have. It is not the
-# context they were released with; the planner sizes any context.
-PRESET_MAX_LEN = 2**20
 # What `render` and the JSON output show of a model's config.
 SHOWN_FIELDS = (
   "num_layers",
@@ -87,192 +76,6 @@ SHOWN_FIELDS = (
   "kv_latent_rank",
   "rope_dims",
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class Architecture:
-  """A model to plan for. config: its network, which every cache size comes from; params: every
-  weight it has (the published figure of a preset, param_count of any other model); note: what
-  the config leaves out (experts, an encoder, ...)."""
-
-  name: str
-  config: ModelConfig
-  params: int
-  note: str = ""
-
-  def __post_init__(self):
-    if not isinstance(self.config, ModelConfig):
-      raise ValueError(f"Architecture.config must be a ModelConfig, got {self.config!r}")
-    check_positive_int(self.params, "Architecture.params")
-
-
-def _preset(
-  name: str,
-  num_layers: int,
-  num_heads: int,
-  num_kv_heads: int,
-  head_dim: int,
-  d_model: int,
-  mlp_dim: int,
-  vocab_size: int,
-  params: int,
-  note: str = "",
-  **family,
-) -> Architecture:
-  config = ModelConfig(
-    vocab_size=vocab_size,
-    d_model=d_model,
-    num_layers=num_layers,
-    num_heads=num_heads,
-    num_kv_heads=num_kv_heads,
-    head_dim=head_dim,
-    mlp_dim=mlp_dim,
-    **{"max_len": PRESET_MAX_LEN, **family},
-  )
-  return Architecture(name, config, params, note)
-
-
-# Published architectures (config.json of each release; params as reported for the checkpoint).
-# The family traits that change the weight count (biases, tied embeddings, GELU MLP, LayerNorm,
-# learned positions) are set, so a dense preset's param_count equals its params; rope_theta and
-# norm_eps keep kvjax's defaults (no size depends on them).
-QWEN2 = dict(qkv_bias=True)
-GPT2 = dict(
-  activation="gelu",
-  norm="layernorm",
-  positions="learned",
-  qkv_bias=True,
-  use_bias=True,
-  tie_embeddings=True,
-  max_len=1024,
-)
-PRESETS = {
-  p.name: p
-  for p in (
-    _preset("Qwen2-0.5B", 24, 14, 2, 64, 896, 4864, 151936, 494_032_768, tie_embeddings=True, **QWEN2),
-    _preset("Qwen2-1.5B", 28, 12, 2, 128, 1536, 8960, 151936, 1_543_714_304, tie_embeddings=True, **QWEN2),
-    _preset("Qwen2-7B", 28, 28, 4, 128, 3584, 18944, 152064, 7_615_616_512, **QWEN2),
-    _preset(
-      "Qwen2-57B-A14B",
-      28,
-      28,
-      4,
-      128,
-      3584,
-      2560,
-      151936,
-      57_408_658_944,
-      note="mixture of experts: 64 experts of mlp_dim 2560 plus a shared one; "
-      "all 57.4B weights are resident, 14B active per token",
-      **QWEN2,
-    ),
-    _preset("Qwen2-72B", 80, 64, 8, 128, 8192, 29568, 152064, 72_706_203_648, **QWEN2),
-    _preset("Llama-2-70B", 80, 64, 8, 128, 8192, 28672, 32000, 68_976_648_192),
-    _preset("Llama-3-70B", 80, 64, 8, 128, 8192, 28672, 128256, 70_553_706_496),
-    _preset("GPT-2", 12, 12, 12, 64, 768, 3072, 50257, 124_439_808, **GPT2),
-    _preset(
-      "Mistral-7B-v0.1",
-      32,
-      32,
-      8,
-      128,
-      4096,
-      14336,
-      32000,
-      7_241_732_096,
-      note="sliding window of 4096 on every layer (v0.1; later versions attend globally)",
-      window=(4096,),
-    ),
-    _preset(
-      "Gemma-2-9B",
-      42,
-      16,
-      8,
-      256,
-      3584,
-      14336,
-      256000,
-      9_241_705_984,
-      note="local layers (window 4096) alternate with global ones; params counts Gemma 2's "
-      "post-norms, which kvjax's config has not",
-      window=(4096, 0),
-      tie_embeddings=True,
-    ),
-    _preset(
-      "T5.1.1-XXL-decoder",
-      24,
-      64,
-      64,
-      64,
-      4096,
-      10240,
-      32128,
-      11_135_332_352,
-      note="cache of the decoder's self-attention; cross-attention adds as much per "
-      "encoder token. Weights count encoder and decoder",
-    ),
-  )
-}
-
-
-def from_model_config(name: str, config: ModelConfig) -> Architecture:
-  return Architecture(name, config, param_count(config))
-
-
-def _model_config_from_file(path: Path) -> ModelConfig:
-  spec = importlib.util.spec_from_file_location(f"kvjax_config_{path.stem}", path)
-  module = importlib.util.module_from_spec(spec)
-  try:
-    spec.loader.exec_module(module)
-  except SyntaxError as err:
-    raise ValueError(f"config file {path} is not valid Python: {err.msg} (line {err.lineno})") from None
-  except (UnicodeDecodeError, ValueError) as err:
-    raise ValueError(f"config file {path} is not a readable Python file: {err}") from None
-  if not callable(getattr(module, "get_config", None)):
-    raise ValueError(f"config file {path} does not define get_config()")
-  config = module.get_config()
-  config = config if isinstance(config, ModelConfig) else getattr(config, "model", None)
-  if not isinstance(config, ModelConfig):
-    raise ValueError(f"get_config() in {path} returns neither a ModelConfig nor a config with a .model ModelConfig")
-  return config
-
-
-def _model_config_from_workdir(path: Path) -> ModelConfig:
-  """The model of a workdir's config.json, which `kvjax run`, uptrain and import-hf all write."""
-  saved = path / "config.json"
-  if not saved.is_file():
-    raise ValueError(
-      f"{path} holds checkpoints but no config.json naming their model (a workdir "
-      "written before kvjax recorded one); pass the run's config file instead"
-    )
-  model = read_hf_config(path).get("model")  # config.json parsed, or refused naming the file
-  if not isinstance(model, dict):
-    raise ValueError(f"{path} holds no kvjax model config (no 'model' section)")
-  return from_dict(ModelConfig, model)
-
-
-def resolve(spec: str) -> Architecture:
-  """A preset name (case-insensitive), a named pretrained model (smollm2-135m), a GGUF file, a
-  config file, a kvjax workdir or a Hugging Face directory."""
-  by_lower = {name.lower(): arch for name, arch in PRESETS.items()}
-  if spec.lower() in by_lower:
-    return by_lower[spec.lower()]
-  path = Path(spec)
-  if spec in NAMED_MODELS or (path.is_file() and is_gguf(path)):
-    return from_model_config(path.name, read_config(spec))
-  if path.is_file() and path.suffix == ".py":
-    return from_model_config(path.name, _model_config_from_file(path))
-  if path.is_dir():
-    if (path / "config.json").is_file():
-      if "model_type" in read_hf_config(path):
-        return from_model_config(path.name, config_from_hf(read_hf_config(path)))
-    if (path / "config.json").is_file() or (path / "checkpoints").is_dir():
-      return from_model_config(path.name, _model_config_from_workdir(path))
-  raise ValueError(
-    f"unknown model {spec!r}: not a preset ({', '.join(PRESETS)}), a named model "
-    f"({', '.join(NAMED_MODELS)}), a GGUF file, a config file (.py), a kvjax workdir or a Hugging "
-    "Face directory"
-  )
 
 
 def parse_bytes(text: str) -> int:

@@ -12,8 +12,9 @@ from kvjax.cache import kinds
 from kvjax.cache.config import CacheConfig
 from kvjax.cli import main as cli
 from kvjax.config import ModelConfig
-from kvjax.interop import kv_size
-from kvjax.interop.kv_size import PRESETS, parse_bytes, plan, resolve
+from kvjax.interop import architectures, kv_size
+from kvjax.interop.architectures import PRESETS, resolve
+from kvjax.interop.kv_size import parse_bytes, plan
 from kvjax.model.params import abstract_params, param_count
 from kvjax.training import checkpoint
 
@@ -70,7 +71,7 @@ def test_planner_counts_what_the_cache_kinds_allocate(model, dtype, layout):
   batch, context, page_size = 3, 20, 8
   cache_config = CacheConfig(layout=layout, dtype=dtype, page_size=page_size)
   result = plan(
-    kv_size.from_model_config("tiny", config),
+    architectures.from_model_config("tiny", config),
     context=context,
     batch=batch,
     dtype=dtype,
@@ -214,7 +215,7 @@ def test_a_params_checkpoint_names_its_model_in_config_json(tmp_path):
   params = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), abstract_params(config))
   workdir = tmp_path / "imported"
   checkpoint.save_params(workdir, params, config)
-  assert resolve(str(workdir)) == kv_size.from_model_config("imported", config)
+  assert resolve(str(workdir)) == architectures.from_model_config("imported", config)
   (workdir / "config.json").unlink()
   with pytest.raises(ValueError, match="holds checkpoints but no config.json"):
     resolve(str(workdir))
@@ -260,7 +261,7 @@ def test_text_output_and_errors(capsys, tmp_path):
 
 def test_windowed_layers_stop_growing_at_window_plus_sinks():
   config = KV.replace(**WINDOWED)
-  arch = kv_size.from_model_config("windowed", config)
+  arch = architectures.from_model_config("windowed", config)
   fp32 = CacheConfig(dtype="float32")
   per_position = 2 * 2 * 8 * 4  # K and V, 2 kv heads, head dim 8, float32: one layer, one position
   # One global layer grows; the two windowed ones hold 6 positions each from context 6 on (and
