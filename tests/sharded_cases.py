@@ -23,7 +23,7 @@ from kvjax.cli import main as cli
 from kvjax.decoding import decode
 from kvjax.model.params import abstract_params
 from kvjax.training import train
-from kvjax.training.train import TrainState, make_train_step
+from kvjax.training.step import TrainState, make_train_step
 
 # 8 kv heads: one per device on model=8. The second has 2 kv heads, fewer than model=4
 # devices, so its k/v and cache are replicated; it also has every bias and tied embeddings.

@@ -23,6 +23,7 @@ from kvjax.config import ModelConfig
 from kvjax.model.params import abstract_params, param_count
 from kvjax.model.transformer import Transformer
 from kvjax.training import train
+from kvjax.training.step import init_state, make_optimizer, make_train_step
 from kvjax.training.config import DataConfig, TrainConfig, TrainRun
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -128,10 +129,10 @@ def test_training_estimate_of_the_tiny_config():
   ids=["tiny", "gqa", "gpt2_like"],
 )
 def test_training_estimate_bounds_what_xla_plans(config, batch, seq_len):
-  model, optimizer = Transformer(config), train.make_optimizer(TrainConfig())
-  state = jax.eval_shape(functools.partial(train.init_state, model, optimizer), jax.random.key(0))
+  model, optimizer = Transformer(config), make_optimizer(TrainConfig())
+  state = jax.eval_shape(functools.partial(init_state, model, optimizer), jax.random.key(0))
   tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
-  plan = train.make_train_step(model, optimizer).lower(state, tokens, tokens).compile().memory_analysis()
+  plan = make_train_step(model, optimizer).lower(state, tokens, tokens).compile().memory_analysis()
   if plan is None:
     pytest.skip("this backend gives no memory analysis")
   used = plan.argument_size_in_bytes + plan.output_size_in_bytes - plan.alias_size_in_bytes + plan.temp_size_in_bytes

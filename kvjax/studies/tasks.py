@@ -21,7 +21,7 @@ part and held-out sources from the held-out part (dropping any that occur in the
 recall draws train and held-out pairs from different seeded streams. rot13 and recall train with
 the loss on the answer and its newline only. An example is right-padded to seq_len + 1 bytes and
 shifted by one into inputs and targets int32 [B, T], T = seq_len, with a float32 [B, T] loss mask,
-so one jitted train step (kvjax.training.train's, given that mask) serves every task and every
+so one jitted train step (kvjax.training.step's, given that mask) serves every task and every
 step. The data depend only on the task and TaskConfig, never on the model: every row of a table
 gets the same fine-tuning.
 """
@@ -42,7 +42,7 @@ import optax
 from kvjax.fields import check_nonnegative, check_positive, check_real
 from kvjax.decoding.decode import generate
 from kvjax.model.transformer import Transformer
-from kvjax.training import train
+from kvjax.training.step import init_state, make_optimizer, make_train_step
 from kvjax.training.config import TrainConfig
 from kvjax.training.data import documentation, paragraphs_of
 
@@ -271,9 +271,9 @@ def tuning(config: TaskConfig) -> TrainConfig:
 
 @functools.cache
 def tuning_step(model: Transformer, config: TrainConfig):
-  """kvjax.training.train's jitted train step for `model` under `config`'s optimizer, made once per
+  """kvjax.training.step's jitted train step for `model` under `config`'s optimizer, made once per
   (model, optimizer) so every task's fine-tuning runs one compiled step."""
-  return train.make_train_step(model, train.make_optimizer(config))
+  return make_train_step(model, make_optimizer(config))
 
 
 @functools.partial(jax.jit, static_argnames="model")
@@ -284,7 +284,7 @@ def _sums(model: Transformer, params, inputs, targets, mask):
 
 def finetune(model: Transformer, params, task: str, config: TaskConfig):
   """-> (fine-tuned params, the last step's train loss or None when config.steps is 0), trained by
-  kvjax.training.train's step with the loss on each example's masked targets. `params` are copied
+  kvjax.training.step's train step with the loss on each example's masked targets. `params` are copied
   first and left as they are (the step donates its state)."""
   check_task(task)
   check_model(model, config)
@@ -292,9 +292,7 @@ def finetune(model: Transformer, params, task: str, config: TaskConfig):
     return params, None
   optimizer_config = tuning(config)
   step = tuning_step(model, optimizer_config)
-  state = train.init_state(
-    model, train.make_optimizer(optimizer_config), jax.random.key(0), jax.tree.map(jnp.copy, params)
-  )
+  state = init_state(model, make_optimizer(optimizer_config), jax.random.key(0), jax.tree.map(jnp.copy, params))
   for batch in train_batches(task, config):
     state, metrics = step(state, batch.inputs, batch.targets, batch.mask)
   return state.params, float(metrics["loss"])

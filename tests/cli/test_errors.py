@@ -22,6 +22,7 @@ from kvjax.cli import main as cli
 from kvjax.config import ModelConfig
 from kvjax.model.transformer import Transformer
 from kvjax.training import checkpoint, train
+from kvjax.training.step import param_initializer
 from kvjax.training import workdir as workdirs
 from kvjax.training.config import DataConfig, TrainConfig, TrainRun
 from conftest import word_corpus
@@ -70,7 +71,7 @@ def setup(tmp_path_factory) -> dict[str, Path]:
   (hf / "config.json").write_text('{"model_type": "llama", "hidden_size": 64}')
   (hf / "model.safetensors").write_bytes(b"\x02\x00\x00\x00\x00\x00\x00\x00{}")
   imported = root / "imported"
-  checkpoint.save_params(imported, train.param_initializer(Transformer(MODEL))(jax.random.key(0)), MODEL)
+  checkpoint.save_params(imported, param_initializer(Transformer(MODEL))(jax.random.key(0)), MODEL)
   return {"root": root, "config": config_file, "run": run, "hf": hf, "imported": imported}
 
 

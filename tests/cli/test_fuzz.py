@@ -39,7 +39,8 @@ from kvjax.conversion import conversions
 from kvjax.conversion.kv_heads import METHODS
 from kvjax.interop.kv_size import BYTES_PER_ELEMENT, DTYPE_NAMES
 from kvjax.model.transformer import Transformer
-from kvjax.training import checkpoint, train
+from kvjax.training import checkpoint
+from kvjax.training.step import param_initializer
 from conftest import word_corpus
 
 MODEL = ModelConfig(d_model=32, num_layers=1, num_heads=2, num_kv_heads=2, mlp_dim=64, max_len=64)
@@ -344,7 +345,7 @@ def files(tmp_path_factory) -> dict[str, str]:
     "                  train=TrainConfig(steps=2, batch_size=2, warmup_steps=1))\n"
   )
   workdir = root / "imported"
-  checkpoint.save_params(workdir, train.param_initializer(Transformer(MODEL))(jax.random.key(0)), MODEL)
+  checkpoint.save_params(workdir, param_initializer(Transformer(MODEL))(jax.random.key(0)), MODEL)
   notes = root / "notes"
   notes.mkdir()
   (notes / "todo.txt").write_text("mine")

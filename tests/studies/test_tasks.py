@@ -15,7 +15,7 @@ import pytest
 
 import kvjax
 from kvjax.studies import tasks
-from kvjax.training import train
+from kvjax.training.step import init_state, make_optimizer, make_train_step
 
 # seq_len 64 keeps the compiled shapes small; the data tests also run the default 128.
 # One optimizer (lr, warmup) for every test: one compiled train step.
@@ -155,20 +155,20 @@ def test_finetuning_steps_average_the_loss_over_the_mask_only(tiny):
   is, bit for bit."""
   model, params = tiny
   optimizer_config = tasks.tuning(CONFIG)
-  optimizer = train.make_optimizer(optimizer_config)
+  optimizer = make_optimizer(optimizer_config)
   batch = next(tasks.train_batches("rot13", CONFIG))
 
   def two_steps(step, *args):
     """The params after two steps on the batch (the first has the warmup's learning rate 0), and
     the first step's loss."""
-    state = train.init_state(model, optimizer, jax.random.key(0), jax.tree.map(jnp.copy, params))
+    state = init_state(model, optimizer, jax.random.key(0), jax.tree.map(jnp.copy, params))
     state, metrics = step(state, batch.inputs, *args)
     state, _ = step(state, batch.inputs, *args)
     return jax.tree.map(np.asarray, state.params), float(metrics["loss"])
 
   masked = tasks.tuning_step(model, optimizer_config)
   ones, ones_loss = two_steps(masked, batch.targets, np.ones_like(batch.mask))
-  plain, plain_loss = two_steps(train.make_train_step(model, optimizer), batch.targets)
+  plain, plain_loss = two_steps(make_train_step(model, optimizer), batch.targets)
   assert ones_loss == pytest.approx(plain_loss, rel=1e-6)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), ones, plain)
   tuned, loss = two_steps(masked, batch.targets, batch.mask)

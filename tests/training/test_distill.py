@@ -10,7 +10,7 @@ import pytest
 
 import kvjax
 from kvjax.training.config import TrainConfig
-from kvjax.training.train import TrainState, make_optimizer, make_train_step
+from kvjax.training.step import TrainState, make_optimizer, make_train_step
 from conftest import init_params, tiny_config
 
 INPUTS = np.asarray(jax.random.randint(jax.random.key(3), (4, 16), 0, 64), np.int32)

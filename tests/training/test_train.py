@@ -26,6 +26,7 @@ import pytest
 from kvjax.training import checkpoint
 from kvjax.cli import main as cli
 from kvjax.training import train
+from kvjax.training.step import init_state, make_optimizer, param_initializer
 from kvjax.config import ModelConfig
 from kvjax.fields import apply_overrides, to_dict
 from kvjax.training.data import eval_batches, load_dataset
@@ -97,7 +98,7 @@ def test_uniform_model_scores_8_bits_per_byte(tmp_path):
   path.write_bytes(np.random.default_rng(0).integers(0, 256, 4000, dtype=np.uint8).tobytes())
   data = load_dataset(DataConfig(source=str(path), seq_len=32, val_fraction=0.25))
   model = Transformer(MODEL)
-  params = train.param_initializer(model)(jax.random.key(0))
+  params = param_initializer(model)(jax.random.key(0))
   params = {**params, "lm_head": {"kernel": jnp.zeros_like(params["lm_head"]["kernel"])}}
   metrics = train.evaluate(model, params, data, batch_size=8, num_batches=2)
   assert metrics["loss"] == pytest.approx(math.log(256), rel=1e-6)
@@ -208,7 +209,7 @@ def test_corrupt_checkpoint_errors_name_the_path(trained, tmp_path):
 
 def test_save_params_is_loadable_and_never_overwrites(tmp_path):
   model = Transformer(MODEL)
-  params = train.param_initializer(model)(jax.random.key(1))
+  params = param_initializer(model)(jax.random.key(1))
   path = checkpoint.save_params(tmp_path, params, MODEL)
   assert path == checkpoint.step_dir(tmp_path, 0)
   loaded_model, loaded, config = checkpoint.load_model(tmp_path)
@@ -283,13 +284,13 @@ def test_sigkill_and_resume_is_bitwise_exact(corpus, tmp_path):
 
 def test_init_params_must_match_the_model():
   model = Transformer(MODEL)
-  optimizer = train.make_optimizer(TrainConfig())
-  params = train.param_initializer(model)(jax.random.key(0))
-  state = train.init_state(model, optimizer, jax.random.key(1), params)
+  optimizer = make_optimizer(TrainConfig())
+  params = param_initializer(model)(jax.random.key(0))
+  state = init_state(model, optimizer, jax.random.key(1), params)
   assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(params)))
   wrong = {**params, "lm_head": {"kernel": jnp.zeros((32, 300))}}
   with pytest.raises(ValueError, match="init_params do not match the model config"):
-    train.init_state(model, optimizer, jax.random.key(1), wrong)
+    init_state(model, optimizer, jax.random.key(1), wrong)
 
 
 def _files(folder: Path) -> dict:

@@ -21,7 +21,7 @@ from kvjax.conversion.import_model import import_model
 from kvjax.interop.importer import from_hf
 from kvjax.interop.hf_export import export_hf
 from kvjax.model.transformer import Transformer
-from kvjax.training import train
+from kvjax.training.step import param_initializer
 from kvjax.training import workdir as workdirs
 
 HOLDER = """
@@ -175,7 +175,7 @@ def test_fingerprint_names_the_exact_config_and_weights():
 
 def test_an_import_records_its_source_and_is_never_redone_over_its_checkpoint(tmp_path, snapshot):
   config = ModelConfig(vocab_size=64, d_model=16, num_layers=1, num_heads=2, num_kv_heads=1, mlp_dim=32, max_len=32)
-  export_hf(train.param_initializer(Transformer(config))(jax.random.key(0)), config, tmp_path / "hf")
+  export_hf(param_initializer(Transformer(config))(jax.random.key(0)), config, tmp_path / "hf")
   import_model(tmp_path / "hf", tmp_path / "imported")
   params, cfg = from_hf(tmp_path / "hf")
   recorded = json.loads((tmp_path / "imported" / workdirs.MARKER).read_text())
