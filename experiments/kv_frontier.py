@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvjax.studies import kv_frontier as kvf
+from kvjax.studies import kv_frontier_report as kvf_report
 from kvjax.studies import report
 
 
@@ -15,9 +16,9 @@ def main(study: kvf.KVFrontierStudy, workdir: str | Path) -> list[dict]:
   kvf.check_variants(study)  # before anything trains: a cache kind this kvjax lacks is one error
   rows = kvf.measure(study, kvf.prepare_sources(study, workdir))
   stem = workdir / "kv_frontier"
-  report.write_table(rows, stem, kvf.csv_columns(study))
-  text = kvf.report_text(study, rows)
+  report.write_table(rows, stem, kvf_report.csv_columns(study))
+  text = kvf_report.report_text(study, rows)
   Path(f"{stem}.md").write_text(text)
-  kvf.plot(study, rows, Path(f"{stem}.png"))
+  kvf_report.plot(study, rows, Path(f"{stem}.png"))
   print(text, flush=True)
   return rows

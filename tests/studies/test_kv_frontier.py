@@ -17,6 +17,7 @@ from kvjax.cli.main import main as kvjax_main
 from kvjax.cli.run import load_config
 from kvjax.conversion.conversions import KVHeads, ToMLA
 from kvjax.studies import kv_frontier as kvf
+from kvjax.studies import kv_frontier_report as kvf_report
 from kvjax.training.evaluate import evaluate_checkpoint
 from kvjax.training.workdir import claim_study
 
@@ -64,7 +65,7 @@ def test_tiny_study_writes_a_row_per_variant_and_the_columns_asked_for(frontier)
   with open(workdir / "kv_frontier.csv") as f:
     table = list(csv.DictReader(f))
   assert [r["variant"] for r in table] == names
-  assert list(table[0]) == [key for key, _, _ in kvf.csv_columns(study)]
+  assert list(table[0]) == [key for key, _, _ in kvf_report.csv_columns(study)]
   assert {"recall_24", "recall_40", "recall_bytes_24", "recall_bytes_40"} <= set(table[0])
   assert [r["variant"] for r in rows] == names
   assert json.loads((workdir / "config.json").read_text())["variants"][0]["name"] == names[0]
