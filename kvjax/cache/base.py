@@ -25,7 +25,7 @@ import numpy as np
 
 from kvjax.cache.codec import Codec, codec as codec_named
 from kvjax.cache.config import CacheConfig
-from kvjax.config import ModelConfig, cached_positions
+from kvjax.config import ModelConfig
 from kvjax.model.attention import Field, Span, Window, new_keys_mask
 from kvjax.model.backend import Backend
 from kvjax.model.transformer import cache_layers, cache_payload
@@ -229,11 +229,6 @@ class KVCache(flax.struct.PyTreeNode, kw_only=True):
 def layer_arrays(spec: dict) -> dict:
   """Zeros for a layer_spec {name: (shape, dtype)}."""
   return {name: jnp.zeros(shape, dtype) for name, (shape, dtype) in spec.items()}
-
-
-def kept_positions(config: ModelConfig, layer: int, length: int) -> int:
-  """Positions layer `layer` of a contiguous cache keeps for `length` (a ring: window + sinks)."""
-  return cached_positions(config.layer_window(layer), config.sink_tokens, length)
 
 
 def scatter_rows(buffer: jax.Array, new: jax.Array, slots: jax.Array, axis: int) -> jax.Array:

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax import memory
-from kvjax.cache.base import KVCache, encode, kept_positions, layer_arrays, scale_shape, scatter_rows
+from kvjax.cache.base import KVCache, encode, layer_arrays, scale_shape, scatter_rows
 from kvjax.cache.codec import Codec
 from kvjax.cache.config import CacheConfig, register
 from kvjax.config import ModelConfig
@@ -139,7 +139,7 @@ class ContiguousCache(KVCache):
     )
 
     def layer(i):
-      return layer_arrays(layer_spec(config, statics["codec"], batch, kept_positions(model, i, max_len)))
+      return layer_arrays(layer_spec(config, statics["codec"], batch, model.cached_positions(i, max_len)))
 
     return cls(
       layers=cache_collection(config, layer), lengths=jnp.zeros((batch,), jnp.int32), max_len=max_len, **statics
@@ -154,7 +154,7 @@ class ContiguousCache(KVCache):
   def sequence_bytes(cls, config: ModelConfig, cache_config: CacheConfig, length: int) -> int:
     """Bytes one row of `length` positions takes: each windowed layer keeps at most window + sinks."""
     model = cache_config.model(config)
-    positions = sum(kept_positions(model, i, length) for i in range(config.num_layers))
+    positions = sum(model.cached_positions(i, length) for i in range(config.num_layers))
     return positions * cls.position_bytes(config, cache_config)
 
   @classmethod
@@ -167,7 +167,7 @@ class ContiguousCache(KVCache):
     return self.max_len
 
   def layer_spec(self, config: ModelConfig, layer: int = 0):
-    return layer_spec(config, self.codec, self.lengths.shape[0], kept_positions(config, layer, self.capacity))
+    return layer_spec(config, self.codec, self.lengths.shape[0], config.cached_positions(layer, self.capacity))
 
   def partition_rule(self, name: str) -> tuple:
     return ("data", "model") if name == "layers" else ("data",)
