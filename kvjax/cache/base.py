@@ -26,7 +26,7 @@ import numpy as np
 from kvjax.cache.codec import Codec, codec as codec_named
 from kvjax.cache.config import CacheConfig
 from kvjax.config import ModelConfig
-from kvjax.model.attention import Field, Span, Window, new_keys_mask
+from kvjax.model.attention import Field, Span, Window, new_keys
 from kvjax.model.backend import Backend
 from kvjax.model.transformer import cache_layers, cache_payload
 
@@ -210,7 +210,7 @@ class KVCache(flax.struct.PyTreeNode, kw_only=True):
     read of the same cache gives; MLA reads it in the expanded form, as training does."""
     stored = self.write(stored, new, span)
     if span.from_empty:
-      return stored, query.attend(self.as_stored(new), new_keys_mask(q_positions, span))
+      return stored, query.attend(self.as_stored(new), new_keys(q_positions, span))
     return stored, self.read(stored, query, q_positions, span, backend)
 
   def decoded(self, stored: dict, width_axes: dict[str, int]) -> dict:

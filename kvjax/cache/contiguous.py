@@ -34,7 +34,7 @@ from kvjax.cache.codec import Codec
 from kvjax.cache.config import CacheConfig, register
 from kvjax.config import ModelConfig
 from kvjax.fields import check_positive_int
-from kvjax.model.attention import Span, Window, attend, new_keys_mask, visible
+from kvjax.model.attention import Span, Visibility, Window, attend, new_keys
 from kvjax.model.backend import Backend
 from kvjax.model.transformer import cache_collection, cache_payload
 
@@ -206,8 +206,8 @@ class ContiguousCache(KVCache):
         **self.scales(stored),
       )
     held = span.positions[:, 0] + span.lengths
-    mask = visible(q_positions, slot_positions(held, slots, span.window), span.window)  # [B, Tq, S]
-    return query.attend(self.readable(stored), mask, transposed=True, absorb=self.absorb)
+    keys = Visibility(q_positions, slot_positions(held, slots, span.window), span.window)
+    return query.attend(self.readable(stored), keys, transposed=True, absorb=self.absorb)
 
   def attend(self, stored, query, q_positions, new, span: Span, backend: Backend):
     if not span.window.size or span.from_empty or q_positions.shape[1] == 1:
@@ -216,15 +216,15 @@ class ContiguousCache(KVCache):
     # queries read the ring as it was before the chunk, and the chunk's payload (as the ring will
     # hold it) beside it.
     slots = self.slots(stored)
-    before = visible(q_positions, ring_positions(span.positions[:, 0], slots, span.window), span.window)
-    mask = jnp.concatenate([before, new_keys_mask(q_positions, span)], axis=2)  # [B, Tq, S + T]
+    before = ring_positions(span.positions[:, 0], slots, span.window)
+    key_positions = jnp.concatenate([before, new_keys(q_positions, span).key_positions], axis=1)  # [B, S + T]
     old, fresh = self.readable(stored), self.as_stored(new)
     arrays = {}
     for name, field in self.fields.items():
       x = fresh[name].astype(old[name].dtype)  # [B, heads, T, W]
       x = x.swapaxes(2, 3) if field.transposed else x
       arrays[name] = jnp.concatenate([old[name], x], axis=seq_axis(field.transposed, 4))
-    out = query.attend(arrays, mask, transposed=True, absorb=self.absorb)
+    out = query.attend(arrays, Visibility(q_positions, key_positions, span.window), transposed=True, absorb=self.absorb)
     return self.write(stored, new, span), out
 
   def resized(self, capacity: int) -> "ContiguousCache":

@@ -30,7 +30,7 @@ from kvjax.cache.config import CacheConfig, register
 from kvjax.cache.pages import NULL_PAGE
 from kvjax.config import ModelConfig
 from kvjax.fields import check_positive_int
-from kvjax.model.attention import Span, attend, visible
+from kvjax.model.attention import Span, Visibility, attend
 from kvjax.model.backend import Backend
 from kvjax.model.transformer import cache_collection, cache_layers, cache_payload
 
@@ -274,8 +274,7 @@ class PagedCache(KVCache):
     gathered = {name: gather(x, self.page_table) for name, x in stored.items()}  # [B, heads, M*Z, ...]
     arrays = self.decoded(gathered, dict.fromkeys(self.fields, -1))
     positions = jnp.arange(next(iter(gathered.values())).shape[2])[None, :]
-    mask = visible(q_positions, positions, span.window)  # [B, Tq, M*Z]
-    return query.attend(arrays, mask, absorb=self.absorb)
+    return query.attend(arrays, Visibility(q_positions, positions, span.window), absorb=self.absorb)
 
   def copy_pages(self, src, dst) -> "PagedCache":
     """Copies pages src[i] -> dst[i] in every pool (copy-on-write after a fork). src, dst int[C]."""

@@ -1,7 +1,7 @@
 """`kvjax bench BENCHMARK`: run one of kvjax.bench.benchmarks on the benchmark model (BENCH_MODEL,
 changed with --set model.KEY=VALUE) and print its result as JSON. With --model NAME (a named
-model, a GGUF file or a Hugging Face directory), `hf` and `perplexity` run that pretrained model
-in kvjax and in transformers side by side (kvjax.bench.real_model)."""
+model, a GGUF file or a Hugging Face directory), `hf`, `perplexity` and `real` run that pretrained model
+in kvjax and in transformers side by side (kvjax.bench.real_model, kvjax.bench.real)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import argparse
 import dataclasses
 import json
 
-from kvjax.bench import benchmarks, mla, paged, quant, real_model
+from kvjax.bench import benchmarks, mla, paged, quant, real, real_model
 from kvjax.cache.config import CacheConfig
 from kvjax.cli import options
 from kvjax.config import ModelConfig
@@ -35,12 +35,21 @@ BENCHMARKS = {
 }
 
 
-REAL_MODEL_BENCHMARKS = ("hf", "perplexity")
+REAL_MODEL_BENCHMARKS = ("hf", "perplexity", "real")
 
 
 def _int_list(text: str) -> list[int]:
   """The argparse type of --lengths: comma-separated positive integers."""
   return [options.positive_int(x) for x in text.split(",")]
+
+
+def _parts(text: str) -> list[str]:
+  """The argparse type of --parts: comma-separated names of kvjax.bench.real.PARTS."""
+  parts = [p.strip() for p in text.split(",") if p.strip()]
+  unknown = sorted(set(parts) - set(real.PARTS))
+  if not parts or unknown:
+    raise argparse.ArgumentTypeError(f"must name parts of {','.join(real.PARTS)}, got {text!r}")
+  return parts
 
 
 def check_lengths(model: ModelConfig, args: argparse.Namespace) -> None:
@@ -76,6 +85,8 @@ def real_model_result(args: argparse.Namespace) -> dict:
   """`hf` or `perplexity` on the pretrained model args.model."""
   if args.overrides:
     raise ValueError("--set changes the benchmark model; with --model the pretrained model is used as it is")
+  if args.benchmark == "real":
+    return real.bench_real(args.model, parts=args.parts, repeats=min(args.repeats, 3))
   if args.benchmark == "perplexity":
     return real_model.bench_perplexity(
       args.model, seq_len=args.seq_len, batch=args.batch or 4, batches=args.windows_batches
@@ -148,6 +159,12 @@ def add_parser(subparsers) -> None:
   parser.add_argument("--page-size", type=options.positive_int, default=16, help="paged: tokens per page")
   parser.add_argument(
     "--rope-dims", type=options.nonnegative_int, help="mla: rotary dims of the MLA model (default 16 per kv head)"
+  )
+  parser.add_argument(
+    "--parts",
+    type=_parts,
+    default=list(real.PARTS),
+    help=f"real: comma-separated parts to run, of {','.join(real.PARTS)} (default: all)",
   )
   parser.add_argument("--json", action="store_true", help="one line of JSON")
   parser.set_defaults(func=command)

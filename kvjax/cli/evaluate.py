@@ -44,7 +44,13 @@ def command(args: argparse.Namespace) -> int:
           f"{PasskeyConfig.digits}-digit pass key"
         )
       config = PasskeyConfig(distances=args.recall, needles=args.needles or PasskeyConfig.needles, seed=args.seed)
-      result = passkey_checkpoint(args.workdir, config, step=args.step, cache_config=options.cache_config(args))
+      result = passkey_checkpoint(
+        args.workdir,
+        config,
+        step=args.step,
+        cache_config=options.cache_config(args),
+        weights=options.decode_set(args).weights,
+      )
     else:
       if args.overrides:
         raise ValueError(
@@ -68,6 +74,7 @@ def command(args: argparse.Namespace) -> int:
     num_batches=args.batches,
     mesh=options.mesh(args),
     cache_config=options.cache_config(args),
+    weights=options.decode_set(args).weights,
     corpus=args.corpus,
     seq_len=args.seq_len,
   )

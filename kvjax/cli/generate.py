@@ -18,6 +18,7 @@ import jax
 
 from kvjax.cache.config import CacheConfig
 from kvjax.cli import options
+from kvjax.model.weights import store
 from kvjax.decoding.stream import TextStream, stream
 from kvjax.interop.tokenizer import TextTokenizer
 from kvjax.training import data
@@ -60,15 +61,18 @@ def continue_text(
   step: int | None = None,
   mesh=None,
   cache_config: CacheConfig | None = None,
+  weights: str = "float32",
   chat: bool = False,
   system: str | None = None,
   on_text: Callable[[str], None] | None = None,
 ) -> str:
   """The continuation of `prompt` from the workdir's checkpoint (latest unless `step`), up to its
   tokenizer's first stop token (not included), sharded over `mesh` when one is given, decoding
-  through a KV cache of `cache_config` (default: contiguous, the model's dtype). on_text(increment) is called as
-  the text grows (a terminal prints it)."""
+  through a KV cache of `cache_config` (default: contiguous, the model's dtype), with the weights
+  stored as `weights` (kvjax.model.weights). on_text(increment) is called as the text grows (a
+  terminal prints it)."""
   model, params, _ = load_model(workdir, step)
+  params = store(params, weights)
   tokenizer = TextTokenizer.load(workdir, model.config.vocab_size)
   tokens = prompt_tokens(tokenizer, prompt, chat=chat, system=system)
   stop_ids = () if tokenizer is None else tokenizer.stop_ids
@@ -150,6 +154,7 @@ def command(args: argparse.Namespace) -> int:
     step=args.step,
     mesh=options.mesh(args),
     cache_config=options.cache_config(args),
+    weights=options.decode_set(args).weights,
     chat=args.chat,
     system=args.system,
     on_text=_print,

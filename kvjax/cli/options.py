@@ -23,6 +23,7 @@ from jax.sharding import Mesh
 from kvjax import sharding
 from kvjax.cache.config import CacheConfig
 from kvjax.fields import INT32_MAX, SEED_MAX, apply_overrides
+from kvjax.model import weights
 
 SET_HELP = (
   "override config fields (Python literals, checked against the field's type); several per "
@@ -48,15 +49,21 @@ def apply_set(config: Any, args: argparse.Namespace) -> Any:
 
 CACHE_SET_HELP = (
   "the KV cache's runtime choices (kvjax.cache.config.CacheConfig), e.g. cache.dtype=int8 "
-  "cache.layout=paged cache.page_size=16 cache.window=(256,) cache.sink_tokens=4"
+  "cache.layout=paged cache.page_size=16 cache.window=(256,) cache.sink_tokens=4; and the "
+  "weights' format, weights=float32|bfloat16|int8 (kvjax.model.weights)"
 )
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodeSet:
-  """What --set may change in a command that decodes a trained checkpoint: its cache."""
+  """What --set may change in a command that decodes a trained checkpoint: its cache, and the
+  format its weights are decoded in (kvjax.model.weights.FORMATS)."""
 
   cache: CacheConfig = CacheConfig()
+  weights: str = "float32"
+
+  def __post_init__(self):
+    weights.check_format(self.weights)
 
 
 def add_cache_set_option(parser: argparse.ArgumentParser) -> None:
@@ -66,16 +73,23 @@ def add_cache_set_option(parser: argparse.ArgumentParser) -> None:
   )
 
 
-def cache_config(args: argparse.Namespace) -> CacheConfig | None:
-  """The CacheConfig that --set gives a command decoding a trained checkpoint; None when --set is
-  not given. Only cache.* keys: a trained network's config is what it was trained as."""
+def decode_set(args: argparse.Namespace) -> DecodeSet:
+  """The runtime choices --set gives a command decoding a trained checkpoint. Only cache.* keys
+  and weights: a trained network's config is what it was trained as."""
   for item in args.overrides:
-    if not item.partition("=")[0].strip().startswith("cache."):
+    key = item.partition("=")[0].strip()
+    if not (key.startswith("cache.") or key == "weights"):
       raise ValueError(
         f"--set {item!r}: a trained checkpoint is decoded as it was trained; --set takes only "
-        "the cache's runtime choices, cache.KEY=VALUE"
+        "the runtime choices, cache.KEY=VALUE and weights=FORMAT"
       )
-  return apply_overrides(DecodeSet(), args.overrides).cache if args.overrides else None
+  return apply_overrides(DecodeSet(), args.overrides)
+
+
+def cache_config(args: argparse.Namespace) -> CacheConfig | None:
+  """The CacheConfig that --set gives a command decoding a trained checkpoint; None when --set is
+  not given."""
+  return decode_set(args).cache if args.overrides else None
 
 
 def mesh_text(text: str) -> str:

@@ -24,7 +24,6 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from kvjax import memory, sharding
 from kvjax.cache.base import KVCache
@@ -34,7 +33,7 @@ from kvjax.fields import check_positive_int
 from kvjax.decoding.sampling import Sampling, sample
 from kvjax.kernels import attention as attention_kernel
 from kvjax.kernels import build, matmul
-from kvjax.model.backend import XLA, Backend, xla_cache_attention
+from kvjax.model.backend import XLA, Backend, xla_cache_attention, xla_matmul
 from kvjax.model.transformer import Transformer
 
 LOGITS = ("all", "last")
@@ -44,7 +43,7 @@ LOGITS = ("all", "last")
 def cpu_backend() -> Backend:
   """The CPU kernels that built (building them on first call), as a backend."""
   return Backend(
-    dot_general=matmul.dot_general if build.available("matmul") else lax.dot_general,
+    matmul=matmul.matmul if build.available("matmul") else xla_matmul,
     cache_attention=(attention_kernel.cache_attention if build.available("attention") else xla_cache_attention),
   )
 

@@ -1,4 +1,4 @@
-"""Float32 matmuls with few rows on the CPU: the weight products of a decode step.
+"""Matmuls with few rows on the CPU: the weight products of a decode step.
 
 A decode step multiplies a handful of rows (one per sequence) by every weight matrix, so it is
 bound by how fast the weights stream from memory. XLA's CPU dot runs these shapes well below
@@ -9,10 +9,13 @@ are added at the end. It beats XLA's dot on 2 to 16 rows (`kvjax bench matmul`; 
 in docs/results.md): from 17 rows on, products stay with XLA's blocked GEMM, and so does one row
 (a matrix-vector product).
 
-`dot_general` is a drop-in for lax.dot_general that kvjax's Dense layers use: it sends a
-float32 product with MIN_ROWS to MAX_ROWS rows to the kernel when running on a single CPU device,
-and everything else to XLA: larger products (prefill and training, except at toy sizes),
-accelerators, sharded meshes, other dtypes. Gradients (forward and reverse mode) are XLA's.
+`matmul` is the CPU backend's product for kvjax's Dense and Embed layers (kvjax.model.weights):
+float32 activations times weights stored in float32, bfloat16 or int8 (a scale per output column),
+also in the transposed form of a tied embedding table read as the logits projection. It sends
+the products `uses_kernel` admits to the kernel when running on a single CPU device, which widens
+the stored weights in registers, and everything else to XLA: larger products (prefill and
+training, except at toy sizes), accelerators, sharded meshes. Gradients of float32 products
+(forward and reverse mode) are XLA's.
 The kernel is built on first use (kvjax/kernels/build.py); without a compiler kvjax warns once
 and uses XLA. KVJAX_CPU_KERNELS=attention leaves it off (e.g. to compare against XLA's dot).
 """
@@ -20,13 +23,13 @@ and uses XLA. KVJAX_CPU_KERNELS=attention leaves it off (e.g. to compare against
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from kvjax.kernels import build as cpu_kernels
+from kvjax.model.backend import xla_matmul
 
 TARGET = "kvjax_small_matmul"
 # The rows for which the kernel beats XLA's dot on the development machine (`kvjax bench
@@ -39,67 +42,74 @@ def kernel_available() -> bool:
   return cpu_kernels.available("matmul")
 
 
-def uses_kernel(rows: int, *dtypes) -> bool:
-  """Whether a product with `rows` rows and these operand dtypes goes to the kernel."""
+WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.int8)  # the stored formats the kernel reads
+
+
+def _ffi(x, w, scale, transposed: bool):
+  n = w.shape[0] if transposed else w.shape[1]
+  out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
+  return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x, w, scale, transposed=transposed)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def _float_matmul(x, w, transposed: bool):
+  return _ffi(x, w, jnp.zeros((0,), jnp.float32), transposed)
+
+
+@_float_matmul.defjvp
+def _float_matmul_jvp(transposed, primals, tangents):
+  # The tangent is XLA's (linear, so reverse mode transposes it): the kernel only runs forward.
+  (x, w), (dx, dw) = primals, tangents
+  w, dw = (w.T, dw.T) if transposed else (w, dw)
+  return _float_matmul(*primals, transposed), dx @ w + x @ dw
+
+
+def small_matmul(x: jax.Array, w: jax.Array, scale: jax.Array | None = None, *, transposed: bool = False) -> jax.Array:
+  """x float32[M, K] @ w [K, N] (w [N, K] and x @ w.T when `transposed`), times scale float32[N]
+  per output column when given -> float32[M, N], by the CPU kernel. w is float32, bfloat16 or
+  int8 (kvjax.model.weights' stored formats), widened to float32 as it is read.
+
+  Float32 weights without a scale are differentiable (XLA's tangents); the stored formats are
+  for decoding only. Under jax.vmap each example is its own kernel call (and reads its weights
+  again): fold a batch of examples into the rows instead when they share w.
+  """
+  if not kernel_available():
+    raise RuntimeError("the CPU small-matmul kernel is unavailable; use kvjax.kernels.matmul.matmul")
+  k_axis = 1 if transposed else 0
+  if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[k_axis]:
+    form = "[N, K]" if transposed else "[K, N]"
+    raise ValueError(f"small_matmul expects x [M, K] and w {form}, got {x.shape} and {w.shape}")
+  if w.dtype not in WEIGHT_DTYPES:
+    raise ValueError(f"small_matmul reads weights in float32, bfloat16 or int8, got {w.dtype}")
+  if scale is None and w.dtype == jnp.float32:
+    return _float_matmul(x, w, transposed)
+  n = w.shape[1 - k_axis]
+  scale = jnp.zeros((0,), jnp.float32) if scale is None else scale.reshape(-1).astype(jnp.float32)
+  if scale.shape[0] not in (0, n):
+    raise ValueError(f"small_matmul takes one scale per output column ({n}), got {scale.shape[0]}")
+  return _ffi(x, w, scale, transposed)
+
+
+def uses_kernel(rows: int, x_dtype, w_dtype=jnp.float32) -> bool:
+  """Whether a product of `rows` rows of x_dtype by weights stored as w_dtype goes to the kernel:
+  float32 weights from MIN_ROWS rows (XLA's matrix-vector product is as fast), weights stored in
+  bfloat16 or int8 from one row (XLA would widen the whole matrix first), up to MAX_ROWS."""
+  least = MIN_ROWS if w_dtype == jnp.float32 else 1
   return (
-    MIN_ROWS <= rows <= MAX_ROWS
-    and all(d == jnp.float32 for d in dtypes)
+    least <= rows <= MAX_ROWS
+    and x_dtype == jnp.float32
+    and w_dtype in WEIGHT_DTYPES
     and cpu_kernels.single_cpu()
     and kernel_available()
   )
 
 
-@jax.custom_jvp
-def small_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-  """x float32[M, K] @ w float32[K, N] -> float32[M, N] by the CPU kernel.
-
-  Under jax.vmap each example is its own kernel call (and reads its weights again): fold a
-  batch of examples into the rows instead when they share w.
-  """
-  if not kernel_available():
-    raise RuntimeError("the CPU small-matmul kernel is unavailable; use kvjax.kernels.matmul.dot_general")
-  if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
-    raise ValueError(f"small_matmul expects x [M, K] and w [K, N], got {x.shape} and {w.shape}")
-  out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32)
-  return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x, w)
-
-
-@small_matmul.defjvp
-def _small_matmul_jvp(primals, tangents):
-  # The tangent is XLA's (linear, so reverse mode transposes it): the kernel only runs forward.
-  (x, w), (dx, dw) = primals, tangents
-  return small_matmul(x, w), dx @ w + x @ dw
-
-
-def dot_general(
-  lhs: jax.Array, rhs: jax.Array, dimension_numbers, precision=None, preferred_element_type=None
-) -> jax.Array:
-  """lax.dot_general, with small float32 products that contract lhs's trailing axes against
-  rhs's leading axes (every Dense layer's x @ kernel) computed by the CPU kernel."""
-  (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
-  n = len(lhs_contract)
-  plain = (
-    not lhs_batch
-    and not rhs_batch
-    and 0 < n < lhs.ndim
-    and tuple(lhs_contract) == tuple(range(lhs.ndim - n, lhs.ndim))
-    and tuple(rhs_contract) == tuple(range(n))
-    and preferred_element_type in (None, jnp.float32)
-  )
-  xla = functools.partial(
-    lax.dot_general,
-    dimension_numbers=dimension_numbers,
-    precision=precision,
-    preferred_element_type=preferred_element_type,
-  )
-  if plain:
-    rows, depth = math.prod(lhs.shape[:-n]), math.prod(lhs.shape[-n:])
-    if depth > 0 and math.prod(rhs.shape[n:]) > 0 and uses_kernel(rows, lhs.dtype, rhs.dtype):
-
-      def kernel(lhs, rhs):
-        out = small_matmul(lhs.reshape(rows, depth), rhs.reshape(depth, -1))
-        return out.reshape(*lhs.shape[:-n], *rhs.shape[n:])
-
-      # Chosen when lowering: a function traced here may still be compiled for an accelerator.
-      return lax.platform_dependent(lhs, rhs, cpu=kernel, default=xla)
-  return xla(lhs, rhs)
+def matmul(x: jax.Array, w: jax.Array, scale: jax.Array | None = None, transposed: bool = False) -> jax.Array:
+  """kvjax.model.backend.xla_matmul's signature, with the products uses_kernel admits computed by
+  the CPU kernel (chosen when lowering: a function traced here may still be compiled for an
+  accelerator)."""
+  xla = functools.partial(xla_matmul, transposed=transposed)
+  if 0 in x.shape or 0 in w.shape or not uses_kernel(x.shape[0], x.dtype, w.dtype):
+    return xla(x, w, scale)
+  kernel = lambda x, w, scale: small_matmul(x, w, scale, transposed=transposed)
+  return lax.platform_dependent(x, w, scale, cpu=kernel, default=xla)

@@ -28,10 +28,12 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from kvjax.config import ModelConfig
 from kvjax.model.backend import XLA, Backend
 from kvjax.model.rope import apply_rope, frequencies
+from kvjax.model.weights import Dense
 
 NEG_INF = -1e30
 
@@ -109,10 +111,9 @@ class KVQuery:
     """The queries a decode kernel takes (backend.cache_attention)."""
     return self.q
 
-  def attend(self, arrays: dict, mask: jax.Array, *, transposed: bool = False, absorb: bool = False) -> jax.Array:
-    """Reads k and v [B, K, S, H] (k [B, K, H, S] when `transposed`) under mask bool [B, Tq, S]
-    -> [B, Tq, N, H]."""
-    return attend(self.q, arrays["k"], arrays["v"], mask, k_transposed=transposed)
+  def attend(self, arrays: dict, keys: "Visibility", *, transposed: bool = False, absorb: bool = False) -> jax.Array:
+    """Reads k and v [B, K, S, H] (k [B, K, H, S] when `transposed`) as `keys` says -> [B, Tq, N, H]."""
+    return attend_keys(self.q, arrays["k"], arrays["v"], keys, k_transposed=transposed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +152,88 @@ def visible(q_positions: jax.Array, key_positions: jax.Array, window: Window) ->
 
 
 @flax.struct.dataclass
+class Visibility:
+  """Which keys each query reads, by position (`visible`), without materialising the mask:
+  q_positions int[B, Tq]; key_positions int[B, S] or [1, S] (negative: an empty slot); the
+  layer's window (static). Long queries read their keys block by block (`blocked_attend`)."""
+
+  q_positions: jax.Array
+  key_positions: jax.Array
+  window: Window = flax.struct.field(pytree_node=False, default=GLOBAL)
+
+  def mask(self) -> jax.Array:
+    """bool [B, Tq, S]."""
+    return visible(self.q_positions, self.key_positions, self.window)
+
+
+# Query and key tiles of blocked attention: queries and keys both at least 2 * BLOCK long are read
+# a tile at a time, so memory holds [BLOCK, BLOCK] scores per head, never [Tq, S].
+BLOCK = 256
+
+
+def blocked_attend(
+  q: jax.Array, k: jax.Array, v: jax.Array, keys: Visibility, *, k_transposed: bool = False, block: int = BLOCK
+) -> jax.Array:
+  """`attend` over query and key tiles of `block` with an online softmax (flash attention): a
+  scan over query tiles, each a scan over key tiles carrying the running max, sum and output;
+  a key tile no query of the tile may read (above the causal diagonal, outside a window) is
+  skipped, not computed. Same arguments as `attend`, the mask given as positions -> [B, T, N, H].
+  A query that reads no key gives zeros."""
+  b, t, n, h = q.shape
+  kv, s = v.shape[1], v.shape[2]
+  g = n // kv
+  q = group_queries(q, kv) * (h**-0.5)  # [B, T, K, G, H]
+  k = (k.swapaxes(2, 3) if k_transposed else k).astype(q.dtype)  # [B, K, S, H]
+  v = v.astype(q.dtype)
+  nq, nk = -(-t // block), -(-s // block)
+  pad = lambda x, axis, size, value=0: jnp.pad(
+    x, [(0, size - x.shape[axis]) if i == axis else (0, 0) for i in range(x.ndim)], constant_values=value
+  )
+  q_pos = pad(jnp.broadcast_to(keys.q_positions, (b, t)), 1, nq * block)
+  k_pos = pad(jnp.broadcast_to(keys.key_positions, (b, s)), 1, nk * block, -1)
+  q_tiles = pad(q, 1, nq * block).reshape(b, nq, block, kv, g, h).swapaxes(0, 1)  # [nq, B, Tb, K, G, H]
+  k_tiles = pad(k, 2, nk * block).reshape(b, kv, nk, block, h).transpose(2, 0, 1, 3, 4)  # [nk, B, K, Sb, H]
+  v_tiles = pad(v, 2, nk * block).reshape(b, kv, nk, block, h).transpose(2, 0, 1, 3, 4)
+
+  def query_tile(_, tile):
+    qt, qp = tile
+
+    def key_tile(carry, key):
+      kt, vt, kp = key
+      mask = visible(qp, kp, keys.window)[:, None, None]  # [B, 1, 1, Tb, Sb]
+
+      def update(carry):
+        m, total, acc = carry
+        scores = jnp.einsum("btkgh,bksh->bkgts", qt, kt, preferred_element_type=jnp.float32)
+        m_new = jnp.maximum(m, jnp.where(mask, scores, NEG_INF).max(-1))
+        p = jnp.where(mask, jnp.exp(scores - m_new[..., None]), 0.0)
+        fix = jnp.exp(m - m_new)
+        pv = jnp.einsum("bkgts,bksh->bkgth", p.astype(vt.dtype), vt, preferred_element_type=jnp.float32)
+        return m_new, total * fix + p.sum(-1), acc * fix[..., None] + pv
+
+      return lax.cond(mask.any(), update, lambda c: c, carry), None
+
+    init = (
+      jnp.full((b, kv, g, block), NEG_INF, jnp.float32),
+      jnp.zeros((b, kv, g, block), jnp.float32),
+      jnp.zeros((b, kv, g, block, h), jnp.float32),
+    )
+    (_, total, acc), _ = lax.scan(key_tile, init, (k_tiles, v_tiles, k_pos.reshape(b, nk, block).swapaxes(0, 1)))
+    return None, (acc / jnp.where(total > 0, total, 1.0)[..., None]).astype(q.dtype)  # [B, K, G, Tb, H]
+
+  _, out = lax.scan(query_tile, None, (q_tiles, q_pos.reshape(b, nq, block).swapaxes(0, 1)))  # [nq, B, K, G, Tb, H]
+  return out.transpose(1, 0, 4, 2, 3, 5).reshape(b, nq * block, n, h)[:, :t]
+
+
+def attend_keys(q, k, v, keys: Visibility, *, k_transposed: bool = False) -> jax.Array:
+  """`attend` with the mask given as positions: blocked (`blocked_attend`) when both the queries
+  and the keys span two tiles or more, else over the materialised mask."""
+  if q.shape[1] >= 2 * BLOCK and v.shape[2] >= 2 * BLOCK:
+    return blocked_attend(q, k, v, keys, k_transposed=k_transposed)
+  return attend(q, k, v, keys.mask(), k_transposed=k_transposed)
+
+
+@flax.struct.dataclass
 class Span:
   """The positions one forward call covers in each row.
 
@@ -174,9 +257,9 @@ class Span:
     return jnp.arange(self.positions.shape[1])[None, :] < self.lengths[:, None]
 
 
-def new_keys_mask(q_positions: jax.Array, span: Span) -> jax.Array:
-  """bool [B, Tq, T]: queries at q_positions over this call's valid keys, in span.window."""
-  return visible(q_positions, jnp.where(span.valid, span.positions, -1), span.window)
+def new_keys(q_positions: jax.Array, span: Span) -> Visibility:
+  """Queries at q_positions over this call's valid keys, in span.window."""
+  return Visibility(q_positions, jnp.where(span.valid, span.positions, -1), span.window)
 
 
 class NoCache:
@@ -188,7 +271,7 @@ class NoCache:
   def attend(self, stored, query, q_positions, new: dict, span: Span, backend: Backend):
     """(stored {}, query (KVQuery, LatentQuery) at q_positions int[B, Tq], new {name: [B, heads,
     T, width]}) -> ({}, [B, Tq, N, H])."""
-    return stored, query.attend(new, new_keys_mask(q_positions, span))
+    return stored, query.attend(new, new_keys(q_positions, span))
 
 
 NO_CACHE = NoCache()
@@ -209,24 +292,24 @@ class Attention(nn.Module):
 
   def setup(self):
     cfg = self.config
-    dense = lambda heads, bias, name: nn.DenseGeneral(
+    dense = lambda heads, bias, name: Dense(
       (heads, cfg.head_dim),
       use_bias=bias,
       dtype=cfg.compute_dtype,
       name=name,
-      dot_general=self.backend.dot_general,
+      backend=self.backend,
       kernel_init=nn.initializers.normal(cfg.d_model**-0.5),
     )
     self.q = dense(cfg.num_heads, cfg.qkv_bias, "q")  # kernel [D, N, H]
     self.k = dense(cfg.num_kv_heads, cfg.qkv_bias, "k")  # kernel [D, K, H]
     self.v = dense(cfg.num_kv_heads, cfg.qkv_bias, "v")
-    self.out = nn.DenseGeneral(
+    self.out = Dense(
       cfg.d_model,
-      axis=(-2, -1),
+      axes=2,
       use_bias=cfg.use_bias,
       dtype=cfg.compute_dtype,
       name="out",
-      dot_general=self.backend.dot_general,
+      backend=self.backend,
       kernel_init=nn.initializers.normal((cfg.num_heads * cfg.head_dim) ** -0.5 / (2 * cfg.num_layers) ** 0.5),
     )
 

@@ -12,7 +12,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+import jax
 from jax import lax
+
+
+def xla_matmul(x: jax.Array, w: jax.Array, scale: jax.Array | None = None, transposed: bool = False) -> jax.Array:
+  """The default product of a Dense or Embed layer: x [M, K] @ w [K, N] (x @ w.T for w [N, K]
+  when `transposed`) in x's dtype, w widened from how it is stored (kvjax.model.weights), times
+  scale [N] per output column when given -> [M, N]."""
+  contract = 1 if transposed else 0
+  y = lax.dot_general(x, w.astype(x.dtype), (((1,), (contract,)), ((), ())))
+  return y if scale is None else y * scale.astype(y.dtype)
 
 
 def xla_cache_attention(route, q, k_cache, v_cache, lengths, xla: Callable, **addressing):
@@ -24,7 +34,8 @@ def xla_cache_attention(route, q, k_cache, v_cache, lengths, xla: Callable, **ad
 class Backend:
   """Routes for the products a forward pass computes. Hashable: it is part of the jitted model.
 
-  dot_general: every Dense layer's product (lax.dot_general's signature).
+  matmul: every Dense and Embed layer's product (xla_matmul's signature), whatever format the
+    weights are stored in (kvjax.model.weights).
   cache_attention: (route, q [B, 1, N, H], k_cache, v_cache, lengths int32[B], xla, **addressing)
     -> [B, 1, N, H], one query token per row reading positions [0, lengths[b]] of a K/V cache.
     `route` is what the cache kind says it is: (layout, codec name), e.g. ("contiguous", "int8")
@@ -35,7 +46,7 @@ class Backend:
     back to for what it does not take.
   """
 
-  dot_general: Callable = lax.dot_general
+  matmul: Callable = xla_matmul
   cache_attention: Callable = xla_cache_attention
 
 

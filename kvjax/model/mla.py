@@ -30,9 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.config import ModelConfig
-from kvjax.model.attention import NEG_INF, NO_CACHE, Field, Span, cached_attention, take_rows
+from kvjax.model.attention import NEG_INF, NO_CACHE, Field, Span, Visibility, cached_attention, take_rows
 from kvjax.model.backend import XLA, Backend
 from kvjax.model.rope import apply_rope, frequencies
+from kvjax.model.weights import Dense
 
 ABSORB_ROWS = 2  # rows per step of the absorbed read's loop (LatentQuery.absorbed)
 
@@ -75,9 +76,10 @@ class LatentQuery:
     """No decode kernel reads latents: every read is the absorbed (or expanded) form."""
     return None
 
-  def attend(self, arrays: dict, mask: jax.Array, *, transposed: bool = False, absorb: bool = False) -> jax.Array:
+  def attend(self, arrays: dict, keys: Visibility, *, transposed: bool = False, absorb: bool = False) -> jax.Array:
     """Reads the latent [B, 1, S, R] and rope_key [B, 1, S, K*W] a cache holds (or this call's)
-    under mask bool [B, Tq, S], absorbed or expanded -> [B, Tq, N, H]."""
+    as `keys` says, absorbed or expanded -> [B, Tq, N, H]."""
+    mask = keys.mask()
     latent = arrays["latent"][:, 0]
     rope_key = arrays["rope_key"][:, 0] if "rope_key" in arrays else jnp.zeros(latent.shape[:2] + (0,), latent.dtype)
     return (self.absorbed if absorb else self.expanded)(latent, rope_key, mask)
@@ -144,12 +146,12 @@ class LatentAttention(nn.Module):
     cfg = self.config
     n, h, r, e = cfg.num_heads, cfg.head_dim, cfg.kv_latent_rank, cfg.head_dim - cfg.rope_group_dims
     init = lambda std: nn.initializers.normal(std)
-    dense = lambda features, bias, name, std=cfg.d_model**-0.5: nn.DenseGeneral(
+    dense = lambda features, bias, name, std=cfg.d_model**-0.5: Dense(
       features,
       use_bias=bias,
       dtype=cfg.compute_dtype,
       name=name,
-      dot_general=self.backend.dot_general,
+      backend=self.backend,
       kernel_init=init(std),
     )
     self.q = dense((n, h), cfg.qkv_bias, "q")
@@ -158,13 +160,13 @@ class LatentAttention(nn.Module):
       self.k_rope = dense(cfg.rope_dims, cfg.qkv_bias, "k_rope")
     self.k_up = self.param("k_up", init(r**-0.5), (r, n, e))
     self.v_up = self.param("v_up", init(r**-0.5), (r, n, h))
-    self.out = nn.DenseGeneral(
+    self.out = Dense(
       cfg.d_model,
-      axis=(-2, -1),
+      axes=2,
       use_bias=cfg.use_bias,
       dtype=cfg.compute_dtype,
       name="out",
-      dot_general=self.backend.dot_general,
+      backend=self.backend,
       kernel_init=init((n * h) ** -0.5 / (2 * cfg.num_layers) ** 0.5),
     )
 

@@ -25,6 +25,7 @@ from kvjax.config import ModelConfig
 from kvjax.model.attention import NO_CACHE, Attention, Field, Span, kv_payload, take_rows
 from kvjax.model.backend import XLA, Backend
 from kvjax.model.mla import LatentAttention, latent_payload
+from kvjax.model.weights import Dense, Embed
 
 
 def make_norm(cfg: ModelConfig, name: str) -> nn.Module:
@@ -57,12 +58,12 @@ class Mlp(nn.Module):
     cfg = self.config
 
     def dense(features, name, std):
-      return nn.Dense(
+      return Dense(
         features,
         use_bias=cfg.use_bias,
         dtype=cfg.compute_dtype,
         name=name,
-        dot_general=self.backend.dot_general,
+        backend=self.backend,
         kernel_init=nn.initializers.normal(std),
       )
 
@@ -110,22 +111,22 @@ class Transformer(nn.Module):
 
   def setup(self):
     cfg = self.config
-    self.embed = nn.Embed(
-      cfg.vocab_size, cfg.d_model, dtype=cfg.compute_dtype, embedding_init=nn.initializers.normal(1.0), name="embed"
+    self.embed = Embed(
+      cfg.vocab_size, cfg.d_model, cfg.compute_dtype, nn.initializers.normal(1.0), self.backend, name="embed"
     )
     if cfg.positions == "learned":
-      self.pos_embed = nn.Embed(
-        cfg.max_len, cfg.d_model, dtype=cfg.compute_dtype, embedding_init=nn.initializers.normal(0.02), name="pos_embed"
+      self.pos_embed = Embed(
+        cfg.max_len, cfg.d_model, cfg.compute_dtype, nn.initializers.normal(0.02), name="pos_embed"
       )
     self.layers = [Block(cfg, self.backend, i, name=f"layers_{i}") for i in range(cfg.num_layers)]
     self.final_norm = make_norm(cfg, "final_norm")
     if not cfg.tie_embeddings:
-      self.lm_head = nn.Dense(
+      self.lm_head = Dense(
         cfg.vocab_size,
         use_bias=False,
         dtype=cfg.compute_dtype,
         name="lm_head",
-        dot_general=self.backend.dot_general,
+        backend=self.backend,
         kernel_init=nn.initializers.normal(cfg.d_model**-0.5),
       )
 

@@ -33,6 +33,7 @@ from kvjax.fields import check_choice, check_positive, check_positive_int
 from kvjax.decoding.decode import for_decoding, forward, size_bucket
 from kvjax.decoding.sampling import Sampling, sample
 from kvjax.model.transformer import Transformer
+from kvjax.model.weights import FORMATS, store
 from kvjax.serving.allocator import OutOfPages, PageAllocator
 
 ALLOCATIONS = ("paged", "doubling", "max_len")
@@ -53,6 +54,7 @@ class EngineConfig:
   cache: CacheConfig = CacheConfig(layout="paged")
   stop_ids: tuple[int, ...] = ()  # a request finishes after any of these tokens (the tokenizer's stop_ids)
   seed: int = 0
+  weights: str = "float32"  # the format the engine stores the weights in (kvjax.model.weights)
 
   def __post_init__(self):
     check_positive(self, "num_slots", "num_pages")
@@ -65,6 +67,7 @@ class EngineConfig:
     if self.num_pages < 2:
       raise ValueError(f"EngineConfig.num_pages={self.num_pages} leaves no page besides the null page")
     check_choice(self, "allocation", ALLOCATIONS)
+    check_choice(self, "weights", FORMATS)
     if isinstance(self.seed, bool) or not isinstance(self.seed, int):
       raise ValueError(f"EngineConfig.seed must be an integer, got {self.seed!r}")
     if not isinstance(self.stop_ids, (tuple, list)) or any(
@@ -139,7 +142,7 @@ class Engine:
 
   def __init__(self, model: Transformer, params, config: EngineConfig = EngineConfig()):
     cfg = model.config
-    self.model, self.params, self.config = for_decoding(model), params, config
+    self.model, self.params, self.config = for_decoding(model), store(params, config.weights), config
     self.max_len = config.max_len or cfg.max_len
     if self.max_len > cfg.max_len:
       raise ValueError(f"EngineConfig.max_len={self.max_len} exceeds ModelConfig.max_len={cfg.max_len}")

@@ -44,6 +44,7 @@ from kvjax.fields import check_nonnegative, check_positive, check_positive_int, 
 from kvjax.decoding.decode import generate
 from kvjax.interop.tokenizer import TextTokenizer
 from kvjax.model.transformer import Transformer
+from kvjax.model.weights import check_format, store
 from kvjax.serving.engine import Engine, EngineConfig
 from kvjax.training.checkpoint import latest_step, load_model
 from kvjax.training.data import documentation, paragraphs_of
@@ -292,12 +293,19 @@ def passkey(
 
 
 def passkey_checkpoint(
-  workdir: str | Path, config: PasskeyConfig, *, step: int | None = None, cache_config: CacheConfig | None = None
+  workdir: str | Path,
+  config: PasskeyConfig,
+  *,
+  step: int | None = None,
+  cache_config: CacheConfig | None = None,
+  weights: str = "float32",
 ) -> dict:
   """`passkey` of a workdir's checkpoint (latest unless `step`) with its tokenizer, through a cache
-  of `cache_config` (default: contiguous, the model's dtype)."""
+  of `cache_config` (default: contiguous, the model's dtype), the weights stored as `weights`."""
+  check_format(weights)
   step = latest_step(workdir) if step is None else step
   model, params, _ = load_model(workdir, step)
+  params = store(params, weights)
   tokenizer = TextTokenizer.load(workdir, model.config.vocab_size)
   if tokenizer is None:
     raise ValueError(
@@ -311,5 +319,6 @@ def passkey_checkpoint(
     "digits": config.digits,
     "seed": config.seed,
     "cache": to_dict(cache_config),
+    "weights": weights,
     "recall": passkey(model, params, tokenizer, config, cache_config=cache_config),
   }

@@ -32,6 +32,7 @@ from kvjax.decoding.decode import forward
 from kvjax.training.data import PROSE, Dataset, eval_batches, load_dataset
 from kvjax.interop.tokenizer import TextTokenizer
 from kvjax.model.transformer import Transformer
+from kvjax.model.weights import check_format, store
 from kvjax.training.config import DataConfig
 
 
@@ -98,6 +99,7 @@ def evaluate_checkpoint(
   cache_config: CacheConfig | None = None,
   corpus: str | None = None,
   seq_len: int | None = None,
+  weights: str = "float32",
 ) -> dict:
   """`evaluate` of a workdir's checkpoint (latest unless `step`) on the corpus of its run's config.
 
@@ -108,10 +110,15 @@ def evaluate_checkpoint(
   replace the run's.
   Returns the metrics with the step, split, tokens evaluated, the corpus source and sha256, and
   trained_corpus_sha256: the corpus the checkpoint was trained on, when its metadata records one.
-  cache_config: as in `evaluate`.
+  cache_config: as in `evaluate`. weights: the format the weights are evaluated in
+  (kvjax.model.weights), recorded in the result.
   """
+  check_format(weights)
+  if mesh is not None and weights != "float32":
+    raise ValueError(f"weights={weights} is for one device; a sharded evaluation (--mesh) runs float32 weights")
   step = latest_step(workdir) if step is None else step
   model, params, config = load_model(workdir, step, mesh=mesh)
+  params = store(params, weights)
   meta = read_meta(workdir, step)
   tokenizer = TextTokenizer.load(workdir, model.config.vocab_size)
   data_config = (
@@ -142,6 +149,7 @@ def evaluate_checkpoint(
     "step": step,
     "split": split,
     "cache": cache,
+    "weights": weights,
     **metrics,
     "seq_len": data_config.seq_len,
     "tokens": batch_size * num_batches * data_config.seq_len,

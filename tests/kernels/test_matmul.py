@@ -1,5 +1,6 @@
-"""The CPU small-matmul kernel against numpy, and dot_general's routing to it."""
+"""The CPU small-matmul kernel against numpy in every stored weight format, and the routing to it."""
 
+import functools
 import shutil
 
 import jax
@@ -7,9 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
-from jax import lax
 
 from kvjax.kernels import matmul
+from kvjax.model import weights
+from kvjax.model.backend import xla_matmul
 
 pytestmark = pytest.mark.skipif(
   jax.default_backend() != "cpu" or shutil.which("g++") is None and shutil.which("c++") is None,
@@ -47,8 +49,35 @@ def test_matches_reference_any_shape(m, k, n):
 
 def test_empty_contraction_gives_zeros():
   np.testing.assert_array_equal(matmul.small_matmul(jnp.ones((4, 0)), jnp.ones((0, 40))), np.zeros((4, 40)))
-  dims = (((1,), (0,)), ((), ()))
-  np.testing.assert_array_equal(matmul.dot_general(jnp.ones((4, 0)), jnp.ones((0, 40)), dims), np.zeros((4, 40)))
+  np.testing.assert_array_equal(matmul.matmul(jnp.ones((4, 0)), jnp.ones((0, 40))), np.zeros((4, 40)))
+
+
+def stored(w, fmt):
+  """w float32 [K, N] as kvjax.model.weights stores it, and the float32 matrix it stands for."""
+  if fmt == "float32":
+    return w, None, w
+  if fmt == "bfloat16":
+    b = jnp.asarray(w, jnp.bfloat16)
+    return b, None, np.asarray(b, np.float32)
+  q, scale = weights.quantize_int8(w, (0,))
+  return q, scale, q.astype(np.float32) * scale
+
+
+@pytest.mark.parametrize("fmt", weights.FORMATS)
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("m,k,n", [(1, 5, 3), (3, 17, 33), (8, 576, 700), (16, 64, 50), (5, 40, 15), (4, 96, 2000)])
+def test_stored_formats_match_their_float32(fmt, transposed, m, k, n):
+  # The kernel widens each stored format in registers: the product equals the float32 one of
+  # the matrix the stored weights stand for (partial vectors of every width, each row count).
+  rng = np.random.default_rng(m + k + n)
+  x, w = rng.standard_normal((m, k), np.float32), rng.standard_normal((k, n), np.float32)
+  w_stored, scale, w_float = stored(w, fmt)
+  if transposed:
+    w_stored = w_stored.T.copy() if fmt != "bfloat16" else jnp.asarray(w_stored).T
+  ours = jax.jit(functools.partial(matmul.small_matmul, transposed=transposed))(x, jnp.asarray(w_stored), scale)
+  np.testing.assert_allclose(ours, reference(x, w_float), rtol=1e-5, atol=1e-5 * k**0.5)
+  xla = xla_matmul(jnp.asarray(x), jnp.asarray(w_stored), scale, transposed)
+  np.testing.assert_allclose(ours, xla, rtol=1e-5, atol=1e-5 * k**0.5)
 
 
 def test_gradients_match_xla():
@@ -71,30 +100,17 @@ def test_vmap():
   np.testing.assert_allclose(jax.vmap(matmul.small_matmul)(x, w), np.einsum("bmk,bkn->bmn", x, w), rtol=1e-5, atol=1e-5)
 
 
-def routed(lhs, rhs, dims) -> bool:
-  text = jax.jit(lambda a, b: matmul.dot_general(a, b, dims)).lower(lhs, rhs).as_text()
+def routed(x, w, transposed=False) -> bool:
+  text = jax.jit(lambda a, b: matmul.matmul(a, b, None, transposed)).lower(x, w).as_text()
   return matmul.TARGET in text
 
 
-def test_dot_general_routes_dense_products():
-  x = jnp.ones((4, 1, 32), jnp.float32)
-  qkv_kernel = jnp.ones((32, 2, 8), jnp.float32)  # DenseGeneral [D, heads, H]
-  dims = (((2,), (0,)), ((), ()))
-  np.testing.assert_allclose(matmul.dot_general(x, qkv_kernel, dims), lax.dot_general(x, qkv_kernel, dims))
-  assert routed(x, qkv_kernel, dims)
-  heads = jnp.ones((4, 1, 2, 8), jnp.float32)
-  out_kernel = jnp.ones((2, 8, 32), jnp.float32)  # out projection contracts [heads, H]
-  out_dims = (((2, 3), (0, 1)), ((), ()))
-  np.testing.assert_allclose(
-    matmul.dot_general(heads, out_kernel, out_dims), lax.dot_general(heads, out_kernel, out_dims)
-  )
-  assert routed(heads, out_kernel, out_dims)
-
-
-def test_dot_general_leaves_other_products_to_xla():
-  dims = (((1,), (0,)), ((), ()))
+def test_routing():
   w = jnp.ones((32, 16), jnp.float32)
-  assert not routed(jnp.ones((matmul.MAX_ROWS + 1, 32), jnp.float32), w, dims)  # prefill, training
-  assert not routed(jnp.ones((1, 32), jnp.float32), w, dims)  # matrix-vector: XLA is as fast
-  assert not routed(jnp.ones((4, 32), jnp.bfloat16), w.astype(jnp.bfloat16), dims)
-  assert not routed(jnp.ones((32, 4), jnp.float32), w, (((0,), (0,)), ((), ())))  # not x @ w
+  assert routed(jnp.ones((4, 32), jnp.float32), w)
+  assert routed(jnp.ones((4, 32), jnp.float32), w.T, transposed=True)
+  assert not routed(jnp.ones((matmul.MAX_ROWS + 1, 32), jnp.float32), w)  # prefill, training
+  assert not routed(jnp.ones((1, 32), jnp.float32), w)  # float32 matrix-vector: XLA is as fast
+  for stored_dtype in (jnp.bfloat16, jnp.int8):  # XLA would widen the whole matrix first
+    assert routed(jnp.ones((1, 32), jnp.float32), w.astype(stored_dtype))
+  assert not routed(jnp.ones((4, 32), jnp.bfloat16), w.astype(jnp.bfloat16))  # bfloat16 compute

@@ -50,7 +50,7 @@ inline void StorePart(float* p, Vec v, int64_t n) {
 #endif
 }
 
-// kLanes elements of float or int8 data as floats (LoadAs), or the first n < kLanes of them,
+// kLanes elements of float, int8 or bfloat16 data as floats (LoadAs), or the first n < kLanes of them,
 // zeros after (LoadPartAs, never touching memory past p + n).
 inline Vec LoadAs(const float* p) { return Load(p); }
 inline Vec LoadPartAs(const float* p, int64_t n) { return LoadPart(p, n); }
@@ -66,11 +66,30 @@ inline Vec LoadAs(const int8_t* p) {
   return v;
 #endif
 }
-inline Vec LoadPartAs(const int8_t* p, int64_t n) {
-  int8_t bytes[kLanes] = {};
-  std::memcpy(bytes, p, n);
-  return LoadAs(bytes);
+// bfloat16 (its bits, as uint16_t) widened to float: the bits shifted into a float's upper half.
+inline Vec LoadAs(const uint16_t* p) {
+#if defined(__AVX512F__)
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return (Vec)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+#elif defined(__AVX2__)
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return (Vec)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+#else
+  Vec v;
+  for (int i = 0; i < kLanes; ++i) {
+    const uint32_t wide = uint32_t{p[i]} << 16;
+    std::memcpy(&v[i], &wide, sizeof(float));
+  }
+  return v;
+#endif
 }
+template <typename T>
+inline Vec LoadPartAs(const T* p, int64_t n) {
+  T part[kLanes] = {};
+  std::memcpy(part, p, n * sizeof(T));
+  return LoadAs(part);
+}
+
 
 }  // namespace kvjax
 

@@ -1,4 +1,7 @@
-// kvjax_small_matmul: y[M, N] = x[M, K] @ w[K, N] in float32 for small M (decode-step rows).
+// kvjax_small_matmul: y[M, N] = (x[M, K] @ w[K, N]) * scale[N] for small M (decode-step rows),
+// x and y float32, w stored in float32, bfloat16 or int8 and widened to float32 in registers;
+// scale (one per output column, the int8 format's) may be empty. With `transposed`, w is stored
+// [N, K] (a tied embedding table read as the logits projection) and y = x @ w^T.
 //
 // An XLA FFI handler for the CPU. At decode batch sizes the weights are read once per step and
 // the product is bound by how fast they stream from memory; XLA's CPU dot runs these shapes
@@ -34,16 +37,15 @@ constexpr int64_t kBandsPerThread = 4;
 // the first `width` < kLanes columns when Partial. x has row stride k_dim; w and y have n. With
 // `prefetch`, the same columns of the next P rows are fetched into L2 meanwhile: the hardware
 // prefetchers alone do not keep 8 row streams at the memory's rate.
-template <int P, bool Partial>
-inline void Column(const float* x, const float* w, float* y, int64_t m, int64_t k_dim, int64_t n,
+template <int P, bool Partial, typename W>
+inline void Column(const float* x, const W* w, float* y, int64_t m, int64_t k_dim, int64_t n,
                    int64_t k, int64_t c, int64_t width, bool add, bool prefetch) {
-  const auto load = [width](const float* p) { return Partial ? kvjax::LoadPart(p, width) : kvjax::Load(p); };
   Vec wv[P];
-  for (int i = 0; i < P; ++i) wv[i] = load(w + (k + i) * n + c);
+  for (int i = 0; i < P; ++i) wv[i] = Partial ? kvjax::LoadPartAs(w + (k + i) * n + c, width) : kvjax::LoadAs(w + (k + i) * n + c);
   if (prefetch)
     for (int i = 0; i < P; ++i) __builtin_prefetch(w + (k + P + i) * n + c, 0, 2);
   for (int64_t r = 0; r < m; ++r) {
-    Vec acc = add ? load(y + r * n + c) : Vec{};
+    Vec acc = add ? (Partial ? kvjax::LoadPart(y + r * n + c, width) : kvjax::Load(y + r * n + c)) : Vec{};
     const float* xr = x + r * k_dim + k;
     for (int i = 0; i < P; ++i) acc += xr[i] * wv[i];
     if (Partial) kvjax::StorePart(y + r * n + c, acc, width);
@@ -52,17 +54,51 @@ inline void Column(const float* x, const float* w, float* y, int64_t m, int64_t 
 }
 
 // Rows k:k+P of w across columns c0:c1.
-template <int P>
-void Panel(const float* x, const float* w, float* y, int64_t m, int64_t k_dim, int64_t n, int64_t k,
+template <int P, typename W>
+void Panel(const float* x, const W* w, float* y, int64_t m, int64_t k_dim, int64_t n, int64_t k,
            int64_t c0, int64_t c1, bool add, bool prefetch) {
   int64_t c = c0;
   for (; c + kLanes <= c1; c += kLanes) Column<P, false>(x, w, y, m, k_dim, n, k, c, kLanes, add, prefetch);
   if (c < c1) Column<P, true>(x, w, y, m, k_dim, n, k, c, c1 - c, add, prefetch);
 }
 
+inline float LaneSum(Vec v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps((__m512)v);
+#else
+  float total = 0;
+  for (int i = 0; i < kLanes; ++i) total += v[i];
+  return total;
+#endif
+}
+
+// The transposed form, y[r, j] = x[r, :] . w[j, :] for R rows r0:r0+R of x and the rows j0:j1
+// of w [N, K]: each row of w is read once, in order, per group of R rows of x, and stays in L1
+// for the next group.
+template <int R, typename W>
+void DotRows(const float* x, const W* w, float* y, int64_t r0, int64_t k_dim, int64_t n, int64_t j0,
+             int64_t j1) {
+  const int64_t full = k_dim / kLanes * kLanes;
+  for (int64_t j = j0; j < j1; ++j) {
+    const W* row = w + j * k_dim;
+    __builtin_prefetch(row + 4 * k_dim, 0, 2);
+    Vec acc[R] = {};
+    for (int64_t k = 0; k < full; k += kLanes) {
+      const Vec wv = kvjax::LoadAs(row + k);
+      for (int r = 0; r < R; ++r) acc[r] += kvjax::Load(x + (r0 + r) * k_dim + k) * wv;
+    }
+    if (full < k_dim) {
+      const Vec wv = kvjax::LoadPartAs(row + full, k_dim - full);
+      for (int r = 0; r < R; ++r) acc[r] += kvjax::LoadPart(x + (r0 + r) * k_dim + full, k_dim - full) * wv;
+    }
+    for (int r = 0; r < R; ++r) y[(r0 + r) * n + j] = LaneSum(acc[r]);
+  }
+}
+
+template <typename W>
 struct Problem {
   const float* x;
-  const float* w;
+  const W* w;
   float* y;
   int64_t m, k, n;
   int64_t band_rows;  // rows of w per band, one task each
@@ -86,37 +122,91 @@ struct Problem {
       for (; r < k1; ++r) Panel<1>(x, w, out, m, k, n, r, c0, c1, !first || r != k0, false);
     }
   }
+
+  // The transposed form: rows [t * band_rows, ...) of w [N, K] give those columns of y, whole.
+  void RunTransposedBand(int64_t t) const {
+    const int64_t j0 = std::min(n, t * band_rows), j1 = std::min(n, j0 + band_rows);
+    int64_t r = 0;
+    for (; r + 4 <= m; r += 4) DotRows<4>(x, w, y, r, k, n, j0, j1);
+    for (; r < m; ++r) DotRows<1>(x, w, y, r, k, n, j0, j1);
+  }
 };
 
-ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                       ffi::ResultBuffer<ffi::F32> y) {
-  const auto xd = x.dimensions();
-  const auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0])
-    return ffi::Error::InvalidArgument("kvjax_small_matmul expects x [M, K] and w [K, N]");
-  const int64_t m = xd[0], k = xd[1], n = wd[1];
-  if (m * n == 0) return ffi::Error::Success();
+// Rows of w (of `row_bytes` each) per band, and the bands and workers to share `rows` among.
+struct Split {
+  int64_t band_rows, bands, workers;
+};
+
+Split Share(const ffi::ThreadPool& pool, int64_t rows, int64_t row_bytes, int64_t align) {
   // Waking a pool thread costs more than streaming a small slice of w: only weights of
   // kMinBytesPerThread or more per thread are worth sharing.
-  const int64_t threads = std::clamp<int64_t>(k * n * int64_t{sizeof(float)} / kMinBytesPerThread, 1,
+  const int64_t threads = std::clamp<int64_t>(rows * row_bytes / kMinBytesPerThread, 1,
                                               std::max<int64_t>(1, pool.num_threads()));
-  const int64_t panels = std::max<int64_t>(1, (k + kPanel - 1) / kPanel);
-  const int64_t bands = std::min(threads * kBandsPerThread, panels);
-  const int64_t band_rows = (panels + bands - 1) / bands * kPanel;
-  const int64_t workers = std::min(threads, bands);
+  const int64_t units = std::max<int64_t>(1, (rows + align - 1) / align);
+  const int64_t bands = std::min(threads * kBandsPerThread, units);
+  const int64_t band_rows = (units + bands - 1) / bands * align;
+  return {band_rows, bands, std::min(threads, bands)};
+}
 
-  std::vector<float> partial((workers - 1) * m * n);
-  const Problem problem{x.typed_data(), w.typed_data(), y->typed_data(), m, k, n, band_rows, partial.data()};
+template <typename W>
+void Multiply(ffi::ThreadPool& pool, const float* x, const W* w, float* y, int64_t m, int64_t k, int64_t n,
+              bool transposed) {
+  if (transposed) {
+    // Each band writes its own columns of y: no partial sums to add.
+    const Split split = Share(pool, n, k * int64_t{sizeof(W)}, 1);
+    const Problem<W> problem{x, w, y, m, k, n, split.band_rows, nullptr};
+    kvjax::ParallelFor(pool, split.bands, split.workers,
+                       [&](int64_t band, int64_t) { problem.RunTransposedBand(band); });
+    return;
+  }
+  const Split split = Share(pool, k, n * int64_t{sizeof(W)}, kPanel);
+  std::vector<float> partial((split.workers - 1) * m * n);
+  const Problem<W> problem{x, w, y, m, k, n, split.band_rows, partial.data()};
   // Each worker sums its bands in its own buffer (worker 0's is y); the buffers are added at the end.
-  std::vector<char> used(workers, 0);  // per worker: whether its buffer holds a sum
-  kvjax::ParallelFor(pool, bands, workers, [&](int64_t band, int64_t worker) {
+  std::vector<char> used(split.workers, 0);  // per worker: whether its buffer holds a sum
+  kvjax::ParallelFor(pool, split.bands, split.workers, [&](int64_t band, int64_t worker) {
     problem.RunBand(band, worker, !used[worker]);
     used[worker] = 1;
   });
-  if (!used[0]) std::memset(problem.y, 0, m * n * sizeof(float));
-  for (int64_t i = 1; i < workers; ++i)
+  if (!used[0]) std::memset(y, 0, m * n * sizeof(float));
+  for (int64_t i = 1; i < split.workers; ++i)
     if (used[i])
-      for (int64_t j = 0; j < m * n; ++j) problem.y[j] += partial[(i - 1) * m * n + j];
+      for (int64_t j = 0; j < m * n; ++j) y[j] += partial[(i - 1) * m * n + j];
+}
+
+ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> scale,
+                       ffi::ResultBuffer<ffi::F32> y, bool transposed) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[transposed ? 1 : 0])
+    return ffi::Error::InvalidArgument("kvjax_small_matmul expects x [M, K] and w [K, N] ([N, K] transposed)");
+  const int64_t m = xd[0], k = xd[1], n = wd[transposed ? 0 : 1];
+  if (scale.element_count() != 0 && scale.element_count() != n)
+    return ffi::Error::InvalidArgument("kvjax_small_matmul expects one scale per output column, or none");
+  if (m * n == 0) return ffi::Error::Success();
+  float* out = y->typed_data();
+  if (k == 0) {
+    std::memset(out, 0, m * n * sizeof(float));
+    return ffi::Error::Success();
+  }
+  switch (w.element_type()) {
+    case ffi::DataType::F32:
+      Multiply(pool, x.typed_data(), static_cast<const float*>(w.untyped_data()), out, m, k, n, transposed);
+      break;
+    case ffi::DataType::BF16:
+      Multiply(pool, x.typed_data(), static_cast<const uint16_t*>(w.untyped_data()), out, m, k, n, transposed);
+      break;
+    case ffi::DataType::S8:
+      Multiply(pool, x.typed_data(), static_cast<const int8_t*>(w.untyped_data()), out, m, k, n, transposed);
+      break;
+    default:
+      return ffi::Error::InvalidArgument("kvjax_small_matmul takes weights in float32, bfloat16 or int8");
+  }
+  if (scale.element_count() != 0) {
+    const float* s = scale.typed_data();
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t j = 0; j < n; ++j) out[r * n + j] *= s[j];
+  }
   return ffi::Error::Success();
 }
 
@@ -126,5 +216,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxSmallMatmul, SmallMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<bool>("transposed"));

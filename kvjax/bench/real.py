@@ -1,0 +1,407 @@
+"""`kvjax bench real --model smollm2-135m`: a pretrained model in kvjax beside `transformers`, on
+the jobs its speed is judged by, every figure from one run on one machine.
+
+  bandwidth   the machine's memory read rate (GB/s): a jitted sum over 1 GiB of float32.
+  decode      greedy generation, 128-token prompts + 128 new tokens at batch 1 and 8, with the
+              weights stored in each format (kvjax.model.weights) against transformers' float32
+              and bfloat16 models (static cache); at batch 1, the weight bytes read per second
+              and their fraction of the bandwidth.
+  perplexity  held-out prose perplexity of each weight format against float32 (kvjax's plain
+              forward pass, `windows` windows of 1,024 tokens).
+  prefill     batch x 2,048-token prompts: tokens/s and the process's peak resident memory,
+              kvjax's prefill (blocked attention) against transformers' forward pass (SDPA).
+  long        the decode phase after that prefill: seconds per step with each kvjax cache codec
+              against transformers' dynamic and static caches, and the whole request (prefill +
+              256 steps) from those figures.
+  engine      a seeded workload of chat requests (prose in the chat template, 32-512 prompt
+              tokens, 32-256 new tokens, Poisson arrivals) through kvjax.Engine and through
+              transformers' continuous batching: requests and tokens per second, time to first
+              token and per-token latency (p50 / p95).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.bench.real_model import _torch, load_both, prose_prompts
+from kvjax.cache.config import CacheConfig
+from kvjax.decoding import decode
+from kvjax.model.weights import FORMATS, store, weight_bytes
+from kvjax.serving.engine import Engine, EngineConfig
+from kvjax.timing import timed_alternating
+from kvjax.training.config import DataConfig
+from kvjax.training.data import PROSE, load_dataset
+from kvjax.training.evaluate import evaluate
+
+PARTS = ("decode", "perplexity", "prefill", "long", "engine")
+CACHE_CODECS = ("float32", "bfloat16", "int8", "int4")
+
+
+def memory_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+  """GB/s of the best of `repeats` jitted sums over `gib` GiB of float32 (each read once)."""
+  x = jnp.ones((int(gib * 2**30) // 4,), jnp.float32)
+  total = jax.jit(jnp.sum)
+  jax.block_until_ready(total(x))
+  best = math.inf
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(total(x))
+    best = min(best, time.perf_counter() - start)
+  return x.nbytes / best / 1e9
+
+
+def reset_peak_memory() -> None:
+  """Resets the process's peak resident memory (Linux: VmHWM), so the next reading is one phase's."""
+  try:
+    with open("/proc/self/clear_refs", "w") as f:
+      f.write("5")
+  except OSError:
+    pass
+
+
+def peak_memory_gib() -> float | None:
+  """The process's peak resident memory since the last reset, GiB (None where /proc has none)."""
+  try:
+    with open("/proc/self/status") as f:
+      for line in f:
+        if line.startswith("VmHWM:"):
+          return int(line.split()[1]) / 2**20
+  except OSError:
+    pass
+  return None
+
+
+def _hf_generate(torch, hf_model, prompts: np.ndarray, new_tokens: int):
+  input_ids = torch.from_numpy(prompts.astype(np.int64))
+  kwargs = dict(
+    attention_mask=torch.ones_like(input_ids),
+    max_new_tokens=new_tokens,
+    min_new_tokens=new_tokens,
+    do_sample=False,
+    cache_implementation="static",
+    pad_token_id=0,
+    eos_token_id=None,
+  )
+
+  def run():
+    with torch.inference_mode():
+      return hf_model.generate(input_ids, **kwargs)[:, prompts.shape[1] :].numpy()
+
+  return run
+
+
+def bench_decode_formats(model, params, tokenizer, hf_models, bandwidth, *, batches, prompt, new_tokens, repeats):
+  torch, _ = _torch()
+  stored = {fmt: store(params, fmt) for fmt in FORMATS}
+  rows = []
+  for batch in batches:
+    prompts = prose_prompts(tokenizer, batch, prompt)
+    lengths = np.full((batch,), prompt, np.int32)
+    fns = {
+      f"kvjax_{fmt}": (lambda p=p: decode.generate(model, p, prompts, lengths, new_tokens)) for fmt, p in stored.items()
+    }
+    fns |= {f"hf_{name}": _hf_generate(torch, m, prompts, new_tokens) for name, m in hf_models.items()}
+    reference = np.asarray(fns["hf_float32"]())
+    times = timed_alternating(fns, repeats)
+    row = {"batch": batch}
+    for name, fn in fns.items():
+      seconds = statistics.median(times[name])
+      row[name] = {"tokens_per_s": batch * new_tokens / seconds, "seconds": times[name]}
+      if name.startswith("kvjax_"):
+        fmt = name.removeprefix("kvjax_")
+        row[name]["greedy_tokens_agree_with_hf_float32"] = float((np.asarray(fn()) == reference).mean())
+        row[name]["weight_gb_per_s"] = weight_bytes(stored[fmt]) * new_tokens / seconds / 1e9
+        row[name]["bandwidth_fraction"] = row[name]["weight_gb_per_s"] / bandwidth
+    best_hf = max(row[f"hf_{n}"]["tokens_per_s"] for n in hf_models)
+    for fmt in FORMATS:
+      row[f"kvjax_{fmt}"]["over_hf_float32"] = row[f"kvjax_{fmt}"]["tokens_per_s"] / row["hf_float32"]["tokens_per_s"]
+      row[f"kvjax_{fmt}"]["over_hf_best"] = row[f"kvjax_{fmt}"]["tokens_per_s"] / best_hf
+    rows.append(row)
+  return {
+    "prompt": prompt,
+    "new_tokens": new_tokens,
+    "weight_bytes": {f: weight_bytes(p) for f, p in stored.items()},
+    "rows": rows,
+  }
+
+
+def bench_perplexity_formats(model, params, tokenizer, *, seq_len, windows):
+  data = load_dataset(DataConfig(source=PROSE, seq_len=seq_len), tokenizer)
+  out = {"seq_len": seq_len, "windows": windows}
+  for fmt in FORMATS:
+    metrics = evaluate(model, store(params, fmt), data, batch_size=windows, num_batches=1)
+    out[fmt] = metrics["perplexity"]
+  for fmt in FORMATS:
+    out[f"{fmt}_relative"] = out[fmt] / out["float32"] - 1
+  return out
+
+
+def bench_prefill(model, params, tokenizer, hf_model, *, batch, prompt, max_len, repeats):
+  """kvjax prefill (last logits) vs transformers' forward (dynamic cache, last logits), alternating."""
+  torch, _ = _torch()
+  prompts = prose_prompts(tokenizer, batch, prompt)
+  lengths = np.full((batch,), prompt, np.int32)
+  ids = torch.from_numpy(prompts.astype(np.int64))
+
+  def ours():
+    logits, cache = decode.prefill(model, params, prompts, lengths, max_len, logits="last")
+    return logits
+
+  def theirs():
+    with torch.inference_mode():
+      return hf_model(ids, use_cache=True, logits_to_keep=1).logits
+
+  peaks = {}
+  for name, fn in (("kvjax", ours), ("hf", theirs)):
+    jax.block_until_ready(fn())
+    reset_peak_memory()
+    jax.block_until_ready(fn())
+    peaks[name] = peak_memory_gib()
+  times = timed_alternating({"kvjax": ours, "hf": theirs}, repeats)
+  tokens = batch * prompt
+  k, h = statistics.median(times["kvjax"]), statistics.median(times["hf"])
+  return {
+    "batch": batch,
+    "prompt": prompt,
+    "kvjax_tokens_per_s": tokens / k,
+    "hf_tokens_per_s": tokens / h,
+    "kvjax_over_hf": h / k,
+    "kvjax_peak_gib": peaks["kvjax"],
+    "hf_peak_gib": peaks["hf"],
+    "kvjax_s": times["kvjax"],
+    "hf_s": times["hf"],
+  }
+
+
+def bench_long(model, params, tokenizer, hf_model, prefill_s, *, batch, prompt, new_tokens, steps):
+  """Seconds per decode step after a `prompt`-token prefill, per cache, timed over `steps` steps."""
+  torch, transformers = _torch()
+  prompts = prose_prompts(tokenizer, batch, prompt)
+  lengths = np.full((batch,), prompt, np.int32)
+  rows = {}
+  for codec in CACHE_CODECS:
+    cache_config = CacheConfig(dtype=codec)
+    logits, cache = decode.prefill(
+      model, params, prompts, lengths, prompt + new_tokens, logits="last", cache_config=cache_config
+    )
+    token = np.asarray(jnp.argmax(logits, -1))
+    logits, cache = decode.decode_step(model, params, cache, token)  # compiles
+    token = np.asarray(jnp.argmax(logits, -1))
+    start = time.perf_counter()
+    for _ in range(steps):
+      logits, cache = decode.decode_step(model, params, cache, token)
+      token = np.asarray(jnp.argmax(logits, -1))
+    rows[f"kvjax_{codec}"] = (time.perf_counter() - start) / steps
+    del cache
+  ids = torch.from_numpy(prompts.astype(np.int64))
+  for name in ("dynamic", "static"):
+    with torch.inference_mode():
+      if name == "static":
+        past = transformers.StaticCache(config=hf_model.config, max_cache_len=prompt + new_tokens)
+      else:
+        past = transformers.DynamicCache()
+      out = hf_model(ids, past_key_values=past, use_cache=True, logits_to_keep=1)
+      token = out.logits[:, -1].argmax(-1, keepdim=True)
+      positions = torch.arange(prompt, prompt + steps + 1)
+      for i in range(steps + 1):
+        if i == 1:
+          start = time.perf_counter()
+        out = hf_model(token, past_key_values=out.past_key_values, use_cache=True, cache_position=positions[i : i + 1])
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+      rows[f"hf_{name}"] = (time.perf_counter() - start) / steps
+  best_hf = min(rows["hf_dynamic"], rows["hf_static"])
+  out = {"batch": batch, "prompt": prompt, "new_tokens": new_tokens, "timed_steps": steps, "step_s": rows}
+  out["decode_tokens_per_s"] = {name: batch / s for name, s in rows.items()}
+  out["decode_over_hf_best"] = {name: best_hf / s for name, s in rows.items() if name.startswith("kvjax")}
+  request = {n: prefill_s.get("kvjax" if n.startswith("kvjax") else "hf") + new_tokens * s for n, s in rows.items()}
+  out["request_s"] = request
+  out["request_over_hf_best"] = {
+    n: min(request["hf_dynamic"], request["hf_static"]) / s for n, s in request.items() if n.startswith("kvjax")
+  }
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+  """Seeded chat requests: prose in the chat template, prompt and new-token counts uniform in
+  their ranges, arrivals a Poisson process of `rate` requests per second."""
+
+  requests: int = 64
+  prompt_tokens: tuple[int, int] = (32, 512)
+  new_tokens: tuple[int, int] = (32, 256)
+  rate: float = 4.0
+  seed: int = 0
+
+  def build(self, tokenizer) -> list[tuple[float, list[int], int]]:
+    """[(arrival s, prompt ids, new tokens)]."""
+    rng = np.random.default_rng(self.seed)
+    text = load_dataset(DataConfig(source=PROSE, seq_len=self.prompt_tokens[1]), tokenizer).val
+    arrivals = np.cumsum(rng.exponential(1 / self.rate, self.requests))
+    out = []
+    for arrival in arrivals:
+      length = int(rng.integers(*self.prompt_tokens, endpoint=True))
+      start = int(rng.integers(0, len(text) - length))
+      body = tokenizer.decode(list(np.asarray(text[start : start + length])))
+      chat = tokenizer.apply_chat_template([{"role": "user", "content": body}], add_generation_prompt=True)
+      ids = tokenizer.encode(chat)[: self.prompt_tokens[1]]
+      out.append((float(arrival), [int(t) for t in ids], int(rng.integers(*self.new_tokens, endpoint=True))))
+    return out
+
+
+def latency_summary(arrivals, stamps, total_s, new_counts) -> dict:
+  """Requests/s, tokens/s, time to first token and per-token latency (p50, p95) from each
+  request's arrival and the times its tokens appeared."""
+  ttft = [s[0] - a for a, s in zip(arrivals, stamps)]
+  per_token = [(s[-1] - s[0]) / (len(s) - 1) for s in stamps if len(s) > 1]
+  pct = lambda xs, q: float(np.percentile(xs, q))
+  return {
+    "requests_per_s": len(stamps) / total_s,
+    "tokens_per_s": sum(new_counts) / total_s,
+    "seconds": total_s,
+    "ttft_p50_s": pct(ttft, 50),
+    "ttft_p95_s": pct(ttft, 95),
+    "per_token_p50_s": pct(per_token, 50),
+    "per_token_p95_s": pct(per_token, 95),
+  }
+
+
+def run_kvjax_engine(model, params, requests, engine_config: EngineConfig) -> dict:
+  engine = Engine(model, params, engine_config)
+  engine.warmup()
+  start = time.perf_counter()
+  pending = list(enumerate(requests))
+  stamps: dict[int, list[float]] = {}
+  ids: dict[int, int] = {}
+  while pending or engine.waiting or engine.running:
+    now = time.perf_counter() - start
+    while pending and pending[0][1][0] <= now:
+      index, (_, prompt, new) = pending.pop(0)
+      ids[engine.submit(np.asarray(prompt, np.int32), new)] = index
+    if not (engine.waiting or engine.running):
+      time.sleep(max(0.0, pending[0][1][0] - now))
+      continue
+    engine.step()
+    now = time.perf_counter() - start
+    for request in [*engine.running, *engine.finished.values()]:
+      times = stamps.setdefault(ids[request.id], [])
+      times.extend([now] * (len(request.generated) - len(times)))
+  total = time.perf_counter() - start
+  order = sorted(stamps)
+  return latency_summary(
+    [requests[i][0] for i in order], [stamps[i] for i in order], total, [requests[i][2] for i in order]
+  )
+
+
+def run_hf_engine(hf_model, requests, max_batch: int) -> dict:
+  _, transformers = _torch()
+  generation = transformers.GenerationConfig(
+    do_sample=False, max_new_tokens=max(r[2] for r in requests), eos_token_id=None
+  )
+  manager = hf_model.init_continuous_batching(generation_config=generation)
+  manager.start()
+  try:
+    start = time.perf_counter()
+    ids = []
+    for arrival, prompt, new in requests:
+      time.sleep(max(0.0, arrival - (time.perf_counter() - start)))
+      ids.append(manager.add_request(prompt, max_new_tokens=new, record_timestamps=True))
+    results = {}
+    for request_id in ids:
+      results[request_id] = manager.get_result(request_id=request_id, timeout=3600)
+    total = time.perf_counter() - start
+  finally:
+    manager.stop(block=True)
+  stamps = [[t - start for t in results[i].timestamps] for i in ids]
+  return latency_summary([r[0] for r in requests], stamps, total, [len(results[i].generated_tokens) for i in ids])
+
+
+def bench_engine(model, params, tokenizer, hf_model, workload: Workload) -> dict:
+  requests = workload.build(tokenizer)
+  config = EngineConfig(
+    num_slots=16, num_pages=16 * 48 + 1, max_len=768, cache=CacheConfig(layout="paged", page_size=16)
+  )
+  ours = run_kvjax_engine(model, params, requests, config)
+  theirs = run_hf_engine(hf_model, requests, config.num_slots)
+  return {
+    "workload": dataclasses.asdict(workload),
+    "engine": dataclasses.asdict(config),
+    "kvjax": ours,
+    "hf": theirs,
+    "requests_per_s_over_hf": ours["requests_per_s"] / theirs["requests_per_s"],
+  }
+
+
+def bench_real(
+  source: str,
+  *,
+  parts=PARTS,
+  repeats: int = 2,
+  prompt: int = 128,
+  new_tokens: int = 128,
+  long_batch: int = 8,
+  long_prompt: int = 2048,
+  long_new: int = 256,
+  long_steps: int = 32,
+  windows: int = 4,
+  workload: Workload = Workload(),
+) -> dict:
+  torch, _ = _torch()
+  model, params, tokenizer, hf_model, versions = load_both(source)
+  result = {"benchmark": "real", "model": model.config.to_dict(), **versions, "parts": list(parts)}
+  result["bandwidth_gb_per_s"] = bandwidth = memory_bandwidth()
+  if "decode" in parts:
+    hf_models = {"float32": hf_model, "bfloat16": _bf16_copy(torch, hf_model)}
+    result["decode"] = bench_decode_formats(
+      model,
+      params,
+      tokenizer,
+      hf_models,
+      bandwidth,
+      batches=(1, 8),
+      prompt=prompt,
+      new_tokens=new_tokens,
+      repeats=repeats,
+    )
+    del hf_models["bfloat16"]
+  if "perplexity" in parts:
+    result["perplexity"] = bench_perplexity_formats(model, params, tokenizer, seq_len=1024, windows=windows)
+  if "prefill" in parts or "long" in parts:
+    result["prefill"] = bench_prefill(
+      model,
+      params,
+      tokenizer,
+      hf_model,
+      batch=long_batch,
+      prompt=long_prompt,
+      max_len=long_prompt + long_new,
+      repeats=1,
+    )
+  if "long" in parts:
+    prefill_s = {"kvjax": min(result["prefill"]["kvjax_s"]), "hf": min(result["prefill"]["hf_s"])}
+    result["long"] = bench_long(
+      model,
+      params,
+      tokenizer,
+      hf_model,
+      prefill_s,
+      batch=long_batch,
+      prompt=long_prompt,
+      new_tokens=long_new,
+      steps=long_steps,
+    )
+  if "engine" in parts:
+    result["engine"] = bench_engine(model, params, tokenizer, hf_model, workload)
+  return result
+
+
+def _bf16_copy(torch, hf_model):
+  import copy
+
+  return copy.deepcopy(hf_model).to(torch.bfloat16)
