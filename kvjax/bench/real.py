@@ -8,11 +8,13 @@ the jobs its speed is judged by, every figure from one run on one machine.
               and their fraction of the bandwidth.
   perplexity  held-out prose perplexity of each weight format against float32 (kvjax's plain
               forward pass, `windows` windows of 1,024 tokens).
+  perplexity  also of each cache codec, read through the cache as a decode reads it.
   prefill     batch x 2,048-token prompts: tokens/s and the process's peak resident memory,
-              kvjax's prefill (blocked attention) against transformers' forward pass (SDPA).
+              kvjax's prefill (blocked attention) with each weight format against transformers'
+              float32 forward pass (SDPA).
   long        the decode phase after that prefill: seconds per step with each kvjax cache codec
-              against transformers' dynamic and static caches, and the whole request (prefill +
-              256 steps) from those figures.
+              (int8 weights) against transformers' dynamic and static caches, and the whole
+              request (prefill + 256 steps) from those figures.
   engine      a seeded workload of chat requests (prose in the chat template, 32-512 prompt
               tokens, 32-256 new tokens, Poisson arrivals) through kvjax.Engine and through
               transformers' continuous batching: requests and tokens per second, time to first
@@ -44,17 +46,29 @@ PARTS = ("decode", "perplexity", "prefill", "long", "engine")
 CACHE_CODECS = ("float32", "bfloat16", "int8", "int4")
 
 
-def memory_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
-  """GB/s of the best of `repeats` jitted sums over `gib` GiB of float32 (each read once)."""
+def memory_bandwidth(gib: float = 1.0, repeats: int = 5) -> dict:
+  """The machine's read rate, GB/s, best of `repeats`: XLA's max over `gib` GiB of float32, and
+  the CPU matmul kernel streaming a matrix of that size for 2 rows (both threads); `gb_per_s` is
+  the larger, the figure the weight reads are measured against."""
+  from kvjax.kernels import matmul
+
   x = jnp.ones((int(gib * 2**30) // 4,), jnp.float32)
-  total = jax.jit(jnp.sum)
-  jax.block_until_ready(total(x))
+  rates = {"xla_max_gb_per_s": _rate(jax.jit(jnp.max), (x,), x.nbytes, repeats)}
+  if matmul.kernel_available():
+    w = x.reshape(2**13, -1)
+    rows = jnp.ones((2, w.shape[0]), jnp.float32)
+    rates["kernel_stream_gb_per_s"] = _rate(jax.jit(matmul.small_matmul), (rows, w), w.nbytes, repeats)
+  return {**rates, "gb_per_s": max(rates.values())}
+
+
+def _rate(fn, args, nbytes: int, repeats: int) -> float:
+  jax.block_until_ready(fn(*args))
   best = math.inf
   for _ in range(repeats):
     start = time.perf_counter()
-    jax.block_until_ready(total(x))
+    jax.block_until_ready(fn(*args))
     best = min(best, time.perf_counter() - start)
-  return x.nbytes / best / 1e9
+  return nbytes / best / 1e9
 
 
 def reset_peak_memory() -> None:
@@ -133,55 +147,54 @@ def bench_decode_formats(model, params, tokenizer, hf_models, bandwidth, *, batc
 
 
 def bench_perplexity_formats(model, params, tokenizer, *, seq_len, windows):
+  """Held-out perplexity of each weight format (float32 cache) and of each cache codec (float32
+  weights, read through the cache as a decode does) against float32."""
   data = load_dataset(DataConfig(source=PROSE, seq_len=seq_len), tokenizer)
-  out = {"seq_len": seq_len, "windows": windows}
+  run = lambda p, cache=None: evaluate(model, p, data, batch_size=windows, num_batches=1, cache_config=cache)
+  out = {"seq_len": seq_len, "windows": windows, "weights": {}, "cache": {}}
+  base = run(params)["perplexity"]
   for fmt in FORMATS:
-    metrics = evaluate(model, store(params, fmt), data, batch_size=windows, num_batches=1)
-    out[fmt] = metrics["perplexity"]
-  for fmt in FORMATS:
-    out[f"{fmt}_relative"] = out[fmt] / out["float32"] - 1
+    out["weights"][fmt] = base if fmt == "float32" else run(store(params, fmt))["perplexity"]
+  for codec in CACHE_CODECS:
+    out["cache"][codec] = run(params, CacheConfig(dtype=codec))["perplexity"]
+  for group in ("weights", "cache"):
+    out[f"{group}_relative"] = {name: value / base - 1 for name, value in out[group].items()}
   return out
 
 
-def bench_prefill(model, params, tokenizer, hf_model, *, batch, prompt, max_len, repeats):
-  """kvjax prefill (last logits) vs transformers' forward (dynamic cache, last logits), alternating."""
+def bench_prefill(model, params, tokenizer, hf_model, *, batch, prompt, max_len):
+  """kvjax prefill (last logits) with the weights in each format vs transformers' float32
+  forward (dynamic cache, last logits): one timed run each after a warm-up, the process's peak
+  resident memory during it."""
   torch, _ = _torch()
   prompts = prose_prompts(tokenizer, batch, prompt)
   lengths = np.full((batch,), prompt, np.int32)
   ids = torch.from_numpy(prompts.astype(np.int64))
 
-  def ours():
-    logits, cache = decode.prefill(model, params, prompts, lengths, max_len, logits="last")
-    return logits
+  def ours(p):
+    return lambda: decode.prefill(model, p, prompts, lengths, max_len, logits="last")[0]
 
   def theirs():
     with torch.inference_mode():
       return hf_model(ids, use_cache=True, logits_to_keep=1).logits
 
-  peaks = {}
-  for name, fn in (("kvjax", ours), ("hf", theirs)):
+  fns = {f"kvjax_{fmt}": ours(store(params, fmt)) for fmt in FORMATS} | {"hf_float32": theirs}
+  out = {"batch": batch, "prompt": prompt}
+  for name, fn in fns.items():
     jax.block_until_ready(fn())
     reset_peak_memory()
+    start = time.perf_counter()
     jax.block_until_ready(fn())
-    peaks[name] = peak_memory_gib()
-  times = timed_alternating({"kvjax": ours, "hf": theirs}, repeats)
-  tokens = batch * prompt
-  k, h = statistics.median(times["kvjax"]), statistics.median(times["hf"])
-  return {
-    "batch": batch,
-    "prompt": prompt,
-    "kvjax_tokens_per_s": tokens / k,
-    "hf_tokens_per_s": tokens / h,
-    "kvjax_over_hf": h / k,
-    "kvjax_peak_gib": peaks["kvjax"],
-    "hf_peak_gib": peaks["hf"],
-    "kvjax_s": times["kvjax"],
-    "hf_s": times["hf"],
-  }
+    seconds = time.perf_counter() - start
+    out[name] = {"seconds": seconds, "tokens_per_s": batch * prompt / seconds, "peak_gib": peak_memory_gib()}
+  for name in fns:
+    out[name]["over_hf"] = out[name]["tokens_per_s"] / out["hf_float32"]["tokens_per_s"]
+  return out
 
 
 def bench_long(model, params, tokenizer, hf_model, prefill_s, *, batch, prompt, new_tokens, steps):
-  """Seconds per decode step after a `prompt`-token prefill, per cache, timed over `steps` steps."""
+  """Seconds per decode step after a `prompt`-token prefill, per cache (kvjax with the weights
+  `params` as stored), timed over `steps` steps."""
   torch, transformers = _torch()
   prompts = prose_prompts(tokenizer, batch, prompt)
   lengths = np.full((batch,), prompt, np.int32)
@@ -325,7 +338,7 @@ def run_hf_engine(hf_model, requests, max_batch: int) -> dict:
 def bench_engine(model, params, tokenizer, hf_model, workload: Workload) -> dict:
   requests = workload.build(tokenizer)
   config = EngineConfig(
-    num_slots=16, num_pages=16 * 48 + 1, max_len=768, cache=CacheConfig(layout="paged", page_size=16)
+    num_slots=16, num_pages=16 * 48 + 1, max_len=768, cache=CacheConfig(layout="paged", page_size=16), weights="int8"
   )
   ours = run_kvjax_engine(model, params, requests, config)
   theirs = run_hf_engine(hf_model, requests, config.num_slots)
@@ -349,13 +362,16 @@ def bench_real(
   long_prompt: int = 2048,
   long_new: int = 256,
   long_steps: int = 32,
+  long_weights: str = "int8",
   windows: int = 4,
+  seq_len: int = 1024,
   workload: Workload = Workload(),
 ) -> dict:
   torch, _ = _torch()
   model, params, tokenizer, hf_model, versions = load_both(source)
   result = {"benchmark": "real", "model": model.config.to_dict(), **versions, "parts": list(parts)}
-  result["bandwidth_gb_per_s"] = bandwidth = memory_bandwidth()
+  result["bandwidth"] = memory_bandwidth()
+  bandwidth = result["bandwidth"]["gb_per_s"]
   if "decode" in parts:
     hf_models = {"float32": hf_model, "bfloat16": _bf16_copy(torch, hf_model)}
     result["decode"] = bench_decode_formats(
@@ -371,7 +387,7 @@ def bench_real(
     )
     del hf_models["bfloat16"]
   if "perplexity" in parts:
-    result["perplexity"] = bench_perplexity_formats(model, params, tokenizer, seq_len=1024, windows=windows)
+    result["perplexity"] = bench_perplexity_formats(model, params, tokenizer, seq_len=seq_len, windows=windows)
   if "prefill" in parts or "long" in parts:
     result["prefill"] = bench_prefill(
       model,
@@ -381,13 +397,13 @@ def bench_real(
       batch=long_batch,
       prompt=long_prompt,
       max_len=long_prompt + long_new,
-      repeats=1,
     )
   if "long" in parts:
-    prefill_s = {"kvjax": min(result["prefill"]["kvjax_s"]), "hf": min(result["prefill"]["hf_s"])}
+    prefill = result["prefill"]
+    prefill_s = {"kvjax": prefill[f"kvjax_{long_weights}"]["seconds"], "hf": prefill["hf_float32"]["seconds"]}
     result["long"] = bench_long(
       model,
-      params,
+      store(params, long_weights),
       tokenizer,
       hf_model,
       prefill_s,
@@ -396,6 +412,7 @@ def bench_real(
       new_tokens=long_new,
       steps=long_steps,
     )
+    result["long"]["weights"] = long_weights
   if "engine" in parts:
     result["engine"] = bench_engine(model, params, tokenizer, hf_model, workload)
   return result

@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kvjax import numerics
 from kvjax.kernels import build as cpu_kernels
-from kvjax.model.backend import xla_matmul
 
 TARGET = "kvjax_small_matmul"
 # The rows for which the kernel beats XLA's dot on the development machine (`kvjax bench
@@ -67,7 +67,8 @@ def _float_matmul_jvp(transposed, primals, tangents):
 def small_matmul(x: jax.Array, w: jax.Array, scale: jax.Array | None = None, *, transposed: bool = False) -> jax.Array:
   """x float32[M, K] @ w [K, N] (w [N, K] and x @ w.T when `transposed`), times scale float32[N]
   per output column when given -> float32[M, N], by the CPU kernel. w is float32, bfloat16 or
-  int8 (kvjax.model.weights' stored formats), widened to float32 as it is read.
+  int8 (kvjax.model.weights' stored formats), widened to float32 as it is read; with a stored
+  format the kernel rounds x to bfloat16 first (kvjax.numerics), as XLA's product does.
 
   Float32 weights without a scale are differentiable (XLA's tangents); the stored formats are
   for decoding only. Under jax.vmap each example is its own kernel call (and reads its weights
@@ -105,10 +106,10 @@ def uses_kernel(rows: int, x_dtype, w_dtype=jnp.float32) -> bool:
 
 
 def matmul(x: jax.Array, w: jax.Array, scale: jax.Array | None = None, transposed: bool = False) -> jax.Array:
-  """kvjax.model.backend.xla_matmul's signature, with the products uses_kernel admits computed by
+  """kvjax.numerics.matmul's signature, with the products uses_kernel admits computed by
   the CPU kernel (chosen when lowering: a function traced here may still be compiled for an
   accelerator)."""
-  xla = functools.partial(xla_matmul, transposed=transposed)
+  xla = functools.partial(numerics.matmul, transposed=transposed)
   if 0 in x.shape or 0 in w.shape or not uses_kernel(x.shape[0], x.dtype, w.dtype):
     return xla(x, w, scale)
   kernel = lambda x, w, scale: small_matmul(x, w, scale, transposed=transposed)

@@ -175,10 +175,12 @@ def blocked_attend(
   q: jax.Array, k: jax.Array, v: jax.Array, keys: Visibility, *, k_transposed: bool = False, block: int = BLOCK
 ) -> jax.Array:
   """`attend` over query and key tiles of `block` with an online softmax (flash attention): a
-  scan over query tiles, each a scan over key tiles carrying the running max, sum and output;
-  a key tile no query of the tile may read (above the causal diagonal, outside a window) is
-  skipped, not computed. Same arguments as `attend`, the mask given as positions -> [B, T, N, H].
-  A query that reads no key gives zeros."""
+  scan over query tiles, each a scan over key tiles carrying the running max, sum and output.
+  Per pair of tiles, by the positions: a key tile that no query of the tile may read (above the
+  causal diagonal, outside a window) is skipped, one that every query reads all of is computed
+  without a mask, and only the others (the diagonal, edges, padding) are masked. The G query
+  heads of a kv head are one matrix of G x block rows against each key tile. Same arguments as
+  `attend`, the mask given as positions -> [B, T, N, H]. A query that reads no key gives zeros."""
   b, t, n, h = q.shape
   kv, s = v.shape[1], v.shape[2]
   g = n // kv
@@ -189,40 +191,52 @@ def blocked_attend(
   pad = lambda x, axis, size, value=0: jnp.pad(
     x, [(0, size - x.shape[axis]) if i == axis else (0, 0) for i in range(x.ndim)], constant_values=value
   )
-  q_pos = pad(jnp.broadcast_to(keys.q_positions, (b, t)), 1, nq * block)
-  k_pos = pad(jnp.broadcast_to(keys.key_positions, (b, s)), 1, nk * block, -1)
-  q_tiles = pad(q, 1, nq * block).reshape(b, nq, block, kv, g, h).swapaxes(0, 1)  # [nq, B, Tb, K, G, H]
+  q_pos = pad(jnp.broadcast_to(keys.q_positions, (b, t)), 1, nq * block).reshape(b, nq, block).swapaxes(0, 1)
+  k_pos = pad(jnp.broadcast_to(keys.key_positions, (b, s)), 1, nk * block, -1).reshape(b, nk, block).swapaxes(0, 1)
+  q_tiles = pad(q, 1, nq * block).reshape(b, nq, block, kv, g, h).transpose(1, 0, 3, 4, 2, 5)  # [nq, B, K, G, Tb, H]
+  q_tiles = q_tiles.reshape(nq, b, kv, g * block, h)
   k_tiles = pad(k, 2, nk * block).reshape(b, kv, nk, block, h).transpose(2, 0, 1, 3, 4)  # [nk, B, K, Sb, H]
   v_tiles = pad(v, 2, nk * block).reshape(b, kv, nk, block, h).transpose(2, 0, 1, 3, 4)
 
   def query_tile(_, tile):
-    qt, qp = tile
+    qt, qp = tile  # [B, K, G*Tb, H], [B, Tb]
 
     def key_tile(carry, key):
       kt, vt, kp = key
-      mask = visible(qp, kp, keys.window)[:, None, None]  # [B, 1, 1, Tb, Sb]
+      mask = visible(qp, kp, keys.window)  # [B, Tb, Sb]
 
-      def update(carry):
-        m, total, acc = carry
-        scores = jnp.einsum("btkgh,bksh->bkgts", qt, kt, preferred_element_type=jnp.float32)
-        m_new = jnp.maximum(m, jnp.where(mask, scores, NEG_INF).max(-1))
-        p = jnp.where(mask, jnp.exp(scores - m_new[..., None]), 0.0)
-        fix = jnp.exp(m - m_new)
-        pv = jnp.einsum("bkgts,bksh->bkgth", p.astype(vt.dtype), vt, preferred_element_type=jnp.float32)
-        return m_new, total * fix + p.sum(-1), acc * fix[..., None] + pv
+      def update(masked: bool):
+        def run(carry):
+          m, total, acc = carry  # [B, K, G, Tb] twice, [B, K, G*Tb, H]
+          scores = jnp.einsum("bkqh,bksh->bkqs", qt, kt, preferred_element_type=jnp.float32)
+          scores = scores.reshape(b, kv, g, block, block)
+          if masked:
+            m_new = jnp.maximum(m, jnp.where(mask[:, None, None], scores, NEG_INF).max(-1))
+            p = jnp.where(mask[:, None, None], jnp.exp(scores - m_new[..., None]), 0.0)
+          else:
+            m_new = jnp.maximum(m, scores.max(-1))
+            p = jnp.exp(scores - m_new[..., None])
+          fix = jnp.exp(m - m_new)
+          p_rows = p.astype(vt.dtype).reshape(b, kv, g * block, block)
+          pv = jnp.einsum("bkqs,bksh->bkqh", p_rows, vt, preferred_element_type=jnp.float32)
+          return m_new, total * fix + p.sum(-1), acc * fix.reshape(b, kv, g * block, 1) + pv
 
-      return lax.cond(mask.any(), update, lambda c: c, carry), None
+        return run
+
+      case = jnp.where(mask.all(), 1, jnp.where(mask.any(), 2, 0))
+      return lax.switch(case, [lambda c: c, update(False), update(True)], carry), None
 
     init = (
       jnp.full((b, kv, g, block), NEG_INF, jnp.float32),
       jnp.zeros((b, kv, g, block), jnp.float32),
-      jnp.zeros((b, kv, g, block, h), jnp.float32),
+      jnp.zeros((b, kv, g * block, h), jnp.float32),
     )
-    (_, total, acc), _ = lax.scan(key_tile, init, (k_tiles, v_tiles, k_pos.reshape(b, nk, block).swapaxes(0, 1)))
-    return None, (acc / jnp.where(total > 0, total, 1.0)[..., None]).astype(q.dtype)  # [B, K, G, Tb, H]
+    (_, total, acc), _ = lax.scan(key_tile, init, (k_tiles, v_tiles, k_pos))
+    return None, (acc / jnp.where(total > 0, total, 1.0).reshape(b, kv, g * block, 1)).astype(q.dtype)
 
-  _, out = lax.scan(query_tile, None, (q_tiles, q_pos.reshape(b, nq, block).swapaxes(0, 1)))  # [nq, B, K, G, Tb, H]
-  return out.transpose(1, 0, 4, 2, 3, 5).reshape(b, nq * block, n, h)[:, :t]
+  _, out = lax.scan(query_tile, None, (q_tiles, q_pos))  # [nq, B, K, G*Tb, H]
+  out = out.reshape(nq, b, kv, g, block, h).transpose(1, 0, 4, 2, 3, 5)  # [B, nq, Tb, K, G, H]
+  return out.reshape(b, nq * block, n, h)[:, :t]
 
 
 def attend_keys(q, k, v, keys: Visibility, *, k_transposed: bool = False) -> jax.Array:

@@ -12,17 +12,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-import jax
-from jax import lax
+
+from kvjax import numerics
 
 
-def xla_matmul(x: jax.Array, w: jax.Array, scale: jax.Array | None = None, transposed: bool = False) -> jax.Array:
-  """The default product of a Dense or Embed layer: x [M, K] @ w [K, N] (x @ w.T for w [N, K]
-  when `transposed`) in x's dtype, w widened from how it is stored (kvjax.model.weights), times
-  scale [N] per output column when given -> [M, N]."""
-  contract = 1 if transposed else 0
-  y = lax.dot_general(x, w.astype(x.dtype), (((1,), (contract,)), ((), ())))
-  return y if scale is None else y * scale.astype(y.dtype)
+xla_matmul = numerics.matmul
+"""The default product of a Dense or Embed layer, whatever format its weights are stored in
+(kvjax.numerics.matmul)."""
 
 
 def xla_cache_attention(route, q, k_cache, v_cache, lengths, xla: Callable, **addressing):

@@ -68,13 +68,16 @@ def stored(w, fmt):
 @pytest.mark.parametrize("m,k,n", [(1, 5, 3), (3, 17, 33), (8, 576, 700), (16, 64, 50), (5, 40, 15), (4, 96, 2000)])
 def test_stored_formats_match_their_float32(fmt, transposed, m, k, n):
   # The kernel widens each stored format in registers: the product equals the float32 one of
-  # the matrix the stored weights stand for (partial vectors of every width, each row count).
+  # the matrix the stored weights stand for (partial vectors of every width, each row count),
+  # and XLA's product of the same stored weights.
   rng = np.random.default_rng(m + k + n)
   x, w = rng.standard_normal((m, k), np.float32), rng.standard_normal((k, n), np.float32)
   w_stored, scale, w_float = stored(w, fmt)
   if transposed:
     w_stored = w_stored.T.copy() if fmt != "bfloat16" else jnp.asarray(w_stored).T
   ours = jax.jit(functools.partial(matmul.small_matmul, transposed=transposed))(x, jnp.asarray(w_stored), scale)
+  if fmt != "float32":  # the stored formats multiply activations rounded to bfloat16
+    x = np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32)
   np.testing.assert_allclose(ours, reference(x, w_float), rtol=1e-5, atol=1e-5 * k**0.5)
   xla = xla_matmul(jnp.asarray(x), jnp.asarray(w_stored), scale, transposed)
   np.testing.assert_allclose(ours, xla, rtol=1e-5, atol=1e-5 * k**0.5)

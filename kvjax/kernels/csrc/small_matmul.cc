@@ -1,5 +1,6 @@
 // kvjax_small_matmul: y[M, N] = (x[M, K] @ w[K, N]) * scale[N] for small M (decode-step rows),
-// x and y float32, w stored in float32, bfloat16 or int8 and widened to float32 in registers;
+// x and y float32, w stored in float32, bfloat16 or int8 and widened to float32 in registers
+// (with a stored format x is first rounded to bfloat16, as kvjax's XLA products of those do);
 // scale (one per output column, the int8 format's) may be empty. With `transposed`, w is stored
 // [N, K] (a tied embedding table read as the logits projection) and y = x @ w^T.
 //
@@ -174,6 +175,16 @@ void Multiply(ffi::ThreadPool& pool, const float* x, const W* w, float* y, int64
       for (int64_t j = 0; j < m * n; ++j) y[j] += partial[(i - 1) * m * n + j];
 }
 
+// x rounded to the nearest bfloat16 (ties to even), as a float.
+inline float RoundToBfloat16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  if ((bits & 0x7f800000u) != 0x7f800000u) bits += 0x7fffu + ((bits >> 16) & 1u);  // not inf / nan
+  bits &= 0xffff0000u;
+  std::memcpy(&x, &bits, sizeof(bits));
+  return x;
+}
+
 ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> scale,
                        ffi::ResultBuffer<ffi::F32> y, bool transposed) {
   const auto xd = x.dimensions();
@@ -185,19 +196,26 @@ ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
     return ffi::Error::InvalidArgument("kvjax_small_matmul expects one scale per output column, or none");
   if (m * n == 0) return ffi::Error::Success();
   float* out = y->typed_data();
+  const float* xs = x.typed_data();
+  std::vector<float> rounded;
+  if (w.element_type() != ffi::DataType::F32) {
+    rounded.resize(m * k);
+    for (int64_t i = 0; i < m * k; ++i) rounded[i] = RoundToBfloat16(xs[i]);
+    xs = rounded.data();
+  }
   if (k == 0) {
     std::memset(out, 0, m * n * sizeof(float));
     return ffi::Error::Success();
   }
   switch (w.element_type()) {
     case ffi::DataType::F32:
-      Multiply(pool, x.typed_data(), static_cast<const float*>(w.untyped_data()), out, m, k, n, transposed);
+      Multiply(pool, xs, static_cast<const float*>(w.untyped_data()), out, m, k, n, transposed);
       break;
     case ffi::DataType::BF16:
-      Multiply(pool, x.typed_data(), static_cast<const uint16_t*>(w.untyped_data()), out, m, k, n, transposed);
+      Multiply(pool, xs, static_cast<const uint16_t*>(w.untyped_data()), out, m, k, n, transposed);
       break;
     case ffi::DataType::S8:
-      Multiply(pool, x.typed_data(), static_cast<const int8_t*>(w.untyped_data()), out, m, k, n, transposed);
+      Multiply(pool, xs, static_cast<const int8_t*>(w.untyped_data()), out, m, k, n, transposed);
       break;
     default:
       return ffi::Error::InvalidArgument("kvjax_small_matmul takes weights in float32, bfloat16 or int8");
