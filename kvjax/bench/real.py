@@ -366,7 +366,10 @@ def bench_real(
   windows: int = 4,
   seq_len: int = 1024,
   workload: Workload = Workload(),
+  progress=None,
 ) -> dict:
+  """The parts named in `parts` (PARTS), as one JSON-able dict; progress(part, result), when
+  given, is called as each part ends, with the result so far."""
   torch, _ = _torch()
   model, params, tokenizer, hf_model, versions = load_both(source)
   result = {"benchmark": "real", "model": model.config.to_dict(), **versions, "parts": list(parts)}
@@ -386,8 +389,10 @@ def bench_real(
       repeats=repeats,
     )
     del hf_models["bfloat16"]
+    _report(progress, "decode", result)
   if "perplexity" in parts:
     result["perplexity"] = bench_perplexity_formats(model, params, tokenizer, seq_len=seq_len, windows=windows)
+    _report(progress, "perplexity", result)
   if "prefill" in parts or "long" in parts:
     result["prefill"] = bench_prefill(
       model,
@@ -398,6 +403,7 @@ def bench_real(
       prompt=long_prompt,
       max_len=long_prompt + long_new,
     )
+    _report(progress, "prefill", result)
   if "long" in parts:
     prefill = result["prefill"]
     prefill_s = {"kvjax": prefill[f"kvjax_{long_weights}"]["seconds"], "hf": prefill["hf_float32"]["seconds"]}
@@ -413,9 +419,15 @@ def bench_real(
       steps=long_steps,
     )
     result["long"]["weights"] = long_weights
+    _report(progress, "long", result)
   if "engine" in parts:
     result["engine"] = bench_engine(model, params, tokenizer, hf_model, workload)
   return result
+
+
+def _report(progress, part: str, result: dict) -> None:
+  if progress is not None:
+    progress(part, result)
 
 
 def _bf16_copy(torch, hf_model):

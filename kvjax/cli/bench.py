@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 
 from kvjax.bench import benchmarks, mla, paged, quant, real, real_model
 from kvjax.cache.config import CacheConfig
@@ -41,6 +42,11 @@ REAL_MODEL_BENCHMARKS = ("hf", "perplexity", "real")
 def _int_list(text: str) -> list[int]:
   """The argparse type of --lengths: comma-separated positive integers."""
   return [options.positive_int(x) for x in text.split(",")]
+
+
+def _progress(part: str, result: dict) -> None:
+  """`real` reports each part as it ends on stderr: a long run's figures survive an interruption."""
+  print(f"kvjax bench real: {part} done: {json.dumps(result)}", file=sys.stderr, flush=True)
 
 
 def _parts(text: str) -> list[str]:
@@ -86,7 +92,7 @@ def real_model_result(args: argparse.Namespace) -> dict:
   if args.overrides:
     raise ValueError("--set changes the benchmark model; with --model the pretrained model is used as it is")
   if args.benchmark == "real":
-    return real.bench_real(args.model, parts=args.parts, repeats=min(args.repeats, 3))
+    return real.bench_real(args.model, parts=args.parts, repeats=min(args.repeats, 3), progress=_progress)
   if args.benchmark == "perplexity":
     return real_model.bench_perplexity(
       args.model, seq_len=args.seq_len, batch=args.batch or 4, batches=args.windows_batches

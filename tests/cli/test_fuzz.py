@@ -271,12 +271,13 @@ TRAIN_ITEMS = (
   "job='not a job'",
   "job=1",
 )
+WEIGHT_ITEMS = ("weights=int3", "weights=", "weights=1", "weights=float16")
 # The --set items each command takes: those of its config, and the ones it has no key for.
 SET_ITEMS = {
-  "run": MALFORMED + MODEL_ITEMS + TRAIN_ITEMS + CACHE_ITEMS,
-  "eval": MALFORMED + CACHE_ITEMS + MODEL_ITEMS,
-  "generate": MALFORMED + CACHE_ITEMS + MODEL_ITEMS,
-  "bench": MALFORMED + MODEL_ITEMS + CACHE_ITEMS,
+  "run": MALFORMED + MODEL_ITEMS + TRAIN_ITEMS + CACHE_ITEMS + WEIGHT_ITEMS,
+  "eval": MALFORMED + CACHE_ITEMS + MODEL_ITEMS + WEIGHT_ITEMS,
+  "generate": MALFORMED + CACHE_ITEMS + MODEL_ITEMS + WEIGHT_ITEMS,
+  "bench": MALFORMED + MODEL_ITEMS + CACHE_ITEMS + WEIGHT_ITEMS,
   "uptrain": MALFORMED + MODEL_ITEMS + TRAIN_ITEMS,
 }
 
@@ -620,6 +621,7 @@ def test_bench(files, tripwires, capsys, data):
     + [option(flag, BAD_NONNEGATIVE) for flag in ("--concat-max", "--threads", "--rope-dims")]
     + [
       option("--lengths", lengths),
+      option("--parts", st.sampled_from(("", ",", "decode,bogus", "engines", "decode;prefill"))),
       sets("bench"),
       option("--model", paths(files, "notes", "empty", "model.gguf", "hf_garbage", "hf_partial", "missing")),
     ]
