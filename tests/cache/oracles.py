@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.cache.codec import Codec
-from kvjax.model.attention import NoCache, new_keys_mask
+from kvjax.model.attention import NoCache, new_keys
 
 
 class StoredForward(NoCache):
@@ -20,7 +20,7 @@ class StoredForward(NoCache):
 
   def attend(self, stored, query, q_positions, new, span, backend):
     stored_new = {name: self.codec.roundtrip(x) for name, x in new.items()}
-    return stored, query.attend(stored_new, new_keys_mask(q_positions, span))
+    return stored, query.attend(stored_new, new_keys(q_positions, span))
 
 
 def forward(model, params, tokens, kind=None) -> np.ndarray:

@@ -11,7 +11,7 @@ import pytest
 import kvjax
 from kvjax.model import weights
 from kvjax.model.backend import Backend
-from tests.conftest import init_params, tiny_config
+from conftest import init_params, tiny_config
 
 CONFIGS = {
   "gqa-tied": tiny_config(2, tie_embeddings=True),
