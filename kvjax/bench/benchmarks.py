@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.bench.real_model import hf_greedy_kwargs
 from kvjax.cache import kinds
 from kvjax.cache.base import KVCache
 from kvjax.cache.config import CacheConfig
@@ -274,15 +275,7 @@ def bench_hf(
   ours = np.asarray(decode.generate(model, params, prompts, lengths, new_tokens))
 
   input_ids = torch.from_numpy(prompts.astype(np.int64))
-  generate_kwargs = dict(
-    attention_mask=torch.ones_like(input_ids),
-    max_new_tokens=new_tokens,
-    min_new_tokens=new_tokens,
-    do_sample=False,
-    cache_implementation="static",
-    pad_token_id=0,
-    eos_token_id=None,
-  )
+  generate_kwargs = hf_greedy_kwargs(torch, input_ids, new_tokens)
   with torch.inference_mode():
     theirs = hf_model.generate(input_ids, **generate_kwargs)[:, prompt:].numpy()
     times = timed_alternating(

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.bench.real_model import _torch, load_both, prose_prompts
+from kvjax.bench.real_model import _torch, hf_greedy_kwargs, load_both, prose_prompts
 from kvjax.cache.config import CacheConfig
 from kvjax.decoding import decode
 from kvjax.model.weights import FORMATS, store, weight_bytes
@@ -94,15 +94,7 @@ def peak_memory_gib() -> float | None:
 
 def _hf_generate(torch, hf_model, prompts: np.ndarray, new_tokens: int):
   input_ids = torch.from_numpy(prompts.astype(np.int64))
-  kwargs = dict(
-    attention_mask=torch.ones_like(input_ids),
-    max_new_tokens=new_tokens,
-    min_new_tokens=new_tokens,
-    do_sample=False,
-    cache_implementation="static",
-    pad_token_id=0,
-    eos_token_id=None,
-  )
+  kwargs = hf_greedy_kwargs(torch, input_ids, new_tokens)
 
   def run():
     with torch.inference_mode():

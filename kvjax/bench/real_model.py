@@ -43,6 +43,20 @@ def hf_reference(path):
   return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs).eval()
 
 
+def hf_greedy_kwargs(torch, input_ids, new_tokens: int) -> dict:
+  """transformers' generate arguments for exactly `new_tokens` greedy tokens per row of
+  input_ids (no padding, no stop token), with its static cache: as kvjax's generate runs."""
+  return dict(
+    attention_mask=torch.ones_like(input_ids),
+    max_new_tokens=new_tokens,
+    min_new_tokens=new_tokens,
+    do_sample=False,
+    cache_implementation="static",
+    pad_token_id=0,
+    eos_token_id=None,
+  )
+
+
 def load_both(source: str):
   """(kvjax model, params, tokenizer, transformers model, versions) of one pretrained model."""
   torch, transformers = _torch()
@@ -75,15 +89,7 @@ def bench_decode(source: str, *, batches=(1, 8), prompt: int = 128, new_tokens: 
     lengths = np.full((batch,), prompt, np.int32)
     ours = lambda: decode.generate(model, params, prompts, lengths, new_tokens)
     input_ids = torch.from_numpy(prompts.astype(np.int64))
-    kwargs = dict(
-      attention_mask=torch.ones_like(input_ids),
-      max_new_tokens=new_tokens,
-      min_new_tokens=new_tokens,
-      do_sample=False,
-      cache_implementation="static",
-      pad_token_id=0,
-      eos_token_id=None,
-    )
+    kwargs = hf_greedy_kwargs(torch, input_ids, new_tokens)
     with torch.inference_mode():
       theirs = lambda: hf_model.generate(input_ids, **kwargs)
       agree = float((np.asarray(ours()) == theirs()[:, prompt:].numpy()).mean())
