@@ -4,7 +4,7 @@ range, in the chat template) and the latency figures taken from token times."""
 import numpy as np
 import pytest
 
-from kvjax.bench.real import Workload, latency_summary
+from kvjax.bench.engine_workload import Workload, latency_summary
 from kvjax.interop.tokenizer import TextTokenizer
 from kvjax.training.checkpoint import load_model
 
