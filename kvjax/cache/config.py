@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvjax.cache import codec as codecs
+from kvjax.cache.presses import PRESSES
 from kvjax.fields import INT32_MAX, check_choice, check_nonnegative, check_positive
 from kvjax.config import ModelConfig
 from kvjax.model.transformer import cache_payload
@@ -46,6 +47,13 @@ class CacheConfig:
     keeps the model's.
   absorb: an MLA model's cache is read in the absorbed form (kvjax.model.mla); False reads it
     expanded, the form the tests compare with.
+  press: evict tokens by this press (kvjax.cache.presses: "streaming_llm", "snapkv", "tova",
+    "observed", "knorm", "random"); it makes the layout "evict" (kvjax.cache.evict).
+  compression_ratio: the fraction of a prompt's tokens the press drops, in [0, 1).
+  press_window, press_kernel: SnapKV's observation window (the prompt's last queries) and the
+    width of its average pool (odd).
+  press_sinks: the first tokens StreamingLLM always keeps.
+  press_seed: the random press's seed.
   """
 
   layout: str = "contiguous"
@@ -55,6 +63,12 @@ class CacheConfig:
   window: tuple[int, ...] | None = None
   sink_tokens: int | None = None
   absorb: bool = True
+  press: str | None = None
+  compression_ratio: float = 0.0
+  press_window: int = 64
+  press_kernel: int = 5
+  press_sinks: int = 4
+  press_seed: int = 0
 
   def __post_init__(self):
     # LAYOUTS fills as kvjax imports its layout modules (kvjax/__init__ imports them all); only the
@@ -88,6 +102,43 @@ class CacheConfig:
       check_nonnegative(self, "sink_tokens", most=INT32_MAX)
     if not isinstance(self.absorb, bool):
       raise ValueError(f"CacheConfig.absorb must be True or False, got {self.absorb!r}")
+    self._check_press()
+
+  def _check_press(self):
+    ratio = self.compression_ratio
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio < 1:
+      raise ValueError(f"CacheConfig.compression_ratio must be a number in [0, 1), got {ratio!r}")
+    object.__setattr__(self, "compression_ratio", float(ratio))
+    for name in ("press_window", "press_kernel"):
+      check_positive(self, name, most=INT32_MAX)
+    check_nonnegative(self, "press_sinks", most=INT32_MAX)
+    check_nonnegative(self, "press_seed", most=INT32_MAX)
+    if self.press_kernel % 2 == 0:
+      raise ValueError(f"CacheConfig.press_kernel must be odd (a centred pool), got {self.press_kernel}")
+    if self.press is None:
+      if self.layout == "evict":
+        raise ValueError(f"CacheConfig.layout='evict' needs a press: one of {tuple(PRESSES)}")
+      if ratio:
+        raise ValueError(f"CacheConfig.compression_ratio={ratio} needs a press: one of {tuple(PRESSES)}")
+      return
+    if self.press not in PRESSES:
+      raise ValueError(f"CacheConfig.press must be one of {tuple(PRESSES)} or None, got {self.press!r}")
+    if self.layout == "contiguous":
+      object.__setattr__(self, "layout", "evict")
+    elif self.layout != "evict":
+      raise ValueError(
+        f"CacheConfig.press={self.press!r} needs the evicting layout; layout={self.layout!r} keeps every token "
+        "(a paged cache does not evict)"
+      )
+
+  def make_press(self):
+    """The press value this config names (kvjax.cache.presses)."""
+    if self.press is None:
+      raise ValueError(f"CacheConfig.layout={self.layout!r} needs a press: one of {tuple(PRESSES)}")
+    settings = {"press_window": "window", "press_kernel": "kernel", "press_sinks": "sinks", "press_seed": "seed"}
+    cls = PRESSES[self.press]
+    fields = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{mine: getattr(self, ours) for ours, mine in settings.items() if mine in fields})
 
   def codec(self, config: ModelConfig) -> codecs.Codec:
     """The codec of a cache for a model of `config`; ValueError when its vectors cannot take it."""

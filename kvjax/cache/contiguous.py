@@ -146,7 +146,7 @@ class ContiguousCache(KVCache):
     )
 
   @classmethod
-  def rows(cls, config: ModelConfig, batch: int, max_len: int, cache_config: CacheConfig) -> "ContiguousCache":
+  def rows(cls, config: ModelConfig, batch: int, max_len: int, cache_config: CacheConfig, prompt: int | None = None) -> "ContiguousCache":
     """create(config, batch, max_len, cache_config): the signature every layout's `rows` shares."""
     return cls.create(config, batch, max_len, cache_config)
 
@@ -158,7 +158,9 @@ class ContiguousCache(KVCache):
     return positions * cls.position_bytes(config, cache_config)
 
   @classmethod
-  def bytes_for(cls, config: ModelConfig, cache_config: CacheConfig, batch: int, max_len: int) -> int:
+  def bytes_for(
+    cls, config: ModelConfig, cache_config: CacheConfig, batch: int, max_len: int, prompt: int | None = None
+  ) -> int:
     """Bytes of create(config, batch, max_len, cache_config): every row's layers and the lengths."""
     return batch * cls.sequence_bytes(config, cache_config, max_len) + 4 * batch
 

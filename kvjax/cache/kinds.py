@@ -6,7 +6,7 @@ class (with `rows` and `bytes_for`, kvjax.cache.base) is registered by name
 from __future__ import annotations
 
 from kvjax.cache.base import KVCache
-from kvjax.cache import contiguous, paged  # noqa: F401  (each registers its layout)
+from kvjax.cache import contiguous, evict, paged  # noqa: F401  (each registers its layout)
 from kvjax.cache.config import LAYOUTS, CacheConfig
 from kvjax.config import ModelConfig
 
@@ -15,14 +15,19 @@ def kind(cache_config: CacheConfig) -> type[KVCache]:
   return LAYOUTS[cache_config.layout]
 
 
-def create(config: ModelConfig, cache_config: CacheConfig, batch: int, max_len: int) -> KVCache:
-  """An empty cache of `cache_config` for `batch` rows of max_len positions of a model of `config`."""
-  return kind(cache_config).rows(config, batch, max_len, cache_config)
+def create(
+  config: ModelConfig, cache_config: CacheConfig, batch: int, max_len: int, prompt: int | None = None
+) -> KVCache:
+  """An empty cache of `cache_config` for `batch` rows of max_len positions of a model of `config`;
+  `prompt`, the length of the first call, sizes an evicting cache (kvjax.cache.evict)."""
+  return kind(cache_config).rows(config, batch, max_len, cache_config, prompt)
 
 
-def cache_bytes(config: ModelConfig, cache_config: CacheConfig, batch: int, max_len: int) -> int:
-  """Bytes of create(config, cache_config, batch, max_len), from the config alone."""
-  return kind(cache_config).bytes_for(config, cache_config, batch, max_len)
+def cache_bytes(
+  config: ModelConfig, cache_config: CacheConfig, batch: int, max_len: int, prompt: int | None = None
+) -> int:
+  """Bytes of create(config, cache_config, batch, max_len, prompt), from the config alone."""
+  return kind(cache_config).bytes_for(config, cache_config, batch, max_len, prompt)
 
 
 def sequence_bytes(config: ModelConfig, cache_config: CacheConfig, length: int) -> int:

@@ -169,7 +169,7 @@ class PagedCache(KVCache):
     )
 
   @classmethod
-  def rows(cls, config: ModelConfig, batch: int, max_len: int, cache_config: CacheConfig) -> "PagedCache":
+  def rows(cls, config: ModelConfig, batch: int, max_len: int, cache_config: CacheConfig, prompt: int | None = None) -> "PagedCache":
     """A cache of `batch` rows of max_len positions each, row b owning pages [1 + b*M, 1 + (b+1)*M)
     of cache_config.page_size tokens (M = ceil(max_len / page_size)): what prefill and generate
     make for layout="paged" (the engine allocates its pages itself)."""
@@ -188,7 +188,9 @@ class PagedCache(KVCache):
     return num_pages * page_size * cls.sequence_bytes(config, cache_config, 1) + 4 * batch * (max_pages + 1)
 
   @classmethod
-  def bytes_for(cls, config: ModelConfig, cache_config: CacheConfig, batch: int, max_len: int) -> int:
+  def bytes_for(
+    cls, config: ModelConfig, cache_config: CacheConfig, batch: int, max_len: int, prompt: int | None = None
+  ) -> int:
     """Bytes of rows(config, batch, max_len, cache_config)."""
     width = -(-max_len // cache_config.page_size)
     return cls.pool_bytes(config, cache_config, 1 + batch * width, cache_config.page_size, batch, width)

@@ -187,7 +187,7 @@ def prefill(
   cache_config.model(model.config).check_length(max_len, f"cache length max_len={max_len}")
   if tokens.shape[1] > max_len:
     raise ValueError(f"prompt of {tokens.shape[1]} tokens does not fit the cache length max_len={max_len}")
-  cache = kinds.create(model.config, cache_config, tokens.shape[0], max_len)
+  cache = kinds.create(model.config, cache_config, tokens.shape[0], max_len, prompt=tokens.shape[1])
   return extend(model, params, cache, tokens, lengths, logits=logits, mesh=mesh)
 
 
@@ -224,7 +224,7 @@ class DecodeState:
 @functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "max_len", "cache_config"))
 def _generate(model, params, prompts, lengths, rng, sampling, stop_ids, max_new_tokens, max_len, cache_config):
   batch = prompts.shape[0]
-  cache = kinds.create(model.config, cache_config, batch, max_len)
+  cache = kinds.create(model.config, cache_config, batch, max_len, prompt=prompts.shape[1])
   logits, cache = forward(model, params, cache, prompts, lengths, last=True, from_empty=True)
   rng, key = jax.random.split(rng)
   first = sample(logits, key, sampling)
@@ -314,7 +314,7 @@ def generate(
   memory.check_fits(
     "generation",
     {
-      "KV cache": kinds.cache_bytes(model.config, cache_config, prompts.shape[0], max_len),
+      "KV cache": kinds.cache_bytes(model.config, cache_config, prompts.shape[0], max_len, prompt=bucket),
       "prefill": memory.forward_bytes(cfg, prompts.shape[0], bucket),
     },
     devices=None if mesh is None else list(mesh.devices.flat),

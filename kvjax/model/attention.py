@@ -56,7 +56,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, k_trans
     q: [B, T, N, H] queries (already rotated).
     k: [B, K, S, H] keys, or [B, K, H, S] (the contiguous cache's layout) when k_transposed.
     v: [B, K, S, H] values.
-    mask: bool [B, T, S], True where query t may read key s.
+    mask: bool [B, T, S], True where query t may read key s; [B, K, T, S] per kv head.
   Returns:
     [B, T, N, H] in q's dtype.
   """
@@ -71,7 +71,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, k_trans
   else:
     k_spec = "bkhs" if k_transposed else "bksh"
     scores = jnp.einsum(f"btkgh,{k_spec}->bkgts", q, k, preferred_element_type=jnp.float32)
-  scores = jnp.where(mask[:, None, None, :, :], scores, NEG_INF)
+  mask = mask[:, :, None] if mask.ndim == 4 else mask[:, None, None]  # [B, K or 1, 1, T, S]
+  scores = jnp.where(mask, scores, NEG_INF)
   probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
   # For one query token the output is asked for as [B, K, G, 1, H], which keeps probs as the
   # dot's left operand; [B, T, K, G, H] would make einsum swap the operands into a [B, K, H, G]
@@ -102,9 +103,18 @@ def kv_payload(config: ModelConfig) -> dict[str, Field]:
 
 @flax.struct.dataclass
 class KVQuery:
-  """Queries q [B, Tq, N, H] (rotated) of an Attention layer, as its cache kind reads them."""
+  """Queries q [B, Tq, N, H] (rotated) of an Attention layer, as its cache kind reads them.
+  call_q: the queries of every column of the call [B, T, N, H] when the call asked for some
+  columns' outputs only (q is then those columns'); what an evicting cache's press scores keys
+  by (kvjax.cache.presses). Unused, it is never computed (XLA drops it)."""
 
   q: jax.Array
+  call_q: jax.Array | None = None
+
+  @property
+  def every_q(self) -> jax.Array:
+    """[B, T, N, H]: the queries of every column of the call."""
+    return self.q if self.call_q is None else self.call_q
 
   @property
   def kernel_query(self) -> jax.Array:
@@ -139,12 +149,16 @@ def visible(q_positions: jax.Array, key_positions: jax.Array, window: Window) ->
   Args:
     q_positions: int[B, Tq], the queries' positions.
     key_positions: int[B, S] (or [1, S]), the position of each key; negative for an empty slot.
+      int[B, K, S] when each kv head holds keys of its own positions (an evicting cache).
     window: the layer's Window.
   Returns:
-    bool [B, Tq, S]: query t reads key s iff 0 <= s <= t, and, in a windowed layer,
-    t - s < window.size or s < window.sinks.
+    bool [B, Tq, S] ([B, K, Tq, S] for per-head keys): query t reads key s iff 0 <= s <= t,
+    and, in a windowed layer, t - s < window.size or s < window.sinks.
   """
-  t, s = q_positions[:, :, None], key_positions[:, None, :]
+  if key_positions.ndim == 3:
+    t, s = q_positions[:, None, :, None], key_positions[:, :, None, :]
+  else:
+    t, s = q_positions[:, :, None], key_positions[:, None, :]
   mask = (s >= 0) & (s <= t)
   if window.size:
     mask &= (t - s < window.size) | (s < window.sinks)
@@ -242,7 +256,7 @@ def blocked_attend(
 def attend_keys(q, k, v, keys: Visibility, *, k_transposed: bool = False) -> jax.Array:
   """`attend` with the mask given as positions: blocked (`blocked_attend`) when both the queries
   and the keys span two tiles or more, else over the materialised mask."""
-  if q.shape[1] >= 2 * BLOCK and v.shape[2] >= 2 * BLOCK:
+  if q.shape[1] >= 2 * BLOCK and v.shape[2] >= 2 * BLOCK and keys.key_positions.ndim == 2:
     return blocked_attend(q, k, v, keys, k_transposed=k_transposed)
   return attend(q, k, v, keys.mask(), k_transposed=k_transposed)
 
@@ -348,10 +362,11 @@ class Attention(nn.Module):
     (every column's K/V are still stored) -> [B, T', D]."""
     span = span.replace(window=cache.layer_window(self.config, self.layer))
     k, v = self.key_value(x, span.positions)
+    query = KVQuery(self.query(x, span.positions))
     positions = span.positions
     if outputs_at is not None:
-      x, positions = take_rows(x, outputs_at), take_rows(positions, outputs_at)
-    query = KVQuery(self.query(x, positions))
+      positions = take_rows(positions, outputs_at)
+      query = KVQuery(self.query(take_rows(x, outputs_at), positions), call_q=query.q)
     return self.out(cached_attention(self, cache, query, positions, {"k": k, "v": v}, span))
 
 

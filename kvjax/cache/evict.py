@@ -1,0 +1,240 @@
+"""The evicting layout: each row and kv head keeps a fixed number of slots, the tokens a press
+(kvjax.cache.presses) scores highest, so the cache is the budget, not max_len.
+
+Per layer, beside the codec's arrays of the contiguous layout ([B, K, H', S] keys, [B, K, S, H']
+values, their scales; kvjax.cache.contiguous) with S = the slots:
+  positions  int32[B, K, S], the position each slot holds (-1: empty);
+  scores     float32[B, K, S], the press's score of that token.
+
+The first call from an empty cache (the prompt) attends over all its tokens, as a plain forward
+pass does; then each layer's press scores the prompt from that layer's queries and keys and
+keeps row b's int(n_b * (1 - compression_ratio)) best tokens, in slots 0, 1, ... (kvpress's
+rule: the layer's own output is computed before its cache is compressed). Every later token
+(extend, decode) takes an empty slot, lowest first, or, once a row is full, the slot of the
+lowest-scoring token held (the press's arrival scores, kvjax.cache.presses): a row generates
+past its budget in constant memory. A read attends over the slots each head holds, by their
+positions; every head of a row fills the same number of slots, so a decode step reads slots
+[0, filled) through the contiguous layout's decode route (kvjax's CPU kernel for float32 and
+int8) and reads only the budget's bytes.
+
+A cache for max_len positions whose first call is `prompt` tokens long has
+S = max_len - (prompt - int(prompt * (1 - ratio))) slots: room for the kept prompt and every
+later token, as kvpress's pipeline keeps them. The layout does not take sliding-window layers
+(a window keeps tokens by recency, a press by score) nor MLA's latent (one vector shared by all
+heads); a paged cache does not evict.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import memory
+from kvjax.cache.base import encode
+from kvjax.cache.config import CacheConfig, register
+from kvjax.cache.contiguous import ContiguousCache, attend_one, layer_spec as contiguous_spec
+from kvjax.cache.presses import Press
+from kvjax.config import ModelConfig
+from kvjax.fields import check_positive_int
+from kvjax.model.attention import Span, Visibility, new_keys
+from kvjax.model.backend import Backend
+from kvjax.model.transformer import cache_collection, cache_payload
+
+BOOKKEEPING = {"positions": jnp.dtype(jnp.int32), "scores": jnp.dtype(jnp.float32)}  # per slot and kv head
+
+
+def kept(lengths, ratio: float):
+  """Tokens a press keeps of prompts of `lengths` (ints or an int array): int(n * (1 - ratio))."""
+  return (np.asarray(lengths, np.float64) * (1 - ratio)).astype(np.int64)
+
+
+def slots_for(cache_config: CacheConfig, max_len: int, prompt: int | None) -> int:
+  """Slots per row and kv head of a cache of max_len positions whose prompt is `prompt` tokens
+  (default max_len): max_len less the tokens the press drops of the prompt."""
+  prompt = max_len if prompt is None else min(prompt, max_len)
+  return int(max_len - (prompt - kept(prompt, cache_config.compression_ratio)))
+
+
+def check_model(config: ModelConfig, cache_config: CacheConfig) -> None:
+  """Raises ValueError unless a model of `config` can decode through an evicting cache."""
+  payload = cache_payload(config)
+  if set(payload) != {"k", "v"}:
+    raise ValueError(
+      f"CacheConfig.press={cache_config.press!r}: an evicting cache keeps tokens per kv head; the model "
+      f"caches {sorted(payload)} (MLA's latent, shared by every head), which cannot be evicted per head"
+    )
+  model = cache_config.model(config)
+  if any(model.window):
+    raise ValueError(
+      f"CacheConfig.press={cache_config.press!r} does not combine with sliding windows "
+      f"(window={model.window}): a window keeps tokens by recency, a press by score"
+    )
+
+
+def scatter_heads(buffer: jax.Array, update: jax.Array, slots: jax.Array, axis: int) -> jax.Array:
+  """Writes update [B, K, T, ...] into buffer [B, K, ...] at slots int[B, K, T] along `axis`;
+  slots at the buffer's size are dropped (padding)."""
+  index = [slice(None)] * buffer.ndim
+  index[0] = jnp.arange(buffer.shape[0])[:, None, None]
+  index[1] = jnp.arange(buffer.shape[1])[None, :, None]
+  index[axis] = slots
+  return buffer.at[tuple(index)].set(update.astype(buffer.dtype), mode="drop")
+
+
+@register("evict")
+class EvictedCache(ContiguousCache):
+  """Per row and kv head, `slots` (static) tokens chosen by `press` (static); see the module
+  docstring. max_len (static) bounds the positions a row may reach."""
+
+  slots: int = flax.struct.field(pytree_node=False, default=0)
+  press: Press | None = flax.struct.field(pytree_node=False, default=None)
+  ratio: float = flax.struct.field(pytree_node=False, default=0.0)
+
+  @classmethod
+  def rows(
+    cls, config: ModelConfig, batch: int, max_len: int, cache_config: CacheConfig, prompt: int | None = None
+  ) -> "EvictedCache":
+    """An empty cache of `batch` rows for max_len positions whose first call is `prompt` tokens
+    (default max_len): slots_for(...) slots per row and kv head."""
+    check_positive_int(batch, "batch")
+    check_positive_int(max_len, "max_len")
+    check_model(config, cache_config)
+    cache_config.model(config).check_length(max_len, f"a cache of max_len={max_len} positions")
+    slots = slots_for(cache_config, max_len, prompt)
+    press = cache_config.make_press()
+    if press.min_slots and slots < getattr(press, press.min_slots):
+      raise ValueError(
+        f"the evicting cache's budget of {slots} slots (max_len={max_len}, compression_ratio="
+        f"{cache_config.compression_ratio}) is smaller than the {press.name} press's "
+        f"{press.min_slots}={getattr(press, press.min_slots)}"
+      )
+    if slots < 1:
+      raise ValueError(f"the evicting cache's budget is {slots} slots (max_len={max_len}); it needs one at least")
+    memory.check_fits(
+      f"an evicting cache of {batch} rows x {slots} slots", cls.bytes_for(config, cache_config, batch, max_len, prompt)
+    )
+    statics = cls.statics(config, cache_config)
+    spec = cls.spec(config, statics["codec"], batch, slots)
+
+    def layer(i):
+      return {
+        name: jnp.full(shape, -1, dtype) if name == "positions" else jnp.zeros(shape, dtype)
+        for name, (shape, dtype) in spec.items()
+      }
+
+    return cls(
+      layers=cache_collection(config, layer),
+      lengths=jnp.zeros((batch,), jnp.int32),
+      max_len=max_len,
+      slots=slots,
+      press=press,
+      ratio=cache_config.compression_ratio,
+      **statics,
+    )
+
+  @classmethod
+  def create(cls, config, batch, max_len, cache_config=CacheConfig(), prompt=None) -> "EvictedCache":
+    return cls.rows(config, batch, max_len, cache_config, prompt)
+
+  @staticmethod
+  def spec(config: ModelConfig, codec, batch: int, slots: int) -> dict:
+    """{name: (shape, dtype)} of one layer: the contiguous layout's arrays at `slots`, and the bookkeeping."""
+    spec = contiguous_spec(config, codec, batch, slots)
+    heads = config.num_kv_heads
+    return spec | {name: ((batch, heads, slots), dtype) for name, dtype in BOOKKEEPING.items()}
+
+  @classmethod
+  def sequence_bytes(cls, config: ModelConfig, cache_config: CacheConfig, length: int, prompt: int | None = None):
+    """Bytes one row takes: every layer's slots, K/V through the codec and the bookkeeping."""
+    slots = slots_for(cache_config, length, prompt)
+    per_slot = cls.position_bytes(config, cache_config) + config.num_kv_heads * sum(
+      d.itemsize for d in BOOKKEEPING.values()
+    )
+    return config.num_layers * slots * per_slot
+
+  @classmethod
+  def bytes_for(cls, config, cache_config, batch, max_len, prompt=None) -> int:
+    return batch * cls.sequence_bytes(config, cache_config, max_len, prompt) + 4 * batch
+
+  def layer_spec(self, config: ModelConfig, layer: int = 0):
+    return self.spec(config, self.codec, self.lengths.shape[0], self.slots)
+
+  def filled(self, stored: dict) -> jax.Array:
+    """int[B]: the slots row b holds (every head of a row holds as many, slots 0, 1, ... first)."""
+    return (stored["positions"][:, 0] >= 0).sum(axis=-1, dtype=jnp.int32)
+
+  def check_room(self, new_lengths: np.ndarray) -> None:
+    super().check_room(new_lengths)  # positions up to max_len
+    if np.asarray(self.lengths).any() and int(np.max(new_lengths, initial=0)) > self.slots:  # a prompt is pressed
+      row = int(np.argmax(new_lengths))
+      raise ValueError(
+        f"row {row} brings {int(new_lengths[row])} tokens in one call, more than the evicting cache's "
+        f"{self.slots} slots; split the call"
+      )
+
+  # Device side.
+
+  def compress(self, new: dict, q: jax.Array, span: Span) -> dict:
+    """A layer's arrays holding the tokens the press keeps of a prompt: new {k, v} [B, K, T, H]
+    at positions 0..T-1, q [B, T, N, H] every column's queries."""
+    t = new["k"].shape[2]
+    keep = jnp.asarray(kept(np.arange(t + 1), self.ratio), jnp.int32)[span.lengths]  # [B]
+    scores = self.press.scores(q, new["k"], span.lengths).astype(jnp.float32)
+    scores = jnp.where(span.valid[:, None], scores, -jnp.inf)
+    order = jnp.argsort(-scores, axis=-1, stable=True)[..., : self.slots]  # [B, K, S]: best first, ties earliest
+    if order.shape[-1] < self.slots:  # a prompt shorter than the slots: the rest stay empty
+      order = jnp.pad(order, ((0, 0), (0, 0), (0, self.slots - order.shape[-1])))
+    held = jnp.arange(self.slots)[None, None, :] < jnp.minimum(keep, t)[:, None, None]
+    positions = jnp.take_along_axis(jnp.broadcast_to(span.positions[:, None], scores.shape), order, axis=-1)
+    stored = {"positions": jnp.where(held, positions, -1), "scores": jnp.take_along_axis(scores, order, axis=-1)}
+    chosen = {name: jnp.take_along_axis(x, order[..., None], axis=2) for name, x in new.items()}  # [B, K, S, H]
+    for name, x in encode(self.codec, chosen).items():
+      transposed = self.fields[name.removesuffix("_scale")].transposed
+      stored[name] = x.swapaxes(2, 3) if transposed and x.ndim == 4 else x
+    return stored
+
+  def write(self, stored, new, span: Span):
+    """Each valid new token to an empty slot (lowest first) or, in a full row, to the slot of the
+    lowest-scoring token held; the call's own tokens all enter (a chunk fits the slots: check_room)."""
+    t = span.positions.shape[1]
+    priority = jnp.where(stored["positions"] < 0, -jnp.inf, stored["scores"])  # [B, K, S]
+    victims = jax.lax.top_k(-priority, t)[1]  # [B, K, T]: empties first (lowest slot), then the worst held
+    slots = jnp.where(span.valid[:, None], victims, self.slots)
+    arrivals = {
+      "positions": jnp.broadcast_to(span.positions[:, None], slots.shape),
+      "scores": self.press.arrival_scores(new["k"], span.positions),
+    }
+    out = {}
+    for name, x in (encode(self.codec, new) | arrivals).items():  # [B, K, T, ...]
+      transposed = name not in BOOKKEEPING and self.fields[name.removesuffix("_scale")].transposed
+      axis = stored[name].ndim - 1 if transposed or name in BOOKKEEPING or x.ndim == 3 else 2
+      out[name] = scatter_heads(stored[name], x, slots, axis)
+    return out
+
+  def read(self, stored, query, q_positions, span: Span, backend: Backend):
+    if q_positions.shape[1] == 1 and query.kernel_query is not None:
+      return backend.cache_attention(
+        ("contiguous", self.codec.name),
+        query.kernel_query,
+        stored["k"],
+        stored["v"],
+        self.filled(stored) - 1,
+        functools.partial(attend_one, codec=self.codec),
+        **self.scales(stored),
+      )
+    keys = Visibility(q_positions, stored["positions"], span.window)  # per kv head
+    return query.attend(self.readable(stored), keys, transposed=True)
+
+  def attend(self, stored, query, q_positions, new, span: Span, backend: Backend):
+    if span.from_empty:
+      out = query.attend(self.as_stored(new), new_keys(q_positions, span))
+      return self.compress(new, query.every_q, span), out
+    stored = self.write(stored, new, span)
+    return stored, self.read(stored, query, q_positions, span, backend)
+
+  def resized(self, capacity: int):
+    raise ValueError("an evicting cache keeps its slots; it is not resized")
