@@ -27,3 +27,27 @@ def forward(model, params, tokens, kind=None) -> np.ndarray:
   """The full forward's logits [B, T, V] over tokens int[B, T], through the cache kind `kind`
   (None: the plain forward), jitted (eager apply runs op by op)."""
   return np.asarray(jax.jit(lambda p, t: model.apply({"params": p}, t, kind))(params, tokens))
+
+
+class KeptForward(NoCache):
+  """The plain forward pass with each layer's attention masked per kv head: masks[l] bool
+  [B, K, T, T] says which keys query t of layer l reads (an evicting cache's reference)."""
+
+  def __init__(self, masks: list[np.ndarray]):
+    self.masks, self.lengths, self.layer = masks, jnp.zeros((masks[0].shape[0],), jnp.int32), 0
+
+  def attend(self, stored, query, q_positions, new, span, backend):
+    mask = self.masks[self.layer % len(self.masks)]
+    self.layer += 1
+    return stored, query.attend(new, _FixedMask(jnp.asarray(mask)))
+
+
+class _FixedMask:
+  """A given [B, K, T, S] mask where attention takes a Visibility."""
+
+  def __init__(self, mask):
+    self.key_positions = mask[:, :, 0]  # [B, K, S]: per kv head, so attention reads the mask whole
+    self._mask = mask
+
+  def mask(self):
+    return self._mask

@@ -1,0 +1,250 @@
+"""The evicting layout and its presses (kvjax.cache.evict, kvjax.cache.presses): ratio 0 is the
+contiguous cache; each press keeps what a NumPy reading of its definition keeps; decoding through
+an evicted cache is the full forward pass masked to the tokens each layer and head holds."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import init_params, tiny_config
+from oracles import KeptForward, forward
+
+import kvjax
+from kvjax.cache import kinds
+from kvjax.cache.config import CacheConfig
+from kvjax.cache.evict import EvictedCache, kept, slots_for
+from kvjax.cache.presses import PRESSES
+from kvjax.decoding import decode
+from kvjax.model.attention import Span
+
+RNG = np.random.default_rng(0)
+TOKENS = RNG.integers(0, 64, (2, 24)).astype(np.int32)
+LENGTHS = np.array([24, 17], np.int32)
+SETTINGS = dict(press_window=4, press_sinks=2)
+
+
+@pytest.fixture(scope="module")
+def gqa():
+  return init_params(tiny_config(2))
+
+
+def held(cache) -> list[np.ndarray]:
+  """Per layer, int[B, K, S] positions (-1 empty)."""
+  return [np.asarray(layer["attn"]["positions"]) for layer in cache.layers.values()]
+
+
+@pytest.mark.parametrize("press", list(PRESSES))
+def test_ratio_zero_is_the_contiguous_cache(gqa, press):
+  model, params = gqa
+  want, full = decode.prefill(model, params, TOKENS, LENGTHS, 32)
+  got, cache = decode.prefill(model, params, TOKENS, LENGTHS, 32, cache_config=CacheConfig(press=press, **SETTINGS))
+  assert isinstance(cache, EvictedCache) and cache.slots == 32
+  np.testing.assert_allclose(got, want, atol=1e-5)
+  for token in ([1, 2], [3, 4]):
+    want, full = decode.decode_step(model, params, full, np.array(token))
+    got, cache = decode.decode_step(model, params, cache, np.array(token))
+    np.testing.assert_allclose(got, want, atol=1e-5)
+  greedy = decode.generate(model, params, TOKENS, LENGTHS, 6)
+  pressed = decode.generate(model, params, TOKENS, LENGTHS, 6, cache_config=CacheConfig(press=press, **SETTINGS))
+  np.testing.assert_array_equal(pressed, greedy)
+
+
+# NumPy readings of the presses' definitions, one row and all kv heads at a time -> [K, n] float64.
+
+
+def np_weights(q, k, columns):
+  """Causal softmax weights of queries q [n, N, H] at `columns` over k [K, n, H] -> [K, G, W, n]."""
+  n, heads, h = q.shape
+  kv = k.shape[0]
+  qg = q[columns].reshape(len(columns), kv, heads // kv, h).transpose(1, 2, 0, 3)  # [K, G, W, H]
+  s = qg @ k[:, None].transpose(0, 1, 3, 2) / np.sqrt(h)  # [K, G, W, n]
+  s = np.where(np.arange(n)[None, :] <= np.asarray(columns)[:, None], s, -np.inf)
+  s = np.exp(s - s.max(-1, keepdims=True))
+  return s / s.sum(-1, keepdims=True)
+
+
+def np_scores(name, q, k, settings):
+  n = q.shape[0]
+  kv = k.shape[0]
+  if name == "knorm":
+    return -np.linalg.norm(k, axis=-1)
+  if name == "streaming_llm":
+    pos = np.arange(n, dtype=np.float64)
+    return np.broadcast_to(np.where(pos < settings["press_sinks"], np.inf, pos), (kv, n))
+  if name == "tova":
+    w = np_weights(q, k, [n - 1])[..., 0, :].mean(axis=(0, 1))  # every query head
+    w[-1] = np.inf
+    return np.broadcast_to(w, (kv, n))
+  if name == "observed":
+    w = np_weights(q, k, list(range(n))).sum(axis=2) / (n - np.arange(n))
+    return w.mean(axis=1)
+  if name == "snapkv":
+    win, ker = settings["press_window"], 5
+    w = np_weights(q, k, list(range(n - win, n))).mean(axis=2)[..., : n - win]  # [K, G, n - win]
+    padded = np.pad(w, ((0, 0), (0, 0), (ker // 2, ker // 2)))
+    pooled = np.stack([padded[..., i : i + n - win] for i in range(ker)]).sum(0) / ker
+    return np.concatenate([pooled.mean(axis=1), np.full((kv, win), np.inf)], axis=1)
+  raise KeyError(name)
+
+
+@pytest.mark.parametrize("press", [p for p in PRESSES if p != "random"])
+@pytest.mark.parametrize("ratio", [0.5, 0.75])
+def test_each_press_keeps_what_its_definition_keeps(press, ratio):
+  """On random queries and keys (two rows of ragged lengths), the kept positions of every row and
+  kv head are the int(n * (1 - ratio)) best by the NumPy reading, ties to the earlier position."""
+  config = tiny_config(2, num_heads=6, head_dim=8)
+  cache_config = CacheConfig(press=press, compression_ratio=ratio, **SETTINGS)
+  t, lengths = 24, np.array([24, 19])
+  cache = EvictedCache.rows(config, 2, t, cache_config, prompt=t)
+  rng = np.random.default_rng(1)
+  q = rng.normal(size=(2, t, 6, 8)).astype(np.float32)
+  k = rng.normal(size=(2, 2, t, 8)).astype(np.float32)
+  span = Span(jnp.broadcast_to(jnp.arange(t), (2, t)), jnp.asarray(lengths), from_empty=True)
+  stored = cache.compress({"k": jnp.asarray(k), "v": jnp.asarray(k)}, jnp.asarray(q), span)
+  positions = np.asarray(stored["positions"])
+  for b, n in enumerate(lengths):
+    scores = np_scores(press, q[b, :n].astype(np.float64), k[b, :, :n].astype(np.float64), SETTINGS)
+    for head in range(2):
+      order = sorted(range(n), key=lambda s: (-scores[head, s], s))
+      want = sorted(order[: kept(n, ratio)])
+      assert sorted(positions[b, head][positions[b, head] >= 0]) == want, (b, head)
+
+
+def test_random_press_keeps_a_seeded_sample():
+  config = tiny_config(2)
+  cache_config = CacheConfig(press="random", compression_ratio=0.5)
+  cache = EvictedCache.rows(config, 2, 24, cache_config, prompt=24)
+  new = {"k": jnp.ones((2, 2, 24, 8)), "v": jnp.ones((2, 2, 24, 8))}
+  span = Span(jnp.broadcast_to(jnp.arange(24), (2, 24)), jnp.asarray([24, 10]), from_empty=True)
+  first = np.asarray(cache.compress(new, jnp.ones((2, 24, 4, 8)), span)["positions"])
+  again = np.asarray(cache.compress(new, jnp.zeros((2, 24, 4, 8)), span)["positions"])
+  np.testing.assert_array_equal(first, again)  # the seed decides, not the inputs
+  assert ((first >= 0).sum(-1) == np.array([[12, 12], [5, 5]])).all()
+  assert (first[1][first[1] >= 0] < 10).all() and len(set(first[0, 0])) == len(first[0, 0])
+  other = EvictedCache.rows(config, 2, 24, cache_config.replace(press_seed=1), prompt=24)
+  assert not np.array_equal(np.asarray(other.compress(new, jnp.ones((2, 24, 4, 8)), span)["positions"]), first)
+
+
+def masks_of(history, lengths, total) -> list[np.ndarray]:
+  """The reference masks [B, K, T, T] per layer: a prompt query reads every earlier token; query
+  t of a later call reads the positions its layer and head held after that call (history: per
+  call, (first position, last position + 1, held per layer))."""
+  layers = len(history[0][2])
+  b, k = history[0][2][0].shape[:2]
+  causal = np.tril(np.ones((total, total), bool))
+  masks = [np.broadcast_to(causal, (b, k, total, total)).copy() for _ in range(layers)]
+  for start, end, after in history:
+    for layer, positions in enumerate(after):
+      for row in range(b):
+        for head in range(k):
+          seen = np.zeros(total, bool)
+          seen[positions[row, head][positions[row, head] >= 0]] = True
+          rows = np.arange(start[row], end[row])
+          masks[layer][row, head, rows] = seen[None, :] & causal[rows]
+  return masks
+
+
+@pytest.mark.parametrize("press", ["snapkv", "streaming_llm", "knorm"])
+@pytest.mark.parametrize("dtype", [None, "int8"])
+def test_decoding_after_eviction_is_the_forward_masked_to_the_kept_tokens(gqa, press, dtype):
+  """Prefill (pressed), extend a chunk (a second turn), then decode past the budget (each step
+  evicts): every call's logits equal the full forward whose queries read what the cache held."""
+  model, params = gqa
+  cache_config = CacheConfig(press=press, compression_ratio=0.75, dtype=dtype, **SETTINGS)
+  tokens = RNG.integers(0, 64, (2, 40)).astype(np.int32)
+  prompt, lengths = 20, np.array([20, 20], np.int32)
+  cache = kinds.create(model.config, cache_config, 2, 28)  # sized for a prompt of 28: 7 slots
+  logits, cache = decode.extend(model, params, cache, tokens[:, :prompt], lengths)
+  assert cache.slots == 7 and ((held(cache)[0] >= 0).sum(-1) == 5).all()  # 5 kept of the prompt
+  calls = [logits[:, prompt - 1]]
+  history = []
+  chunk = np.array([4, 4], np.int32)
+  logits, cache = decode.extend(model, params, cache, tokens[:, prompt : prompt + 4], chunk)
+  history.append((lengths, lengths + 4, held(cache)))
+  calls.append(logits[:, -1])
+  for step in range(prompt + 4, 28):
+    logits, cache = decode.decode_step(model, params, cache, tokens[:, step])
+    history.append((np.full(2, step), np.full(2, step + 1), held(cache)))
+    calls.append(logits)
+  assert ((held(cache)[0] >= 0).sum(-1) == cache.slots).all()  # full since the chunk: every later step evicted
+  reference = forward(model, params, tokens[:, :28], KeptForward(masks_of(history, lengths, 28)))
+  positions = [prompt - 1, prompt + 3, *range(prompt + 4, 28)]
+  tolerance = 1e-4 if dtype is None else 5e-2
+  for got, position in zip(calls, positions):
+    np.testing.assert_allclose(got, reference[:, position], atol=tolerance, err_msg=f"position {position}")
+
+
+def test_streaming_llm_evicts_the_oldest_non_sink_token(gqa):
+  model, params = gqa
+  cache_config = CacheConfig(press="streaming_llm", compression_ratio=0.5, press_sinks=2)
+  cache = kinds.create(model.config, cache_config, 1, 20)  # kept(20) = 10 slots
+  _, cache = decode.extend(model, params, cache, TOKENS[:1, :12], [12])
+  assert sorted(held(cache)[0][0, 0][held(cache)[0][0, 0] >= 0]) == [0, 1, 8, 9, 10, 11]
+  for step in range(4):
+    _, cache = decode.decode_step(model, params, cache, TOKENS[:1, 12 + step])
+  assert sorted(held(cache)[1][0, 1]) == [0, 1, *range(8, 16)]
+  _, cache = decode.decode_step(model, params, cache, TOKENS[:1, 16])  # full: position 8 goes
+  assert sorted(held(cache)[1][0, 1]) == [0, 1, *range(9, 17)]
+
+
+def test_an_int8_evicted_cache_is_the_float_one_within_int8_tolerance(gqa):
+  model, params = gqa
+  settings = dict(press="snapkv", compression_ratio=0.5, **SETTINGS)
+  want, full = decode.prefill(model, params, TOKENS, LENGTHS, 30, cache_config=CacheConfig(**settings))
+  got, cache = decode.prefill(model, params, TOKENS, LENGTHS, 30, cache_config=CacheConfig(dtype="int8", **settings))
+  np.testing.assert_array_equal(held(cache)[1], held(full)[1])
+  for token in ([5, 6], [7, 8]):
+    want, full = decode.decode_step(model, params, full, np.array(token))
+    got, cache = decode.decode_step(model, params, cache, np.array(token))
+    np.testing.assert_allclose(got, want, atol=5e-2)
+    assert np.abs(got - want).max() > 0  # the codec is in the path
+
+
+@pytest.mark.parametrize("dtype", [None, "int8"])
+def test_budgets_and_bytes_are_exact(dtype):
+  config = tiny_config(2)
+  cache_config = CacheConfig(press="tova", compression_ratio=0.75, dtype=dtype)
+  cache = kinds.create(config, cache_config, 3, 40, prompt=32)
+  assert cache.slots == slots_for(cache_config, 40, 32) == 40 - (32 - 8)
+  assert cache.nbytes + 4 * 3 == kinds.cache_bytes(config, cache_config, 3, 40, prompt=32)
+  full = kinds.cache_bytes(config, CacheConfig(dtype=dtype), 3, 40)
+  per_slot = 2 * 8  # the int32 position and float32 score of each of the 2 kv heads
+  kv = (full - 12) // 40 // 3 // config.num_layers
+  assert cache.nbytes == 3 * config.num_layers * cache.slots * (kv + per_slot)
+
+
+@pytest.mark.parametrize(
+  "changes, message",
+  [
+    (dict(press="snapkv", compression_ratio=1.0), "compression_ratio must be a number in [0, 1)"),
+    (dict(press="snapkv", compression_ratio=-0.1), "compression_ratio must be a number in [0, 1)"),
+    (dict(press="h3o"), "CacheConfig.press must be one of"),
+    (dict(press="snapkv", layout="paged"), "a paged cache does not evict"),
+    (dict(compression_ratio=0.5), "needs a press"),
+    (dict(layout="evict"), "needs a press"),
+    (dict(press="snapkv", press_kernel=4), "press_kernel must be odd"),
+  ],
+)
+def test_bad_configs_are_refused_naming_the_field(changes, message):
+  with pytest.raises(ValueError, match=message.replace("[", r"\[").replace(")", r"\)").replace("(", r"\(")):
+    CacheConfig(**changes)
+
+
+def test_bad_budgets_and_models_are_refused(gqa):
+  model, params = gqa
+  config = tiny_config(2)
+  with pytest.raises(ValueError, match="budget of 8 slots .* smaller than the snapkv press's window=16"):
+    kinds.create(config, CacheConfig(press="snapkv", compression_ratio=0.75, press_window=16), 1, 32, prompt=32)
+  with pytest.raises(ValueError, match="budget of 3 slots .* smaller than the streaming_llm press's sinks=4"):
+    kinds.create(config, CacheConfig(press="streaming_llm", compression_ratio=0.9), 1, 32, prompt=32)
+  with pytest.raises(ValueError, match="MLA's latent"):
+    mla = tiny_config(2, kv_latent_rank=16, rope_dims=4)
+    kinds.create(mla, CacheConfig(press="knorm"), 1, 32)
+  with pytest.raises(ValueError, match="does not combine with sliding windows"):
+    kinds.create(tiny_config(2, window=(8, 0)), CacheConfig(press="knorm"), 1, 32)
+  cache = kinds.create(config, CacheConfig(press="knorm", compression_ratio=0.5), 2, 64)  # 32 slots
+  _, cache = decode.extend(model, params, cache, TOKENS, LENGTHS)
+  with pytest.raises(ValueError, match="row 0 brings 33 tokens in one call, more than the evicting cache's 32 slots"):
+    decode.extend(model, params, cache, np.zeros((2, 33), np.int32), [33, 1])
