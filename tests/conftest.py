@@ -69,3 +69,13 @@ def smollm2(tmp_path_factory):
   workdir = tmp_path_factory.mktemp("smollm2") / "workdir"
   import_model("smollm2-135m", workdir)
   return workdir
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _drop_compiled_functions():
+  """Drops every compiled function after each test module. XLA's CPU backend maps a few memory
+  regions per live executable and Linux caps a process at vm.max_map_count (65,530) regions; the
+  suite compiles more executables than that allows in one process, and past the cap XLA's
+  compiler crashes."""
+  yield
+  jax.clear_caches()
