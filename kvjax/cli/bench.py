@@ -10,7 +10,7 @@ import dataclasses
 import json
 import sys
 
-from kvjax.bench import benchmarks, mla, paged, quant, real, real_model
+from kvjax.bench import benchmarks, evict, mla, paged, quant, real, real_model
 from kvjax.cache.config import CacheConfig
 from kvjax.cli import options
 from kvjax.config import ModelConfig
@@ -36,7 +36,7 @@ BENCHMARKS = {
 }
 
 
-REAL_MODEL_BENCHMARKS = ("hf", "perplexity", "real")
+REAL_MODEL_BENCHMARKS = ("evict", "hf", "perplexity", "real")
 
 
 def _int_list(text: str) -> list[int]:
@@ -91,6 +91,8 @@ def real_model_result(args: argparse.Namespace) -> dict:
   """`hf` or `perplexity` on the pretrained model args.model."""
   if args.overrides:
     raise ValueError("--set changes the benchmark model; with --model the pretrained model is used as it is")
+  if args.benchmark == "evict":
+    return evict.bench_evict(args.model, batch=args.batch or 8, context=args.context, repeats=args.repeats)
   if args.benchmark == "real":
     return real.bench_real(args.model, parts=args.parts, repeats=min(args.repeats, 3), progress=_progress)
   if args.benchmark == "perplexity":
