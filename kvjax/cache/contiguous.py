@@ -146,7 +146,9 @@ class ContiguousCache(KVCache):
     )
 
   @classmethod
-  def rows(cls, config: ModelConfig, batch: int, max_len: int, cache_config: CacheConfig, prompt: int | None = None) -> "ContiguousCache":
+  def rows(
+    cls, config: ModelConfig, batch: int, max_len: int, cache_config: CacheConfig, prompt: int | None = None
+  ) -> "ContiguousCache":
     """create(config, batch, max_len, cache_config): the signature every layout's `rows` shares."""
     return cls.create(config, batch, max_len, cache_config)
 

@@ -169,7 +169,9 @@ class PagedCache(KVCache):
     )
 
   @classmethod
-  def rows(cls, config: ModelConfig, batch: int, max_len: int, cache_config: CacheConfig, prompt: int | None = None) -> "PagedCache":
+  def rows(
+    cls, config: ModelConfig, batch: int, max_len: int, cache_config: CacheConfig, prompt: int | None = None
+  ) -> "PagedCache":
     """A cache of `batch` rows of max_len positions each, row b owning pages [1 + b*M, 1 + (b+1)*M)
     of cache_config.page_size tokens (M = ceil(max_len / page_size)): what prefill and generate
     make for layout="paged" (the engine allocates its pages itself)."""

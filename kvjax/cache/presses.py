@@ -122,7 +122,9 @@ class SnapKV(Press):
     before = jnp.arange(t)[None, :] < (lengths - self.window)[:, None]  # [B, T]: keys before the window
     score = jnp.where(before[:, None, None], score, 0.0)
     pad = self.kernel // 2
-    score = jax.lax.reduce_window(score, 0.0, jax.lax.add, (1, 1, 1, self.kernel), (1, 1, 1, 1), ((0, 0),) * 3 + ((pad, pad),))
+    score = jax.lax.reduce_window(
+      score, 0.0, jax.lax.add, (1, 1, 1, self.kernel), (1, 1, 1, 1), ((0, 0),) * 3 + ((pad, pad),)
+    )
     score = score.mean(axis=2) / self.kernel  # [B, K, T]
     window = (jnp.arange(t)[None, :] >= (lengths - self.window)[:, None]) & (jnp.arange(t)[None, :] < lengths[:, None])
     return _kept_above(jnp.where(before[:, None], score, -jnp.inf), window)

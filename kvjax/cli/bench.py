@@ -106,9 +106,12 @@ def real_model_result(args: argparse.Namespace) -> dict:
 
 
 def command(args: argparse.Namespace) -> int:
-  if args.model is not None or args.benchmark == "perplexity":
+  needs_model = sorted(set(REAL_MODEL_BENCHMARKS) - set(BENCHMARKS))
+  if args.model is not None or args.benchmark in needs_model:
     if args.model is None or args.benchmark not in REAL_MODEL_BENCHMARKS:
-      raise ValueError(f"--model runs {' and '.join(REAL_MODEL_BENCHMARKS)} only, and perplexity needs --model")
+      raise ValueError(
+        f"--model runs {', '.join(REAL_MODEL_BENCHMARKS)} only, and {', '.join(needs_model)} need --model"
+      )
     print(json.dumps(real_model_result(args), indent=None if args.json else 2))
     return 0
   config = options.apply_set(BenchConfig(), args)

@@ -4,14 +4,12 @@ an evicted cache is the full forward pass masked to the tokens each layer and he
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import init_params, tiny_config
 from oracles import KeptForward, forward
 
-import kvjax
 from kvjax.cache import kinds
 from kvjax.cache.config import CacheConfig
 from kvjax.cache.evict import EvictedCache, kept, slots_for
