@@ -1,0 +1,27 @@
+"""The eviction study shrunk to run in a minute: one press, 2 needles of 200 tokens, one short
+perplexity window (the test of the study's driver).
+
+  kvjax run configs/eviction/tiny.py --workdir runs/eviction_tiny
+"""
+
+from pathlib import Path
+
+from kvjax.studies.eviction import EvictionStudy
+
+DRIVER = Path(__file__).parents[2] / "experiments" / "eviction.py"
+
+
+def get_config() -> EvictionStudy:
+  return EvictionStudy(
+    source="smollm2-135m",
+    presses=("snapkv",),
+    ratios=(0.75,),
+    recall_ratios=(0.75,),
+    trials=2,
+    context=200,
+    answer_tokens=8,
+    batch_size=2,
+    perplexity_context=128,
+    continuation=32,
+    windows=1,
+  )
