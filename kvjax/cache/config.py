@@ -54,6 +54,9 @@ class CacheConfig:
     width of its average pool (odd).
   press_sinks: the first tokens StreamingLLM always keeps.
   press_seed: the random press's seed.
+  press_heads: "uniform" (every kv head keeps as many tokens) or "adaptive" (AdaKV: the row's
+    budget goes to its heads' best tokens together, each head first keeping press_safeguard of
+    its share; kvjax.cache.evict.head_budgets).
   """
 
   layout: str = "contiguous"
@@ -69,6 +72,8 @@ class CacheConfig:
   press_kernel: int = 5
   press_sinks: int = 4
   press_seed: int = 0
+  press_heads: str = "uniform"
+  press_safeguard: float = 0.2
 
   def __post_init__(self):
     # LAYOUTS fills as kvjax imports its layout modules (kvjax/__init__ imports them all); only the
@@ -113,6 +118,10 @@ class CacheConfig:
       check_positive(self, name, most=INT32_MAX)
     check_nonnegative(self, "press_sinks", most=INT32_MAX)
     check_nonnegative(self, "press_seed", most=INT32_MAX)
+    check_choice(self, "press_heads", ("uniform", "adaptive"))
+    safeguard = self.press_safeguard
+    if isinstance(safeguard, bool) or not isinstance(safeguard, (int, float)) or not 0 <= safeguard <= 1:
+      raise ValueError(f"CacheConfig.press_safeguard must be a number in [0, 1], got {safeguard!r}")
     if self.press_kernel % 2 == 0:
       raise ValueError(f"CacheConfig.press_kernel must be odd (a centred pool), got {self.press_kernel}")
     if self.press is None:

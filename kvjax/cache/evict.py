@@ -15,7 +15,9 @@ lowest-scoring token held (the press's arrival scores, kvjax.cache.presses): a r
 past its budget in constant memory. A read attends over the slots each head holds, by their
 positions; every head of a row fills the same number of slots, so a decode step reads slots
 [0, filled) through the contiguous layout's decode route (kvjax's CPU kernel for float32 and
-int8) and reads only the budget's bytes.
+int8) and reads only the budget's bytes. With AdaKV's head-adaptive budgets
+(CacheConfig.press_heads="adaptive") heads of a row keep different numbers of prompt tokens (at
+most the slots each) and every read goes by positions, in XLA.
 
 A cache for max_len positions whose first call is `prompt` tokens long has
 S = max_len - (prompt - int(prompt * (1 - ratio))) slots: room for the kept prompt and every
@@ -85,6 +87,18 @@ def scatter_heads(buffer: jax.Array, update: jax.Array, slots: jax.Array, axis: 
   return buffer.at[tuple(index)].set(update.astype(buffer.dtype), mode="drop")
 
 
+def head_budgets(scores: jax.Array, keep: jax.Array, safeguard: float) -> jax.Array:
+  """AdaKV's head-adaptive budgets (Feng et al. 2024): the tokens each kv head keeps when a row
+  keeps its K * keep[b] best tokens over all its heads together, every head first keeping its
+  int(keep * safeguard) best. scores [B, K, T] (-inf: padding), keep int[B] -> int[B, K]."""
+  b, k, t = scores.shape
+  rank = jnp.argsort(jnp.argsort(-scores, axis=-1, stable=True), axis=-1)  # each token's rank in its head
+  safe = (keep * safeguard).astype(jnp.int32)
+  boosted = jnp.where(rank < safe[:, None, None], jnp.inf, scores).reshape(b, k * t)
+  flat_rank = jnp.argsort(jnp.argsort(-boosted, axis=-1, stable=True), axis=-1)  # ties: lower head, earlier position
+  return (flat_rank < (k * keep)[:, None]).reshape(b, k, t).sum(axis=-1, dtype=jnp.int32)
+
+
 @register("evict")
 class EvictedCache(ContiguousCache):
   """Per row and kv head, `slots` (static) tokens chosen by `press` (static); see the module
@@ -93,6 +107,7 @@ class EvictedCache(ContiguousCache):
   slots: int = flax.struct.field(pytree_node=False, default=0)
   press: Press | None = flax.struct.field(pytree_node=False, default=None)
   ratio: float = flax.struct.field(pytree_node=False, default=0.0)
+  safeguard: float | None = flax.struct.field(pytree_node=False, default=None)
 
   @classmethod
   def rows(
@@ -133,6 +148,7 @@ class EvictedCache(ContiguousCache):
       slots=slots,
       press=press,
       ratio=cache_config.compression_ratio,
+      safeguard=cache_config.press_safeguard if cache_config.press_heads == "adaptive" else None,
       **statics,
     )
 
@@ -188,7 +204,10 @@ class EvictedCache(ContiguousCache):
     order = jnp.argsort(-scores, axis=-1, stable=True)[..., : self.slots]  # [B, K, S]: best first, ties earliest
     if order.shape[-1] < self.slots:  # a prompt shorter than the slots: the rest stay empty
       order = jnp.pad(order, ((0, 0), (0, 0), (0, self.slots - order.shape[-1])))
-    held = jnp.arange(self.slots)[None, None, :] < jnp.minimum(keep, t)[:, None, None]
+    counts = jnp.broadcast_to(jnp.minimum(keep, t)[:, None], scores.shape[:2])  # [B, K]: tokens each head keeps
+    if self.safeguard is not None:
+      counts = jnp.minimum(head_budgets(scores, keep, self.safeguard), self.slots)
+    held = jnp.arange(self.slots)[None, None, :] < counts[:, :, None]
     positions = jnp.take_along_axis(jnp.broadcast_to(span.positions[:, None], scores.shape), order, axis=-1)
     stored = {"positions": jnp.where(held, positions, -1), "scores": jnp.take_along_axis(scores, order, axis=-1)}
     chosen = {name: jnp.take_along_axis(x, order[..., None], axis=2) for name, x in new.items()}  # [B, K, S, H]
@@ -216,7 +235,7 @@ class EvictedCache(ContiguousCache):
     return out
 
   def read(self, stored, query, q_positions, span: Span, backend: Backend):
-    if q_positions.shape[1] == 1 and query.kernel_query is not None:
+    if q_positions.shape[1] == 1 and query.kernel_query is not None and self.safeguard is None:
       return backend.cache_attention(
         ("contiguous", self.codec.name),
         query.kernel_query,

@@ -85,8 +85,9 @@ def _last_columns(lengths: jax.Array, window: int) -> jax.Array:
 
 def _kept_above(scores: jax.Array, keep: jax.Array) -> jax.Array:
   """scores [B, K, T] with the columns where keep bool[B, T] is set raised above every other
-  column of their row and head (to that maximum + 1, as kvpress does)."""
-  best = jnp.max(jnp.where(keep[:, None], -jnp.inf, scores), axis=-1, keepdims=True)
+  score of their row (to the row's maximum over all heads + 1, one value, as kvpress does):
+  head-adaptive budgets compare scores across heads."""
+  best = jnp.max(jnp.where(keep[:, None], -jnp.inf, scores), axis=(1, 2), keepdims=True)
   best = jnp.where(jnp.isfinite(best), best, 0.0)
   return jnp.where(keep[:, None], best + 1, scores)
 

@@ -68,6 +68,12 @@ def evaluate(
   forward pass."""
   if split not in ("val", "train"):
     raise ValueError(f"split must be 'val' or 'train', got {split!r}")
+  if cache_config is not None and cache_config.press is not None:
+    raise ValueError(
+      f"CacheConfig.press={cache_config.press!r}: a press compresses a cache after the prompt's own logits, so a "
+      "prefill's perplexity is the full cache's; kvjax.studies.eviction scores continuations read through a "
+      "pressed cache (configs/eviction)"
+    )
   if cache_config is not None:
     cache_config.codec(model.config)  # refuses a codec the model's vectors cannot take, before compiling
     cache_config.model(model.config).check_length(data.seq_len, f"windows of seq_len={data.seq_len} tokens")

@@ -246,3 +246,48 @@ def test_bad_budgets_and_models_are_refused(gqa):
   _, cache = decode.extend(model, params, cache, TOKENS, LENGTHS)
   with pytest.raises(ValueError, match="row 0 brings 33 tokens in one call, more than the evicting cache's 32 slots"):
     decode.extend(model, params, cache, np.zeros((2, 33), np.int32), [33, 1])
+
+
+@pytest.mark.parametrize("press", ["snapkv", "knorm"])
+def test_adaptive_head_budgets_keep_what_adakv_keeps(gqa, press):
+  """AdaKV over a scorer: each head first keeps its int(keep * safeguard) best, then the row's
+  K * keep best over all heads together (ties: the lower head, the earlier position); decoding
+  reads each head's own tokens (the masked forward pass)."""
+  config = tiny_config(2, num_heads=6, head_dim=8)
+  cache_config = CacheConfig(
+    press=press, compression_ratio=0.75, press_heads="adaptive", press_safeguard=0.3, **SETTINGS
+  )
+  t, lengths = 24, np.array([24, 19])
+  cache = EvictedCache.rows(config, 2, 48, cache_config, prompt=t)  # room for any head's share
+  rng = np.random.default_rng(2)
+  q = rng.normal(size=(2, t, 6, 8)).astype(np.float32)
+  k = (rng.normal(size=(2, 2, t, 8)) * np.array([1.0, 3.0])[None, :, None, None]).astype(np.float32)
+  span = Span(jnp.broadcast_to(jnp.arange(t), (2, t)), jnp.asarray(lengths), from_empty=True)
+  positions = np.asarray(cache.compress({"k": jnp.asarray(k), "v": jnp.asarray(k)}, jnp.asarray(q), span)["positions"])
+  counts = []
+  for b, n in enumerate(lengths):
+    scores = np_scores(press, q[b, :n].astype(np.float64), k[b, :, :n].astype(np.float64), SETTINGS)
+    keep = kept(n, 0.75)
+    boosted = scores.copy()
+    for head in range(2):
+      best = sorted(range(n), key=lambda s: (-scores[head, s], s))[: int(keep * 0.3)]
+      boosted[head, best] = np.inf
+    flat = sorted(range(2 * n), key=lambda i: (-boosted.flat[i], i))[: 2 * keep]
+    for head in range(2):
+      want = sorted(i % n for i in flat if i // n == head)
+      assert sorted(positions[b, head][positions[b, head] >= 0]) == want, (b, head)
+      counts.append(len(want))
+  assert len(set(counts)) > 1  # the heads' budgets differ
+
+  model, params = init_params(config)
+  tokens = RNG.integers(0, 64, (2, 30)).astype(np.int32)
+  cache = kinds.create(config, cache_config, 2, 30, prompt=20)
+  logits, cache = decode.extend(model, params, cache, tokens[:, :20], [20, 20])
+  history, calls = [], []
+  for step in range(20, 30):
+    logits, cache = decode.decode_step(model, params, cache, tokens[:, step])
+    history.append((np.full(2, step), np.full(2, step + 1), held(cache)))
+    calls.append(logits)
+  reference = forward(model, params, tokens, KeptForward(masks_of(history, np.array([20, 20]), 30)))
+  for got, position in zip(calls, range(20, 30)):
+    np.testing.assert_allclose(got, reference[:, position], atol=1e-4, err_msg=f"position {position}")
