@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import hashlib
+import importlib.util
 from pathlib import Path
 
 import jax
@@ -26,6 +27,14 @@ def word_corpus(path: Path, seed: int = 0) -> Path:
   rng = random.Random(seed)
   path.write_text("\n".join(" ".join(rng.choice(["ab", "cd", "efg", "h"]) for _ in range(12)) for _ in range(300)))
   return path
+
+
+def load_module(path: Path):
+  """The module of a Python file (a config under configs/, a driver under experiments/)."""
+  spec = importlib.util.spec_from_file_location(path.stem, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
 
 
 def init_params(config: kvjax.ModelConfig, seed: int = 0):

@@ -3,29 +3,22 @@ full cache, both recall protocols, perplexity after a pressed context."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
 
 import pytest
+from conftest import load_module
 
 from kvjax.studies.eviction import EvictionStudy
 
 ROOT = Path(__file__).parents[2]
 
 
-def load(path: Path):
-  spec = importlib.util.spec_from_file_location(path.stem, path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
 def test_the_tiny_study_writes_a_row_per_cache(tmp_path):
-  config = load(ROOT / "configs" / "eviction" / "tiny.py")
+  config = load_module(ROOT / "configs" / "eviction" / "tiny.py")
   study = config.get_config()
-  rows = load(config.DRIVER).main(study, tmp_path)
+  rows = load_module(config.DRIVER).main(study, tmp_path)
   assert [(r["press"], r["ratio"]) for r in rows] == [("full cache", 0.0), ("snapkv", 0.75)]
   full, snapkv = rows
   # Without a press both protocols are the same computation.

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import importlib.util
 from pathlib import Path
 
 import pytest
+from conftest import load_module
 
 from kvjax.cache.config import CacheConfig
 from kvjax.cache.kinds import bytes_per_token
@@ -17,17 +17,10 @@ from kvjax.studies.kv_memory import CSV_FIELDS, KVMemoryStudy, WorkloadConfig, m
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def load(path: Path):
-  spec = importlib.util.spec_from_file_location(path.stem, path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
 def test_tiny_study_writes_its_results(tmp_path):
-  study = load(ROOT / "configs/kv_memory/tiny.py").get_config()
+  study = load_module(ROOT / "configs/kv_memory/tiny.py").get_config()
   assert study.job == "kv_memory"
-  load(ROOT / "experiments/kv_memory.py").main(study, str(tmp_path))
+  load_module(ROOT / "experiments/kv_memory.py").main(study, str(tmp_path))
 
   with open(tmp_path / "kv_memory.csv") as f:
     rows = {row["policy"]: row for row in csv.DictReader(f)}
@@ -53,7 +46,7 @@ def test_tiny_study_writes_its_results(tmp_path):
 
 
 def test_cpu_config_is_valid():
-  study = load(ROOT / "configs/kv_memory/cpu.py").get_config()
+  study = load_module(ROOT / "configs/kv_memory/cpu.py").get_config()
   assert study.page_sizes == (8, 16, 32) and study.budget_tokens % study.model.max_len == 0
 
 
@@ -85,11 +78,11 @@ def test_bad_study_configs_name_the_field():
 def test_quantized_formats_hold_more_requests_within_the_same_bytes(tmp_path):
   """int8 pages within the float32 budget's bytes: more token slots, at least as many requests at
   once, and the rows name their format."""
-  tiny = load(ROOT / "configs/kv_memory/tiny.py").get_config()
+  tiny = load_module(ROOT / "configs/kv_memory/tiny.py").get_config()
   study = dataclasses.replace(
     tiny, model=tiny.model.replace(head_dim=32), page_sizes=(16,), cache_dtypes=("int8",), baselines=False
   )
-  rows = load(ROOT / "experiments/kv_memory.py").main(study, str(tmp_path))["rows"]
+  rows = load_module(ROOT / "experiments/kv_memory.py").main(study, str(tmp_path))["rows"]
   assert [(r["policy"], r["cache_dtype"]) for r in rows] == [("paged16", "float32"), ("paged16", "int8")]
   own, int8 = rows
   assert own["budget_tokens"] == study.budget_tokens
