@@ -14,7 +14,7 @@ import sys
 
 import numpy as np
 
-from kvjax.bench.real_model import _torch, hf_reference
+from kvjax.bench.real_model import hf_reference
 from kvjax.interop.importer import read_model
 from kvjax.studies.eviction import PROTOCOLS, EvictionStudy, needles
 from kvjax.studies.passkey import answered
@@ -31,7 +31,9 @@ def presses(kvpress, ratio: float) -> dict:
   }
 
 
-def greedy(torch, transformers, hf, press, pressed: np.ndarray, after: np.ndarray, new_tokens: int, stop_ids) -> list[int]:
+def greedy(
+  torch, transformers, hf, press, pressed: np.ndarray, after: np.ndarray, new_tokens: int, stop_ids
+) -> list[int]:
   """Prefill `pressed` under the press, then read `after` and decode greedily, one token per
   call at its own position (a pressed cache holds fewer entries than the positions it covers)."""
   cache = transformers.DynamicCache()
@@ -62,8 +64,9 @@ def greedy(torch, transformers, hf, press, pressed: np.ndarray, after: np.ndarra
 
 def main(ratio: float = 0.75, trials: int = 24) -> dict:
   import kvpress
+  import torch
+  import transformers
 
-  torch, transformers = _torch()
   params, config, tokenizer, path = read_model("smollm2-135m")
   del params
   hf = hf_reference(path)
