@@ -3,7 +3,7 @@ kvjax's presses are compared with in docs/results.md: the same prompts, token fo
 `transformers` (float32, from the same GGUF file) with kvpress's presses as context managers.
 
 Needs kvpress (`pip install kvpress`; not a kvjax dependency). Run:
-  python experiments/kvpress_reference.py [ratio] [trials] > kvpress_reference.json
+  python experiments/kvpress_reference.py [ratio] [trials] [protocols] > kvpress_reference.json
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def greedy(
   return tokens
 
 
-def main(ratio: float = 0.75, trials: int = 24) -> dict:
+def main(ratio: float = 0.75, trials: int = 24, protocols: tuple[str, ...] = PROTOCOLS) -> dict:
   import kvpress
   import torch
   import transformers
@@ -74,7 +74,7 @@ def main(ratio: float = 0.75, trials: int = 24) -> dict:
   contexts, question, keys = needles(tokenizer, study)
   result = {"kvpress_version": getattr(kvpress, "__version__", "?"), "transformers_version": transformers.__version__}
   for name, press in presses(kvpress, ratio).items():
-    for protocol in PROTOCOLS:
+    for protocol in protocols:
       hits = []
       for context, key in zip(contexts, keys):
         if protocol == "query_agnostic":
@@ -89,4 +89,8 @@ def main(ratio: float = 0.75, trials: int = 24) -> dict:
 
 
 if __name__ == "__main__":
-  print(json.dumps(main(*(float(a) for a in sys.argv[1:2]), *(int(a) for a in sys.argv[2:3]))))
+  args = sys.argv[1:]
+  ratio = float(args[0]) if args else 0.75
+  trials = int(args[1]) if len(args) > 1 else 24
+  protocols = tuple(args[2].split(",")) if len(args) > 2 else PROTOCOLS
+  print(json.dumps(main(ratio, trials, protocols)))
