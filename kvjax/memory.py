@@ -9,7 +9,9 @@ allocated, so a model too large for the machine is refused before it is built) a
                    per layer and token  4D (block input, residual, the two norm outputs)
                                         + 3NH + 4KH (q, k, v before and after RoPE, attention output)
                                         + 6F (MLP gate, up, activation, product, their gradients)
-                                        + 4NT (scores, masked scores, probabilities, their gradient)
+                                        + 4NT (scores, masked scores, probabilities, their gradient;
+                                          6NT from 2 x 256 tokens, where attention runs in tiles and
+                                          the scans keep each tile pair's for the backward pass)
                    once per token       2D (final norm) + 3V (logits, log-softmax, its gradient)
                  (coefficients fitted to XLA's memory plan of the train step, and rounded up:
                  the tests check that the estimate bounds that plan within a factor of two)
@@ -34,6 +36,7 @@ from typing import Mapping, Sequence
 import jax
 
 from kvjax.config import ModelConfig
+from kvjax.model.attention import BLOCK
 from kvjax.model.params import param_count
 
 FLOAT32 = 4
@@ -67,7 +70,8 @@ def _kv_heads(config: ModelConfig) -> int:
 def activation_bytes(config: ModelConfig, batch_size: int, seq_len: int) -> int:
   """What the backward pass keeps for a batch of batch_size x seq_len tokens (module docstring)."""
   d, n, k, h, f = config.d_model, config.num_heads, _kv_heads(config), config.head_dim, config.mlp_dim
-  per_layer = 4 * d + 3 * n * h + 4 * k * h + 6 * f + 4 * n * seq_len
+  scores = (4 if seq_len < 2 * BLOCK else 6) * n * seq_len  # tiled attention (kvjax.model.attention.blocked_attend)
+  per_layer = 4 * d + 3 * n * h + 4 * k * h + 6 * f + scores
   return FLOAT32 * batch_size * seq_len * (config.num_layers * per_layer + 2 * d + 3 * config.vocab_size)
 
 
