@@ -36,8 +36,7 @@ def filled_evicted(config, cache_config: CacheConfig, batch: int, context: int, 
   positions [0, context), every slot of the kept prompt filled, as after a pressed prefill."""
   cache = kinds.create(config, cache_config, batch, max_len, prompt=context)
   held = int(kept(context, cache_config.compression_ratio))
-  spread = filled(cache.replace(max_len=held), config, 0)  # slots [0, held) written in order
-  layers = jax.tree.map(lambda x: x, spread.layers)
+  layers = filled(cache.replace(max_len=held), config, 0).layers  # slots [0, held) written in order
   positions = jnp.broadcast_to(jnp.linspace(0, context - 1, held).astype(jnp.int32), (batch, config.num_kv_heads, held))
   for layer in cache_layers(layers):
     layer["positions"] = layer["positions"].at[..., :held].set(positions)

@@ -35,7 +35,7 @@ from kvjax.fields import check_positive, check_nonnegative
 from kvjax.interop.importer import read_model
 from kvjax.model.transformer import Transformer
 from kvjax.studies import report
-from kvjax.studies.passkey import Frame, PasskeyConfig, Prose, answered, examples
+from kvjax.studies.passkey import Frame, PasskeyConfig, Prose, answered, answers, examples
 from kvjax.training.config import DataConfig
 from kvjax.training.data import PROSE, eval_batches, load_dataset
 
@@ -122,17 +122,13 @@ def recall(model, params, tokenizer, cache_config: CacheConfig, protocol: str, t
     if protocol == "query_aware":
       prompts = np.concatenate([rows, np.broadcast_to(question, (n, len(question)))], axis=1)
       lengths = np.full(n, prompts.shape[1], np.int32)
-      out = np.asarray(
-        decode.generate(
-          model, params, prompts, lengths, study.answer_tokens, stop_ids=tokenizer.stop_ids, cache_config=cache_config
-        )
-      )
+      out = answers(model, params, prompts, lengths, study.answer_tokens, tokenizer.stop_ids, cache_config=cache_config)
     else:
       _, cache = decode.prefill(model, params, rows, np.full(n, c), max_len, logits="last", cache_config=cache_config)
-      out = greedy_after(model, params, cache, question, study.answer_tokens, tokenizer.stop_ids)
-    for row, key in zip(out, keys[start : start + study.batch_size]):
-      stops = np.flatnonzero(np.isin(row, tokenizer.stop_ids))
-      hits.append(answered(tokenizer.decode(row[: stops[0]] if stops.size else row), key))
+      out = decode.until_stop(
+        greedy_after(model, params, cache, question, study.answer_tokens, tokenizer.stop_ids), tokenizer.stop_ids
+      )
+    hits += [answered(tokenizer.decode(row), key) for row, key in zip(out, keys[start : start + study.batch_size])]
   return 100.0 * float(np.mean(hits))
 
 

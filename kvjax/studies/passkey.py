@@ -41,7 +41,7 @@ import numpy as np
 
 from kvjax.cache.config import CacheConfig
 from kvjax.fields import check_nonnegative, check_positive, check_positive_int, to_dict
-from kvjax.decoding.decode import generate
+from kvjax.decoding.decode import generate, until_stop
 from kvjax.interop.tokenizer import TextTokenizer
 from kvjax.model.transformer import Transformer
 from kvjax.model.weights import check_format, store
@@ -231,8 +231,7 @@ def answers(
     out = np.asarray(
       generate(model, params, prompts, lengths, new_tokens, stop_ids=stop_ids, cache_config=cache_config)
     )
-    cut = [np.flatnonzero(np.isin(row, stop_ids)) for row in out]
-    return [row[: c[0]] if c.size else row for row, c in zip(out, cut)]
+    return until_stop(out, stop_ids)
   page_size = cache_config.page_size
   longest = int(lengths.max()) + new_tokens
   pages = -(-longest // page_size)
