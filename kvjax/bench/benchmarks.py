@@ -13,7 +13,6 @@ in one run.
 
 from __future__ import annotations
 
-import functools
 import statistics
 import tempfile
 from typing import Sequence
@@ -32,8 +31,8 @@ from kvjax.decoding import baselines, decode
 from kvjax.kernels import attention as attention_kernel
 from kvjax.kernels import matmul
 from kvjax.model.flops import matmul_params, peak_flops
-from kvjax.model.attention import Span
-from kvjax.model.transformer import Transformer, cache_collection, cache_layers
+from kvjax.model.transformer import Transformer
+from kvjax.cache.fill import filled
 from kvjax.timing import timed, timed_alternating
 
 # The Llama-style reference config of the benchmarks.
@@ -98,34 +97,6 @@ def filled_cache(
 ) -> KVCache:
   """A cache of `cache_config` of max_len positions whose rows hold `context` random positions."""
   return filled(kinds.create(model.config, cache_config, batch, max_len), model.config, context)
-
-
-def filled(cache: KVCache, cfg: ModelConfig, context: int) -> KVCache:
-  """`cache` (empty) with every row holding `context` random positions, without running a
-  prefill: a random normal payload written by the cache itself, so in its codec (quantized, with
-  scales, for an int8 / int4 / fp8 cache) and its layout (the rows' pages for a paged cache)."""
-  batch, length = cache.lengths.shape[0], cache.capacity
-  span = Span(
-    positions=jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length)),
-    lengths=jnp.full((batch,), length, jnp.int32),
-  )
-  keys = jax.random.split(jax.random.key(1), cfg.num_layers)
-  stored = cache_layers(cache.layers)
-
-  def payload(i):
-    draws = jax.random.split(keys[i], len(cache.fields))
-    return {
-      name: jax.random.normal(key, (batch, field.heads, length, field.width))  # [B, heads, S, width]
-      for key, (name, field) in zip(draws, cache.fields.items())
-    }
-
-  layers = cache_collection(cfg, lambda i: _write(cache, stored[i], payload(i), span))
-  return cache.replace(layers=layers, lengths=jnp.full((batch,), context, jnp.int32))
-
-
-@functools.partial(jax.jit, donate_argnames=("stored",))
-def _write(cache, stored, new, span):
-  return cache.write(stored, new, span)
 
 
 def time_decode_step(model, params, cache, steps: int = STEP_REPEATS) -> float:

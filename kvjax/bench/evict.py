@@ -16,12 +16,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.bench.benchmarks import filled
+from kvjax.cache.fill import filled, filled_evicted
 from kvjax.cache import kinds
 from kvjax.cache.codec import codec
 from kvjax.cache.config import CacheConfig
 from kvjax.cache.contiguous import attend_one
-from kvjax.cache.evict import EvictedCache, kept
+from kvjax.cache.evict import kept
 from kvjax.decoding import decode
 from kvjax.interop.importer import read_model
 from kvjax.model.transformer import Transformer, cache_layers
@@ -29,18 +29,6 @@ from kvjax.model.weights import store
 from kvjax.timing import timed_alternating
 
 RATIOS = (0.5, 0.75, 0.875)
-
-
-def filled_evicted(config, cache_config: CacheConfig, batch: int, context: int, max_len: int) -> EvictedCache:
-  """An evicting cache whose rows hold int(context * (1 - ratio)) random tokens spread over
-  positions [0, context), every slot of the kept prompt filled, as after a pressed prefill."""
-  cache = kinds.create(config, cache_config, batch, max_len, prompt=context)
-  held = int(kept(context, cache_config.compression_ratio))
-  layers = filled(cache.replace(max_len=held), config, 0).layers  # slots [0, held) written in order
-  positions = jnp.broadcast_to(jnp.linspace(0, context - 1, held).astype(jnp.int32), (batch, config.num_kv_heads, held))
-  for layer in cache_layers(layers):
-    layer["positions"] = layer["positions"].at[..., :held].set(positions)
-  return cache.replace(layers=layers, lengths=jnp.full((batch,), context, jnp.int32))
 
 
 @functools.partial(jax.jit, static_argnames=("backend",))

@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.bench.benchmarks import BENCH_MODEL, alternate_decode_steps, filled, filled_cache, init_model
+from kvjax.bench.benchmarks import BENCH_MODEL, alternate_decode_steps, filled_cache, init_model
+from kvjax.cache.fill import filled
 from kvjax.cache.config import CacheConfig
 from kvjax.cache.paged import PagedCache, pallas_available
 from kvjax.config import ModelConfig

@@ -1,6 +1,6 @@
 """`kvjax uptrain --from SRC --workdir DEST --kv-heads K [--method M]` (or `--to-mla RANK
 --rope-dims D`): the conversion these flags name (kvjax.conversion.conversions: KVHeads or ToMLA),
-then continued training (kvjax.conversion.uptrain); prints quality before, at and after."""
+then continued training or layer-local recovery (`--recovery local`; kvjax.conversion.uptrain); prints quality before, at and after."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import argparse
 from kvjax.cli import options
 from kvjax.conversion.conversions import KVHeads, ToMLA
 from kvjax.conversion.kv_heads import METHODS
-from kvjax.conversion.uptrain import uptrain
+from kvjax.conversion.uptrain import RECOVERIES, uptrain
 
 
 def conversion(args: argparse.Namespace) -> KVHeads | ToMLA:
@@ -30,12 +30,21 @@ def conversion(args: argparse.Namespace) -> KVHeads | ToMLA:
 def command(args: argparse.Namespace) -> int:
   overrides = args.overrides + ([f"train.mesh={args.mesh}"] if args.mesh is not None else [])
   record = uptrain(
-    args.source, args.workdir, conversion(args), fraction=args.fraction, distill=args.distill, overrides=overrides
+    args.source,
+    args.workdir,
+    conversion(args),
+    fraction=args.fraction,
+    distill=args.distill,
+    recovery=args.recovery,
+    overrides=overrides,
   )
   rows = [
     ("before conversion", record["before"]),
     ("converted (alpha=0)", record["converted"]),
-    (f"uptrained (alpha={record['fraction']})", record["after"]),
+    (
+      f"{'recovered' if record.get('recovery') == 'local' else 'uptrained'} (alpha={record['fraction']})",
+      record["after"],
+    ),
   ]
   for name, q in rows:
     print(f"{name:>22}: loss {q['loss']:.4f}  bits/byte {q['bits_per_byte']:.4f}  accuracy {q['accuracy']:.4f}")
@@ -85,6 +94,13 @@ def add_parser(subparsers) -> None:
     default=0.0,
     metavar="W",
     help="add W x KL to the source model's next-token distribution to the loss (distillation)",
+  )
+  parser.add_argument(
+    "--recovery",
+    choices=RECOVERIES,
+    default="train",
+    help="train: continue training the whole network (end to end, with --distill); local: each converted "
+    "layer's attention learns the source layer's output, train.steps steps per layer (fits a CPU)",
   )
   options.add_set_option(parser)
   options.add_mesh_option(parser)

@@ -1,6 +1,8 @@
 """Uptraining (Ainslie et al. 2023): convert a trained checkpoint by a conversion
 (kvjax.conversion.conversions: to fewer kv heads, or to multi-head latent attention), then
-continue pre-training for a fraction alpha of the source run's steps (`kvjax uptrain`).
+continue pre-training for a fraction alpha of the source run's steps (`kvjax uptrain`), or recover
+layer by layer: each converted attention learns the source layer's output
+(kvjax.conversion.local, `--recovery local`).
 
 The source workdir is only read. The destination is an ordinary training workdir (resumable like
 any run) plus uptrain.json, which records the conversion and held-out quality before it, right
@@ -26,6 +28,7 @@ from kvjax.training import train
 from kvjax.training import workdir as workdirs
 from kvjax.config import ModelConfig
 from kvjax.fields import apply_overrides, from_dict, to_dict
+from kvjax.conversion import local
 from kvjax.conversion.conversions import KINDS, Conversion, from_record
 from kvjax.interop.hf_files import copy_tokenizer
 from kvjax.interop.tokenizer import TextTokenizer
@@ -117,6 +120,8 @@ def _settings(settings: dict) -> str:
 
 
 CALIBRATION_WINDOWS = 64  # training windows whose activations the data-aware conversions fit
+LOCAL_WINDOWS = 256  # training windows layer-local recovery learns from (kvjax.conversion.local)
+RECOVERIES = ("train", "local")
 
 
 def uptrain(
@@ -126,6 +131,7 @@ def uptrain(
   *,
   fraction: float = 0.05,
   distill: float = 0.0,
+  recovery: str = "train",
   overrides=(),
 ) -> dict:
   """Converts the latest checkpoint of `source_workdir` by `conversion` and uptrains it in `workdir`.
@@ -144,6 +150,12 @@ def uptrain(
     raise ValueError(f"--workdir {dest} must be outside the source workdir {source}, which is never modified")
   if not 0 <= fraction <= 1:
     raise ValueError(f"fraction must be in [0, 1], got {fraction!r}")
+  if recovery not in RECOVERIES:
+    raise ValueError(f"recovery must be one of {RECOVERIES}, got {recovery!r}")
+  if recovery == "local" and distill:
+    raise ValueError(
+      f"distill={distill} adds to end-to-end training; recovery 'local' learns from the source layers alone"
+    )
   workdirs.check(dest, workdirs.UPTRAIN)  # a file, a folder of other things: refused before any loading
   step = checkpoint.latest_step(source)
   if step is None:
@@ -175,7 +187,11 @@ def uptrain(
     if getattr(new_model_config, f.name) != getattr(target, f.name)
   }
   config = dataclasses.replace(config, model=config.model.replace(**chosen))
-  settings = {"conversion": to_dict(conversion), "fraction": fraction} | ({"distill": distill} if distill else {})
+  settings = (
+    {"conversion": to_dict(conversion), "fraction": fraction}
+    | ({"distill": distill} if distill else {})
+    | ({"recovery": recovery} if recovery != "train" else {})
+  )
   source_id = {"path": str(source), "step": step, "fingerprint": workdirs.fingerprint(source_config, params)}
   with claim_workdir(dest, source_id, settings, to_dict(config)):
     record_path = dest / "uptrain.json"
@@ -190,6 +206,7 @@ def uptrain(
         "conversion": to_dict(conversion),
         "fraction": fraction,
         "distill": distill,
+        "recovery": recovery,
         "steps": config.train.steps if fraction else 0,
         "before": quality(model, params),
         "converted": quality(Transformer(new_model_config), new_params),
@@ -201,6 +218,21 @@ def uptrain(
       if checkpoint.latest_step(dest) is None:
         checkpoint.save_params(dest, new_params, new_model_config, run_config=to_dict(config))
       record["after"] = record["converted"]
+    elif recovery == "local":
+      # A recovery resumes only under the settings it began with (its steps, data, optimizer).
+      saved = dest / "config.json"
+      if saved.exists() and (diffs := checkpoint.config_diffs(json.loads(saved.read_text()), to_dict(config))):
+        raise ValueError(
+          f"{dest} holds a layer-local recovery with other settings ({'; '.join(diffs)}); use another --workdir"
+        )
+      checkpoint.write_atomically(saved, json.dumps(to_dict(config), indent=2) + "\n")
+      if checkpoint.latest_step(dest) is None:
+        windows = WindowSampler(data.train, data.seq_len, LOCAL_WINDOWS, config.data.seed + 2).next()[0]
+        recovered, _ = local.recover((model, params), (new_model_config, new_params), windows, config.train, dest)
+        checkpoint.save_params(dest, recovered, new_model_config, step=config.train.steps, run_config=to_dict(config))
+      new_model, recovered, _ = checkpoint.load_model(dest)
+      record["layers"] = json.loads((dest / local.LOG).read_text())
+      record["after"] = quality(new_model, recovered)
     else:
       checkpoint.write_atomically(dest / "config.json", json.dumps(to_dict(config), indent=2) + "\n")
       summary = train.run(config, dest, init_params=new_params, teacher=(model, params))

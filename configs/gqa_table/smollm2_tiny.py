@@ -1,0 +1,30 @@
+"""The real-model GQA table end to end at test size: the first 2 layers of SmolLM2-135M-Instruct,
+every row (as shipped, MQA mean at alpha = 0 and recovered, MQA pca recovered, MLA at MQA's bytes
+recovered), short windows, needles and timing. The numbers only show the pipeline works.
+
+  kvjax run configs/gqa_table/smollm2_tiny.py --workdir runs/real_gqa_tiny
+"""
+
+from pathlib import Path
+
+from kvjax.conversion.conversions import KVHeads, ToMLA
+from kvjax.studies.passkey import PasskeyConfig
+from kvjax.studies.real_gqa import RealGqaStudy
+from kvjax.studies.real_kv import Measure, Recovery
+from kvjax.studies.stages import TimingConfig
+
+DRIVER = Path(__file__).parents[2] / "experiments" / "real_gqa_table.py"
+
+
+def get_config() -> RealGqaStudy:
+  return RealGqaStudy(
+    source="smollm2-135m",
+    source_layers=2,
+    best=KVHeads(1, "pca"),
+    mla=ToMLA(104, 24),
+    recovery=Recovery(mode="local", steps=3, batch_size=2, seq_len=32, data_bytes=200_000),
+    measure=Measure(
+      contexts=(128,), windows=1, recall=PasskeyConfig(distances=(64,), needles=2, batch_size=2, answer_tokens=4)
+    ),
+    timing=TimingConfig(batch=2, prompt=64, new_tokens=4, repeats=1),
+  )

@@ -1,0 +1,36 @@
+"""The KV frontier on SmolLM2-135M-Instruct (float32, CPU): every family of KV compression on the
+pretrained model (kvjax.studies.real_frontier.standard_variants): the full cache; bf16 / fp8 /
+int8 / int4 caches; a 256-token window on every layer without and with 4 sinks, at decode time;
+every press at ratios 0.5 / 0.75 / 0.875; its 3 kv heads mean-pooled, pca'd and regrouped to one
+at alpha = 0 and after layer-local recovery; MLA at the bytes of its GQA-3 cache (latent 336 +
+48 rotary dims) and of MQA (104 + 24), recovered; int8 + SnapKV 0.5 and recovered MQA + int8.
+Perplexity on 2 held-out prose windows each of 1,024 and 2,048 tokens, pass-key recall at 64 /
+256 / 1,024 / 2,048 tokens (8 needles), the decode step at batch 8 over 2,048 positions.
+
+  kvjax run configs/kv_frontier/smollm2.py --workdir runs/real_frontier
+"""
+
+from pathlib import Path
+
+from kvjax.studies.passkey import PasskeyConfig
+from kvjax.studies.real_frontier import RealFrontierStudy, standard_variants
+from kvjax.studies.real_kv import Measure, Recovery
+
+DRIVER = Path(__file__).parents[2] / "experiments" / "real_frontier.py"
+
+
+def get_config() -> RealFrontierStudy:
+  return RealFrontierStudy(
+    source="smollm2-135m",
+    variants=standard_variants(),
+    recovery=Recovery(mode="local", steps=100, batch_size=8, lr=1e-3, seq_len=256),
+    measure=Measure(
+      contexts=(1024, 2048),
+      windows=2,
+      recall=PasskeyConfig(distances=(64, 256, 1024, 2048), needles=8, batch_size=4),
+      batch=8,
+      context=2048,
+      repeats=3,
+      weights="int8",
+    ),
+  )

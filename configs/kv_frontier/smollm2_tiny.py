@@ -1,0 +1,37 @@
+"""The real-model KV frontier end to end at test size: the first 2 layers of SmolLM2-135M-Instruct,
+one variant of each family (full, int8, a window with and without sinks, SnapKV, MQA mean at
+alpha = 0, MQA pca recovered layer by layer, MLA at MQA's bytes recovered, int8 + SnapKV, MQA mean
+recovered + int8), short windows and needles: every model is one of the tiny GQA table's, so
+models_from may point at its workdir. The numbers only show the pipeline works.
+
+  kvjax run configs/kv_frontier/smollm2_tiny.py --workdir runs/real_frontier_tiny
+"""
+
+from pathlib import Path
+
+from kvjax.studies.passkey import PasskeyConfig
+from kvjax.studies.real_frontier import RealFrontierStudy, standard_variants
+from kvjax.studies.real_kv import Measure, Recovery
+
+DRIVER = Path(__file__).parents[2] / "experiments" / "real_frontier.py"
+
+
+def get_config() -> RealFrontierStudy:
+  variants = standard_variants(
+    dtypes=("int8",), windows=(32,), presses=("snapkv",), ratios=(0.5,), methods=("mean", "pca"), mla_rope_dims=(48, 24)
+  )
+  keep = ("full cache", "int8", "window 32", "window 32 + 4 sinks", "snapkv 0.5", "MQA mean", "MQA pca + recovery")
+  return RealFrontierStudy(
+    source="smollm2-135m",
+    source_layers=2,
+    variants=tuple(v for v in variants if v.name in keep or v.name.startswith(("MLA 104", "int8 +", "MQA mean + recovery +"))),
+    recovery=Recovery(mode="local", steps=3, batch_size=2, seq_len=32, data_bytes=200_000),
+    measure=Measure(
+      contexts=(128,),
+      windows=1,
+      recall=PasskeyConfig(distances=(64,), needles=2, batch_size=2, answer_tokens=4),
+      batch=2,
+      context=128,
+      repeats=1,
+    ),
+  )

@@ -1,0 +1,161 @@
+"""The GQA table on a pretrained checkpoint (experiments/real_gqa_table.py): the model as shipped,
+MQA by mean-pooling its kv heads (the paper's conversion) at alpha = 0 and recovered, MQA by
+kvjax's best conversion recovered, and MLA at MQA's bytes recovered.
+
+Columns: KV bytes per token; time per sample (one jitted `generate` of timing.batch rows of
+timing.prompt tokens + timing.new_tokens greedy tokens, over the batch; models timed round-robin,
+kvjax.studies.stages.time_per_sample, weights stored as measure.weights); held-out perplexity and
+pass-key recall (kvjax.studies.real_kv); and the gap each row closes in loss per token at the
+longest context, ln perplexity: 0% at mean-pooling at alpha = 0, 100% at the model as shipped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+from kvjax.cache import kinds
+from kvjax.cache.config import CacheConfig
+from kvjax.conversion.conversions import KVHeads, ToMLA
+from kvjax.model.weights import store
+from kvjax.studies import report
+from kvjax.studies.real_kv import Measure, Params, Recovery, load, perplexity, prepare, prose_windows, recall
+from kvjax.studies.stages import TimingConfig, time_per_sample
+
+PROTOCOL = """Protocol: {source} imported from its file (float32). MQA rows convert its {kv} kv heads to
+one: "mean" mean-pools them (Ainslie et al. 2023), the best conversion is {best}; MLA is
+kvjax.conversion.mla at the KV bytes of MQA ({mla}). Recovery: {recovery}. Perplexity: {windows}
+held-out prose windows (pydoc_data, unseen in recovery) per context, the first half prefilled
+through the cache and the second half scored. Recall: pass-key exact match, {needles} needles
+per distance. Time per sample: batch {batch}, {prompt}-token prompts + {new} greedy tokens,
+weights stored as {weights}, median of {repeats} round-robin rounds over the batch. Gap closed:
+(ln ppl(MQA mean, alpha 0) - ln ppl(row)) / (ln ppl(MQA mean, alpha 0) - ln ppl(as shipped)) at
+{longest} tokens."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RealGqaStudy:
+  """The study `kvjax run` runs for job "real_gqa_table"; models_from as RealFrontierStudy's."""
+
+  job: str = "real_gqa_table"
+  source: str = "smollm2-135m"
+  source_layers: int | None = None
+  best: KVHeads = KVHeads(1, "pca")
+  mla: ToMLA = ToMLA(104, 24)
+  recovery: Recovery = dataclasses.field(default_factory=Recovery)
+  measure: Measure = dataclasses.field(default_factory=Measure)
+  timing: TimingConfig = dataclasses.field(
+    default_factory=lambda: TimingConfig(batch=8, prompt=2048, new_tokens=256, repeats=2)
+  )
+  models_from: str = ""
+
+  def __post_init__(self):
+    if self.job != "real_gqa_table":
+      raise ValueError(f"RealGqaStudy.job must be 'real_gqa_table', got {self.job!r}")
+    if not isinstance(self.best, KVHeads) or self.best.num_kv_heads != 1:
+      raise ValueError(f"RealGqaStudy.best must be a KVHeads conversion to one kv head (MQA), got {self.best!r}")
+    if not isinstance(self.mla, ToMLA):
+      raise ValueError(f"RealGqaStudy.mla must be a ToMLA conversion, got {self.mla!r}")
+    for name, cls in (("recovery", Recovery), ("measure", Measure), ("timing", TimingConfig)):
+      if not isinstance(getattr(self, name), cls):
+        raise ValueError(f"RealGqaStudy.{name} must be a {cls.__name__}, got {getattr(self, name)!r}")
+
+  def rows(self, num_kv_heads: int) -> list[tuple[str, Params]]:
+    mean = KVHeads(1)
+    return [
+      (f"as shipped (GQA-{num_kv_heads})", Params()),
+      ("MQA mean, alpha 0", Params(mean)),
+      (f"MQA mean + {self.recovery.mode} recovery", Params(mean, True)),
+      (f"MQA {self.best.label} + {self.recovery.mode} recovery", Params(self.best, True)),
+      (f"MLA {self.mla.label} (MQA bytes) + {self.recovery.mode} recovery", Params(self.mla, True)),
+    ]
+
+
+def run_study(study: RealGqaStudy, workdir: str | Path, progress=print) -> list[dict]:
+  """The table's rows; writes real_gqa_table.{csv,json,md,png} to workdir."""
+  workdir = Path(workdir)
+  wanted = study.rows(0)
+  paths = prepare(study.source, study.source_layers, study.recovery, [p for _, p in wanted], workdir, study.models_from)
+  rows, timed, windows = [], {}, None
+  longest = max(study.measure.contexts)
+  for i, (_, params_of) in enumerate(wanted):
+    model, params, tokenizer = load(paths[params_of.folder(study.recovery)])
+    if i == 0:
+      wanted = study.rows(model.config.num_kv_heads)
+      windows = {c: prose_windows(tokenizer, c, study.measure.windows) for c in study.measure.contexts}
+    name = wanted[i][0]
+    progress(f"real_gqa_table: measuring {name}")
+    row = {
+      "model": name,
+      "params": params_of.folder(study.recovery),
+      "kv_heads": model.config.num_kv_heads,
+      "kv_latent_rank": model.config.kv_latent_rank,
+      "kv_bytes_per_token": kinds.bytes_per_token(model.config, CacheConfig()),
+    }
+    for c, ws in windows.items():
+      row[f"perplexity_{c}"] = perplexity(model, params, ws, CacheConfig())
+    for d, value in recall(model, params, tokenizer, study.measure.recall, CacheConfig()).items():
+      row[f"recall_{d}"] = value
+    rows.append(row)
+    timed[name] = (model, store(params, study.measure.weights))
+    progress(str(row))
+  times = time_per_sample(timed, study.timing)
+  ln = lambda r: math.log(r[f"perplexity_{longest}"])
+  start, goal = ln(rows[1]), ln(rows[0])
+  for row in rows:
+    row["time_per_sample_s"] = times[row["model"]]["time_per_sample_s"]
+    row["times_s"] = times[row["model"]]["times_s"]
+    row["gap_closed"] = (start - ln(row)) / (start - goal) if start != goal else None
+  write(study, rows, workdir / "real_gqa_table")
+  return rows
+
+
+def write(study: RealGqaStudy, rows: list[dict], stem: Path) -> str:
+  """STEM.{csv,json,md,png}; returns the markdown."""
+  m, t, r = study.measure, study.timing, study.recovery
+  longest = max(m.contexts)
+  columns = [
+    ("model", "model", ""),
+    ("kv_bytes_per_token", "KV bytes / token", ",.0f"),
+    ("time_per_sample_s", f"time per sample s ({t.prompt}+{t.new_tokens})", ".3f"),
+    *[(f"perplexity_{c}", f"perplexity @{c}", ".3f") for c in m.contexts],
+    *[(f"recall_{d}", f"recall % @{d}", ".0f") for d in m.recall.distances],
+    ("gap_closed", f"gap closed (ln ppl @{longest})", ".1%"),
+  ]
+  table = report.write_table(rows, stem, columns)
+  recovery = (
+    f"layer-local, {r.steps} steps per layer of {r.batch_size} x {r.seq_len}-token windows of stdlib source, lr {r.lr:g}"
+    if r.mode == "local"
+    else f"end to end, {r.steps} steps of {r.batch_size} x {r.seq_len} tokens, distillation weight {r.distill:g}"
+  )
+  text = f"# The GQA table on {study.source}\n\n{table}\n\n" + PROTOCOL.format(
+    source=study.source,
+    kv=rows[0]["kv_heads"],
+    best=study.best.method,
+    mla=study.mla.label,
+    recovery=recovery,
+    windows=m.windows,
+    needles=m.recall.needles,
+    batch=t.batch,
+    prompt=t.prompt,
+    new=t.new_tokens,
+    weights=m.weights,
+    repeats=t.repeats,
+    longest=longest,
+  )
+  Path(f"{stem}.md").write_text(text + "\n")
+  with report.figure(Path(f"{stem}.png"), size=(7, 4.6)) as (ax,):
+    for row in rows:
+      ax.plot(row["time_per_sample_s"], row[f"perplexity_{longest}"], "o")
+      ax.annotate(
+        row["model"],
+        (row["time_per_sample_s"], row[f"perplexity_{longest}"]),
+        fontsize=7,
+        xytext=(3, 3),
+        textcoords="offset points",
+      )
+    ax.set(xlabel="time per sample (s)", ylabel=f"perplexity @{longest} (log)", yscale="log")
+    ax.grid(alpha=0.3)
+    ax.set_title(f"{study.source}: inference time against quality")
+  return text
