@@ -20,12 +20,23 @@ def get_config() -> RealFrontierStudy:
   variants = standard_variants(
     dtypes=("int8",), windows=(32,), presses=("snapkv",), ratios=(0.5,), methods=("mean", "pca"), mla_rope_dims=(48, 24)
   )
-  keep = ("full cache", "int8", "window 32", "window 32 + 4 sinks", "snapkv 0.5", "MQA mean", "MQA pca + recovery")
+  keep = (
+    "full cache",
+    "int8",
+    "window 32",
+    "window 32 + 4 sinks",
+    "snapkv 0.5",
+    "MQA mean",
+    "MQA pca",
+    "MQA pca + recovery",
+  )
   return RealFrontierStudy(
     source="smollm2-135m",
     source_layers=2,
-    variants=tuple(v for v in variants if v.name in keep or v.name.startswith(("MLA 104", "int8 +", "MQA mean + recovery +"))),
-    recovery=Recovery(mode="local", steps=3, batch_size=2, seq_len=32, data_bytes=200_000),
+    variants=tuple(
+      v for v in variants if v.name in keep or v.name.startswith(("MLA 104", "int8 +", "MQA mean + recovery +"))
+    ),
+    recovery=Recovery(mode="local", steps=3, batch_size=2, seq_len=32, data_bytes=200_000, windows=32),
     measure=Measure(
       contexts=(128,),
       windows=1,

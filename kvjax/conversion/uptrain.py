@@ -132,6 +132,7 @@ def uptrain(
   fraction: float = 0.05,
   distill: float = 0.0,
   recovery: str = "train",
+  local_windows: int = LOCAL_WINDOWS,
   overrides=(),
 ) -> dict:
   """Converts the latest checkpoint of `source_workdir` by `conversion` and uptrains it in `workdir`.
@@ -152,6 +153,10 @@ def uptrain(
     raise ValueError(f"fraction must be in [0, 1], got {fraction!r}")
   if recovery not in RECOVERIES:
     raise ValueError(f"recovery must be one of {RECOVERIES}, got {recovery!r}")
+  if recovery == "local" and (
+    isinstance(local_windows, bool) or not isinstance(local_windows, int) or local_windows < 1
+  ):
+    raise ValueError(f"local_windows must be a positive number of calibration windows, got {local_windows!r}")
   if recovery == "local" and distill:
     raise ValueError(
       f"distill={distill} adds to end-to-end training; recovery 'local' learns from the source layers alone"
@@ -190,7 +195,7 @@ def uptrain(
   settings = (
     {"conversion": to_dict(conversion), "fraction": fraction}
     | ({"distill": distill} if distill else {})
-    | ({"recovery": recovery} if recovery != "train" else {})
+    | ({"recovery": recovery, "local_windows": local_windows} if recovery == "local" else {})
   )
   source_id = {"path": str(source), "step": step, "fingerprint": workdirs.fingerprint(source_config, params)}
   with claim_workdir(dest, source_id, settings, to_dict(config)):
@@ -227,7 +232,7 @@ def uptrain(
         )
       checkpoint.write_atomically(saved, json.dumps(to_dict(config), indent=2) + "\n")
       if checkpoint.latest_step(dest) is None:
-        windows = WindowSampler(data.train, data.seq_len, LOCAL_WINDOWS, config.data.seed + 2).next()[0]
+        windows = WindowSampler(data.train, data.seq_len, local_windows, config.data.seed + 2).next()[0]
         recovered, _ = local.recover((model, params), (new_model_config, new_params), windows, config.train, dest)
         checkpoint.save_params(dest, recovered, new_model_config, step=config.train.steps, run_config=to_dict(config))
       new_model, recovered, _ = checkpoint.load_model(dest)

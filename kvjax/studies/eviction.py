@@ -24,7 +24,6 @@ import json
 import math
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -35,6 +34,7 @@ from kvjax.fields import check_positive, check_nonnegative
 from kvjax.interop.importer import read_model
 from kvjax.model.transformer import Transformer
 from kvjax.studies import report
+from kvjax.studies.real_kv import continuation_nll
 from kvjax.studies.passkey import Frame, PasskeyConfig, Prose, answered, answers, examples
 from kvjax.training.config import DataConfig
 from kvjax.training.data import PROSE, eval_batches, load_dataset
@@ -135,17 +135,7 @@ def recall(model, params, tokenizer, cache_config: CacheConfig, protocol: str, t
 def perplexity(model, params, windows, cache_config: CacheConfig, study: EvictionStudy) -> float:
   """Perplexity of the continuations of `windows` ([(inputs, targets)] of context + continuation
   tokens) read through a cache of cache_config that pressed their contexts."""
-  c, total, count = study.perplexity_context, 0.0, 0
-  for inputs, targets in windows:
-    n = inputs.shape[0]
-    _, cache = decode.prefill(
-      model, params, inputs[:, :c], np.full(n, c), inputs.shape[1], logits="last", cache_config=cache_config
-    )
-    logits, _ = decode.extend(model, params, cache, inputs[:, c:], np.full(n, inputs.shape[1] - c))
-    nll = -jax.nn.log_softmax(logits, axis=-1)
-    picked = np.take_along_axis(np.asarray(nll), targets[:, c:, None].astype(np.int64), axis=-1)
-    total += float(picked.sum())
-    count += picked.size
+  total, count = continuation_nll(model, params, windows, cache_config, study.perplexity_context)
   return math.exp(total / count)
 
 

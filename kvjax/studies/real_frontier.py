@@ -63,8 +63,9 @@ def standard_variants(
   sinks: int = 4,
   presses=tuple(PRESSES),
   ratios=(0.5, 0.75, 0.875),
-  methods=("mean", "pca", "regroup"),
+  methods=("mean", "pca"),
   mla_rope_dims: tuple[int, int] = (48, 24),
+  mla_recovered: tuple[bool, bool] = (True, True),
   head_dim: int = 64,
   num_kv_heads: int = 3,
   combined_press: str = "snapkv",
@@ -73,8 +74,10 @@ def standard_variants(
   """The issue's frontier on a model of num_kv_heads kv heads of head_dim: the full cache; each
   codec of `dtypes`; each window without and with `sinks`; every press at every ratio; one kv
   head by each of `methods` at alpha = 0 and recovered; MLA at the bytes of the model's own kv
-  heads and of one (rope dims mla_rope_dims), recovered; int8 + combined_press at
-  combined_ratio, and MQA (the first recovered method) + int8."""
+  heads and of one (rope dims mla_rope_dims), each recovered or at alpha = 0 (mla_recovered);
+  int8 + combined_press at combined_ratio, and MQA (the last recovered method) + int8. Method
+  "regroup" is left out by default: to one kv head there is one group, nothing to regroup, and it
+  converts exactly as "pca"."""
   out = [Variant("full cache", "full")]
   out += [Variant(SHORT_DTYPES.get(d, d), "codec", CacheConfig(dtype=d)) for d in dtypes]
   for window in windows:
@@ -88,10 +91,12 @@ def standard_variants(
     conversion = KVHeads(1, method)
     out.append(Variant(f"MQA {method}", "heads", params=Params(conversion)))
     out.append(Variant(f"MQA {method} + recovery", "heads", params=Params(conversion, recovered=True)))
-  for heads, rope in zip((num_kv_heads, 1), mla_rope_dims):
+  for heads, rope, recovered in zip((num_kv_heads, 1), mla_rope_dims, mla_recovered):
     rank = 2 * heads * head_dim - rope
-    label = "GQA" if heads == num_kv_heads else "MQA"
-    out.append(Variant(f"MLA {rank}+{rope} ({label} bytes) + recovery", "mla", params=Params(ToMLA(rank, rope), True)))
+    label = f"MLA {rank}+{rope} ({'GQA' if heads == num_kv_heads else 'MQA'} bytes)" + (
+      " + recovery" if recovered else ""
+    )
+    out.append(Variant(label, "mla", params=Params(ToMLA(rank, rope), recovered)))
   out.append(
     Variant(
       f"int8 + {combined_press} {combined_ratio:g}",
@@ -102,10 +107,10 @@ def standard_variants(
   if methods:
     out.append(
       Variant(
-        f"MQA {methods[0]} + recovery + int8",
+        f"MQA {methods[-1]} + recovery + int8",
         "combined",
         CacheConfig(dtype="int8"),
-        Params(KVHeads(1, methods[0]), True),
+        Params(KVHeads(1, methods[-1]), True),
       )
     )
   return tuple(out)

@@ -60,7 +60,7 @@ MODES = ("local", "train")
 @dataclasses.dataclass(frozen=True)
 class Recovery:
   """How a converted model recovers: mode "local" (kvjax.conversion.local: `steps` per layer on
-  LOCAL_WINDOWS windows) or "train" (end-to-end uptraining for `steps` steps with distillation
+  `windows` calibration windows) or "train" (end-to-end uptraining for `steps` steps with distillation
   weight `distill`); both on windows of seq_len tokens of the first data_bytes bytes of the standard
   library's sources, batch_size windows a step, AdamW at `lr` after warmup_steps."""
 
@@ -72,10 +72,11 @@ class Recovery:
   seq_len: int = 256
   distill: float = 1.0
   data_bytes: int = 1_000_000
+  windows: int = 256
 
   def __post_init__(self):
     check_choice(self, "mode", MODES)
-    check_positive(self, "steps", "batch_size", "seq_len", "data_bytes")
+    check_positive(self, "steps", "batch_size", "seq_len", "data_bytes", "windows")
     check_real(self, "lr", 0.0, 1.0, open_low=True)
     check_real(self, "distill", 0.0, 1e6)
 
@@ -126,10 +127,12 @@ def prepare(
   source: str, layers: int | None, recovery: Recovery, wanted: list[Params], workdir: Path, models_from: str = ""
 ) -> dict[str, Path]:
   """{folder: path} of every params source in `wanted`: imported (its first `layers` layers when
-  given) and converted (and recovered) here as stages, or read from models_from (a workdir of a
-  study with the same settings)."""
+  given) and converted (and recovered) here as stages. With models_from (the workdir of a study
+  with the same settings), the models it finished are only read from there, the import among
+  them, and the rest are made here from its import."""
   settings = stage_settings(source, layers, recovery)
   folders = {p.folder(recovery): p for p in wanted}
+  paths, base = {}, workdir / SOURCE
   if models_from:
     root = Path(models_from)
     try:
@@ -139,24 +142,28 @@ def prepare(
     diffs = stages.settings_diffs(done.get("study") or {}, settings)
     if diffs:
       raise ValueError(f"models_from={root} holds models made with other settings ({'; '.join(diffs)})")
-    missing = [f for f in folders if f not in done]
-    if missing:
-      raise ValueError(f"models_from={root} has not finished {missing}: run that study first, or set models_from=''")
-    return {f: root / f for f in folders}
-  run = stages.Stages(workdir, settings)
-  base = workdir / SOURCE
-  run.run(SOURCE, lambda: import_model(source, base, layers=layers))
-  for folder, p in folders.items():
-    if p.conversion is not None:
-      recovered = (
-        dict(fraction=1.0, recovery=recovery.mode, overrides=recovery.overrides(True))
-        if p.recovered
-        else dict(fraction=0.0, overrides=recovery.overrides(False))
+    if SOURCE not in done:
+      raise ValueError(
+        f"models_from={root} has not imported its model yet: run that study first, or set models_from=''"
       )
-      if p.recovered and recovery.mode == "train":
-        recovered["distill"] = recovery.distill
-      run.run(folder, lambda p=p, kw=recovered, f=folder: uptrain(base, workdir / f, p.conversion, **kw))
-  return {f: workdir / f for f in folders}
+    paths = {f: root / f for f in [SOURCE, *folders] if f in done}
+    base = root / SOURCE
+  run = stages.Stages(workdir, settings)
+  if SOURCE not in paths:
+    run.run(SOURCE, lambda: import_model(source, base, layers=layers))
+  for folder, p in folders.items():
+    if folder in paths or p.conversion is None:
+      continue
+    kwargs = (
+      dict(fraction=1.0, recovery=recovery.mode, overrides=recovery.overrides(True))
+      | ({"local_windows": recovery.windows} if recovery.mode == "local" else {})
+      if p.recovered
+      else dict(fraction=0.0, overrides=recovery.overrides(False))
+    )
+    if p.recovered and recovery.mode == "train":
+      kwargs["distill"] = recovery.distill
+    run.run(folder, lambda p=p, kw=kwargs, f=folder: uptrain(base, workdir / f, p.conversion, **kw))
+  return {f: paths.get(f, workdir / f) for f in folders}
 
 
 def stored_config(path: Path) -> ModelConfig:
@@ -212,20 +219,20 @@ def recall(model, params, tokenizer, config: PasskeyConfig, cache_config: CacheC
 
 
 def decode_step_ms(model, params, cache_config: CacheConfig, batch: int, context: int, repeats: int) -> list[float]:
-  """Milliseconds of `repeats` decode steps (after a warm-up one) of `batch` rows holding
+  """Milliseconds of `repeats` decode steps (after warm-up ones) of `batch` rows holding
   `context` positions in a cache of cache_config."""
-  max_len = context + repeats + 2
+  max_len = context + repeats + 3
   if cache_config.press is not None:
     cache = filled_evicted(model.config, cache_config, batch, context, max_len)
   else:
     cache = filled(kinds.create(model.config, cache_config, batch, max_len), model.config, context)
   tokens = np.zeros((batch,), np.int32)
   times = []
-  for i in range(repeats + 1):
+  for i in range(repeats + 2):  # two warm-up steps: the second call compiles for the cache the first returns
     start = time.perf_counter()
     logits, cache = decode.decode_step(model, params, cache, tokens)
     jax.block_until_ready(logits)
-    if i:
+    if i > 1:
       times.append(1e3 * (time.perf_counter() - start))
   return times
 

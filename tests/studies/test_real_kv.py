@@ -14,7 +14,6 @@ import pytest
 
 from kvjax.cache.config import CacheConfig
 from kvjax.cli.main import main
-from kvjax.conversion.conversions import KVHeads
 from kvjax.studies import real_kv
 from kvjax.studies.real_frontier import RealFrontierStudy, Variant, pareto
 from kvjax.studies.real_kv import Params, Recovery
@@ -75,7 +74,11 @@ def test_the_frontier_rows_against_oracles(runs):
   root, table, rows = runs
   study = load_module(CONFIGS / "kv_frontier" / "smollm2_tiny.py").get_config()
   assert list(rows) == [v.name for v in study.variants]
-  assert not (root / "frontier" / "source").exists()  # models read from the GQA workdir
+  # Models the GQA table made are read from its workdir; the frontier made the one it lacked.
+  assert not (root / "frontier" / "source").exists() and not (root / "frontier" / "kv1_pca_local").exists()
+  assert json.loads((root / "frontier" / "kv1_pca_alpha0" / "uptrain.json").read_text())["source"] == str(
+    root / "gqa" / "source"
+  )
   model, params, tokenizer = real_kv.load(root / "gqa" / "source")
   windows = real_kv.prose_windows(tokenizer, 128, 1)
   np.testing.assert_allclose(
@@ -107,20 +110,13 @@ def test_models_from_a_study_with_other_settings_is_refused(runs, tmp_path):
     real_kv.prepare(
       "smollm2-135m",
       2,
-      Recovery(steps=4, batch_size=2, seq_len=32, data_bytes=200_000),
+      Recovery(steps=4, batch_size=2, seq_len=32, data_bytes=200_000, windows=32),
       [Params()],
       tmp_path,
       str(root / "gqa"),
     )
-  with pytest.raises(ValueError, match="has not finished"):
-    real_kv.prepare(
-      "smollm2-135m",
-      2,
-      Recovery(steps=3, batch_size=2, seq_len=32, data_bytes=200_000),
-      [Params(KVHeads(1, "regroup"))],
-      tmp_path,
-      str(root / "gqa"),
-    )
+  with pytest.raises(ValueError, match="not a real-model study's workdir"):
+    real_kv.prepare("smollm2-135m", 2, Recovery(), [Params()], tmp_path, str(tmp_path / "nothing"))
 
 
 def test_bad_variants_are_refused():
