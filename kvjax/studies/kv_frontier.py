@@ -320,12 +320,13 @@ def cached_bits_per_byte(
   return {"bits_per_byte": prefilled / scale, "decode_bits_per_byte": decoded / scale}
 
 
-def pareto(rows: list[dict], x: str, y: str) -> list[bool]:
-  """Whether each row is on the Pareto front of (x, y), both lower-is-better: no other row is at
-  most as large on both and smaller on one."""
+def pareto(rows: list[dict], x: str, y: str, lower: bool = True) -> list[bool]:
+  """Whether each row is on the Pareto front of (x, y): x lower-is-better, y lower-is-better (or
+  higher with lower=False); no other row is at least as good on both and better on one."""
+  sign = 1 if lower else -1
 
   def dominated(r):
-    return any(o[x] <= r[x] and o[y] <= r[y] and (o[x] < r[x] or o[y] < r[y]) for o in rows)
+    return any(o[x] <= r[x] and sign * o[y] <= sign * r[y] and (o[x] < r[x] or sign * o[y] < sign * r[y]) for o in rows)
 
   return [not dominated(r) for r in rows]
 

@@ -89,14 +89,7 @@ def plot(study: KVFrontierStudy, rows: list[dict], path: Path) -> None:
       (quality, "bits_per_byte", "held-out bits/byte through the cache (better: up)"),
       (recall, f"recall_{longest}", f"recall @{longest} bytes, exact (better: up)"),
     ):
-      for family, colour in FAMILY_COLOURS.items():
-        points = [r for r in rows if r["family"] == family]
-        if points:
-          ax.plot([r["kv_bytes_per_token"] for r in points], [r[key] for r in points], "o", color=colour, label=family)
-        for r in points:
-          ax.annotate(
-            r["variant"], (r["kv_bytes_per_token"], r[key]), textcoords="offset points", xytext=(4, 4), fontsize=7
-          )
+      report.scatter_by_family(ax, rows, "kv_bytes_per_token", key, FAMILY_COLOURS)
       ax.set(xscale="log", xlabel=f"KV bytes per token at {study.context} positions", ylabel=label)
       ax.grid(alpha=0.3)
       ax.legend(fontsize=8)

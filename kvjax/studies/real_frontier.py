@@ -25,6 +25,7 @@ from kvjax.cache.config import CacheConfig
 from kvjax.cache.presses import PRESSES
 from kvjax.conversion.conversions import KVHeads, ToMLA
 from kvjax.fields import check_choice, to_dict
+from kvjax.studies.kv_frontier import pareto
 from kvjax.studies.real_kv import Measure, Params, Recovery, load, measure_row, prepare, prose_windows, stored_config
 
 FAMILIES = ("full", "codec", "window", "press", "heads", "mla", "combined")
@@ -145,16 +146,6 @@ class RealFrontierStudy:
         raise ValueError(f"RealFrontierStudy.{name} must be a {cls.__name__}, got {getattr(self, name)!r}")
 
 
-def pareto(rows: list[dict], x: str, y: str, lower: bool = True) -> list[bool]:
-  """Whether each row is on the Pareto front of (x lower-is-better, y lower- or higher-is-better)."""
-  sign = 1 if lower else -1
-
-  def dominated(r):
-    return any(o[x] <= r[x] and sign * o[y] <= sign * r[y] and (o[x] < r[x] or sign * o[y] < sign * r[y]) for o in rows)
-
-  return [not dominated(r) for r in rows]
-
-
 def run_study(study: RealFrontierStudy, workdir: str | Path, progress=print) -> list[dict]:
   """Every variant's row (see the module docstring), in study.variants' order."""
   workdir = Path(workdir)
@@ -239,14 +230,7 @@ def plot(study: RealFrontierStudy, rows: list[dict], stem: Path) -> list[Path]:
   ):
     path = Path(f"{stem}_{suffix}.png")
     with report.figure(path, size=(9, 6)) as (ax,):
-      for family, colour in FAMILY_COLOURS.items():
-        points = [r for r in rows if r["family"] == family]
-        if points:
-          ax.plot([r["kv_bytes_per_token"] for r in points], [r[key] for r in points], "o", color=colour, label=family)
-        for r in points:
-          ax.annotate(
-            r["variant"], (r["kv_bytes_per_token"], r[key]), textcoords="offset points", xytext=(3, 3), fontsize=6
-          )
+      report.scatter_by_family(ax, rows, "kv_bytes_per_token", key, FAMILY_COLOURS, fontsize=6)
       line = sorted((r for r in rows if r[front]), key=lambda r: r["kv_bytes_per_token"])
       ax.plot([r["kv_bytes_per_token"] for r in line], [r[key] for r in line], "k--", linewidth=1, label="Pareto front")
       ax.set(xscale="log", xlabel=f"KV bytes per token at {study.measure.context} positions", ylabel=label)

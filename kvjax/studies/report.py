@@ -79,3 +79,14 @@ def plot_series(
   ax.grid(alpha=0.3)
   if len(series) > 1:
     ax.legend(fontsize=8)
+
+
+def scatter_by_family(ax, rows: Sequence[dict], x: str, y: str, colours: dict[str, str], fontsize: int = 7) -> None:
+  """One marker per row at (row[x], row[y]), coloured by row["family"] (legend entries per
+  family in `colours` order), each annotated with row["variant"]."""
+  for family, colour in colours.items():
+    points = [r for r in rows if r["family"] == family]
+    if points:
+      ax.plot([r[x] for r in points], [r[y] for r in points], "o", color=colour, label=family)
+    for r in points:
+      ax.annotate(r["variant"], (r[x], r[y]), textcoords="offset points", xytext=(4, 4), fontsize=fontsize)
