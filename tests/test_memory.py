@@ -157,7 +157,7 @@ def test_cache_estimates_are_the_caches_sizes(model, dtype):
   assert PagedCache.pool_bytes(config, cache_config, 9, 8, 3, 4) == nbytes(paged)
   # By hand, for K/V without windows: 5 rows x 48 positions x 3 layers x K and V x 2 kv heads x
   # 8 dims through the codec (bytes per vector, scales included), and 4 bytes of length a row.
-  vector = {"bfloat16": 16, "int8": 8 + 4, "int4": 4 + 4, "float8_e4m3fn": 8 + 4}[dtype]
+  vector = {"bfloat16": 16, "int8": 8 + 4, "int4": 4 + 2 * 4, "float8_e4m3fn": 8 + 4}[dtype]
   if model == "kv":
     assert kinds.cache_bytes(config, CacheConfig(dtype=dtype), 5, 48) == 5 * 48 * 3 * 2 * 2 * vector + 4 * 5
 

@@ -50,9 +50,9 @@ def sequences():
 
 def half_step(x: np.ndarray, scale: np.ndarray, fmt: str) -> np.ndarray:
   """Half the quantization step at each element of x [..., W], from its stored scale."""
-  if fmt == "int4":
-    group = x.shape[-1] // scale.shape[-1]
-    return np.repeat(scale, group, axis=-1) / 2
+  if fmt == "int4":  # the steps, then the zero points
+    step = scale[..., : scale.shape[-1] // 2]
+    return np.repeat(step, x.shape[-1] // step.shape[-1], axis=-1) / 2
   scale = scale[..., None]
   if fmt == "int8":
     return np.broadcast_to(scale / 2, x.shape)
@@ -75,7 +75,7 @@ def test_roundtrip_error_within_half_a_step(fmt, width):
   x = x.astype(np.float32)
   values, scale = c.encode(jnp.asarray(x))
   assert values.dtype == c.stored_dtype == {"int8": np.int8, "int4": np.uint8, "float8_e4m3fn": jnp.float8_e4m3fn}[fmt]
-  groups = width // int4_group_size(width) if fmt == "int4" else None
+  groups = 2 * (width // int4_group_size(width)) if fmt == "int4" else None
   assert values.shape == (4, 3, 6, width // 2 if fmt == "int4" else width)
   assert scale.shape == ((4, 3, 6, groups) if groups else (4, 3, 6)) and scale.dtype == jnp.float32
   back = np.asarray(c.decode(values, scale))
@@ -98,8 +98,8 @@ def test_float_codecs_cast_and_names_resolve():
   assert [codec(a).name for a in ("fp32", "bf16", "fp16", "fp8")] == ["float32", "bfloat16", "float16", "float8_e4m3fn"]
   assert set(NAMES) == {"float32", "bfloat16", "float16", "int8", "int4", "float8_e4m3fn"}
   assert set(QUANTIZED) == {"int8", "int4", "float8_e4m3fn"}
-  # Values and float32 scales per vector, by hand: int4 packs two per byte with one scale per group.
-  assert [codec(n).vector_bytes(64) for n in NAMES] == [256, 128, 128, 64 + 4, 32 + 4 * 2, 64 + 4]
+  # Values and float32 scales per vector, by hand: int4 packs two per byte with a step and a minimum per group.
+  assert [codec(n).vector_bytes(64) for n in NAMES] == [256, 128, 128, 64 + 4, 32 + 2 * 4 * 2, 64 + 4]
   assert [int4_group_size(w) for w in (2, 8, 12, 64, 96, 40)] == [2, 8, 12, 32, 32, 20]
   with pytest.raises(ValueError, match=r"cache dtype must be one of .*'int4'.*got 'int3'"):
     codec("int3")
@@ -230,7 +230,7 @@ def test_byte_counts_are_exact(fmt):
     "float16": 128,
     "int8": 64 + 4,
     "float8_e4m3fn": 64 + 4,
-    "int4": 32 + 4 * 2,
+    "int4": 32 + 2 * 4 * 2,
   }[fmt]
   per_token = 2 * 2 * 2 * per_head  # layers x (k, v) x kv heads
   assert kinds.bytes_per_token(config, contiguous(fmt)) == per_token

@@ -164,15 +164,15 @@ def test_quantized_latent_cache_is_the_forward_over_its_stored_latents(fmt):
 
 def test_bytes_per_token_formula():
   """(kv_latent_rank + rope_dims) values per layer and token, whatever the head count, in the
-  codec's bytes, and the float32 scales of a quantized codec (one per vector; int4 one per group
-  of int4_group_size: 12 and 8 are one group each); the caches' nbytes and the kinds' sizes
+  codec's bytes, and the float32 scales of a quantized codec (one per vector; int4 a step and a
+  zero point per group of int4_group_size: 12 and 8 are one group each); the caches' nbytes and the kinds' sizes
   equal it exactly."""
   per_layer = {
     "float32": (12 + 8) * 4,
     "bfloat16": (12 + 8) * 2,
     "int8": 12 + 4 + 8 + 4,
     "float8_e4m3fn": 12 + 4 + 8 + 4,
-    "int4": 6 + 4 + 4 + 4,
+    "int4": 6 + 2 * 4 + 4 + 2 * 4,
   }
   for config in (mla_config(), mla_config(num_heads=8, head_dim=8)):
     for fmt, per_position in per_layer.items():

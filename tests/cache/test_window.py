@@ -186,7 +186,7 @@ def test_cache_bytes_stop_growing_at_the_window():
   config = tiny_config(2, **LOCAL_GLOBAL)
   per_position = 2 * config.num_kv_heads * config.head_dim * 4  # K and V of one layer, float32
   for length in (4, 8, 20, 40):
-    for fmt, per_head in (("float32", 8 * 4), ("int8", 8 + 4), ("int4", 4 + 4), ("float8_e4m3fn", 8 + 4)):
+    for fmt, per_head in (("float32", 8 * 4), ("int8", 8 + 4), ("int4", 4 + 2 * 4), ("float8_e4m3fn", 8 + 4)):
       # head_dim 8: values + scales
       cache_config = CacheConfig(dtype=fmt)
       cache = kvjax.ContiguousCache.create(config, 3, length, cache_config)

@@ -161,7 +161,7 @@ def test_mla_variants():
   row = plan(PRESETS["Qwen2-7B"], context=1, batch=1, dtype="int8", mla=((512, 64),))["variants"][0]
   assert row["variant"] == "MLA 512+64" and row["bytes_per_token"] == 28 * (512 + 4 + 64 + 4)
   row = plan(PRESETS["Qwen2-7B"], context=1, batch=1, dtype="int4", mla=((512, 64),))["variants"][0]
-  assert row["bytes_per_token"] == 28 * (256 + 4 * 16 + 32 + 4 * 2)
+  assert row["bytes_per_token"] == 28 * (256 + 2 * 4 * 16 + 32 + 2 * 4 * 2)
   for mla, message in (
     ((5000, 64), "no MLA variant 5000\\+64 of this model: ModelConfig.kv_latent_rank=5000"),
     ((512, 63), "no MLA variant 512\\+63 of this model: ModelConfig.rope_dims=63"),
