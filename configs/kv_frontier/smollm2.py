@@ -1,8 +1,8 @@
 """The KV frontier on SmolLM2-135M-Instruct (float32, CPU): every family of KV compression on the
 pretrained model (kvjax.studies.real_frontier.standard_variants), cut to what two CPU cores
-measure in about an hour: the full cache; bf16 / fp8 / int8 / int4 caches; a 256-token window
-on every layer without and with 4 sinks, at decode time; SnapKV at 0.5 / 0.75 / 0.875 and
-StreamingLLM at 0.75 (every press at every ratio is the eviction study's, configs/eviction);
+measure in under an hour: the full cache; fp8 / int8 / int4 caches (bf16 is float32's to 0.1%);
+a 256-token window on every layer without and with 4 sinks, at decode time; SnapKV at 0.75
+(every press at every ratio is the eviction study's, configs/eviction);
 its 3 kv heads mean-pooled and pca'd to one at alpha = 0 and pca after layer-local recovery (60
 steps per layer on 128 windows of 256 tokens; mean-pooling after recovery is the GQA table's
 row); MLA at the bytes of its GQA-3 cache (latent 336 + 48 rotary dims) at alpha = 0 and of MQA
@@ -26,8 +26,8 @@ DRIVER = Path(__file__).parents[2] / "experiments" / "real_frontier.py"
 
 def keep(variant) -> bool:
   if variant.family == "press":
-    return variant.name.startswith("snapkv") or variant.name == "streaming_llm 0.75"
-  return variant.name != "MQA mean + recovery"
+    return variant.name == "snapkv 0.75"
+  return variant.name not in ("bf16", "MQA mean + recovery")
 
 
 def get_config() -> RealFrontierStudy:
