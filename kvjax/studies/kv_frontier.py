@@ -69,6 +69,15 @@ DTYPES = ("float32", "bfloat16", "int8", "int4", "float8_e4m3fn")
 SHORT_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float8_e4m3fn": "fp8"}
 
 
+def check_variant(variant, families: tuple[str, ...]) -> None:
+  """What every frontier variant checks: a non-empty name, a family of `families`, a CacheConfig."""
+  if not isinstance(variant.name, str) or not variant.name.strip():
+    raise ValueError(f"Variant.name must be a non-empty string, got {variant.name!r}")
+  check_choice(variant, "family", families)
+  if not isinstance(variant.cache, CacheConfig):
+    raise ValueError(f"Variant {variant.name!r}: cache must be a CacheConfig, got {variant.cache!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Variant:
   """One point of the frontier: the params it runs, MHA-big's (conversion None) or MHA-big's
@@ -83,11 +92,7 @@ class Variant:
   distill: float = 0.0
 
   def __post_init__(self):
-    if not isinstance(self.name, str) or not self.name.strip():
-      raise ValueError(f"Variant.name must be a non-empty string, got {self.name!r}")
-    check_choice(self, "family", FAMILIES)
-    if not isinstance(self.cache, CacheConfig):
-      raise ValueError(f"Variant {self.name!r}: cache must be a CacheConfig, got {self.cache!r}")
+    check_variant(self, FAMILIES)
     if self.conversion is not None and not isinstance(self.conversion, KINDS):
       raise ValueError(f"Variant {self.name!r}: conversion must be a KVHeads or ToMLA, got {self.conversion!r}")
     if self.family in CONVERTED_FAMILIES and getattr(self.conversion, "kind", None) != self.family:

@@ -24,8 +24,8 @@ from pathlib import Path
 from kvjax.cache.config import CacheConfig
 from kvjax.cache.presses import PRESSES
 from kvjax.conversion.conversions import KVHeads, ToMLA
-from kvjax.fields import check_choice, to_dict
-from kvjax.studies.kv_frontier import pareto
+from kvjax.fields import to_dict
+from kvjax.studies.kv_frontier import check_variant, pareto
 from kvjax.studies.real_kv import Measure, Params, Recovery, load, measure_row, prepare, prose_windows, stored_config
 
 FAMILIES = ("full", "codec", "window", "press", "heads", "mla", "combined")
@@ -42,11 +42,7 @@ class Variant:
   params: Params = Params()
 
   def __post_init__(self):
-    if not isinstance(self.name, str) or not self.name.strip():
-      raise ValueError(f"Variant.name must be a non-empty string, got {self.name!r}")
-    check_choice(self, "family", FAMILIES)
-    if not isinstance(self.cache, CacheConfig):
-      raise ValueError(f"Variant {self.name!r}: cache must be a CacheConfig, got {self.cache!r}")
+    check_variant(self, FAMILIES)
     if not isinstance(self.params, Params):
       raise ValueError(f"Variant {self.name!r}: params must be a real_kv.Params, got {self.params!r}")
 
