@@ -13,14 +13,15 @@ quantized, float32 `scale` beside them: [...] (one per vector) or [..., W / grou
                  per group (the scale holds the G steps, then the G zero points). All 16 levels
                  span each group's range: rotary keys' outlier channels cost a symmetric absmax
                  codec most of its levels (SmolLM2's perplexity through the cache at 1,024 tokens:
-                 +23% symmetric with one scale per 32, +8% so)
+                 +23% symmetric with one scale per 32, +8% with the zero point)
   float8_e4m3fn  x / s cast to e4m3 (round to nearest), s = max|x| / 448 per vector: the scale puts
                  each vector's largest element at e4m3's largest finite value, so no vector
                  overflows (e4m3fn has no infinity) and small vectors keep their mantissa bits
 
-An all-zero vector (a cache's empty slots) gets scale 0 (and int4 zero point 0) and decodes to zeros. Decoding is
-values * scale in float32 (int4: (q - z) * s, exact integers times the step), the same arithmetic wherever it runs, so attending to a fresh
-prefill's roundtrip(k) equals attending later to what the cache stored. A new codec is one class
+An all-zero vector (a cache's empty slots) gets scale 0 (and int4 zero point 0) and decodes to
+zeros. Decoding is values * scale in float32 (int4: (q - z) * s, exact integers times the step),
+the same arithmetic wherever it runs, so attending to a fresh prefill's roundtrip(k) equals
+attending later to what the cache stored. A new codec is one class
 here and one entry in CODECS.
 """
 

@@ -98,7 +98,7 @@ def test_float_codecs_cast_and_names_resolve():
   assert [codec(a).name for a in ("fp32", "bf16", "fp16", "fp8")] == ["float32", "bfloat16", "float16", "float8_e4m3fn"]
   assert set(NAMES) == {"float32", "bfloat16", "float16", "int8", "int4", "float8_e4m3fn"}
   assert set(QUANTIZED) == {"int8", "int4", "float8_e4m3fn"}
-  # Values and float32 scales per vector, by hand: int4 packs two per byte with a step and a minimum per group.
+  # Values and float32 scales per vector, by hand: int4 packs two per byte with a step and a zero point per group.
   assert [codec(n).vector_bytes(64) for n in NAMES] == [256, 128, 128, 64 + 4, 32 + 2 * 4 * 2, 64 + 4]
   assert [int4_group_size(w) for w in (2, 8, 12, 64, 96, 40)] == [2, 8, 12, 32, 32, 20]
   with pytest.raises(ValueError, match=r"cache dtype must be one of .*'int4'.*got 'int3'"):

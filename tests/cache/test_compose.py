@@ -47,7 +47,7 @@ def widths_by_hand(payload: str) -> dict[str, tuple[int, int]]:
 
 def stored_by_hand(dtype: str, width: int) -> tuple[int, np.dtype, int]:
   """(values per vector, their dtype, float32 scales per vector) of `dtype`: int4 packs two per
-  byte with a step and a minimum per group, and widths 8 and 12 are one group each."""
+  byte with a step and a zero point per group, and widths 8 and 12 are one group each."""
   return {
     "float32": (width, np.float32, 0),
     "bfloat16": (width, jax.numpy.bfloat16, 0),

@@ -165,8 +165,8 @@ def test_quantized_latent_cache_is_the_forward_over_its_stored_latents(fmt):
 def test_bytes_per_token_formula():
   """(kv_latent_rank + rope_dims) values per layer and token, whatever the head count, in the
   codec's bytes, and the float32 scales of a quantized codec (one per vector; int4 a step and a
-  zero point per group of int4_group_size: 12 and 8 are one group each); the caches' nbytes and the kinds' sizes
-  equal it exactly."""
+  zero point per group of int4_group_size: 12 and 8 are one group each); the caches' nbytes and
+  the kinds' sizes equal it exactly."""
   per_layer = {
     "float32": (12 + 8) * 4,
     "bfloat16": (12 + 8) * 2,
