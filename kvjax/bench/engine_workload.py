@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 
-from kvjax.bench.real_model import _torch
+from kvjax.bench.real_model import import_torch
 from kvjax.cache.config import CacheConfig
 from kvjax.serving.engine import Engine, EngineConfig
 from kvjax.training.config import DataConfig
@@ -88,7 +88,7 @@ def run_kvjax_engine(model, params, requests, engine_config: EngineConfig) -> di
 
 
 def run_hf_engine(hf_model, requests) -> dict:
-  _, transformers = _torch()
+  _, transformers = import_torch()
   generation = transformers.GenerationConfig(
     do_sample=False, max_new_tokens=max(r[2] for r in requests), eos_token_id=None
   )

@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.bench.real_model import check_source
+from kvjax.bench.registry import PRETRAINED_MODEL, Benchmark, Option
 from kvjax.cache.fill import filled, filled_evicted
 from kvjax.cache import kinds
 from kvjax.cache.codec import codec
@@ -97,3 +99,22 @@ def bench_evict(
     "attention_bytes_fraction": {n: v / read_bytes["full"] for n, v in read_bytes.items()},
     "cache_bytes": {n: int(c.nbytes) for n, c in caches.items()},
   }
+
+
+def run(*, model: str, batch: int, context: int, repeats: int) -> dict:
+  check_source(model)
+  return bench_evict(model, batch=batch, context=context, repeats=repeats)
+
+
+BENCHMARK = Benchmark(
+  name="evict",
+  summary="a pretrained model's decode step over a full cache vs evicted caches",
+  run=run,
+  options=(
+    PRETRAINED_MODEL,
+    Option("batch", 8, "sequences (rows) per step"),
+    Option("context", 1024, "tokens cached per row before eviction"),
+    Option("repeats", 5, "alternating timed rounds after a warm-up (median)"),
+  ),
+  description=__doc__,
+)

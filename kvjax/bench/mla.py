@@ -16,9 +16,10 @@ import statistics
 import jax
 import numpy as np
 
-from kvjax.bench.benchmarks import BENCH_MODEL, alternate_decode_steps, init_model
+from kvjax.bench.harness import BENCH_MODEL, BenchConfig, alternate_decode_steps, init_model
 from kvjax.cache import kinds
 from kvjax.cache.config import CacheConfig
+from kvjax.bench.registry import Benchmark, Kind, Option
 from kvjax.config import ModelConfig
 
 
@@ -82,3 +83,22 @@ def bench_mla(
       first_step_max_logit_diff=float(np.abs(first["mla_expanded"] - first["mla"]).max()),
     )
   return result
+
+
+def run(config: BenchConfig, *, batch: int, context: int, rope_dims: int | None, repeats: int) -> dict:
+  return bench_mla(config.model, batch=batch, context=context, rope_dims=rope_dims, repeats=repeats)
+
+
+BENCHMARK = Benchmark(
+  name="mla",
+  summary="the absorbed MLA decode step vs the GQA step of equal KV bytes per token",
+  run=run,
+  options=(
+    Option("batch", 32, "sequences (rows) per step"),
+    Option("context", 1024, "tokens cached per row"),
+    Option("rope_dims", None, "rotary dims of the MLA model (default: 16 per kv head)", Kind.NONNEGATIVE),
+    Option("repeats", 5, "the timed steps per model are max(4 x repeats, 8); median"),
+  ),
+  config=BenchConfig(),
+  description=__doc__,
+)

@@ -13,9 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.bench.benchmarks import BENCH_MODEL, alternate_decode_steps, filled_cache, init_model
+from kvjax.bench.harness import BENCH_MODEL, BenchConfig, alternate_decode_steps, filled_cache, init_model
 from kvjax.cache.fill import filled
 from kvjax.cache.config import CacheConfig
+from kvjax.bench.registry import Benchmark, Option
 from kvjax.cache.paged import PagedCache, pallas_available
 from kvjax.config import ModelConfig
 from kvjax.kernels import attention as attention_kernel
@@ -71,3 +72,22 @@ def bench_paged(
       pallas_first_step_max_logit_diff=float(jnp.abs(first["pallas"] - first["contiguous"]).max()),
     )
   return result
+
+
+def run(config: BenchConfig, *, batch: int, context: int, page_size: int, repeats: int) -> dict:
+  return bench_paged(config.model, batch=batch, context=context, page_size=page_size, repeats=repeats)
+
+
+BENCHMARK = Benchmark(
+  name="paged",
+  summary="paged vs contiguous decode step at equal batch and context",
+  run=run,
+  options=(
+    Option("batch", 8, "sequences (rows) per step"),
+    Option("context", 1024, "tokens cached per row"),
+    Option("page_size", 16, "tokens per page"),
+    Option("repeats", 5, "the timed steps per cache are max(4 x repeats, 8); median"),
+  ),
+  config=BenchConfig(),
+  description=__doc__,
+)

@@ -12,7 +12,7 @@ bound by reading the cache, so this is the part of it that int8 changes.
 
 With `decode_step` (the default) it also times whole decode steps (kvjax.decode_step: every
 layer, the MLPs and the logits) of the same model over a float32 and an int8 contiguous cache of
-`context` positions per row, filled by each cache's own write (kvjax.bench.benchmarks.filled_cache),
+`context` positions per row, filled by each cache's own write (kvjax.bench.harness.filled_cache),
 alternating the two so that both see the same machine load.
 """
 
@@ -25,9 +25,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.bench.benchmarks import BENCH_MODEL, alternate_decode_steps, filled_cache, init_model
+from kvjax.bench.harness import BENCH_MODEL, BenchConfig, alternate_decode_steps, filled_cache, init_model
 from kvjax.cache.codec import codec
 from kvjax.cache.config import CacheConfig
+from kvjax.bench.registry import Benchmark, Option
 from kvjax.cache.contiguous import attend_one
 from kvjax.config import ModelConfig
 from kvjax.kernels import attention as attention_kernel
@@ -119,3 +120,21 @@ def time_decode_steps(cfg: ModelConfig, batch: int, context: int, repeats: int) 
     "decode_cache_bytes": {name: cache.nbytes for name, cache in caches.items()},
     "decode_first_step_max_logit_diff": float(np.abs(np.asarray(logits["int8"]) - np.asarray(logits["float32"])).max()),
   }
+
+
+def run(config: BenchConfig, *, batch: int, context: int, repeats: int) -> dict:
+  return bench_quant(config.model, batch=batch, context=context, repeats=repeats)
+
+
+BENCHMARK = Benchmark(
+  name="quant",
+  summary="one decode step's attention, and whole decode steps, over an int8 cache vs a float32 cache",
+  run=run,
+  options=(
+    Option("batch", 32, "sequences (rows) per step"),
+    Option("context", 1024, "tokens cached per row"),
+    Option("repeats", 5, "alternating timed rounds after a warm-up (median)"),
+  ),
+  config=BenchConfig(),
+  description=__doc__,
+)

@@ -24,8 +24,10 @@ the jobs its speed is judged by, every figure from one run on one machine.
 from __future__ import annotations
 
 import copy
+import json
 import math
 import statistics
+import sys
 import time
 
 import jax
@@ -33,7 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.bench.engine_workload import Workload, bench_engine
-from kvjax.bench.real_model import _torch, hf_greedy_kwargs, load_both, prose_prompts
+from kvjax.bench.real_model import check_source, hf_greedy_kwargs, import_torch, load_both, prose_prompts
+from kvjax.bench.registry import PRETRAINED_MODEL, Benchmark, Kind, Option
 from kvjax.cache.config import CacheConfig
 from kvjax.decoding import decode
 from kvjax.model.weights import FORMATS, store, weight_bytes
@@ -104,7 +107,7 @@ def _hf_generate(torch, hf_model, prompts: np.ndarray, new_tokens: int):
 
 
 def bench_decode_formats(model, params, tokenizer, hf_models, bandwidth, *, batches, prompt, new_tokens, repeats):
-  torch, _ = _torch()
+  torch, _ = import_torch()
   stored = {fmt: store(params, fmt) for fmt in FORMATS}
   rows = []
   for batch in batches:
@@ -158,7 +161,7 @@ def bench_prefill(model, params, tokenizer, hf_model, *, batch, prompt, max_len)
   """kvjax prefill (last logits) with the weights in each format vs transformers' float32
   forward (dynamic cache, last logits): one timed run each after a warm-up, the process's peak
   resident memory during it."""
-  torch, _ = _torch()
+  torch, _ = import_torch()
   prompts = prose_prompts(tokenizer, batch, prompt)
   lengths = np.full((batch,), prompt, np.int32)
   ids = torch.from_numpy(prompts.astype(np.int64))
@@ -187,7 +190,7 @@ def bench_prefill(model, params, tokenizer, hf_model, *, batch, prompt, max_len)
 def bench_long(model, params, tokenizer, hf_model, prefill_s, *, batch, prompt, new_tokens, steps):
   """Seconds per decode step after a `prompt`-token prefill, per cache (kvjax with the weights
   `params` as stored), timed over `steps` steps."""
-  torch, transformers = _torch()
+  torch, transformers = import_torch()
   prompts = prose_prompts(tokenizer, batch, prompt)
   lengths = np.full((batch,), prompt, np.int32)
   rows = {}
@@ -252,7 +255,7 @@ def bench_real(
 ) -> dict:
   """The parts named in `parts` (PARTS), as one JSON-able dict; progress(part, result), when
   given, is called as each part ends, with the result so far."""
-  torch, _ = _torch()
+  torch, _ = import_torch()
   model, params, tokenizer, hf_model, versions = load_both(source)
   result = {"benchmark": "real", "model": model.config.to_dict(), **versions, "parts": list(parts)}
   result["bandwidth"] = memory_bandwidth()
@@ -314,3 +317,26 @@ def _report(progress, part: str, result: dict) -> None:
 
 def _bf16_copy(torch, hf_model):
   return copy.deepcopy(hf_model).to(torch.bfloat16)
+
+
+def print_progress(part: str, result: dict) -> None:
+  """Each part's result so far on stderr as it ends: a long run's figures survive an interruption."""
+  print(f"kvjax bench real: {part} done: {json.dumps(result)}", file=sys.stderr, flush=True)
+
+
+def run(*, model: str, parts: list[str], repeats: int) -> dict:
+  check_source(model)
+  return bench_real(model, parts=parts, repeats=repeats, progress=print_progress)
+
+
+BENCHMARK = Benchmark(
+  name="real",
+  summary="a pretrained model in kvjax beside transformers: decode, perplexity, prefill, long context, engine",
+  run=run,
+  options=(
+    PRETRAINED_MODEL,
+    Option("parts", list(PARTS), "comma-separated parts to run", Kind.NAMES, choices=PARTS),
+    Option("repeats", 3, "alternating timed rounds of the decode part (median)"),
+  ),
+  description=__doc__,
+)

@@ -50,10 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   """The command line parsed; a malformed one exits with status 2 after one `kvjax COMMAND: error:`
   line (argparse's), arguments left over included: they are the subcommand's to refuse, not
-  `kvjax`'s."""
+  `kvjax`'s (a command with subcommands of its own, `kvjax bench NAME`, names the one that refused
+  them in `subcommand_parser`)."""
   args, extra = build_parser().parse_known_args(argv)
   if extra:
-    args.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    parser = getattr(args, "subcommand_parser", None) or args.commands[args.command]
+    parser.error(f"unrecognized arguments: {' '.join(extra)}")
   return args
 
 

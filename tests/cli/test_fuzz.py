@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import sys
 
 import jax
 import pytest
@@ -32,6 +33,7 @@ import kvjax.studies.recall
 import kvjax.training.checkpoint
 import kvjax.training.evaluate
 import kvjax.training.train
+from kvjax.bench.registry import Kind
 from kvjax.cli import bench
 from kvjax.cli import main as cli
 from kvjax.config import ModelConfig
@@ -396,9 +398,11 @@ def tripwires(monkeypatch, files):
     (kvjax.kernels.build, "build"),
   ):
     monkeypatch.setattr(module, name, tripwire(f"{module.__name__}.{name}"))
-  monkeypatch.setattr(kvjax.bench.real_model, "_torch", lambda: (NoTorch(), NoTorch()))
-  for name in bench.BENCHMARKS:
-    monkeypatch.setitem(bench.BENCHMARKS, name, tripwire(f"benchmark {name}"))
+  monkeypatch.setattr(kvjax.bench.real_model, "import_torch", lambda: (NoTorch(), NoTorch()))
+  for benchmark in bench.BENCHMARKS.values():  # each benchmark's measuring functions, bench_*
+    module = sys.modules[benchmark.run.__module__]
+    for name in [n for n in vars(module) if n.startswith("bench_") and callable(getattr(module, n))]:
+      monkeypatch.setattr(module, name, tripwire(f"{module.__name__}.{name}"))
 
 
 def paths(files: dict[str, str], *names: str, odd: tuple[str, ...] = PATH_ODD) -> st.SearchStrategy[str]:
@@ -594,40 +598,38 @@ def test_kv_size(files, tripwires, capsys, data):
   refused(["kv-size", model, *argv], clues + more, capsys)
 
 
+def bench_pieces(files: dict[str, str], name: str) -> list:
+  """Hostile pieces of `kvjax bench NAME`: a hostile value for each of its options (from the
+  benchmark's declaration, kvjax.bench.registry), a hostile --set item where it takes --set, and
+  an option that only other benchmarks take."""
+  benchmark = bench.BENCHMARKS[name]
+  hostile = {
+    Kind.COUNT: BAD_COUNT,
+    Kind.NONNEGATIVE: BAD_NONNEGATIVE,
+    Kind.COUNTS: st.one_of(not_a(int), st.sampled_from(("0", "1,-1", "64,", ",", str(10**30), "1e400"))),
+    Kind.NAMES: st.sampled_from(("", ",", "decode,bogus", "engines", "decode;prefill")),
+    Kind.SOURCE: paths(files, "notes", "empty", "model.gguf", "hf_garbage", "hf_partial", "missing"),
+  }
+  pieces = [option(o.flag, hostile[o.kind]) for o in benchmark.options]
+  if benchmark.config is not None:
+    pieces.append(sets("bench"))
+  own = {o.flag for o in benchmark.options}
+  others = sorted({o.flag for b in bench.BENCHMARKS.values() for o in b.options} - own)
+  pieces.append(st.sampled_from(others).map(lambda flag: ([flag, "1"], [flag, "unrecognized arguments"])))
+  return pieces
+
+
 @FUZZ
 @given(data=st.data())
 def test_bench(files, tripwires, capsys, data):
+  name = data.draw(st.sampled_from(sorted(bench.BENCHMARKS)))
   benchmark, clues, hostile = draw_positional(
-    data,
-    "benchmark",
-    data.draw(st.sampled_from(sorted(bench.BENCHMARKS))),
-    bad_choice(*bench.BENCHMARKS, *bench.REAL_MODEL_BENCHMARKS).filter(lambda t: not t.startswith("-")),
+    data, "benchmark", name, bad_choice(*bench.BENCHMARKS).filter(lambda t: not t.startswith("-"))
   )
-  lengths = st.one_of(not_a(int), st.sampled_from(("0", "1,-1", "64,", ",", str(10**30), "1e400")))
-  pieces = (
-    [
-      option(flag, BAD_COUNT)
-      for flag in (
-        "--batch",
-        "--prompt",
-        "--new",
-        "--repeats",
-        "--seq-len",
-        "--windows-batches",
-        "--context",
-        "--page-size",
-      )
-    ]
-    + [option(flag, BAD_NONNEGATIVE) for flag in ("--concat-max", "--threads", "--rope-dims")]
-    + [
-      option("--lengths", lengths),
-      option("--parts", st.sampled_from(("", ",", "decode,bogus", "engines", "decode;prefill"))),
-      sets("bench"),
-      option("--model", paths(files, "notes", "empty", "model.gguf", "hf_garbage", "hf_partial", "missing")),
-    ]
-  )
-  argv, more = draw_pieces(data, pieces, at_least=0 if hostile else 1)
-  refused(["bench", benchmark, *argv], clues + more, capsys)
+  argv, more = draw_pieces(data, bench_pieces(files, name), at_least=0 if hostile else 1)
+  # A pretrained model where the benchmark needs one, given before the pieces (a hostile --model replaces it).
+  required = [f"{o.flag}=smollm2-135m" for o in bench.BENCHMARKS[name].options if o.required]
+  refused(["bench", benchmark, *required, *argv], clues + more, capsys)
 
 
 @FUZZ

@@ -1,0 +1,120 @@
+"""What the benchmarks on the benchmark model share: the model (BENCH_MODEL, changed with
+`--set model.FIELD=VALUE` through BenchConfig), its random weights, caches filled with random
+positions, the timed decode step, and the machine's rooflines (memory bandwidth, matmul FLOP/s)
+that decode steps are measured against. The wall-clock timing itself is kvjax.timing's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.cache import kinds
+from kvjax.cache.base import KVCache
+from kvjax.cache.config import CacheConfig
+from kvjax.cache.fill import filled
+from kvjax.config import ModelConfig
+from kvjax.decoding import decode
+from kvjax.model.flops import matmul_params
+from kvjax.model.transformer import Transformer
+from kvjax.timing import timed, timed_alternating
+
+# The Llama-style reference config of the benchmarks.
+BENCH_MODEL = ModelConfig(
+  vocab_size=4096, d_model=512, num_layers=8, num_heads=8, num_kv_heads=2, mlp_dim=1408, max_len=2048
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+  """What --set changes in a benchmark on the benchmark model: the model (model.FIELD)."""
+
+  model: ModelConfig = BENCH_MODEL
+
+
+def memory_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
+  """Bytes/s that a jitted reduction streams from memory: the decode-step ceiling."""
+  x = jnp.ones((num_bytes // 4,), jnp.float32)
+  total = jax.jit(jnp.sum)
+  return num_bytes / timed(lambda: total(x), repeats)
+
+
+def weight_bytes(cfg: ModelConfig) -> int:
+  """Bytes of the weights one decode step reads (embedding rows gathered are negligible)."""
+  return matmul_params(cfg) * 4
+
+
+def decode_step_bytes(cfg: ModelConfig, batch: int, context: int, cache_config: CacheConfig = CacheConfig()) -> int:
+  """Bytes one decode step at `context` positions per row reads: the weights and each row's
+  cache (values and scales, a windowed layer's window and sinks only: kinds.sequence_bytes)."""
+  return weight_bytes(cfg) + batch * kinds.sequence_bytes(cfg, cache_config, context)
+
+
+def prefill_flops(cfg: ModelConfig, batch: int, prompt: int) -> float:
+  attention = 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * prompt * prompt  # causal half of 4
+  return batch * (2 * matmul_params(cfg) * prompt + attention)
+
+
+def init_model(cfg: ModelConfig, seed: int = 0):
+  model = Transformer(cfg)
+  params = jax.jit(model.init)(jax.random.key(seed), jnp.zeros((1, 8), jnp.int32))["params"]
+  return model, params
+
+
+STEP_REPEATS = 10  # timed decode steps per `time_decode_step`
+
+
+def alternate_decode_steps(models: dict, caches: dict, batch: int, steps: int) -> tuple[dict, dict]:
+  """Times decode steps of {name: (model, params)} over {name: cache} round-robin, `steps` rounds,
+  each feeding token 0 to every row -> ({name: [seconds per step]}, {name: first step's logits})."""
+  tokens = np.zeros((batch,), np.int32)
+  first = {}
+
+  def stepper(name):
+    model, params = models[name]
+
+    def step():
+      logits, caches[name] = decode.decode_step(model, params, caches[name], tokens)
+      first.setdefault(name, logits)
+      return logits
+
+    return step
+
+  return timed_alternating({name: stepper(name) for name in caches}, steps), first
+
+
+def filled_cache(
+  model: Transformer, params, batch: int, context: int, max_len: int, cache_config: CacheConfig = CacheConfig()
+) -> KVCache:
+  """A cache of `cache_config` of max_len positions whose rows hold `context` random positions."""
+  return filled(kinds.create(model.config, cache_config, batch, max_len), model.config, context)
+
+
+def time_decode_step(model, params, cache, steps: int = STEP_REPEATS) -> float:
+  """Median seconds of one `decode_step`, the cache donated from step to step. Runs steps + 1
+  steps (one warm-up); a cache without room for them is refused before the first."""
+  tokens = np.zeros((cache.lengths.shape[0],), np.int32)
+  cache.check_room(np.full(tokens.shape, steps + 1))
+
+  def step():
+    nonlocal cache
+    logits, cache = decode.decode_step(model, params, cache, tokens)
+    return logits
+
+  return timed(step, steps)
+
+
+def random_prompts(cfg: ModelConfig, batch: int, prompt: int, seed: int = 0):
+  tokens = np.asarray(jax.random.randint(jax.random.key(seed), (batch, prompt), 0, cfg.vocab_size), np.int32)
+  return tokens, np.full((batch,), prompt, np.int32)
+
+
+def check_generation(cfg: ModelConfig, prompt: int, new_tokens: int) -> None:
+  """Refuses, before the model is built, a generation longer than the model's context."""
+  cfg.check_length(
+    prompt + new_tokens - 1,
+    f"--prompt {prompt} + {new_tokens} new tokens need {prompt + new_tokens - 1} cache positions",
+  )
