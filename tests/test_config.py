@@ -298,9 +298,14 @@ def test_run_missing_config_file(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
-  "command", [["run", "c.py"], ["uptrain", "--from", "a", "--workdir", "b", "--kv-heads", "1"], ["bench", "decode"]]
+  "command, help_of",
+  [
+    (["run", "c.py"], ["run"]),
+    (["uptrain", "--from", "a", "--workdir", "b", "--kv-heads", "1"], ["uptrain"]),
+    (["bench", "decode"], ["bench", "decode"]),
+  ],
 )
-def test_set_is_one_option_in_every_command(command, capsys):
+def test_set_is_one_option_in_every_command(command, help_of, capsys):
   """--set takes several items and repeats, with the same help, wherever it is offered."""
   from kvjax.cli import main as cli
   from kvjax.cli.options import SET_HELP
@@ -310,18 +315,5 @@ def test_set_is_one_option_in_every_command(command, capsys):
   assert args.overrides == ["a=1", "b.c=2", "d='x'"]
   assert parser.parse_args(command).overrides == []
   with pytest.raises(SystemExit):
-    parser.parse_args([command[0], "--help"])
+    parser.parse_args([*help_of, "--help"])
   assert " ".join(capsys.readouterr().out.split()).count(" ".join(SET_HELP.split())) == 1
-
-
-def test_bench_set_changes_the_benchmark_model():
-  from kvjax.bench.benchmarks import BENCH_MODEL
-  from kvjax.cli import bench, main as cli
-  from kvjax.cli.options import apply_set
-
-  args = cli.build_parser().parse_args(["bench", "paged", "--set", "model.num_kv_heads=8", "--batch", "2"])
-  model = apply_set(bench.BenchConfig(), args).model
-  assert model == BENCH_MODEL.replace(num_kv_heads=8)
-  assert bench.benchmark_kwargs(args) == {"batch": 2, "repeats": 5, "context": 1024, "page_size": 16}
-  with pytest.raises(ValueError, match=r"unknown config key 'num_kv_heads'; valid keys: model.vocab_size"):
-    apply_set(bench.BenchConfig(), cli.build_parser().parse_args(["bench", "decode", "--set", "num_kv_heads=8"]))
