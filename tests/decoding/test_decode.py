@@ -103,7 +103,9 @@ def test_generate_compiles_once_per_bucket():
   decode._generate.clear_cache()
   for n in (5, 9, 12):  # all in the 16-token bucket
     sampling = Sampling(temperature=0.5)
-    kvjax.generate(model, params, random_tokens((2, n)), np.array([n, n - 2]), 6, sampling=sampling, rng=jax.random.key(n))
+    kvjax.generate(
+      model, params, random_tokens((2, n)), np.array([n, n - 2]), 6, sampling=sampling, rng=jax.random.key(n)
+    )
   # other settings are traced values, not a new compilation
   kvjax.generate(model, params, random_tokens((2, 3)), np.array([3, 3]), 6, sampling=Sampling(top_k=5, top_p=0.9))
   assert decode._generate._cache_size() == 1

@@ -17,9 +17,9 @@ from conftest import init_params, tiny_config
 def test_stream_yields_what_generate_returns(sampling):
   model, params = init_params(tiny_config(2))
   prompt = np.array([3, 1, 4, 1, 5], np.int32)
-  want = np.asarray(
-    kvjax.generate(model, params, prompt[None], [5], 6, sampling=sampling, rng=jax.random.key(7))
-  )[0].tolist()
+  want = np.asarray(kvjax.generate(model, params, prompt[None], [5], 6, sampling=sampling, rng=jax.random.key(7)))[
+    0
+  ].tolist()
   assert list(stream(model, params, prompt, 6, sampling=sampling, rng=jax.random.key(7))) == want
 
 
