@@ -201,10 +201,9 @@ def _replace_path(obj: Any, parts: list[str], value: Any, key: str) -> Any:
   if parts[0] not in fields:
     raise KeyError(key)
   current = getattr(obj, parts[0])
-  hint = typing.get_type_hints(type(obj))[parts[0]]
-  family = _named_family(hint)
   if len(parts) > 1:
-    if current is None and family is not None:
+    family = _named_family(typing.get_type_hints(type(obj))[parts[0]]) if current is None else None
+    if family is not None:
       field = key[: len(key) - len(".".join(parts[1:])) - 1]
       raise ValueError(
         f"{key}: {field} is None; choose the {family.family()} first, {field}=NAME ({', '.join(family.kinds)})"
@@ -212,9 +211,10 @@ def _replace_path(obj: Any, parts: list[str], value: Any, key: str) -> Any:
     if not dataclasses.is_dataclass(current):
       raise KeyError(key)
     new = _replace_path(current, parts[1:], value, key)
-  elif dataclasses.is_dataclass(current) and family is None:
-    raise KeyError(key)
   else:
+    hint = typing.get_type_hints(type(obj))[parts[0]]
+    if dataclasses.is_dataclass(current) and _named_family(hint) is None:  # a section is set field by field
+      raise KeyError(key)
     new = _coerce(hint, value, key)
   return _rebuild(obj, parts[0], new)
 

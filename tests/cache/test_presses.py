@@ -18,6 +18,13 @@ from kvjax.fields import apply_overrides, config_keys, from_dict, to_dict
 NAMES = "streaming_llm, snapkv, tova, observed, knorm, random"
 
 
+@dataclasses.dataclass(frozen=True)
+class Variants:
+  """A study's shape: a tuple of caches, given on the command line as dicts."""
+
+  caches: tuple[CacheConfig, ...] = ()
+
+
 def test_set_by_name_then_by_field():
   config = apply_overrides(
     CacheConfig(), ["press=snapkv", "press.window=32", "press.compression_ratio=0.5", "press.heads=adaptive"]
@@ -92,6 +99,14 @@ def test_a_config_round_trips_through_json(config):
   assert from_dict(CacheConfig, recorded) == config
   if config.press is not None:
     assert recorded["press"]["name"] == config.press.name
+
+
+def test_caches_given_as_dicts_read_back():
+  caches = (CacheConfig(dtype="int8"), CacheConfig(press=SnapKV(compression_ratio=0.5)), CacheConfig(press=TOVA()))
+  given = apply_overrides(Variants(), [f"caches={[to_dict(c) for c in caches]!r}"])
+  assert given == Variants(caches) and given.caches[1].layout == "evict"
+  with pytest.raises(ValueError, match="CacheConfig.press: unknown press 'h2o'; valid: streaming_llm"):
+    apply_overrides(Variants(), ["caches=[{'press': {'name': 'h2o'}}]"])
 
 
 def test_the_dict_of_a_press_names_it_beside_its_fields():
