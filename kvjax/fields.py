@@ -1,6 +1,10 @@
 """Config fields: the checks every config's __post_init__ uses, and the generic machinery
 (to_dict, from_dict, apply_overrides) that works for any nested frozen-dataclass config.
 
+A field may hold one of a family of values chosen by name (`Named`: the presses of
+kvjax.cache.presses): it is set by name, `--set cache.press=snapkv`, then field by field like any
+nested config, `--set cache.press.window=32`; to_dict writes the name beside the fields.
+
 Run configs (kvjax.training.config.TrainRun and the run configs of other jobs) nest these
 dataclasses and carry a `job` field naming what `kvjax run` executes.
 """
@@ -12,7 +16,7 @@ import dataclasses
 import math
 import types
 import typing
-from typing import Any, Sequence
+from typing import Any, ClassVar, Sequence
 
 
 # The largest size or count a config may hold where it reaches JAX (shapes, positions, step
@@ -72,12 +76,68 @@ def check_real(
 # Generic machinery for any nested frozen-dataclass config (TrainRun and other jobs' run configs).
 
 
+class Named:
+  """The base of a family of frozen-dataclass values chosen by name. The family's root declares
+  its own `kinds: ClassVar[dict] = {}`; each subclass that sets `name` in its body is entered there
+  by its class definition, so adding a kind is one class. A config field annotated with the root
+  (or the root | None) takes an instance, a kind's name (that kind with its defaults) or a dict
+  {"name": NAME, FIELD: VALUE, ...}, which is what to_dict writes."""
+
+  name: ClassVar[str] = ""
+  kinds: ClassVar[dict[str, type]] = {}
+
+  def __init_subclass__(cls, **kwargs):
+    super().__init_subclass__(**kwargs)
+    if "kinds" in vars(cls) or "name" not in vars(cls):  # a family's root, or a kind's shared base
+      return
+    if cls.kinds.get(cls.name, cls) is not cls:
+      raise TypeError(f"{cls.__name__}: the name {cls.name!r} is {cls.kinds[cls.name].__name__}'s already")
+    cls.kinds[cls.name] = cls
+
+  @classmethod
+  def family(cls) -> str:
+    """The family's name for messages: its root class's, lower case ("press")."""
+    return next(c for c in cls.__mro__ if "kinds" in vars(c)).__name__.lower()
+
+  @classmethod
+  def choose(cls, value: Any, where: str) -> "Named":
+    """`value` (an instance, a kind's name, or a dict with its "name" and fields) as an instance of
+    this family; ValueError naming `where` and the kinds or fields it may take."""
+    if isinstance(value, cls):
+      return value
+    names = ", ".join(cls.kinds)
+    if isinstance(value, str):
+      name, fields = value, {}
+    elif isinstance(value, dict) and isinstance(value.get("name"), str):
+      name, fields = value["name"], {k: v for k, v in value.items() if k != "name"}
+    else:
+      raise ValueError(f"{where} expects a {cls.family()} by name ({names}) or a dict with its 'name', got {value!r}")
+    kind = cls.kinds.get(name)
+    if kind is None or not issubclass(kind, cls):
+      raise ValueError(f"{where}: unknown {cls.family()} {name!r}; valid: {names}")
+    try:
+      return from_dict(kind, fields)
+    except ValueError as err:
+      raise ValueError(f"{where}: {err}") from None
+
+
+def _is_named(tp: Any) -> bool:
+  return isinstance(tp, type) and issubclass(tp, Named)
+
+
+def _named_family(tp: Any) -> type | None:
+  """The Named family an annotation (Family or Family | None) takes, else None."""
+  args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+  return next((a for a in args if _is_named(a)), None)
+
+
 def to_dict(config: Any) -> dict:
   """Nested dataclass -> dict of JSON types (tuples become lists)."""
 
   def plain(value):
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-      return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+      fields = {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+      return {"name": value.name} | fields if isinstance(value, Named) else fields
     if isinstance(value, dict):
       return {k: plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -142,13 +202,20 @@ def _replace_path(obj: Any, parts: list[str], value: Any, key: str) -> Any:
     raise KeyError(key)
   current = getattr(obj, parts[0])
   if len(parts) > 1:
+    family = _named_family(typing.get_type_hints(type(obj))[parts[0]]) if current is None else None
+    if family is not None:
+      field = key[: len(key) - len(".".join(parts[1:])) - 1]
+      raise ValueError(
+        f"{key}: {field} is None; choose the {family.family()} first, {field}=NAME ({', '.join(family.kinds)})"
+      )
     if not dataclasses.is_dataclass(current):
       raise KeyError(key)
     new = _replace_path(current, parts[1:], value, key)
-  elif dataclasses.is_dataclass(current):
-    raise KeyError(key)
   else:
-    new = _coerce(typing.get_type_hints(type(obj))[parts[0]], value, key)
+    hint = typing.get_type_hints(type(obj))[parts[0]]
+    if dataclasses.is_dataclass(current) and _named_family(hint) is None:  # a section is set field by field
+      raise KeyError(key)
+    new = _coerce(hint, value, key)
   return _rebuild(obj, parts[0], new)
 
 
@@ -181,6 +248,8 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
       return None
     refusals = []  # what each dataclass of the union said of a dict: its own check names the field
     for arg in args:
+      if _is_named(arg):  # a family chosen by name says itself what it takes
+        return _coerce(arg, value, where)
       if arg is not type(None):
         try:
           return _coerce(arg, value, where)
@@ -192,6 +261,8 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
   elif origin is typing.Literal:
     if value in args:
       return value
+  elif _is_named(tp):
+    return tp.choose(value, where)
   elif dataclasses.is_dataclass(tp):
     if isinstance(value, tp):
       return value

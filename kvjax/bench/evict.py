@@ -24,6 +24,7 @@ from kvjax.cache.codec import codec
 from kvjax.cache.config import CacheConfig
 from kvjax.cache.contiguous import attend_one
 from kvjax.cache.evict import kept
+from kvjax.cache.presses import make_press
 from kvjax.decoding import decode
 from kvjax.interop.importer import read_model
 from kvjax.model.transformer import Transformer, cache_layers
@@ -59,7 +60,7 @@ def bench_evict(
   max_len = context + (steps + 2) * (repeats + 2)
   caches = {"full": filled(kinds.create(config, CacheConfig(), batch, max_len), config, context)}
   for ratio in ratios:
-    cache_config = CacheConfig(press=press, compression_ratio=ratio)
+    cache_config = CacheConfig(press=make_press(press, compression_ratio=ratio))
     caches[f"ratio_{ratio}"] = filled_evicted(config, cache_config, batch, context, max_len)
   tokens = np.zeros((batch,), np.int32)
 
@@ -77,7 +78,9 @@ def bench_evict(
   reads, read_bytes = {}, {}
   for name, cache in caches.items():
     stored = [{n: layer[n] for n in ("k", "v")} for layer in cache_layers(cache.layers)]
-    through = jnp.full((batch,), (context if name == "full" else int(kept(context, cache.ratio))) - 1, jnp.int32)
+    through = jnp.full(
+      (batch,), (context if name == "full" else int(kept(context, cache.press.compression_ratio))) - 1, jnp.int32
+    )
     reads[name] = functools.partial(_attention, backend, q, stored, through)
     read_bytes[name] = int(through[0] + 1) * config.num_layers * batch * 2 * config.num_kv_heads * config.head_dim * 4
   attention_s = timed_alternating(reads, repeats)

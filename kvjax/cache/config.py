@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvjax.cache import codec as codecs
-from kvjax.cache.presses import PRESSES
+from kvjax.cache.presses import PRESSES, Press
 from kvjax.fields import INT32_MAX, check_choice, check_nonnegative, check_positive
 from kvjax.config import ModelConfig
 from kvjax.model.transformer import cache_payload
@@ -36,7 +36,10 @@ class CacheConfig:
   """How a KV cache stores what the model's attention hands it.
 
   layout: "contiguous" (each row preallocates its positions; a sliding-window layer keeps a ring
-    of window + sinks slots) or "paged" (page pools shared by the rows, kvjax.cache.paged).
+    of window + sinks slots), "paged" (page pools shared by the rows, kvjax.cache.paged) or
+    "evict" (a press's budget of slots, kvjax.cache.evict). Left None it is derived, here and
+    nowhere else: "evict" with a press, "contiguous" without. A stated layout must agree with
+    the press: "evict" needs one, and the other layouts keep every token.
   dtype: the codec (kvjax.cache.codec): a float dtype, "int8", "int4" or "float8_e4m3fn"; None
     stores the model's compute dtype.
   page_size: tokens per page of a paged cache.
@@ -47,35 +50,28 @@ class CacheConfig:
     keeps the model's.
   absorb: an MLA model's cache is read in the absorbed form (kvjax.model.mla); False reads it
     expanded, the form the tests compare with.
-  press: evict tokens by this press (kvjax.cache.presses: "streaming_llm", "snapkv", "tova",
-    "observed", "knorm", "random"); it makes the layout "evict" (kvjax.cache.evict).
-  compression_ratio: the fraction of a prompt's tokens the press drops, in [0, 1).
-  press_window, press_kernel: SnapKV's observation window (the prompt's last queries) and the
-    width of its average pool (odd).
-  press_sinks: the first tokens StreamingLLM always keeps.
-  press_seed: the random press's seed.
-  press_heads: "uniform" (every kv head keeps as many tokens) or "adaptive" (AdaKV: the row's
-    budget goes to its heads' best tokens together, each head first keeping press_safeguard of
-    its share; kvjax.cache.evict.head_budgets).
+  press: evict tokens by this press, a value with its own settings and compression ratio
+    (kvjax.cache.presses: SnapKV(compression_ratio=0.75, window=64), StreamingLLM(sinks=4), ...;
+    on the command line cache.press=snapkv cache.press.compression_ratio=0.75); None keeps
+    every token.
   """
 
-  layout: str = "contiguous"
+  layout: str | None = None
   dtype: str | None = None
   page_size: int = 16
   paged_read: str = "gather"
   window: tuple[int, ...] | None = None
   sink_tokens: int | None = None
   absorb: bool = True
-  press: str | None = None
-  compression_ratio: float = 0.0
-  press_window: int = 64
-  press_kernel: int = 5
-  press_sinks: int = 4
-  press_seed: int = 0
-  press_heads: str = "uniform"
-  press_safeguard: float = 0.2
+  press: Press | None = None
 
   def __post_init__(self):
+    if self.press is not None and not isinstance(self.press, Press):
+      raise ValueError(
+        f"CacheConfig.press must be a press (kvjax.cache.presses: {', '.join(PRESSES)}) or None, got {self.press!r}"
+      )
+    if self.layout is None:
+      object.__setattr__(self, "layout", "contiguous" if self.press is None else "evict")
     # LAYOUTS fills as kvjax imports its layout modules (kvjax/__init__ imports them all); only the
     # default configs that those modules build while importing meet it empty.
     if LAYOUTS and self.layout not in LAYOUTS:
@@ -107,47 +103,15 @@ class CacheConfig:
       check_nonnegative(self, "sink_tokens", most=INT32_MAX)
     if not isinstance(self.absorb, bool):
       raise ValueError(f"CacheConfig.absorb must be True or False, got {self.absorb!r}")
-    self._check_press()
-
-  def _check_press(self):
-    ratio = self.compression_ratio
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio < 1:
-      raise ValueError(f"CacheConfig.compression_ratio must be a number in [0, 1), got {ratio!r}")
-    object.__setattr__(self, "compression_ratio", float(ratio))
-    for name in ("press_window", "press_kernel"):
-      check_positive(self, name, most=INT32_MAX)
-    check_nonnegative(self, "press_sinks", most=INT32_MAX)
-    check_nonnegative(self, "press_seed", most=INT32_MAX)
-    check_choice(self, "press_heads", ("uniform", "adaptive"))
-    safeguard = self.press_safeguard
-    if isinstance(safeguard, bool) or not isinstance(safeguard, (int, float)) or not 0 <= safeguard <= 1:
-      raise ValueError(f"CacheConfig.press_safeguard must be a number in [0, 1], got {safeguard!r}")
-    if self.press_kernel % 2 == 0:
-      raise ValueError(f"CacheConfig.press_kernel must be odd (a centred pool), got {self.press_kernel}")
-    if self.press is None:
-      if self.layout == "evict":
-        raise ValueError(f"CacheConfig.layout='evict' needs a press: one of {tuple(PRESSES)}")
-      if ratio:
-        raise ValueError(f"CacheConfig.compression_ratio={ratio} needs a press: one of {tuple(PRESSES)}")
-      return
-    if self.press not in PRESSES:
-      raise ValueError(f"CacheConfig.press must be one of {tuple(PRESSES)} or None, got {self.press!r}")
-    if self.layout == "contiguous":
-      object.__setattr__(self, "layout", "evict")
-    elif self.layout != "evict":
+    if self.layout == "evict" and self.press is None:
       raise ValueError(
-        f"CacheConfig.press={self.press!r} needs the evicting layout; layout={self.layout!r} keeps every token "
-        "(a paged cache does not evict)"
+        f"CacheConfig.layout='evict' needs a press, CacheConfig.press (cache.press=NAME): one of {tuple(PRESSES)}"
       )
-
-  def make_press(self):
-    """The press value this config names (kvjax.cache.presses)."""
-    if self.press is None:
-      raise ValueError(f"CacheConfig.layout={self.layout!r} needs a press: one of {tuple(PRESSES)}")
-    settings = {"press_window": "window", "press_kernel": "kernel", "press_sinks": "sinks", "press_seed": "seed"}
-    cls = PRESSES[self.press]
-    fields = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{mine: getattr(self, ours) for ours, mine in settings.items() if mine in fields})
+    if self.layout != "evict" and self.press is not None:
+      raise ValueError(
+        f"CacheConfig.press={self.press!r} evicts tokens, which layout={self.layout!r} does not (it keeps every "
+        "token); leave the layout unset (a press makes it 'evict') or set it to 'evict'"
+      )
 
   def codec(self, config: ModelConfig) -> codecs.Codec:
     """The codec of a cache for a model of `config`; ValueError when its vectors cannot take it."""

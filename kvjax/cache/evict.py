@@ -8,7 +8,7 @@ values, their scales; kvjax.cache.contiguous) with S = the slots:
 
 The first call from an empty cache (the prompt) attends over all its tokens, as a plain forward
 pass does; then each layer's press scores the prompt from that layer's queries and keys and
-keeps row b's int(n_b * (1 - compression_ratio)) best tokens, in slots 0, 1, ... (kvpress's
+keeps row b's int(n_b * (1 - press.compression_ratio)) best tokens, in slots 0, 1, ... (kvpress's
 rule: the layer's own output is computed before its cache is compressed). Every later token
 (extend, decode) takes an empty slot, lowest first, or, once a row is full, the slot of the
 lowest-scoring token held (the press's arrival scores, kvjax.cache.presses): a row generates
@@ -16,7 +16,7 @@ past its budget in constant memory. A read attends over the slots each head hold
 positions; every head of a row fills the same number of slots, so a decode step reads slots
 [0, filled) through the contiguous layout's decode route (kvjax's CPU kernel for float32 and
 int8) and reads only the budget's bytes. With AdaKV's head-adaptive budgets
-(CacheConfig.press_heads="adaptive") heads of a row keep different numbers of prompt tokens (at
+(the press's heads="adaptive") heads of a row keep different numbers of prompt tokens (at
 most the slots each) and every read goes by positions, in XLA.
 
 A cache for max_len positions whose first call is `prompt` tokens long has
@@ -58,7 +58,7 @@ def slots_for(cache_config: CacheConfig, max_len: int, prompt: int | None) -> in
   """Slots per row and kv head of a cache of max_len positions whose prompt is `prompt` tokens
   (default max_len): max_len less the tokens the press drops of the prompt."""
   prompt = max_len if prompt is None else min(prompt, max_len)
-  return int(max_len - (prompt - kept(prompt, cache_config.compression_ratio)))
+  return int(max_len - (prompt - kept(prompt, cache_config.press.compression_ratio)))
 
 
 def check_model(config: ModelConfig, cache_config: CacheConfig) -> None:
@@ -101,13 +101,17 @@ def head_budgets(scores: jax.Array, keep: jax.Array, safeguard: float) -> jax.Ar
 
 @register("evict")
 class EvictedCache(ContiguousCache):
-  """Per row and kv head, `slots` (static) tokens chosen by `press` (static); see the module
-  docstring. max_len (static) bounds the positions a row may reach."""
+  """Per row and kv head, `slots` (static) tokens chosen by `press` (static; its compression
+  ratio and head budgets too); see the module docstring. max_len (static) bounds the positions a
+  row may reach."""
 
   slots: int = flax.struct.field(pytree_node=False, default=0)
   press: Press | None = flax.struct.field(pytree_node=False, default=None)
-  ratio: float = flax.struct.field(pytree_node=False, default=0.0)
-  safeguard: float | None = flax.struct.field(pytree_node=False, default=None)
+
+  @property
+  def adaptive(self) -> bool:
+    """Whether heads of a row keep different numbers of tokens (AdaKV's budgets)."""
+    return self.press.heads == "adaptive"
 
   @classmethod
   def rows(
@@ -120,12 +124,11 @@ class EvictedCache(ContiguousCache):
     check_model(config, cache_config)
     cache_config.model(config).check_length(max_len, f"a cache of max_len={max_len} positions")
     slots = slots_for(cache_config, max_len, prompt)
-    press = cache_config.make_press()
-    if press.min_slots and slots < getattr(press, press.min_slots):
+    press = cache_config.press
+    if slots < press.min_slots:
       raise ValueError(
-        f"the evicting cache's budget of {slots} slots (max_len={max_len}, compression_ratio="
-        f"{cache_config.compression_ratio}) is smaller than the {press.name} press's "
-        f"{press.min_slots}={getattr(press, press.min_slots)}"
+        f"the evicting cache's budget of {slots} slots (max_len={max_len}) is smaller than the "
+        f"{press.min_slots} tokens {press!r} always keeps"
       )
     if slots < 1:
       raise ValueError(f"the evicting cache's budget is {slots} slots (max_len={max_len}); it needs one at least")
@@ -147,8 +150,6 @@ class EvictedCache(ContiguousCache):
       max_len=max_len,
       slots=slots,
       press=press,
-      ratio=cache_config.compression_ratio,
-      safeguard=cache_config.press_safeguard if cache_config.press_heads == "adaptive" else None,
       **statics,
     )
 
@@ -198,15 +199,15 @@ class EvictedCache(ContiguousCache):
     """A layer's arrays holding the tokens the press keeps of a prompt: new {k, v} [B, K, T, H]
     at positions 0..T-1, q [B, T, N, H] every column's queries."""
     t = new["k"].shape[2]
-    keep = jnp.asarray(kept(np.arange(t + 1), self.ratio), jnp.int32)[span.lengths]  # [B]
+    keep = jnp.asarray(kept(np.arange(t + 1), self.press.compression_ratio), jnp.int32)[span.lengths]  # [B]
     scores = self.press.scores(q, new["k"], span.lengths).astype(jnp.float32)
     scores = jnp.where(span.valid[:, None], scores, -jnp.inf)
     order = jnp.argsort(-scores, axis=-1, stable=True)[..., : self.slots]  # [B, K, S]: best first, ties earliest
     if order.shape[-1] < self.slots:  # a prompt shorter than the slots: the rest stay empty
       order = jnp.pad(order, ((0, 0), (0, 0), (0, self.slots - order.shape[-1])))
     counts = jnp.broadcast_to(jnp.minimum(keep, t)[:, None], scores.shape[:2])  # [B, K]: tokens each head keeps
-    if self.safeguard is not None:
-      counts = jnp.minimum(head_budgets(scores, keep, self.safeguard), self.slots)
+    if self.adaptive:
+      counts = jnp.minimum(head_budgets(scores, keep, self.press.safeguard), self.slots)
     held = jnp.arange(self.slots)[None, None, :] < counts[:, :, None]
     positions = jnp.take_along_axis(jnp.broadcast_to(span.positions[:, None], scores.shape), order, axis=-1)
     stored = {"positions": jnp.where(held, positions, -1), "scores": jnp.take_along_axis(scores, order, axis=-1)}
@@ -235,7 +236,7 @@ class EvictedCache(ContiguousCache):
     return out
 
   def read(self, stored, query, q_positions, span: Span, backend: Backend):
-    if q_positions.shape[1] == 1 and query.kernel_query is not None and self.safeguard is None:
+    if q_positions.shape[1] == 1 and query.kernel_query is not None and not self.adaptive:
       return backend.cache_attention(
         ("contiguous", self.codec.name),
         query.kernel_query,

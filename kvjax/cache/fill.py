@@ -50,7 +50,7 @@ def filled_evicted(config, cache_config: CacheConfig, batch: int, context: int, 
   """An evicting cache whose rows hold int(context * (1 - ratio)) random tokens spread over
   positions [0, context), every slot of the kept prompt filled, as after a pressed prefill."""
   cache = kinds.create(config, cache_config, batch, max_len, prompt=context)
-  held = int(kept(context, cache_config.compression_ratio))
+  held = int(kept(context, cache_config.press.compression_ratio))
   layers = filled(cache.replace(max_len=held), config, 0).layers  # slots [0, held) written in order
   positions = jnp.broadcast_to(jnp.linspace(0, context - 1, held).astype(jnp.int32), (batch, config.num_kv_heads, held))
   for layer in cache_layers(layers):

@@ -1,10 +1,21 @@
 """Presses: how an evicting cache (kvjax.cache.evict) scores the tokens it may keep.
 
-A press scores every token of a prompt per row and kv head, from the prompt's own queries and
-keys as the layer computes them, higher meaning worth keeping; the cache keeps the
-int(n * (1 - compression_ratio)) best of a row's n prompt tokens (NVIDIA kvpress's ScorerPress
-rule). Tokens that arrive later (extend, decode) get an arrival score, and once a row's slots are
-full each arrival replaces the lowest-scoring token held.
+A press is a value, CacheConfig.press (e.g. SnapKV(compression_ratio=0.75, window=64)): a frozen
+dataclass holding its settings, each checked in __post_init__. It scores every token of a prompt
+per row and kv head, from the prompt's own queries and keys as the layer computes them, higher
+meaning worth keeping; the cache keeps the int(n * (1 - compression_ratio)) best of a row's n
+prompt tokens (NVIDIA kvpress's ScorerPress rule). Tokens that arrive later (extend, decode) get an
+arrival score, and once a row's slots are full each arrival replaces the lowest-scoring token held.
+
+Every press has, beside its own settings (the base class `Press`):
+  compression_ratio  the fraction of a prompt's tokens dropped, in [0, 1);
+  heads              "uniform" (every kv head keeps as many tokens) or "adaptive" (AdaKV, Feng et
+                     al. 2024: a row's budget goes to its heads' best tokens together, each head
+                     first keeping `safeguard` of its share; kvjax.cache.evict.head_budgets);
+  safeguard          that share, in [0, 1] (read with heads="adaptive" only).
+A press class sets `name`, and its definition enters it in PRESSES (kvjax.fields.Named): adding a
+press is one class here. The command line chooses one by name and sets its fields:
+`--set cache.press=snapkv cache.press.window=32 cache.press.compression_ratio=0.5`.
 
 The presses, after their published definitions (and kvpress's reading of them):
   streaming_llm  the first `sinks` tokens and the most recent ones (Xiao et al. 2023). Arrivals
@@ -35,6 +46,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
+from kvjax.fields import INT32_MAX, Named, check_choice, check_nonnegative, check_positive, check_real
 from kvjax.model.attention import NEG_INF, group_queries, take_rows
 
 # Arrivals of an attention press score RECENT + position: above every attention weight (at most 1,
@@ -61,12 +73,30 @@ def attention_weights(q: jax.Array, k: jax.Array, columns: jax.Array, lengths: j
   return jnp.where((columns >= 0)[:, None, None, :, None], weights, 0.0)
 
 
-@dataclasses.dataclass(frozen=True)
-class Press:
-  """A scoring rule (module docstring). Subclasses set `name` and `scores`."""
+HEADS = ("uniform", "adaptive")
 
-  name: ClassVar[str] = ""
-  min_slots: ClassVar[str] = ""  # the setting a row's slots may not be fewer than ("window", "sinks")
+
+@dataclasses.dataclass(frozen=True)
+class Press(Named):
+  """A scoring rule and how much it drops (module docstring). Subclasses set `name` and `scores`."""
+
+  compression_ratio: float = 0.0
+  heads: str = "uniform"
+  safeguard: float = 0.2
+  kinds: ClassVar[dict[str, type[Press]]] = {}
+
+  def __post_init__(self):
+    check_real(self, "compression_ratio", 0, 1, open_high=True)
+    object.__setattr__(self, "compression_ratio", float(self.compression_ratio))
+    check_choice(self, "heads", HEADS)
+    check_real(self, "safeguard", 0, 1)
+    object.__setattr__(self, "safeguard", float(self.safeguard))
+
+  @property
+  def min_slots(self) -> int:
+    """The tokens this press always keeps (SnapKV's window, StreamingLLM's sinks): a row's slots
+    may not be fewer."""
+    return 0
 
   def scores(self, q: jax.Array, k: jax.Array, lengths: jax.Array) -> jax.Array:
     """q [B, T, N, H], k [B, K, T, H] of a prompt (columns = positions 0..T-1), lengths int[B]
@@ -96,7 +126,14 @@ def _kept_above(scores: jax.Array, keep: jax.Array) -> jax.Array:
 class StreamingLLM(Press):
   sinks: int = 4
   name: ClassVar[str] = "streaming_llm"
-  min_slots: ClassVar[str] = "sinks"
+
+  def __post_init__(self):
+    super().__post_init__()
+    check_nonnegative(self, "sinks", most=INT32_MAX)
+
+  @property
+  def min_slots(self) -> int:
+    return self.sinks
 
   def scores(self, q, k, lengths):
     position = jnp.arange(k.shape[2], dtype=jnp.float32)
@@ -112,7 +149,16 @@ class SnapKV(Press):
   window: int = 64
   kernel: int = 5
   name: ClassVar[str] = "snapkv"
-  min_slots: ClassVar[str] = "window"
+
+  def __post_init__(self):
+    super().__post_init__()
+    check_positive(self, "window", "kernel", most=INT32_MAX)
+    if self.kernel % 2 == 0:
+      raise ValueError(f"SnapKV.kernel must be odd (a centred pool), got {self.kernel}")
+
+  @property
+  def min_slots(self) -> int:
+    return self.window
 
   def scores(self, q, k, lengths):
     t = k.shape[2]
@@ -170,6 +216,10 @@ class Random(Press):
   seed: int = 0
   name: ClassVar[str] = "random"
 
+  def __post_init__(self):
+    super().__post_init__()
+    check_nonnegative(self, "seed", most=INT32_MAX)
+
   def scores(self, q, k, lengths):
     return jax.random.uniform(jax.random.key(self.seed), k.shape[:3])
 
@@ -179,4 +229,10 @@ class Random(Press):
     return noise.reshape(positions.shape + (k.shape[1],)).transpose(0, 2, 1)
 
 
-PRESSES: dict[str, type[Press]] = {p.name: p for p in (StreamingLLM, SnapKV, TOVA, ObservedAttention, KNorm, Random)}
+PRESSES = Press.kinds  # {name: press class}, filled by the class definitions above
+
+
+def make_press(name: str, **fields) -> Press:
+  """The press called `name` with `fields` (a study holding press names builds its caches so);
+  ValueError naming the press or field that is not one."""
+  return Press.choose({"name": name, **fields}, "press")

@@ -19,6 +19,7 @@ import jax
 from kvjax.cache.config import CacheConfig
 from kvjax.cli import options
 from kvjax.model.weights import store
+from kvjax.decoding.sampling import Sampling
 from kvjax.decoding.stream import TextStream, stream
 from kvjax.interop.tokenizer import TextTokenizer
 from kvjax.training import data
@@ -54,9 +55,7 @@ def continue_text(
   prompt: str,
   *,
   max_new_tokens: int,
-  temperature: float = 0.0,
-  top_k: int | None = None,
-  top_p: float | None = None,
+  sampling: Sampling = Sampling(),
   seed: int = 0,
   step: int | None = None,
   mesh=None,
@@ -83,9 +82,7 @@ def continue_text(
     params,
     tokens,
     max_new_tokens,
-    temperature=temperature,
-    top_k=top_k,
-    top_p=top_p,
+    sampling=sampling,
     stop_ids=stop_ids,
     rng=jax.random.key(seed),
     mesh=mesh,
@@ -147,9 +144,7 @@ def command(args: argparse.Namespace) -> int:
     args.workdir,
     args.prompt,
     max_new_tokens=args.max_new_tokens,
-    temperature=args.temperature,
-    top_k=args.top_k,
-    top_p=args.top_p,
+    sampling=Sampling.create(args.temperature, args.top_k, args.top_p),
     seed=args.seed,
     step=args.step,
     mesh=options.mesh(args),

@@ -49,8 +49,10 @@ def apply_set(config: Any, args: argparse.Namespace) -> Any:
 
 CACHE_SET_HELP = (
   "the KV cache's runtime choices (kvjax.cache.config.CacheConfig), e.g. cache.dtype=int8 "
-  "cache.layout=paged cache.page_size=16 cache.window=(256,) cache.sink_tokens=4; and the "
-  "weights' format, weights=float32|bfloat16|int8 (kvjax.model.weights)"
+  "cache.layout=paged cache.page_size=16 cache.window=(256,) cache.sink_tokens=4; a press by "
+  "name, then its fields: cache.press=snapkv cache.press.compression_ratio=0.75 "
+  "cache.press.window=32 (kvjax.cache.presses); and the weights' format, "
+  "weights=float32|bfloat16|int8 (kvjax.model.weights)"
 )
 
 

@@ -30,7 +30,7 @@ from kvjax.cache.base import KVCache
 from kvjax.cache import kinds
 from kvjax.cache.config import CacheConfig
 from kvjax.fields import check_positive_int
-from kvjax.decoding.sampling import Sampling, sample
+from kvjax.decoding.sampling import Sampling, check_sampling, sample
 from kvjax.kernels import attention as attention_kernel
 from kvjax.kernels import build, matmul
 from kvjax.model.backend import XLA, Backend, xla_cache_attention, xla_matmul
@@ -274,9 +274,7 @@ def generate(
   lengths,
   max_new_tokens: int,
   *,
-  temperature: float = 0.0,
-  top_k: int | None = None,
-  top_p: float | None = None,
+  sampling: Sampling = Sampling(),
   stop_ids: Sequence[int] | int = (),
   rng: jax.Array | None = None,
   mesh=None,
@@ -287,7 +285,7 @@ def generate(
   Args:
     prompts: int[B, T] right-padded; lengths: int[B].
     max_new_tokens: tokens to generate per row (the first comes from the prefill logits).
-    temperature: 0 is greedy; top_k / top_p filter before sampling.
+    sampling: how each token is drawn (kvjax.decoding.sampling.Sampling; the default is greedy).
     stop_ids: a row stops after producing any of these token ids (a tokenizer's eos and
       end-of-turn tokens, kvjax.interop.tokenizer.TextTokenizer.stop_ids); its later positions
       repeat that stop token (`until_stop` cuts them). The loop ends when every row has stopped.
@@ -306,7 +304,7 @@ def generate(
     f"needs {longest + max_new_tokens - 1} cache positions",
   )
   stop_ids = check_stop_ids(stop_ids, cfg.vocab_size)
-  sampling = Sampling.create(temperature, top_k, top_p)
+  sampling = check_sampling(sampling)
   bucket = size_bucket(longest, cfg.max_positions - max_new_tokens + 1)
   padded = np.zeros((prompts.shape[0], bucket), np.int32)
   padded[:, :longest] = prompts[:, :longest]

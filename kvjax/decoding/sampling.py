@@ -1,32 +1,65 @@
 """Next-token sampling: greedy, temperature, top-k and top-p (nucleus).
 
-All settings are traced values, so changing them does not recompile a jitted decode loop.
-temperature == 0 is greedy; top_k == 0 and top_p == 1 disable those filters.
+`Sampling` is the one value that says how to sample: generate, stream, kvjax generate's
+continue_text and the engine's requests take it (`sampling=Sampling(temperature=0.8, top_p=0.9)`).
+temperature == 0 is greedy; top_k == 0 and top_p == 1 disable those filters. The decode loops hold
+the settings as traced arrays (`arrays`), so changing them does not recompile a jitted loop.
 """
 
 from __future__ import annotations
+
+import math
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 
+from kvjax.fields import INT32_MAX
+
 
 @flax.struct.dataclass
 class Sampling:
+  """temperature (>= 0; 0 is greedy), top_k (0: off; else sample among the k likeliest tokens),
+  top_p (in (0, 1]; 1: off; else within that probability mass). Each is a Python number as a user
+  writes it, checked here, or an array: the traced form (`arrays`, or the engine's [B] rows),
+  which jax rebuilds from a pytree's leaves and which is not checked again."""
+
   temperature: jax.Array | float = 0.0
   top_k: jax.Array | int = 0
   top_p: jax.Array | float = 1.0
 
+  def __post_init__(self):
+    def number(value):
+      return isinstance(value, (bool, int, float))
+
+    if number(self.temperature) and (
+      isinstance(self.temperature, bool) or not (math.isfinite(self.temperature) and self.temperature >= 0)
+    ):
+      raise ValueError(f"Sampling.temperature must be a finite number >= 0 (0 is greedy), got {self.temperature!r}")
+    if number(self.top_k) and (isinstance(self.top_k, (bool, float)) or not 0 <= self.top_k <= INT32_MAX):
+      raise ValueError(f"Sampling.top_k must be an integer >= 0 (0: no top-k filter), got {self.top_k!r}")
+    if number(self.top_p) and (isinstance(self.top_p, bool) or not 0 < self.top_p <= 1):
+      raise ValueError(f"Sampling.top_p must be in (0, 1] (1: no nucleus filter), got {self.top_p!r}")
+
   @classmethod
-  def create(cls, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None):
-    """Checks the settings and returns them as arrays (so jit traces rather than specialises)."""
-    if not temperature >= 0:
-      raise ValueError(f"temperature must be >= 0, got {temperature!r}")
+  def create(cls, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None) -> "Sampling":
+    """The settings as the command line gives them (None: that filter off; top_k, when given, at
+    least 1), checked and as arrays."""
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
       raise ValueError(f"top_k must be a positive integer or None, got {top_k!r}")
-    if top_p is not None and not 0 < top_p <= 1:
-      raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
-    return cls(jnp.float32(temperature), jnp.int32(top_k or 0), jnp.float32(1.0 if top_p is None else top_p))
+    return cls(temperature, top_k or 0, 1.0 if top_p is None else top_p).arrays()
+
+  def arrays(self) -> "Sampling":
+    """The settings as float32 / int32 arrays: what a jitted loop traces, so that other values
+    reuse its compilation."""
+    return Sampling(jnp.float32(self.temperature), jnp.int32(self.top_k), jnp.float32(self.top_p))
+
+
+def check_sampling(sampling) -> Sampling:
+  """`sampling` as arrays; ValueError unless it is a Sampling."""
+  if not isinstance(sampling, Sampling):
+    raise ValueError(f"sampling must be a kvjax.Sampling, got {sampling!r}")
+  return sampling.arrays()
 
 
 def filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:

@@ -20,7 +20,7 @@ import numpy as np
 from kvjax.cache.config import CacheConfig
 from kvjax.fields import check_positive_int
 from kvjax.decoding.decode import check_stop_ids, check_tokens, decode_step, prefill, size_bucket
-from kvjax.decoding.sampling import Sampling, sample
+from kvjax.decoding.sampling import Sampling, check_sampling, sample
 from kvjax.model.transformer import Transformer
 
 _sample = jax.jit(sample)
@@ -32,9 +32,7 @@ def stream(
   prompt,
   max_new_tokens: int,
   *,
-  temperature: float = 0.0,
-  top_k: int | None = None,
-  top_p: float | None = None,
+  sampling: Sampling = Sampling(),
   stop_ids: Sequence[int] | int = (),
   rng: jax.Array | None = None,
   mesh=None,
@@ -51,7 +49,7 @@ def stream(
     length + max_new_tokens - 1,
     f"prompt of {length} tokens + max_new_tokens={max_new_tokens} needs {length + max_new_tokens - 1} cache positions",
   )
-  sampling = Sampling.create(temperature, top_k, top_p)
+  sampling = check_sampling(sampling)
   # Prompts padded to a bucket compile prefill once per bucket, as generate's do.
   bucket = size_bucket(length, config.max_positions - max_new_tokens + 1)
   padded = np.zeros((1, bucket), np.int32)

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.cache.config import CacheConfig
-from kvjax.cache.presses import PRESSES
+from kvjax.cache.presses import PRESSES, make_press
 from kvjax.decoding import decode
 from kvjax.fields import check_positive, check_nonnegative
 from kvjax.interop.importer import read_model
@@ -75,7 +75,7 @@ class EvictionStudy:
         raise ValueError(f"EvictionStudy.presses: {press!r} is not one of {tuple(PRESSES)}")
     for name in ("ratios", "recall_ratios"):
       for ratio in getattr(self, name):
-        CacheConfig(press="knorm", compression_ratio=ratio)  # a ratio outside [0, 1) is refused, named
+        make_press("knorm", compression_ratio=ratio)  # a ratio outside [0, 1) is refused, named
 
 
 def needles(tokenizer, study: EvictionStudy):
@@ -155,7 +155,7 @@ def run_study(study: EvictionStudy, workdir: str | Path, progress=print) -> list
   for press, ratio in [(None, 0.0)] + [
     (p, r) for p in study.presses for r in sorted({*study.ratios, *study.recall_ratios})
   ]:
-    cache_config = CacheConfig(press=press, compression_ratio=ratio)
+    cache_config = CacheConfig(press=None if press is None else make_press(press, compression_ratio=ratio))
     row = {"press": press or "full cache", "ratio": ratio}
     if press is None or ratio in study.ratios:
       row["perplexity"] = perplexity(model, params, windows, cache_config, study) if study.windows else None

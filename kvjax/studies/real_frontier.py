@@ -22,7 +22,7 @@ import dataclasses
 from pathlib import Path
 
 from kvjax.cache.config import CacheConfig
-from kvjax.cache.presses import PRESSES
+from kvjax.cache.presses import PRESSES, make_press
 from kvjax.conversion.conversions import KVHeads, ToMLA
 from kvjax.fields import to_dict
 from kvjax.studies.kv_frontier import check_variant, pareto
@@ -83,7 +83,11 @@ def standard_variants(
       out.append(
         Variant(f"window {window} + {sinks} sinks", "window", CacheConfig(window=(window,), sink_tokens=sinks))
       )
-  out += [Variant(f"{p} {r:g}", "press", CacheConfig(press=p, compression_ratio=r)) for p in presses for r in ratios]
+  out += [
+    Variant(f"{p} {r:g}", "press", CacheConfig(press=make_press(p, compression_ratio=r)))
+    for p in presses
+    for r in ratios
+  ]
   for method in methods:
     conversion = KVHeads(1, method)
     out.append(Variant(f"MQA {method}", "heads", params=Params(conversion)))
@@ -98,7 +102,7 @@ def standard_variants(
     Variant(
       f"int8 + {combined_press} {combined_ratio:g}",
       "combined",
-      CacheConfig(dtype="int8", press=combined_press, compression_ratio=combined_ratio),
+      CacheConfig(dtype="int8", press=make_press(combined_press, compression_ratio=combined_ratio)),
     )
   )
   if methods:

@@ -4,6 +4,8 @@ an evicted cache is the full forward pass masked to the tokens each layer and he
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,14 +15,20 @@ from oracles import KeptForward, forward
 from kvjax.cache import kinds
 from kvjax.cache.config import CacheConfig
 from kvjax.cache.evict import EvictedCache, kept, slots_for
-from kvjax.cache.presses import PRESSES
+from kvjax.cache.presses import PRESSES, TOVA, KNorm, Random, SnapKV, StreamingLLM
 from kvjax.decoding import decode
 from kvjax.model.attention import Span
 
 RNG = np.random.default_rng(0)
 TOKENS = RNG.integers(0, 64, (2, 24)).astype(np.int32)
 LENGTHS = np.array([24, 17], np.int32)
-SETTINGS = dict(press_window=4, press_sinks=2)
+SETTINGS = dict(window=4, sinks=2)  # SnapKV's window and StreamingLLM's sinks; the other presses take neither
+
+
+def evicting(name: str, **fields) -> CacheConfig:
+  """A cache evicting by the press called `name`, with SETTINGS where it has them, and `fields`."""
+  own = {f.name for f in dataclasses.fields(PRESSES[name])}
+  return CacheConfig(press=PRESSES[name](**{k: v for k, v in SETTINGS.items() if k in own}, **fields))
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +45,7 @@ def held(cache) -> list[np.ndarray]:
 def test_ratio_zero_is_the_contiguous_cache(gqa, press):
   model, params = gqa
   want, full = decode.prefill(model, params, TOKENS, LENGTHS, 32)
-  got, cache = decode.prefill(model, params, TOKENS, LENGTHS, 32, cache_config=CacheConfig(press=press, **SETTINGS))
+  got, cache = decode.prefill(model, params, TOKENS, LENGTHS, 32, cache_config=evicting(press))
   assert isinstance(cache, EvictedCache) and cache.slots == 32
   np.testing.assert_allclose(got, want, atol=1e-5)
   for token in ([1, 2], [3, 4]):
@@ -45,7 +53,7 @@ def test_ratio_zero_is_the_contiguous_cache(gqa, press):
     got, cache = decode.decode_step(model, params, cache, np.array(token))
     np.testing.assert_allclose(got, want, atol=1e-5)
   greedy = decode.generate(model, params, TOKENS, LENGTHS, 6)
-  pressed = decode.generate(model, params, TOKENS, LENGTHS, 6, cache_config=CacheConfig(press=press, **SETTINGS))
+  pressed = decode.generate(model, params, TOKENS, LENGTHS, 6, cache_config=evicting(press))
   np.testing.assert_array_equal(pressed, greedy)
 
 
@@ -70,7 +78,7 @@ def np_scores(name, q, k, settings):
     return -np.linalg.norm(k, axis=-1)
   if name == "streaming_llm":
     pos = np.arange(n, dtype=np.float64)
-    return np.broadcast_to(np.where(pos < settings["press_sinks"], np.inf, pos), (kv, n))
+    return np.broadcast_to(np.where(pos < settings["sinks"], np.inf, pos), (kv, n))
   if name == "tova":
     w = np_weights(q, k, [n - 1])[..., 0, :].mean(axis=(0, 1))  # every query head
     w[-1] = np.inf
@@ -79,7 +87,7 @@ def np_scores(name, q, k, settings):
     w = np_weights(q, k, list(range(n))).sum(axis=2) / (n - np.arange(n))
     return w.mean(axis=1)
   if name == "snapkv":
-    win, ker = settings["press_window"], 5
+    win, ker = settings["window"], 5
     w = np_weights(q, k, list(range(n - win, n))).mean(axis=2)[..., : n - win]  # [K, G, n - win]
     padded = np.pad(w, ((0, 0), (0, 0), (ker // 2, ker // 2)))
     pooled = np.stack([padded[..., i : i + n - win] for i in range(ker)]).sum(0) / ker
@@ -93,7 +101,7 @@ def test_each_press_keeps_what_its_definition_keeps(press, ratio):
   """On random queries and keys (two rows of ragged lengths), the kept positions of every row and
   kv head are the int(n * (1 - ratio)) best by the NumPy reading, ties to the earlier position."""
   config = tiny_config(2, num_heads=6, head_dim=8)
-  cache_config = CacheConfig(press=press, compression_ratio=ratio, **SETTINGS)
+  cache_config = evicting(press, compression_ratio=ratio)
   t, lengths = 24, np.array([24, 19])
   cache = EvictedCache.rows(config, 2, t, cache_config, prompt=t)
   rng = np.random.default_rng(1)
@@ -112,7 +120,7 @@ def test_each_press_keeps_what_its_definition_keeps(press, ratio):
 
 def test_random_press_keeps_a_seeded_sample():
   config = tiny_config(2)
-  cache_config = CacheConfig(press="random", compression_ratio=0.5)
+  cache_config = CacheConfig(press=Random(compression_ratio=0.5))
   cache = EvictedCache.rows(config, 2, 24, cache_config, prompt=24)
   new = {"k": jnp.ones((2, 2, 24, 8)), "v": jnp.ones((2, 2, 24, 8))}
   span = Span(jnp.broadcast_to(jnp.arange(24), (2, 24)), jnp.asarray([24, 10]), from_empty=True)
@@ -121,7 +129,7 @@ def test_random_press_keeps_a_seeded_sample():
   np.testing.assert_array_equal(first, again)  # the seed decides, not the inputs
   assert ((first >= 0).sum(-1) == np.array([[12, 12], [5, 5]])).all()
   assert (first[1][first[1] >= 0] < 10).all() and len(set(first[0, 0])) == len(first[0, 0])
-  other = EvictedCache.rows(config, 2, 24, cache_config.replace(press_seed=1), prompt=24)
+  other = EvictedCache.rows(config, 2, 24, CacheConfig(press=Random(compression_ratio=0.5, seed=1)), prompt=24)
   assert not np.array_equal(np.asarray(other.compress(new, jnp.ones((2, 24, 4, 8)), span)["positions"]), first)
 
 
@@ -150,7 +158,7 @@ def test_decoding_after_eviction_is_the_forward_masked_to_the_kept_tokens(gqa, p
   """Prefill (pressed), extend a chunk (a second turn), then decode past the budget (each step
   evicts): every call's logits equal the full forward whose queries read what the cache held."""
   model, params = gqa
-  cache_config = CacheConfig(press=press, compression_ratio=0.75, dtype=dtype, **SETTINGS)
+  cache_config = evicting(press, compression_ratio=0.75).replace(dtype=dtype)
   tokens = RNG.integers(0, 64, (2, 40)).astype(np.int32)
   prompt, lengths = 20, np.array([20, 20], np.int32)
   cache = kinds.create(model.config, cache_config, 2, 28)  # sized for a prompt of 28: 7 slots
@@ -176,7 +184,7 @@ def test_decoding_after_eviction_is_the_forward_masked_to_the_kept_tokens(gqa, p
 
 def test_streaming_llm_evicts_the_oldest_non_sink_token(gqa):
   model, params = gqa
-  cache_config = CacheConfig(press="streaming_llm", compression_ratio=0.5, press_sinks=2)
+  cache_config = CacheConfig(press=StreamingLLM(compression_ratio=0.5, sinks=2))
   cache = kinds.create(model.config, cache_config, 1, 20)  # kept(20) = 10 slots
   _, cache = decode.extend(model, params, cache, TOKENS[:1, :12], [12])
   assert sorted(held(cache)[0][0, 0][held(cache)[0][0, 0] >= 0]) == [0, 1, 8, 9, 10, 11]
@@ -189,9 +197,9 @@ def test_streaming_llm_evicts_the_oldest_non_sink_token(gqa):
 
 def test_an_int8_evicted_cache_is_the_float_one_within_int8_tolerance(gqa):
   model, params = gqa
-  settings = dict(press="snapkv", compression_ratio=0.5, **SETTINGS)
-  want, full = decode.prefill(model, params, TOKENS, LENGTHS, 30, cache_config=CacheConfig(**settings))
-  got, cache = decode.prefill(model, params, TOKENS, LENGTHS, 30, cache_config=CacheConfig(dtype="int8", **settings))
+  pressed_float = evicting("snapkv", compression_ratio=0.5)
+  want, full = decode.prefill(model, params, TOKENS, LENGTHS, 30, cache_config=pressed_float)
+  got, cache = decode.prefill(model, params, TOKENS, LENGTHS, 30, cache_config=pressed_float.replace(dtype="int8"))
   np.testing.assert_array_equal(held(cache)[1], held(full)[1])
   for token in ([5, 6], [7, 8]):
     want, full = decode.decode_step(model, params, full, np.array(token))
@@ -203,7 +211,7 @@ def test_an_int8_evicted_cache_is_the_float_one_within_int8_tolerance(gqa):
 @pytest.mark.parametrize("dtype", [None, "int8"])
 def test_budgets_and_bytes_are_exact(dtype):
   config = tiny_config(2)
-  cache_config = CacheConfig(press="tova", compression_ratio=0.75, dtype=dtype)
+  cache_config = CacheConfig(press=TOVA(compression_ratio=0.75), dtype=dtype)
   cache = kinds.create(config, cache_config, 3, 40, prompt=32)
   assert cache.slots == slots_for(cache_config, 40, 32) == 40 - (32 - 8)
   assert cache.nbytes + 4 * 3 == kinds.cache_bytes(config, cache_config, 3, 40, prompt=32)
@@ -214,35 +222,50 @@ def test_budgets_and_bytes_are_exact(dtype):
 
 
 @pytest.mark.parametrize(
-  "changes, message",
+  "make, message",
   [
-    (dict(press="snapkv", compression_ratio=1.0), "compression_ratio must be a number in [0, 1)"),
-    (dict(press="snapkv", compression_ratio=-0.1), "compression_ratio must be a number in [0, 1)"),
-    (dict(press="h3o"), "CacheConfig.press must be one of"),
-    (dict(press="snapkv", layout="paged"), "a paged cache does not evict"),
-    (dict(compression_ratio=0.5), "needs a press"),
-    (dict(layout="evict"), "needs a press"),
-    (dict(press="snapkv", press_kernel=4), "press_kernel must be odd"),
+    (lambda: SnapKV(compression_ratio=1.0), "SnapKV.compression_ratio must be a finite number in [0, 1), got 1.0"),
+    (lambda: KNorm(compression_ratio=-0.1), "KNorm.compression_ratio must be a finite number in [0, 1), got -0.1"),
+    (lambda: TOVA(compression_ratio="0.5"), "TOVA.compression_ratio must be a finite number in [0, 1), got '0.5'"),
+    (lambda: SnapKV(kernel=4), "SnapKV.kernel must be odd (a centred pool), got 4"),
+    (lambda: SnapKV(window=0), "SnapKV.window must be a positive integer, got 0"),
+    (lambda: StreamingLLM(sinks=-1), "StreamingLLM.sinks must be a non-negative integer, got -1"),
+    (lambda: Random(seed=1.5), "Random.seed must be a non-negative integer, got 1.5"),
+    (lambda: KNorm(heads="ada"), "KNorm.heads must be one of ('uniform', 'adaptive'), got 'ada'"),
+    (lambda: TOVA(safeguard=1.5), "TOVA.safeguard must be a finite number in [0, 1], got 1.5"),
+    (lambda: CacheConfig(press="snapkv"), "CacheConfig.press must be a press (kvjax.cache.presses: streaming_llm"),
+    (lambda: CacheConfig(press=SnapKV(), layout="paged"), "evicts tokens, which layout='paged' does not"),
+    (lambda: CacheConfig(press=KNorm(), layout="contiguous"), "evicts tokens, which layout='contiguous' does not"),
+    (lambda: CacheConfig(layout="evict"), "CacheConfig.layout='evict' needs a press, CacheConfig.press"),
   ],
 )
-def test_bad_configs_are_refused_naming_the_field(changes, message):
+def test_bad_presses_and_configs_are_refused_naming_the_field(make, message):
   with pytest.raises(ValueError, match=message.replace("[", r"\[").replace(")", r"\)").replace("(", r"\(")):
-    CacheConfig(**changes)
+    make()
+
+
+def test_the_layout_is_evict_with_a_press_and_contiguous_without():
+  assert CacheConfig().layout == "contiguous" and CacheConfig(press=None).layout == "contiguous"
+  assert CacheConfig(press=SnapKV()).layout == "evict"
+  assert CacheConfig(press=SnapKV(), layout="evict") == CacheConfig(press=SnapKV())
+  assert CacheConfig(layout="paged").layout == "paged"
 
 
 def test_bad_budgets_and_models_are_refused(gqa):
   model, params = gqa
   config = tiny_config(2)
-  with pytest.raises(ValueError, match="budget of 8 slots .* smaller than the snapkv press's window=16"):
-    kinds.create(config, CacheConfig(press="snapkv", compression_ratio=0.75, press_window=16), 1, 32, prompt=32)
-  with pytest.raises(ValueError, match="budget of 3 slots .* smaller than the streaming_llm press's sinks=4"):
-    kinds.create(config, CacheConfig(press="streaming_llm", compression_ratio=0.9), 1, 32, prompt=32)
+  with pytest.raises(
+    ValueError, match=r"budget of 8 slots \(max_len=32\) is smaller than the 16 tokens SnapKV\(.*window=16"
+  ):
+    kinds.create(config, CacheConfig(press=SnapKV(compression_ratio=0.75, window=16)), 1, 32, prompt=32)
+  with pytest.raises(ValueError, match=r"budget of 3 slots .* smaller than the 4 tokens StreamingLLM\(.*sinks=4\)"):
+    kinds.create(config, CacheConfig(press=StreamingLLM(compression_ratio=0.9)), 1, 32, prompt=32)
   with pytest.raises(ValueError, match="MLA's latent"):
     mla = tiny_config(2, kv_latent_rank=16, rope_dims=4)
-    kinds.create(mla, CacheConfig(press="knorm"), 1, 32)
+    kinds.create(mla, CacheConfig(press=KNorm()), 1, 32)
   with pytest.raises(ValueError, match="does not combine with sliding windows"):
-    kinds.create(tiny_config(2, window=(8, 0)), CacheConfig(press="knorm"), 1, 32)
-  cache = kinds.create(config, CacheConfig(press="knorm", compression_ratio=0.5), 2, 64)  # 32 slots
+    kinds.create(tiny_config(2, window=(8, 0)), CacheConfig(press=KNorm()), 1, 32)
+  cache = kinds.create(config, CacheConfig(press=KNorm(compression_ratio=0.5)), 2, 64)  # 32 slots
   _, cache = decode.extend(model, params, cache, TOKENS, LENGTHS)
   with pytest.raises(ValueError, match="row 0 brings 33 tokens in one call, more than the evicting cache's 32 slots"):
     decode.extend(model, params, cache, np.zeros((2, 33), np.int32), [33, 1])
@@ -254,9 +277,7 @@ def test_adaptive_head_budgets_keep_what_adakv_keeps(gqa, press):
   K * keep best over all heads together (ties: the lower head, the earlier position); decoding
   reads each head's own tokens (the masked forward pass)."""
   config = tiny_config(2, num_heads=6, head_dim=8)
-  cache_config = CacheConfig(
-    press=press, compression_ratio=0.75, press_heads="adaptive", press_safeguard=0.3, **SETTINGS
-  )
+  cache_config = evicting(press, compression_ratio=0.75, heads="adaptive", safeguard=0.3)
   t, lengths = 24, np.array([24, 19])
   cache = EvictedCache.rows(config, 2, 48, cache_config, prompt=t)  # room for any head's share
   rng = np.random.default_rng(2)

@@ -13,6 +13,7 @@ from kvjax.cache.config import CacheConfig
 from kvjax.decoding import baselines
 from kvjax.decoding import decode
 from kvjax.decoding.decode import until_stop
+from kvjax.decoding.sampling import Sampling
 from conftest import init_params, tiny_config
 
 
@@ -101,10 +102,12 @@ def test_generate_compiles_once_per_bucket():
   model, params = init_params(tiny_config(2))
   decode._generate.clear_cache()
   for n in (5, 9, 12):  # all in the 16-token bucket
+    sampling = Sampling(temperature=0.5)
     kvjax.generate(
-      model, params, random_tokens((2, n)), np.array([n, n - 2]), 6, temperature=0.5, rng=jax.random.key(n)
+      model, params, random_tokens((2, n)), np.array([n, n - 2]), 6, sampling=sampling, rng=jax.random.key(n)
     )
-  kvjax.generate(model, params, random_tokens((2, 3)), np.array([3, 3]), 6, top_k=5, top_p=0.9)
+  # other settings are traced values, not a new compilation
+  kvjax.generate(model, params, random_tokens((2, 3)), np.array([3, 3]), 6, sampling=Sampling(top_k=5, top_p=0.9))
   assert decode._generate._cache_size() == 1
 
 
@@ -157,8 +160,8 @@ def test_bad_inputs_raise_before_compute():
     kvjax.prefill(model, params, ok, np.array([5]), 8)
   with pytest.raises(ValueError, match="max_new_tokens"):
     kvjax.generate(model, params, ok, np.array([4]), 0)
-  with pytest.raises(ValueError, match="top_p"):
-    kvjax.generate(model, params, ok, np.array([4]), 2, temperature=1.0, top_p=1.5)
+  with pytest.raises(ValueError, match=r"sampling must be a kvjax.Sampling, got \{'temperature': 1.0\}"):
+    kvjax.generate(model, params, ok, np.array([4]), 2, sampling={"temperature": 1.0})
   _, cache = kvjax.prefill(model, params, ok, np.array([4]), max_len=5)
   with pytest.raises(ValueError, match="token id 99 at row 0"):
     kvjax.decode_step(model, params, cache, np.array([99]))

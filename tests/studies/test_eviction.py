@@ -35,7 +35,7 @@ def test_the_tiny_study_writes_a_row_per_cache(tmp_path):
   "changes, message",
   [
     (dict(presses=("h2o",)), "EvictionStudy.presses: 'h2o' is not one of"),
-    (dict(ratios=(1.0,)), "compression_ratio must be a number in"),
+    (dict(ratios=(1.0,)), "compression_ratio must be a finite number in"),
     (dict(context=64), "EvictionStudy.context must be at least 128"),
     (dict(trials=0), "trials"),
   ],
