@@ -131,13 +131,14 @@ class Family:
 
 
 def nonzero(params: dict, paths) -> bool:
-  """Whether any of the parameters at `paths` (tuples into the params tree) is nonzero."""
+  """Whether any of the parameters at `paths` (tuples into the params tree) is nonzero; one the
+  model does not have counts as zero (a GPT-2 shaped model has no gate bias)."""
 
   def at(path):
     tree = params
     for key in path:
-      tree = tree[key]
-    return tree
+      tree = tree.get(key, {}) if isinstance(tree, dict) else {}
+    return 0 if isinstance(tree, dict) else tree
 
   return any(np.any(np.asarray(at(path))) for path in paths)
 
