@@ -81,7 +81,9 @@ def _preset(
   return Architecture(name, config, params, note)
 
 
-def _llama_like(model_type: str, layers: int, heads: int, kv_heads: int, d_model: int, mlp_dim: int, vocab: int, **more):
+def _llama_like(
+  model_type: str, layers: int, heads: int, kv_heads: int, d_model: int, mlp_dim: int, vocab: int, **more
+):
   """The config.json keys that size a Llama-family or Qwen2 release (head_dim is d_model / heads in each)."""
   return {
     "model_type": model_type,

@@ -1,5 +1,6 @@
-"""What a model family is: a `Family` entry (how its config maps to ModelConfig) and the `Tensor`s
-it lists (which checkpoint tensor becomes which kvjax parameter), with the helpers entries share.
+"""What a model family is: a `Family` entry (how its config maps to ModelConfig and back) and the
+`Tensor`s it lists (which checkpoint tensor becomes which kvjax parameter, and how it is laid
+out), with the helpers entries share; import and export both read only these.
 
 The families themselves are one module each (kvjax.interop.llama, qwen2, gpt2), listed in
 kvjax.interop.families.FAMILIES.

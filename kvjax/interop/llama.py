@@ -213,7 +213,10 @@ def tensors(cfg: ModelConfig, names: set[str], *, gguf_permuted: bool = True) ->
   for i in range(cfg.num_layers):
     hf, gg, kv = f"layers.{i}.", f"blk.{i}.", f"layers_{i}"
     attn = lambda proj, gguf, leaf="kernel", **layout: Tensor(
-      (kv, "attn", proj, leaf), f"{hf}self_attn.{proj}_proj.{leaf_name(leaf)}", f"{gg}{gguf}.{leaf_name(leaf)}", **layout
+      (kv, "attn", proj, leaf),
+      f"{hf}self_attn.{proj}_proj.{leaf_name(leaf)}",
+      f"{gg}{gguf}.{leaf_name(leaf)}",
+      **layout,
     )
     plan += [
       Tensor((kv, "attn_norm", "scale"), hf + "input_layernorm.weight", gg + "attn_norm.weight"),
@@ -229,7 +232,9 @@ def tensors(cfg: ModelConfig, names: set[str], *, gguf_permuted: bool = True) ->
       plan += [attn("q", "attn_q", "bias", gguf_fix=fix_q), attn("k", "attn_k", "bias", gguf_fix=fix_k)]
       plan.append(attn("v", "attn_v", "bias"))
     for proj in ("gate", "up", "down"):
-      plan.append(Tensor((kv, "mlp", proj, "kernel"), f"{hf}mlp.{proj}_proj.weight", f"{gg}ffn_{proj}.weight", **linear))
+      plan.append(
+        Tensor((kv, "mlp", proj, "kernel"), f"{hf}mlp.{proj}_proj.weight", f"{gg}ffn_{proj}.weight", **linear)
+      )
     if cfg.use_bias:
       # Present in the checkpoint as its flags say or, for the family without them, zero (see _hf_biases).
       plan.append(

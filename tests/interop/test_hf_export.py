@@ -112,10 +112,14 @@ def hf_model(family: str):
   llama = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, **common)
   llama.update(num_key_value_heads=2, max_position_embeddings=64)
   made = {
-    "llama_attention_bias": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama, attention_bias=True)),
+    "llama_attention_bias": lambda: transformers.LlamaForCausalLM(
+      transformers.LlamaConfig(**llama, attention_bias=True)
+    ),
     "llama_mlp_bias": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama, mlp_bias=True)),
     "qwen2_tied": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**llama, tie_word_embeddings=True)),
-    "gpt2_tied": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, **common)),
+    "gpt2_tied": lambda: transformers.GPT2LMHeadModel(
+      transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, **common)
+    ),
     "gpt2_untied": lambda: transformers.GPT2LMHeadModel(
       transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_inner=48, tie_word_embeddings=False, **common)
     ),
