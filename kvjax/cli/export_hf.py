@@ -1,5 +1,6 @@
-"""`kvjax export-hf --workdir W --out DIR`: a kvjax checkpoint as a Hugging Face Llama / Qwen2
-model directory (kvjax.interop.hf_export), with the workdir's tokenizer.json when it has one."""
+"""`kvjax export-hf --workdir W --out DIR`: a kvjax checkpoint as a Hugging Face model directory
+of the family that holds it, Llama, Qwen2 or GPT-2 (kvjax.interop.hf_export), with the workdir's
+tokenizer.json when it has one."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def command(args: argparse.Namespace) -> int:
 
 
 def add_parser(subparsers) -> None:
-  parser = subparsers.add_parser("export-hf", help="write a checkpoint as a Hugging Face Llama / Qwen2 model")
+  parser = subparsers.add_parser("export-hf", help="write a checkpoint as a Hugging Face Llama, Qwen2 or GPT-2 model")
   parser.add_argument("--workdir", required=True, type=options.workdir_text, help="kvjax workdir holding checkpoints/")
   parser.add_argument(
     "--out",

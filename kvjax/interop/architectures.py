@@ -1,7 +1,8 @@
 """The models the KV-cache planner (kvjax.interop.kv_size) sizes: an `Architecture` is a
 ModelConfig, the number of its weights and a note.
 
-`PRESETS` are published architectures, each with its released weight count; `resolve(spec)`
+`PRESETS` are published architectures, each with its released weight count (those of a family
+kvjax imports read from their config.json keys through the family entry); `resolve(spec)`
 names one of them, or reads any other model from a named pretrained model, a GGUF file, a kvjax
 config file (get_config() returning a ModelConfig or a config with a .model ModelConfig), a kvjax
 workdir or a Hugging Face directory, counting its weights with param_count.
@@ -42,6 +43,17 @@ class Architecture:
     check_positive_int(self.params, "Architecture.params")
 
 
+def _released(name: str, params: int, hf: dict, note: str = "", **beyond) -> Architecture:
+  """A published model from the config.json keys of its release that size it, read through its
+  family's entry as `kvjax import` reads them (kvjax.interop.importer.config_from_hf), so the
+  family, not this table, says what it has (biases, norms, positions, tied embeddings where the
+  family defaults to them). A RoPE model's max_position_embeddings is PRESET_MAX_LEN unless
+  given. beyond: ModelConfig fields the family entry does not read (Mistral's sliding window, which
+  import refuses)."""
+  config = config_from_hf({"max_position_embeddings": PRESET_MAX_LEN, **hf}, dtype="float32")
+  return Architecture(name, config.replace(**beyond), params, note)
+
+
 def _preset(
   name: str,
   num_layers: int,
@@ -53,8 +65,9 @@ def _preset(
   vocab_size: int,
   params: int,
   note: str = "",
-  **family,
+  **traits,
 ) -> Architecture:
+  """A published model of no family kvjax imports, its ModelConfig written out here."""
   config = ModelConfig(
     vocab_size=vocab_size,
     d_model=d_model,
@@ -63,59 +76,60 @@ def _preset(
     num_kv_heads=num_kv_heads,
     head_dim=head_dim,
     mlp_dim=mlp_dim,
-    **{"max_len": PRESET_MAX_LEN, **family},
+    **{"max_len": PRESET_MAX_LEN, **traits},
   )
   return Architecture(name, config, params, note)
 
 
+def _llama_like(
+  model_type: str, layers: int, heads: int, kv_heads: int, d_model: int, mlp_dim: int, vocab: int, **more
+):
+  """The config.json keys that size a Llama-family or Qwen2 release (head_dim is d_model / heads in each)."""
+  return {
+    "model_type": model_type,
+    "num_hidden_layers": layers,
+    "num_attention_heads": heads,
+    "num_key_value_heads": kv_heads,
+    "hidden_size": d_model,
+    "intermediate_size": mlp_dim,
+    "vocab_size": vocab,
+    **more,
+  }
+
+
 # Published architectures (config.json of each release; params as reported for the checkpoint).
-# The family traits that change the weight count (biases, tied embeddings, GELU MLP, LayerNorm,
-# learned positions) are set, so a dense preset's param_count equals its params; rope_theta and
-# norm_eps keep kvjax's defaults (no size depends on them).
-QWEN2 = dict(qkv_bias=True)
-GPT2 = dict(
-  activation="gelu",
-  norm="layernorm",
-  positions="learned",
-  qkv_bias=True,
-  use_bias=True,
-  tie_embeddings=True,
-  max_len=1024,
-)
+# A preset of a family kvjax imports is its config.json keys read through the family's entry, so
+# a dense preset's param_count equals its params; rope_theta and norm_eps are left to the
+# family's defaults (no size depends on them). Gemma 2 and T5 have no family entry and are
+# written out as ModelConfigs.
 PRESETS = {
   p.name: p
   for p in (
-    _preset("Qwen2-0.5B", 24, 14, 2, 64, 896, 4864, 151936, 494_032_768, tie_embeddings=True, **QWEN2),
-    _preset("Qwen2-1.5B", 28, 12, 2, 128, 1536, 8960, 151936, 1_543_714_304, tie_embeddings=True, **QWEN2),
-    _preset("Qwen2-7B", 28, 28, 4, 128, 3584, 18944, 152064, 7_615_616_512, **QWEN2),
-    _preset(
+    _released("Qwen2-0.5B", 494_032_768, _llama_like("qwen2", 24, 14, 2, 896, 4864, 151936, tie_word_embeddings=True)),
+    _released(
+      "Qwen2-1.5B", 1_543_714_304, _llama_like("qwen2", 28, 12, 2, 1536, 8960, 151936, tie_word_embeddings=True)
+    ),
+    _released("Qwen2-7B", 7_615_616_512, _llama_like("qwen2", 28, 28, 4, 3584, 18944, 152064)),
+    _released(
       "Qwen2-57B-A14B",
-      28,
-      28,
-      4,
-      128,
-      3584,
-      2560,
-      151936,
       57_408_658_944,
+      # Its config.json is model_type qwen2_moe; its attention, which sizes the cache, is Qwen2's.
+      _llama_like("qwen2", 28, 28, 4, 3584, 2560, 151936),
       note="mixture of experts: 64 experts of mlp_dim 2560 plus a shared one; "
       "all 57.4B weights are resident, 14B active per token",
-      **QWEN2,
     ),
-    _preset("Qwen2-72B", 80, 64, 8, 128, 8192, 29568, 152064, 72_706_203_648, **QWEN2),
-    _preset("Llama-2-70B", 80, 64, 8, 128, 8192, 28672, 32000, 68_976_648_192),
-    _preset("Llama-3-70B", 80, 64, 8, 128, 8192, 28672, 128256, 70_553_706_496),
-    _preset("GPT-2", 12, 12, 12, 64, 768, 3072, 50257, 124_439_808, **GPT2),
-    _preset(
+    _released("Qwen2-72B", 72_706_203_648, _llama_like("qwen2", 80, 64, 8, 8192, 29568, 152064)),
+    _released("Llama-2-70B", 68_976_648_192, _llama_like("llama", 80, 64, 8, 8192, 28672, 32000)),
+    _released("Llama-3-70B", 70_553_706_496, _llama_like("llama", 80, 64, 8, 8192, 28672, 128256)),
+    _released(
+      "GPT-2",
+      124_439_808,
+      {"model_type": "gpt2", "n_layer": 12, "n_head": 12, "n_embd": 768, "vocab_size": 50257, "n_positions": 1024},
+    ),
+    _released(
       "Mistral-7B-v0.1",
-      32,
-      32,
-      8,
-      128,
-      4096,
-      14336,
-      32000,
       7_241_732_096,
+      _llama_like("mistral", 32, 32, 8, 4096, 14336, 32000),
       note="sliding window of 4096 on every layer (v0.1; later versions attend globally)",
       window=(4096,),
     ),

@@ -1,6 +1,6 @@
 """The GPT-2 family: LayerNorm, tanh-GELU, learned positions, biases everywhere, and one fused
 Conv1D c_attn for q, k and v. Conv1D weights are stored [in, out] already, so kernels are sliced
-and reshaped, not transposed. Read from safetensors only (llama.cpp's GPT-2 GGUF is not mapped)."""
+and reshaped, not transposed (and joined again on export). Read from safetensors only (llama.cpp's GPT-2 GGUF is not mapped)."""
 
 from __future__ import annotations
 
@@ -43,35 +43,43 @@ def config_from_hf(hf: dict, dtype: str) -> ModelConfig:
   )
 
 
+def config_to_hf(config: ModelConfig, params: dict) -> dict:
+  """The config.json keys `config_from_hf` reads, for `config` (its inverse)."""
+  return {
+    "vocab_size": config.vocab_size,
+    "n_embd": config.d_model,
+    "n_layer": config.num_layers,
+    "n_head": config.num_heads,
+    "n_positions": config.max_len,
+    "n_inner": config.mlp_dim,
+    "activation_function": TANH_GELUS[0],
+    "layer_norm_epsilon": config.norm_eps,
+    "tie_word_embeddings": config.tie_embeddings,
+  }
+
+
 def tensors(cfg: ModelConfig, names: set[str]) -> list[Tensor]:
-  n, h, d = cfg.num_heads, cfg.head_dim, cfg.d_model
   plan = [
-    Tensor(("embed", "embedding"), "wte.weight", None),
-    Tensor(("pos_embed", "embedding"), "wpe.weight", None),
+    Tensor(("embed", "embedding"), "wte.weight", None, rows=1),
+    Tensor(("pos_embed", "embedding"), "wpe.weight", None, rows=1),
     Tensor(("final_norm", "scale"), "ln_f.weight", None),
     Tensor(("final_norm", "bias"), "ln_f.bias", None),
   ]
   if not cfg.tie_embeddings:
-    plan.append(Tensor(("lm_head", "kernel"), "lm_head.weight", None, lambda w: w.T))
+    plan.append(Tensor(("lm_head", "kernel"), "lm_head.weight", None, rows=1, linear=True))
   for i in range(cfg.num_layers):
     hf, kv = f"h.{i}.", f"layers_{i}"
-    for j, proj in enumerate(("q", "k", "v")):
-      cols = slice(j * d, (j + 1) * d)
+    for j, proj in enumerate(("q", "k", "v")):  # [D, 3*N*H]: q, k, v side by side; each [D, N, H]
       plan += [
-        Tensor(
-          (kv, "attn", proj, "kernel"),
-          hf + "attn.c_attn.weight",
-          None,
-          lambda w, cols=cols: w[:, cols].reshape(d, n, h),
-        ),
-        Tensor((kv, "attn", proj, "bias"), hf + "attn.c_attn.bias", None, lambda b, cols=cols: b[cols].reshape(n, h)),
+        Tensor((kv, "attn", proj, "kernel"), hf + "attn.c_attn.weight", None, rows=1, part=(j, 3)),
+        Tensor((kv, "attn", proj, "bias"), hf + "attn.c_attn.bias", None, part=(j, 3)),
       ]
     plan += [
-      Tensor((kv, "attn", "out", "kernel"), hf + "attn.c_proj.weight", None, lambda w: w.reshape(n, h, d)),
+      Tensor((kv, "attn", "out", "kernel"), hf + "attn.c_proj.weight", None, rows=2),  # [N*H, D] -> [N, H, D]
       Tensor((kv, "attn", "out", "bias"), hf + "attn.c_proj.bias", None),
-      Tensor((kv, "mlp", "up", "kernel"), hf + "mlp.c_fc.weight", None),
+      Tensor((kv, "mlp", "up", "kernel"), hf + "mlp.c_fc.weight", None, rows=1),
       Tensor((kv, "mlp", "up", "bias"), hf + "mlp.c_fc.bias", None),
-      Tensor((kv, "mlp", "down", "kernel"), hf + "mlp.c_proj.weight", None),
+      Tensor((kv, "mlp", "down", "kernel"), hf + "mlp.c_proj.weight", None, rows=1),
       Tensor((kv, "mlp", "down", "bias"), hf + "mlp.c_proj.bias", None),
     ]
     for norm, ln in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
@@ -82,4 +90,4 @@ def tensors(cfg: ModelConfig, names: set[str]) -> list[Tensor]:
   return plan
 
 
-GPT2 = Family("gpt2", ("gpt2",), (), config_from_hf, None, tensors)
+GPT2 = Family("gpt2", ("gpt2",), (), config_from_hf, None, tensors, config_to_hf, "GPT2LMHeadModel", "transformer.")

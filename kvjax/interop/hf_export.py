@@ -1,17 +1,22 @@
 """Hugging Face export: (kvjax params, ModelConfig) -> a config.json + model.safetensors directory
-that `transformers` loads (`kvjax export-hf`).
+that `transformers` loads (`kvjax export-hf`), the inverse of import from the same family entries
+(kvjax.interop.families.FAMILIES).
 
-Families: a kvjax model with RMSNorm, SwiGLU and RoPE is Llama-shaped. With q/k/v biases alone
-it is written as qwen2; otherwise as llama (attention_bias covers q, k, v and o together, so an
-output bias without q/k/v biases is written with zero q/k/v biases, which is exact). Layouts are
-the inverse of kvjax.interop.importer's: Dense kernel [in, out] -> nn.Linear weight [out, in],
-q kernel [D, N, H] -> q_proj [N*H, D], out kernel [N, H, D] -> o_proj [D, N*H]. A model with
-learned positions, LayerNorm or GELU (GPT-2 shaped, or converted from GPT-2) has no Llama-family
-equivalent and is refused rather than written approximately.
+Which family: each entry's `config_to_hf` writes its config.json keys, which its `config_from_hf`
+reads back; a family holds the model when what comes back is the model's config, except that
+biases may be added (written as zeros, which computes the same function) or dropped where they
+are all zero, and that rope_theta does not matter without RoPE. A family that gives the config back
+exactly is preferred (a model with q/k/v biases alone is Qwen2, not a Llama with zero output
+biases); a model no family holds is refused with each family's reason.
+
+Which tensors: the family's `tensors` plan for the config read back, each written by undoing what
+import does with it (`kvjax.interop.family.write`: transposes, reshapes, fused q/k/v joined).
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import json
 import pathlib
 
@@ -19,133 +24,88 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from kvjax.config import ModelConfig
+from kvjax.interop.families import FAMILIES
+from kvjax.interop.family import Family, Tensor, write
 from kvjax.interop.hf_files import TOKENIZER_FILE
+from kvjax.interop.importer import flatten
+from kvjax.model.params import abstract_params
 
 WEIGHTS_FILE = "model.safetensors"
+# Bias flags a family may add (as zeros) or drop (when all zero) without changing the function.
+BIAS_FIELDS = ("qkv_bias", "use_bias")
 
 
-def family(config: ModelConfig) -> str:
-  """ "llama" or "qwen2" for a Llama-shaped config; ValueError naming what has no equivalent."""
-  unlike = [
-    f"{name}={value!r}"
-    for name, value, want in (
-      ("positions", config.positions, "rope"),
-      ("norm", config.norm, "rmsnorm"),
-      ("activation", config.activation, "swiglu"),
-      ("window", config.window if any(config.window) else (), ()),
-    )
-    if value != want
-  ]
-  if config.is_latent:
-    unlike.append(f"kv_latent_rank={config.kv_latent_rank}")
-  if unlike:
-    raise ValueError(
-      f"a model with {', '.join(unlike)} has no Hugging Face Llama / Qwen2 equivalent "
-      "(export needs positions='rope', norm='rmsnorm', activation='swiglu', K/V attention "
-      "and no sliding window)"
-    )
-  return "qwen2" if config.qkv_bias and not config.use_bias else "llama"
+@dataclasses.dataclass(frozen=True)
+class Export:
+  """How a model is written: its family, config.json, the config import reads back from it, and
+  the plan of the tensors written."""
+
+  family: Family
+  hf: dict
+  config: ModelConfig
+  plan: list[Tensor]
 
 
-def _mlp_bias(params, config: ModelConfig) -> bool:
-  """Whether the MLP biases must be written: kvjax's use_bias covers the attention output and the
-  MLP together, Llama's mlp_bias the MLP alone, so all-zero MLP biases (e.g. an imported Llama with
-  attention_bias only) are left out, which is exact."""
-  return config.use_bias and any(
-    np.any(np.asarray(_at(params, (f"layers_{i}", "mlp", p, "bias"))))
-    for i in range(config.num_layers)
-    for p in ("gate", "up", "down")
-  )
-
-
-def _rope_parameters(config: ModelConfig) -> dict:
-  """config.json's rope_parameters (the transformers 5 layout): plain RoPE, or rope_type "llama3"
-  with the RopeScaling's fields under transformers' names."""
-  out = {"rope_type": "default", "rope_theta": float(config.rope_theta)}
-  scaling = config.rope_scaling
-  if scaling is not None:
-    out.update(
-      rope_type=scaling.kind,
-      factor=scaling.factor,
-      low_freq_factor=scaling.low_freq_factor,
-      high_freq_factor=scaling.high_freq_factor,
-      original_max_position_embeddings=scaling.original_max_position,
-    )
-  return out
-
-
-def hf_config(config: ModelConfig, params) -> dict:
-  """The config.json of the exported model."""
-  kind = family(config)
-  out = {
-    "architectures": ["Qwen2ForCausalLM" if kind == "qwen2" else "LlamaForCausalLM"],
-    "model_type": kind,
-    "vocab_size": config.vocab_size,
-    "hidden_size": config.d_model,
-    "intermediate_size": config.mlp_dim,
-    "num_hidden_layers": config.num_layers,
-    "num_attention_heads": config.num_heads,
-    "num_key_value_heads": config.num_kv_heads,
-    "head_dim": config.head_dim,
-    "hidden_act": "silu",
-    "max_position_embeddings": config.max_len,
-    "rms_norm_eps": config.norm_eps,
-    "rope_parameters": _rope_parameters(config),
-    "rope_theta": float(config.rope_theta),
-    "tie_word_embeddings": config.tie_embeddings,
+def _attempt(family: Family, config: ModelConfig, params: dict) -> Export:
+  """The model written as `family`; ValueError saying what the family cannot hold."""
+  hf = {
+    "architectures": [family.hf_architecture],
+    "model_type": family.hf_model_types[0],
+    **family.config_to_hf(config, params),
     "torch_dtype": config.dtype,
     "bos_token_id": None,
     "eos_token_id": None,
     "pad_token_id": None,
   }
-  if config.rope_scaling is not None:  # transformers 4 reads the scaling here, beside the top-level rope_theta
-    out["rope_scaling"] = {k: v for k, v in out["rope_parameters"].items() if k != "rope_theta"}
-  if kind == "llama":
-    out.update(attention_bias=config.qkv_bias or config.use_bias, mlp_bias=_mlp_bias(params, config))
-  return out
+  back = family.config_from_hf(hf, config.dtype)
+  ignored = BIAS_FIELDS + (("rope_theta",) if config.positions != "rope" else ())
+  unlike = [
+    f"{f.name}={getattr(config, f.name)!r} (its models have {getattr(back, f.name)!r})"
+    for f in dataclasses.fields(ModelConfig)
+    if f.name not in ignored and getattr(config, f.name) != getattr(back, f.name)
+  ]
+  if unlike:
+    raise ValueError(f"it cannot hold {', '.join(unlike)}")
+  plan = [t for t in family.tensors(back, set()) if t.when is None or hf.get(t.when)]
+  written = {t.path for t in plan}
+  dropped = [path for path, value in flatten(params).items() if path not in written and np.any(np.asarray(value))]
+  if dropped:
+    raise ValueError(f"it has no tensor for the nonzero {'/'.join(dropped[0])}")
+  return Export(family, hf, back, plan)
 
 
-def hf_tensors(params, config: ModelConfig) -> dict[str, np.ndarray]:
-  """kvjax params -> {HF tensor name: float32 array} in the family's layout."""
-  family(config)
-  d, n, k, h = config.d_model, config.num_heads, config.num_kv_heads, config.head_dim
-  get = lambda *path: np.asarray(_at(params, path), np.float32)
-  out = {"model.embed_tokens.weight": get("embed", "embedding"), "model.norm.weight": get("final_norm", "scale")}
-  if not config.tie_embeddings:
-    out["lm_head.weight"] = get("lm_head", "kernel").T
-  attention_bias, mlp_bias = config.qkv_bias or config.use_bias, _mlp_bias(params, config)
-  for i in range(config.num_layers):
-    src, dst = f"layers_{i}", f"model.layers.{i}."
-    attn = lambda proj, leaf: get(src, "attn", proj, leaf)
-    out.update(
-      {
-        dst + "input_layernorm.weight": get(src, "attn_norm", "scale"),
-        dst + "post_attention_layernorm.weight": get(src, "mlp_norm", "scale"),
-        dst + "self_attn.q_proj.weight": attn("q", "kernel").reshape(d, n * h).T,
-        dst + "self_attn.k_proj.weight": attn("k", "kernel").reshape(d, k * h).T,
-        dst + "self_attn.v_proj.weight": attn("v", "kernel").reshape(d, k * h).T,
-        dst + "self_attn.o_proj.weight": attn("out", "kernel").reshape(n * h, d).T,
-      }
-    )
-    if attention_bias:
-      for proj, heads in (("q", n), ("k", k), ("v", k)):
-        bias = attn(proj, "bias") if config.qkv_bias else np.zeros((heads, h), np.float32)
-        out[dst + f"self_attn.{proj}_proj.bias"] = bias.reshape(heads * h)
-    if config.use_bias:
-      out[dst + "self_attn.o_proj.bias"] = attn("out", "bias")
-    for proj in ("gate", "up", "down"):
-      out[dst + f"mlp.{proj}_proj.weight"] = get(src, "mlp", proj, "kernel").T
-      if mlp_bias:
-        out[dst + f"mlp.{proj}_proj.bias"] = get(src, "mlp", proj, "bias")
-  return {name: np.ascontiguousarray(value) for name, value in out.items()}
+def plan_export(config: ModelConfig, params: dict) -> Export:
+  """The family that holds the model and how it is written; ValueError naming, for each family,
+  what it cannot hold, or the parameter `params` lack."""
+  missing = sorted(set(flatten(abstract_params(config))) - set(flatten(params)))
+  if missing:
+    raise ValueError(f"params have no {'/'.join(missing[0])}, which the model config implies")
+  held, reasons = [], []
+  for family in FAMILIES:
+    try:
+      held.append(_attempt(family, config, params))
+    except ValueError as err:
+      reasons.append(f"{family.name}: {err}")
+  if not held:
+    raise ValueError(f"no Hugging Face family kvjax writes holds this model; {'; '.join(reasons)}")
+  return next((e for e in held if e.config == config), held[0])
 
 
-def _at(tree, path):
-  for key in path:
-    if key not in tree:
-      raise ValueError(f"params have no {'/'.join(path)}, which the model config implies")
-    tree = tree[key]
-  return tree
+def hf_tensors(params: dict, export: Export) -> dict[str, np.ndarray]:
+  """kvjax params -> {safetensors name: float32 array} in the family's layout. A parameter the
+  written config has and `params` lack (an added bias) is zeros."""
+  shapes = flatten(abstract_params(export.config))
+  given = flatten(params)
+  by_name = collections.defaultdict(list)
+  for t in export.plan:
+    value = given.get(t.path)
+    value = np.zeros(shapes[t.path].shape, np.float32) if value is None else np.asarray(value, np.float32)
+    if value.shape != shapes[t.path].shape:
+      raise ValueError(
+        f"params {'/'.join(t.path)} has shape {value.shape}, not {shapes[t.path].shape} as the model config implies"
+      )
+    by_name[t.hf].append((t, value))
+  return {export.family.hf_name(name): np.ascontiguousarray(write(parts)) for name, parts in by_name.items()}
 
 
 def export_hf(
@@ -156,13 +116,14 @@ def export_hf(
   out = pathlib.Path(out_dir)
   if out.exists() and (not out.is_dir() or any(out.iterdir())):
     raise ValueError(f"export directory {out} must not exist or be empty: nothing is written over files")
-  tensors, hf = hf_tensors(params, config), hf_config(config, params)  # every check before a byte is written
+  export = plan_export(config, params)
+  tensors = hf_tensors(params, export)  # every check before a byte is written
   tokenizer_bytes = None if tokenizer is None else pathlib.Path(tokenizer).read_bytes()
   out.mkdir(parents=True, exist_ok=True)
   save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
-  (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+  (out / "config.json").write_text(json.dumps(export.hf, indent=2) + "\n")
   files = ["config.json", WEIGHTS_FILE]
   if tokenizer_bytes is not None:
     (out / TOKENIZER_FILE).write_bytes(tokenizer_bytes)
     files.append(TOKENIZER_FILE)
-  return {"family": hf["model_type"], "files": files}
+  return {"family": export.family.name, "files": files}

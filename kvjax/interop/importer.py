@@ -19,13 +19,12 @@ import dataclasses
 import importlib.metadata
 import pathlib
 
-import jax
 import numpy as np
 
 from kvjax import memory
 from kvjax.config import ModelConfig
 from kvjax.interop.families import FAMILIES
-from kvjax.interop.family import DTYPES, GGUF, HF, Family, Tensor
+from kvjax.interop.family import DTYPES, GGUF, HF, Family
 from kvjax.interop.gguf_file import GGUFFile, is_gguf
 from kvjax.interop.hf_files import TensorFiles, load_tokenizer, read_hf_config
 from kvjax.interop.tokenizer import TextTokenizer
@@ -115,21 +114,12 @@ def _listing(names: list[str]) -> str:
   return f"{names[:8]}" + (" ..." if len(names) > 8 else "")
 
 
-def _fits(tensor: Tensor, source: str, shape: tuple[int, ...], wanted: tuple[int, ...]) -> bool:
-  """Whether `tensor.read` makes `wanted` of a tensor of `shape` (traced, nothing read)."""
-  try:
-    made = jax.eval_shape(lambda w: tensor.read(source, w), jax.ShapeDtypeStruct(shape, np.float32)).shape
-  except (TypeError, ValueError):  # a reshape or slice that does not fit
-    return False
-  return made == wanted
-
-
 def read_params(family: Family, cfg: ModelConfig, source: str, tensors) -> dict:
   """The kvjax params of `cfg` from `tensors` (a TensorFiles or a GGUFFile; `source` HF or GGUF),
   every name and shape checked before any data is read. ValueError names the missing, spare or
   misshapen tensors and the file that holds them."""
   names = tensors.names()
-  plan = [t for t in family.tensors(cfg, names) if not (t.optional and t.name(source) not in names)]
+  plan = [t for t in family.tensors(cfg, names) if not (t.when and t.name(source) not in names)]
   wanted = {t.name(source) for t in plan}
   missing = sorted(wanted - names)
   if missing:
@@ -150,7 +140,7 @@ def read_params(family: Family, cfg: ModelConfig, source: str, tensors) -> dict:
     raise AssertionError(f"{family.name} plan and kvjax tree differ: {sorted(planned ^ set(shapes))}")
   for t in plan:
     name = t.name(source)
-    if not _fits(t, source, tensors.shape(name), shapes[t.path].shape):
+    if tensors.shape(name) != t.checkpoint_shape(shapes[t.path].shape):
       raise ValueError(
         f"tensor {name} of shape {tensors.shape(name)} in {tensors.where(name)} does not fit kvjax "
         f"parameter {'/'.join(t.path)} of shape {shapes[t.path].shape} implied by the model's config"
@@ -159,7 +149,7 @@ def read_params(family: Family, cfg: ModelConfig, source: str, tensors) -> dict:
   read = {t.path: t for t in plan}
   for path, shape in shapes.items():
     t = read.get(path)
-    value = np.zeros(shape.shape, np.float32) if t is None else t.read(source, tensors.get(t.name(source)))
+    value = np.zeros(shape.shape, np.float32) if t is None else t.read(source, tensors.get(t.name(source)), shape.shape)
     node = params
     for key in path[:-1]:
       node = node.setdefault(key, {})

@@ -3,7 +3,8 @@
 Llama: RMSNorm, SwiGLU, rotate-half RoPE (optionally Llama-3 scaled), optional attention / MLP
 biases. The core (`hf_config`, `gguf_config`, `tensors`) reads the config keys and the tensor
 layout every llama-like family has; a family over it (kvjax.interop.qwen2) says only what it
-does differently: its biases and the sliding window it refuses.
+does differently: its biases and the sliding window it refuses. `to_hf_config` is `hf_config`'s
+inverse, for export (kvjax.interop.hf_export).
 
 llama.cpp stores a Llama's q and k rows permuted so that its interleaved-pair RoPE computes HF's
 rotate-half one; `unpermute_rows` undoes it. It leaves Qwen2's rows alone (it rotates them
@@ -18,7 +19,7 @@ from typing import Callable
 import numpy as np
 
 from kvjax.config import ModelConfig, RopeScaling
-from kvjax.interop.family import Family, Tensor, gguf_int, require
+from kvjax.interop.family import Family, Tensor, gguf_int, nonzero, require
 from kvjax.interop.gguf_file import GGUFFile
 
 LLAMA3_FIELDS = ("factor", "low_freq_factor", "high_freq_factor")  # RopeScaling's, as config.json names them
@@ -199,70 +200,112 @@ def unpermute_rows(heads: int) -> Callable[[np.ndarray], np.ndarray]:
 def tensors(cfg: ModelConfig, names: set[str], *, gguf_permuted: bool = True) -> list[Tensor]:
   """The llama layout's tensors. gguf_permuted: llama.cpp stored the q / k rows permuted (Llama,
   not Qwen2)."""
-  n, k, h, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.d_model
-  t = lambda w: w.T
+  n, k = cfg.num_heads, cfg.num_kv_heads
   fix_q = unpermute_rows(n) if gguf_permuted else None
   fix_k = unpermute_rows(k) if gguf_permuted else None
+  linear = dict(rows=1, linear=True)  # nn.Linear [out, in] -> Dense kernel [in, out...]
   plan = [
-    Tensor(("embed", "embedding"), "embed_tokens.weight", "token_embd.weight"),
+    Tensor(("embed", "embedding"), "embed_tokens.weight", "token_embd.weight", rows=1),
     Tensor(("final_norm", "scale"), "norm.weight", "output_norm.weight"),
   ]
   if not cfg.tie_embeddings:
-    plan.append(Tensor(("lm_head", "kernel"), "lm_head.weight", "output.weight", t))
+    plan.append(Tensor(("lm_head", "kernel"), "lm_head.weight", "output.weight", **linear))
   for i in range(cfg.num_layers):
     hf, gg, kv = f"layers.{i}.", f"blk.{i}.", f"layers_{i}"
+    attn = lambda proj, gguf, leaf="kernel", **layout: Tensor(
+      (kv, "attn", proj, leaf),
+      f"{hf}self_attn.{proj}_proj.{leaf_name(leaf)}",
+      f"{gg}{gguf}.{leaf_name(leaf)}",
+      **layout,
+    )
     plan += [
       Tensor((kv, "attn_norm", "scale"), hf + "input_layernorm.weight", gg + "attn_norm.weight"),
       Tensor((kv, "mlp_norm", "scale"), hf + "post_attention_layernorm.weight", gg + "ffn_norm.weight"),
-      Tensor(
-        (kv, "attn", "q", "kernel"),
-        hf + "self_attn.q_proj.weight",
-        gg + "attn_q.weight",
-        lambda w: w.T.reshape(d, n, h),
-        fix_q,
-      ),
-      Tensor(
-        (kv, "attn", "k", "kernel"),
-        hf + "self_attn.k_proj.weight",
-        gg + "attn_k.weight",
-        lambda w: w.T.reshape(d, k, h),
-        fix_k,
-      ),
-      Tensor(
-        (kv, "attn", "v", "kernel"),
-        hf + "self_attn.v_proj.weight",
-        gg + "attn_v.weight",
-        lambda w: w.T.reshape(d, k, h),
-      ),
-      Tensor(
-        (kv, "attn", "out", "kernel"),
-        hf + "self_attn.o_proj.weight",
-        gg + "attn_output.weight",
-        lambda w: w.T.reshape(n, h, d),
+      attn("q", "attn_q", gguf_fix=fix_q, **linear),  # [N*H, D] -> [D, N, H]
+      attn("k", "attn_k", gguf_fix=fix_k, **linear),  # [K*H, D] -> [D, K, H]
+      attn("v", "attn_v", **linear),
+      Tensor(  # [D, N*H] -> [N, H, D]
+        (kv, "attn", "out", "kernel"), hf + "self_attn.o_proj.weight", gg + "attn_output.weight", rows=2, linear=True
       ),
     ]
     if cfg.qkv_bias:
-      plan += [
-        Tensor(
-          (kv, "attn", "q", "bias"), hf + "self_attn.q_proj.bias", gg + "attn_q.bias", lambda b: b.reshape(n, h), fix_q
-        ),
-        Tensor(
-          (kv, "attn", "k", "bias"), hf + "self_attn.k_proj.bias", gg + "attn_k.bias", lambda b: b.reshape(k, h), fix_k
-        ),
-        Tensor((kv, "attn", "v", "bias"), hf + "self_attn.v_proj.bias", gg + "attn_v.bias", lambda b: b.reshape(k, h)),
-      ]
+      plan += [attn("q", "attn_q", "bias", gguf_fix=fix_q), attn("k", "attn_k", "bias", gguf_fix=fix_k)]
+      plan.append(attn("v", "attn_v", "bias"))
     for proj in ("gate", "up", "down"):
-      plan.append(Tensor((kv, "mlp", proj, "kernel"), f"{hf}mlp.{proj}_proj.weight", f"{gg}ffn_{proj}.weight", t))
-    if cfg.use_bias:
-      # Present in the checkpoint or, for the family without it, zero (see _hf_biases).
       plan.append(
-        Tensor((kv, "attn", "out", "bias"), hf + "self_attn.o_proj.bias", gg + "attn_output.bias", optional=True)
+        Tensor((kv, "mlp", proj, "kernel"), f"{hf}mlp.{proj}_proj.weight", f"{gg}ffn_{proj}.weight", **linear)
+      )
+    if cfg.use_bias:
+      # Present in the checkpoint as its flags say or, for the family without them, zero (see _hf_biases).
+      plan.append(
+        Tensor(
+          (kv, "attn", "out", "bias"), hf + "self_attn.o_proj.bias", gg + "attn_output.bias", when="attention_bias"
+        )
       )
       plan += [
-        Tensor((kv, "mlp", p, "bias"), f"{hf}mlp.{p}_proj.bias", f"{gg}ffn_{p}.bias", optional=True)
+        Tensor((kv, "mlp", p, "bias"), f"{hf}mlp.{p}_proj.bias", f"{gg}ffn_{p}.bias", when="mlp_bias")
         for p in ("gate", "up", "down")
       ]
   return plan
+
+
+def leaf_name(leaf: str) -> str:
+  """A Dense leaf's checkpoint suffix: kernel -> weight, bias -> bias."""
+  return "weight" if leaf == "kernel" else leaf
+
+
+def rope_to_hf(config: ModelConfig) -> dict:
+  """config.json's rope_parameters (the transformers 5 layout) for `rope_from_hf` to read back:
+  plain RoPE, or rope_type "llama3" with the RopeScaling's fields under transformers' names."""
+  out = {"rope_type": "default", "rope_theta": float(config.rope_theta)}
+  scaling = config.rope_scaling
+  if scaling is not None:
+    out.update(
+      rope_type=scaling.kind,
+      factor=scaling.factor,
+      low_freq_factor=scaling.low_freq_factor,
+      high_freq_factor=scaling.high_freq_factor,
+      original_max_position_embeddings=scaling.original_max_position,
+    )
+  return out
+
+
+def to_hf_config(config: ModelConfig, params: dict, biases: Callable[[ModelConfig, dict], dict]) -> dict:
+  """The config.json keys `hf_config` reads, for `config` (its inverse). biases(config, params) ->
+  the family's own bias keys. The RoPE settings go both as transformers 5's rope_parameters and
+  as transformers 4's rope_theta (and rope_scaling), which it reads instead."""
+  out = {
+    "vocab_size": config.vocab_size,
+    "hidden_size": config.d_model,
+    "intermediate_size": config.mlp_dim,
+    "num_hidden_layers": config.num_layers,
+    "num_attention_heads": config.num_heads,
+    "num_key_value_heads": config.num_kv_heads,
+    "head_dim": config.head_dim,
+    "hidden_act": "silu",
+    "max_position_embeddings": config.max_len,
+    "rms_norm_eps": config.norm_eps,
+    "rope_parameters": rope_to_hf(config),
+    "rope_theta": float(config.rope_theta),
+    "tie_word_embeddings": config.tie_embeddings,
+    **biases(config, params),
+  }
+  if config.rope_scaling is not None:
+    out["rope_scaling"] = {k: v for k, v in out["rope_parameters"].items() if k != "rope_theta"}
+  return out
+
+
+def _hf_biases_to(config: ModelConfig, params: dict) -> dict:
+  """Llama's attention_bias (q, k, v and o) and mlp_bias, from the biases the model has: kvjax's
+  use_bias covers o and the MLP together, so all-zero ones are left out, which is exact (an output
+  bias without q / k / v ones is written beside zero q / k / v biases)."""
+  layers = range(config.num_layers)
+  out = [(f"layers_{i}", "attn", "out", "bias") for i in layers]
+  mlp = [(f"layers_{i}", "mlp", p, "bias") for i in layers for p in ("gate", "up", "down")]
+  return {
+    "attention_bias": config.qkv_bias or (config.use_bias and nonzero(params, out)),
+    "mlp_bias": config.use_bias and nonzero(params, mlp),
+  }
 
 
 LLAMA = Family(
@@ -272,4 +315,7 @@ LLAMA = Family(
   functools.partial(hf_config, biases=_hf_biases),
   functools.partial(gguf_config, biases=_gguf_biases),
   tensors,
+  functools.partial(to_hf_config, biases=_hf_biases_to),
+  "LlamaForCausalLM",
+  "model.",
 )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 
+from kvjax.config import ModelConfig
 from kvjax.interop import llama
 from kvjax.interop.family import Family
 from kvjax.interop.gguf_file import GGUFFile
@@ -19,6 +20,11 @@ def _hf_biases(hf: dict) -> tuple[bool, bool]:
   return True, False
 
 
+def _hf_biases_to(config: ModelConfig, params: dict) -> dict:
+  """No keys: Qwen2's biases are fixed (export refuses nonzero output or MLP biases, which it lacks)."""
+  return {}
+
+
 def _gguf_biases(f: GGUFFile) -> tuple[bool, bool]:
   return True, False
 
@@ -30,4 +36,7 @@ QWEN2 = Family(
   functools.partial(llama.hf_config, biases=_hf_biases),
   functools.partial(llama.gguf_config, biases=_gguf_biases),
   functools.partial(llama.tensors, gguf_permuted=False),
+  functools.partial(llama.to_hf_config, biases=_hf_biases_to),
+  "Qwen2ForCausalLM",
+  "model.",
 )

@@ -54,6 +54,29 @@ def test_dense_presets_match_their_published_parameter_counts(name):
   assert param_count(PRESETS[name].config) == PRESETS[name].params
 
 
+def test_presets_of_imported_families_take_their_traits_from_the_family_entries():
+  # Qwen2: q/k/v biases only, untied at 7B; GPT-2: learned positions, LayerNorm (eps 1e-5), tanh
+  # GELU of 4 x d_model, biases everywhere, tied embeddings; none of it written in the presets.
+  qwen = PRESETS["Qwen2-7B"].config
+  assert (qwen.qkv_bias, qwen.use_bias, qwen.tie_embeddings, qwen.norm, qwen.activation) == (
+    True,
+    False,
+    False,
+    "rmsnorm",
+    "swiglu",
+  )
+  gpt2 = PRESETS["GPT-2"].config
+  assert (gpt2.positions, gpt2.norm, gpt2.norm_eps, gpt2.activation, gpt2.mlp_dim) == (
+    "learned",
+    "layernorm",
+    1e-5,
+    "gelu",
+    3072,
+  )
+  assert gpt2.qkv_bias and gpt2.use_bias and gpt2.tie_embeddings and gpt2.max_len == 1024
+  assert PRESETS["Mistral-7B-v0.1"].config.window == (4096,)
+
+
 def test_presets_the_config_does_not_fully_express():
   gemma = PRESETS["Gemma-2-9B"]
   # Gemma 2 norms each block's output too: 2 more d_model scales per layer than kvjax's config has.

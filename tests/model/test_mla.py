@@ -3,12 +3,14 @@ parameter count the memory budgets use, against the shapes of the module docstri
 
 from __future__ import annotations
 
+import jax
+import numpy as np
 import pytest
 
 import kvjax
 from kvjax.model.attention import Field, kv_payload
 from kvjax.model.mla import latent_payload
-from kvjax.model.params import param_count
+from kvjax.model.params import abstract_params, param_count
 from kvjax.model.transformer import cache_payload
 from conftest import tiny_config
 
@@ -112,7 +114,9 @@ def test_run_configs_record_every_field_and_read_back():
 
 
 def test_hf_export_refuses_mla():
-  from kvjax.interop.hf_export import family
+  from kvjax.interop.hf_export import plan_export
 
-  with pytest.raises(ValueError, match="kv_latent_rank=8 has no Hugging Face Llama / Qwen2 equivalent"):
-    family(tiny_config(2, kv_latent_rank=8, rope_dims=4))
+  config = tiny_config(2, kv_latent_rank=8, rope_dims=4)
+  with pytest.raises(ValueError, match="no Hugging Face family") as refused:
+    plan_export(config, jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), abstract_params(config)))
+  assert str(refused.value).count("kv_latent_rank=8 (its models have 0)") == 3  # llama, qwen2 and gpt2
