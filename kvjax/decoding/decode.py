@@ -144,6 +144,8 @@ def extend(model: Transformer, params, cache: KVCache, tokens, lengths, *, logit
     lengths: int[B], each in [0, T] (a row may take no tokens); with logits="last", in [1, T].
     logits: "all" -> float32[B, T, V] (row b's next-token logits at [b, lengths[b] - 1]);
       "last" -> float32[B, V], only those (the rest of the last layer is not computed).
+  The chunk runs padded to a bucket's width (compiling once per bucket); the logits are cut back
+  to T columns.
   Returns:
     (logits, the new cache holding lengths[b] more tokens per row).
   Raises ValueError, naming the row, if a row's tokens do not fit the cache.
@@ -188,7 +190,10 @@ def prefill(
 ):
   """Runs right-padded prompts through the model into a new cache of `cache_config` (default:
   contiguous, in the model's dtype) of max_len positions per row (at most
-  ModelConfig.max_positions): `extend` on an empty cache (kvjax.cache.kinds.create).
+  ModelConfig.max_positions): `extend` on an empty cache (kvjax.cache.kinds.create). The cache's
+  storage is a bucket's (max_len rounded up to a power of two), so prefills of nearby lengths
+  share compiled functions; it takes max_len positions all the same and refuses more
+  (KVCache.limit).
 
   tokens int[B, T], lengths int[B] each in [1, T]; see `extend` for `logits`.
   """
