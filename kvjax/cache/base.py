@@ -71,10 +71,14 @@ class KVCache(flax.struct.PyTreeNode, kw_only=True):
     otherwise they are the model's, and a model of other windows decodes with its own (a
     contiguous cache's rings then no longer fit it: `check_model` refuses it).
   absorb (static): read an MLA payload in the absorbed form (kvjax.model.mla).
+  limit: int32 scalar, the positions a row may hold when the storage was made larger than asked
+    (a bucket, `size_bucket`: prefill's caches); None, the storage's own. A leaf, not a static
+    field, so caches of one bucket share a compiled function whatever their limits.
   """
 
   layers: dict
   lengths: jax.Array
+  limit: jax.Array | None = None
   codec: Codec = flax.struct.field(pytree_node=False, default=codec_named("float32"))
   payload: tuple = flax.struct.field(pytree_node=False, default=())
   window: tuple[int, ...] = flax.struct.field(pytree_node=False, default=())
@@ -109,9 +113,15 @@ class KVCache(flax.struct.PyTreeNode, kw_only=True):
   # Host side.
 
   @property
-  def capacity(self) -> int:
-    """Positions one row can hold."""
+  def storage_positions(self) -> int:
+    """Positions one row's storage has room for (a bucket's, when made for one)."""
     raise NotImplementedError
+
+  @property
+  def capacity(self) -> int:
+    """Positions one row may hold: the storage's, or fewer under `limit`."""
+    room = self.storage_positions
+    return room if self.limit is None else min(room, int(self.limit))
 
   @property
   def nbytes(self) -> int:
@@ -224,6 +234,12 @@ class KVCache(flax.struct.PyTreeNode, kw_only=True):
     """The k_scale and v_scale arrays of a quantized K/V layer ({} when float): the keywords a
     decode kernel takes (kvjax.model.backend.Backend.cache_attention)."""
     return {name: stored[name] for name in ("k" + SCALE, "v" + SCALE) if name in stored}
+
+
+def size_bucket(n: int, limit: int, floor: int = 16) -> int:
+  """n rounded up to a power of two (at least floor, at most limit, never below n): padding sizes
+  to buckets makes jitted functions compile once per bucket rather than once per size."""
+  return max(min(max(floor, 1 << (n - 1).bit_length()), limit), n)
 
 
 def layer_arrays(spec: dict) -> dict:

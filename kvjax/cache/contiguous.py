@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax import memory
-from kvjax.cache.base import KVCache, encode, layer_arrays, scale_shape, scatter_rows
+from kvjax.cache.base import KVCache, encode, layer_arrays, scale_shape, scatter_rows, size_bucket
 from kvjax.cache.codec import Codec
 from kvjax.cache.config import CacheConfig, register
 from kvjax.config import ModelConfig
@@ -147,10 +147,23 @@ class ContiguousCache(KVCache):
 
   @classmethod
   def rows(
-    cls, config: ModelConfig, batch: int, max_len: int, cache_config: CacheConfig, prompt: int | None = None
+    cls,
+    config: ModelConfig,
+    batch: int,
+    max_len: int,
+    cache_config: CacheConfig,
+    prompt: int | None = None,
+    bucket: bool = False,
   ) -> "ContiguousCache":
-    """create(config, batch, max_len, cache_config): the signature every layout's `rows` shares."""
-    return cls.create(config, batch, max_len, cache_config)
+    """create(config, batch, max_len, cache_config): the signature every layout's `rows` shares.
+    With `bucket`, the storage has size_bucket(max_len) positions and `limit` is max_len."""
+    if not bucket:
+      return cls.create(config, batch, max_len, cache_config)
+    check_positive_int(max_len, "max_len")
+    model = cache_config.model(config)
+    model.check_length(max_len, f"a cache of max_len={max_len} positions")
+    storage = cls.create(config, batch, size_bucket(max_len, model.max_positions), cache_config)
+    return storage.replace(limit=jnp.asarray(max_len, jnp.int32))
 
   @classmethod
   def sequence_bytes(cls, config: ModelConfig, cache_config: CacheConfig, length: int) -> int:
@@ -167,11 +180,11 @@ class ContiguousCache(KVCache):
     return batch * cls.sequence_bytes(config, cache_config, max_len) + 4 * batch
 
   @property
-  def capacity(self) -> int:
+  def storage_positions(self) -> int:
     return self.max_len
 
   def layer_spec(self, config: ModelConfig, layer: int = 0):
-    return layer_spec(config, self.codec, self.lengths.shape[0], config.cached_positions(layer, self.capacity))
+    return layer_spec(config, self.codec, self.lengths.shape[0], config.cached_positions(layer, self.max_len))
 
   def partition_rule(self, name: str) -> tuple:
     return ("data", "model") if name == "layers" else ("data",)
@@ -232,19 +245,22 @@ class ContiguousCache(KVCache):
     return self.write(stored, new, span), out
 
   def resized(self, capacity: int) -> "ContiguousCache":
-    """The same contents in buffers of `capacity` positions (at least what every row holds);
-    a copy, as the literature's growing caches make (kvjax.decoding.baselines). Every layer must
-    keep all its positions: a windowed layer's ring does not grow."""
+    """The same contents in buffers of exactly `capacity` positions (at least what every row
+    holds; the storage of a bucket may shrink to it), without a limit; a copy, as the
+    literature's growing caches make (kvjax.decoding.baselines). Every layer must keep all its
+    positions: a windowed layer's ring does not grow."""
     if any(self.window):
       raise ValueError(
-        f"resized takes a cache whose every layer keeps its {self.capacity} positions; "
+        f"resized takes a cache whose every layer keeps its {self.max_len} positions; "
         f"this one has windowed layers (window={self.window})"
       )
 
-    def pad(path, x):
+    def fit(path, x):
       axis = seq_axis(self.fields[path[-1].key.removesuffix("_scale")].transposed, x.ndim)
       widths = [(0, 0)] * x.ndim
+      x = jax.lax.slice_in_dim(x, 0, min(capacity, x.shape[axis]), axis=axis)
       widths[axis] = (0, capacity - x.shape[axis])
       return jnp.pad(x, widths)
 
-    return self.replace(layers=jax.tree_util.tree_map_with_path(pad, self.layers), max_len=capacity)
+    layers = jax.tree_util.tree_map_with_path(fit, self.layers)
+    return self.replace(layers=layers, max_len=capacity, limit=None)

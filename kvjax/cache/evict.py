@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import memory
-from kvjax.cache.base import encode
+from kvjax.cache.base import encode, size_bucket
 from kvjax.cache.config import CacheConfig, register
 from kvjax.cache.contiguous import ContiguousCache, attend_one, layer_spec as contiguous_spec
 from kvjax.cache.presses import Press
@@ -103,8 +103,14 @@ def head_budgets(scores: jax.Array, keep: jax.Array, safeguard: float) -> jax.Ar
 class EvictedCache(ContiguousCache):
   """Per row and kv head, `slots` (static) tokens chosen by `press` (static; its compression
   ratio and head budgets too); see the module docstring. max_len (static) bounds the positions a
-  row may reach."""
+  row may reach.
 
+  budget: int32 scalar, the slots a row may fill when `slots` (the storage) was made larger (a
+  bucket): the slots past it stay empty and are never written, so the cache keeps and evicts the
+  tokens a cache of `budget` slots would; None, all the slots. A leaf, like `limit`.
+  """
+
+  budget: jax.Array | None = None
   slots: int = flax.struct.field(pytree_node=False, default=0)
   press: Press | None = flax.struct.field(pytree_node=False, default=None)
 
@@ -115,25 +121,45 @@ class EvictedCache(ContiguousCache):
 
   @classmethod
   def rows(
-    cls, config: ModelConfig, batch: int, max_len: int, cache_config: CacheConfig, prompt: int | None = None
+    cls,
+    config: ModelConfig,
+    batch: int,
+    max_len: int,
+    cache_config: CacheConfig,
+    prompt: int | None = None,
+    bucket: bool = False,
   ) -> "EvictedCache":
     """An empty cache of `batch` rows for max_len positions whose first call is `prompt` tokens
-    (default max_len): slots_for(...) slots per row and kv head."""
+    (default max_len): slots_for(...) slots per row and kv head. With `bucket`, the storage is
+    rounded up (size_bucket: max_len positions, the slots), `limit` and `budget` keep the asked."""
     check_positive_int(batch, "batch")
     check_positive_int(max_len, "max_len")
     check_model(config, cache_config)
-    cache_config.model(config).check_length(max_len, f"a cache of max_len={max_len} positions")
-    slots = slots_for(cache_config, max_len, prompt)
+    model = cache_config.model(config)
+    model.check_length(max_len, f"a cache of max_len={max_len} positions")
+    budget = slots_for(cache_config, max_len, prompt)
     press = cache_config.press
-    if slots < press.min_slots:
+    if budget < press.min_slots:
       raise ValueError(
-        f"the evicting cache's budget of {slots} slots (max_len={max_len}) is smaller than the "
+        f"the evicting cache's budget of {budget} slots (max_len={max_len}) is smaller than the "
         f"{press.min_slots} tokens {press!r} always keeps"
       )
-    if slots < 1:
-      raise ValueError(f"the evicting cache's budget is {slots} slots (max_len={max_len}); it needs one at least")
+    if budget < 1:
+      raise ValueError(f"the evicting cache's budget is {budget} slots (max_len={max_len}); it needs one at least")
+    if not bucket:
+      return cls.empty(config, batch, max_len, budget, cache_config, press)
+    storage = size_bucket(max_len, model.max_positions)
+    cache = cls.empty(config, batch, storage, size_bucket(budget, storage), cache_config, press)
+    return cache.replace(limit=jnp.asarray(max_len, jnp.int32), budget=jnp.asarray(budget, jnp.int32))
+
+  @classmethod
+  def empty(
+    cls, config: ModelConfig, batch: int, max_len: int, slots: int, cache_config: CacheConfig, press: Press
+  ) -> "EvictedCache":
+    """An empty cache of `slots` slots per row and kv head, for max_len positions."""
     memory.check_fits(
-      f"an evicting cache of {batch} rows x {slots} slots", cls.bytes_for(config, cache_config, batch, max_len, prompt)
+      f"an evicting cache of {batch} rows x {slots} slots",
+      batch * config.num_layers * slots * cls.slot_bytes(config, cache_config) + 4 * batch,
     )
     statics = cls.statics(config, cache_config)
     spec = cls.spec(config, statics["codec"], batch, slots)
@@ -167,11 +193,14 @@ class EvictedCache(ContiguousCache):
   @classmethod
   def sequence_bytes(cls, config: ModelConfig, cache_config: CacheConfig, length: int, prompt: int | None = None):
     """Bytes one row takes: every layer's slots, K/V through the codec and the bookkeeping."""
-    slots = slots_for(cache_config, length, prompt)
-    per_slot = cls.position_bytes(config, cache_config) + config.num_kv_heads * sum(
+    return config.num_layers * slots_for(cache_config, length, prompt) * cls.slot_bytes(config, cache_config)
+
+  @classmethod
+  def slot_bytes(cls, config: ModelConfig, cache_config: CacheConfig) -> int:
+    """Bytes of one slot of one layer: K/V through the codec and the bookkeeping of every kv head."""
+    return cls.position_bytes(config, cache_config) + config.num_kv_heads * sum(
       d.itemsize for d in BOOKKEEPING.values()
     )
-    return config.num_layers * slots * per_slot
 
   @classmethod
   def bytes_for(cls, config, cache_config, batch, max_len, prompt=None) -> int:
@@ -184,14 +213,24 @@ class EvictedCache(ContiguousCache):
     """int[B]: the slots row b holds (every head of a row holds as many, slots 0, 1, ... first)."""
     return (stored["positions"][:, 0] >= 0).sum(axis=-1, dtype=jnp.int32)
 
+  @property
+  def room(self) -> int:
+    """Slots a row may fill (the budget, when the storage is a bucket's)."""
+    return self.slots if self.budget is None else int(self.budget)
+
   def check_room(self, new_lengths: np.ndarray) -> None:
     super().check_room(new_lengths)  # positions up to max_len
-    if np.asarray(self.lengths).any() and int(np.max(new_lengths, initial=0)) > self.slots:  # a prompt is pressed
+    if np.asarray(self.lengths).any() and int(np.max(new_lengths, initial=0)) > self.room:  # a prompt is pressed
       row = int(np.argmax(new_lengths))
       raise ValueError(
         f"row {row} brings {int(new_lengths[row])} tokens in one call, more than the evicting cache's "
-        f"{self.slots} slots; split the call"
+        f"{self.room} slots; split the call"
       )
+
+  def usable(self) -> jax.Array:
+    """bool[S]: the slots a row may fill (traced; all of them without a budget)."""
+    slots = jnp.arange(self.slots)
+    return slots >= 0 if self.budget is None else slots < self.budget
 
   # Device side.
 
@@ -207,7 +246,7 @@ class EvictedCache(ContiguousCache):
       order = jnp.pad(order, ((0, 0), (0, 0), (0, self.slots - order.shape[-1])))
     counts = jnp.broadcast_to(jnp.minimum(keep, t)[:, None], scores.shape[:2])  # [B, K]: tokens each head keeps
     if self.adaptive:
-      counts = jnp.minimum(head_budgets(scores, keep, self.press.safeguard), self.slots)
+      counts = jnp.minimum(head_budgets(scores, keep, self.press.safeguard), self.usable().sum(dtype=jnp.int32))
     held = jnp.arange(self.slots)[None, None, :] < counts[:, :, None]
     positions = jnp.take_along_axis(jnp.broadcast_to(span.positions[:, None], scores.shape), order, axis=-1)
     stored = {"positions": jnp.where(held, positions, -1), "scores": jnp.take_along_axis(scores, order, axis=-1)}
@@ -222,7 +261,13 @@ class EvictedCache(ContiguousCache):
     lowest-scoring token held; the call's own tokens all enter (a chunk fits the slots: check_room)."""
     t = span.positions.shape[1]
     priority = jnp.where(stored["positions"] < 0, -jnp.inf, stored["scores"])  # [B, K, S]
-    victims = jax.lax.top_k(-priority, t)[1]  # [B, K, T]: empties first (lowest slot), then the worst held
+    # Slots past the budget rank with the tokens scored +inf (a press's always-kept ones), after
+    # them by slot, so they are taken only where no cache of `budget` slots would have a victim.
+    priority = jnp.where(self.usable(), priority, jnp.inf)
+    # [B, K, min(T, S)]: empties first (lowest slot), then the worst held. A call's valid columns
+    # fit the slots (check_room), so the columns past S, if any, are padding.
+    victims = jax.lax.top_k(-priority, min(t, self.slots))[1]
+    victims = jnp.pad(victims, ((0, 0), (0, 0), (0, t - victims.shape[-1])), constant_values=self.slots)
     slots = jnp.where(span.valid[:, None], victims, self.slots)
     arrivals = {
       "positions": jnp.broadcast_to(span.positions[:, None], slots.shape),

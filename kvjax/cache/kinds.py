@@ -16,11 +16,18 @@ def kind(cache_config: CacheConfig) -> type[KVCache]:
 
 
 def create(
-  config: ModelConfig, cache_config: CacheConfig, batch: int, max_len: int, prompt: int | None = None
+  config: ModelConfig,
+  cache_config: CacheConfig,
+  batch: int,
+  max_len: int,
+  prompt: int | None = None,
+  bucket: bool = False,
 ) -> KVCache:
   """An empty cache of `cache_config` for `batch` rows of max_len positions of a model of `config`;
-  `prompt`, the length of the first call, sizes an evicting cache (kvjax.cache.evict)."""
-  return kind(cache_config).rows(config, batch, max_len, cache_config, prompt)
+  `prompt`, the length of the first call, sizes an evicting cache (kvjax.cache.evict). With
+  `bucket`, its storage is rounded up to a bucket (kvjax.cache.base.size_bucket) and it holds
+  max_len positions all the same (KVCache.limit): caches of one bucket share compiled functions."""
+  return kind(cache_config).rows(config, batch, max_len, cache_config, prompt, bucket=bucket)
 
 
 def cache_bytes(

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import memory
-from kvjax.cache.base import KVCache, encode, layer_arrays, scale_shape
+from kvjax.cache.base import KVCache, encode, layer_arrays, scale_shape, size_bucket
 from kvjax.cache.codec import Codec
 from kvjax.cache.config import CacheConfig, register
 from kvjax.cache.pages import NULL_PAGE
@@ -170,17 +170,27 @@ class PagedCache(KVCache):
 
   @classmethod
   def rows(
-    cls, config: ModelConfig, batch: int, max_len: int, cache_config: CacheConfig, prompt: int | None = None
+    cls,
+    config: ModelConfig,
+    batch: int,
+    max_len: int,
+    cache_config: CacheConfig,
+    prompt: int | None = None,
+    bucket: bool = False,
   ) -> "PagedCache":
     """A cache of `batch` rows of max_len positions each, row b owning pages [1 + b*M, 1 + (b+1)*M)
     of cache_config.page_size tokens (M = ceil(max_len / page_size)): what prefill and generate
-    make for layout="paged" (the engine allocates its pages itself)."""
+    make for layout="paged" (the engine allocates its pages itself). With `bucket`, M covers
+    size_bucket(max_len) positions and `limit` is max_len."""
     check_positive_int(batch, "batch")
     check_positive_int(max_len, "max_len")
-    cache_config.model(config).check_length(max_len, f"a cache of max_len={max_len} positions")
-    width = -(-max_len // cache_config.page_size)
+    model = cache_config.model(config)
+    model.check_length(max_len, f"a cache of max_len={max_len} positions")
+    storage = size_bucket(max_len, model.max_positions) if bucket else max_len
+    width = -(-storage // cache_config.page_size)
     empty = cls.create(config, 1 + batch * width, cache_config.page_size, batch, width, cache_config)
-    return empty.replace(page_table=jnp.arange(1, 1 + batch * width, dtype=jnp.int32).reshape(batch, width))
+    table = np.arange(1, 1 + batch * width, dtype=np.int32).reshape(batch, width)
+    return empty.replace(page_table=jnp.asarray(table), limit=jnp.asarray(max_len, jnp.int32) if bucket else None)
 
   @classmethod
   def pool_bytes(
@@ -206,7 +216,7 @@ class PagedCache(KVCache):
     return next(iter(cache_layers(self.layers)[0].values())).shape[2]
 
   @property
-  def capacity(self) -> int:
+  def storage_positions(self) -> int:
     return self.page_table.shape[1] * self.page_size
 
   def layer_spec(self, config: ModelConfig, layer: int = 0):
@@ -223,6 +233,8 @@ class PagedCache(KVCache):
   def check_room(self, new_lengths: np.ndarray) -> None:
     """Every row must own a real page (not the null page, inside the pool) for each position it
     will hold: gathers clamp out-of-range indices, so a bad table must never reach the device."""
+    if self.limit is not None:
+      super().check_room(new_lengths)  # the positions asked for, fewer than the pages hold
     table = np.asarray(self.page_table)
     needed = np.asarray(self.lengths) + new_lengths
     if ((table < 0) | (table >= self.num_pages)).any():

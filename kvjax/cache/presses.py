@@ -31,7 +31,7 @@ The presses, after their published definitions (and kvpress's reading of them):
                  (Zhang et al. 2023).
   knorm          minus the key's L2 norm: keys of low norm are kept (Devoto et al. 2024).
                  Arrivals score alike.
-  random         uniform noise from `seed`, a baseline.
+  random         uniform noise from `seed` and the position, a baseline.
 The attention presses (snapkv, tova, observed) score arrivals above any attention weight, in
 order of position: after the prefill's least attended tokens, the oldest arrivals go first.
 
@@ -221,7 +221,8 @@ class Random(Press):
     check_nonnegative(self, "seed", most=INT32_MAX)
 
   def scores(self, q, k, lengths):
-    return jax.random.uniform(jax.random.key(self.seed), k.shape[:3])
+    # Noise per position, as for arrivals: a prompt's scores do not depend on its padding.
+    return self.arrival_scores(k, jnp.broadcast_to(jnp.arange(k.shape[2]), k.shape[:1] + k.shape[2:3]))
 
   def arrival_scores(self, k, positions):
     keys = jax.vmap(jax.random.fold_in, (None, 0))(jax.random.key(self.seed), positions.reshape(-1))

@@ -83,6 +83,7 @@ def generate_concat(model: Transformer, params, prompts, lengths, max_new_tokens
   """Greedy decoding with a GPT-2-style cache that is concatenated with each new position."""
   prompts, lengths = _start(model, prompts, lengths, max_new_tokens)
   first, cache = _prefill_first(model, params, prompts, lengths, prompts.shape[1])
+  cache = cache.resized(cache.capacity)  # prefill's storage is a bucket's; this cache grows from the prompt
   step = functools.partial(_concat_step, for_decoding(model), params)
   return _decode_loop(cache, first, max_new_tokens, step)
 

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import memory, sharding
-from kvjax.cache.base import KVCache
+from kvjax.cache.base import KVCache, size_bucket
 from kvjax.cache import kinds
 from kvjax.cache.config import CacheConfig
 from kvjax.fields import check_positive_int
@@ -144,6 +144,8 @@ def extend(model: Transformer, params, cache: KVCache, tokens, lengths, *, logit
     lengths: int[B], each in [0, T] (a row may take no tokens); with logits="last", in [1, T].
     logits: "all" -> float32[B, T, V] (row b's next-token logits at [b, lengths[b] - 1]);
       "last" -> float32[B, V], only those (the rest of the last layer is not computed).
+  The chunk runs padded to a bucket's width (compiling once per bucket); the logits are cut back
+  to T columns.
   Returns:
     (logits, the new cache holding lengths[b] more tokens per row).
   Raises ValueError, naming the row, if a row's tokens do not fit the cache.
@@ -152,17 +154,27 @@ def extend(model: Transformer, params, cache: KVCache, tokens, lengths, *, logit
     raise ValueError(f"logits must be one of {LOGITS}, got {logits!r}")
   tokens, lengths = check_tokens(model, tokens, lengths, min_length=1 if logits == "last" else 0)
   check_cache(model, cache, lengths)
-  from_empty = not np.asarray(cache.lengths).any()
-  params, cache, (tokens, lengths) = _place(mesh, params, cache, tokens, lengths)
-  return _forward(
+  held = np.asarray(cache.lengths)
+  # The chunk padded to a bucket, its padding columns' positions kept inside the model's (a learned
+  # position table has no row past them).
+  width = tokens.shape[1]
+  room = cache.model_config(model.config).max_positions - int(held.max())
+  padded = np.zeros((tokens.shape[0], size_bucket(width, max(room, width))), np.int32)
+  padded[:, :width] = tokens
+  params, cache, (padded, lengths) = _place(mesh, params, cache, padded, lengths)
+  out, cache = _forward(
     for_decoding(model, mesh),
     params,
     cache,
-    jnp.asarray(tokens),
+    jnp.asarray(padded),
     jnp.asarray(lengths),
     last=logits == "last",
-    from_empty=from_empty,
+    from_empty=not held.any(),
   )
+  if logits == "all" and out.shape[1] != width:
+    # Cut on the host: a slice on the device would compile once per width.
+    out = jax.device_put(np.asarray(out)[:, :width], out.sharding)
+  return out, cache
 
 
 def prefill(
@@ -178,7 +190,10 @@ def prefill(
 ):
   """Runs right-padded prompts through the model into a new cache of `cache_config` (default:
   contiguous, in the model's dtype) of max_len positions per row (at most
-  ModelConfig.max_positions): `extend` on an empty cache (kvjax.cache.kinds.create).
+  ModelConfig.max_positions): `extend` on an empty cache (kvjax.cache.kinds.create). The cache's
+  storage is a bucket's (max_len rounded up to a power of two), so prefills of nearby lengths
+  share compiled functions; it takes max_len positions all the same and refuses more
+  (KVCache.limit).
 
   tokens int[B, T], lengths int[B] each in [1, T]; see `extend` for `logits`.
   """
@@ -187,7 +202,7 @@ def prefill(
   cache_config.model(model.config).check_length(max_len, f"cache length max_len={max_len}")
   if tokens.shape[1] > max_len:
     raise ValueError(f"prompt of {tokens.shape[1]} tokens does not fit the cache length max_len={max_len}")
-  cache = kinds.create(model.config, cache_config, tokens.shape[0], max_len, prompt=tokens.shape[1])
+  cache = kinds.create(model.config, cache_config, tokens.shape[0], max_len, prompt=tokens.shape[1], bucket=True)
   return extend(model, params, cache, tokens, lengths, logits=logits, mesh=mesh)
 
 
@@ -259,12 +274,6 @@ def _generate(model, params, prompts, lengths, rng, sampling, stop_ids, max_new_
   first_stop = jnp.argmax(is_stop, axis=1)[:, None]
   after = is_stop.any(axis=1, keepdims=True) & (jnp.arange(max_new_tokens)[None, :] > first_stop)
   return jnp.where(after, jnp.take_along_axis(tokens, first_stop, axis=1), tokens)
-
-
-def size_bucket(n: int, limit: int, floor: int = 16) -> int:
-  """n rounded up to a power of two (at least floor, at most limit, never below n): padding sizes
-  to buckets makes jitted functions compile once per bucket rather than once per size."""
-  return max(min(max(floor, 1 << (n - 1).bit_length()), limit), n)
 
 
 def generate(

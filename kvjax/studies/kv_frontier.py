@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from kvjax.cache import kinds
 from kvjax.cache.config import CacheConfig
 from kvjax.config import ModelConfig
 from kvjax.fields import check_choice, check_positive, check_real, to_dict
@@ -267,17 +268,10 @@ def prepare_sources(study: KVFrontierStudy, workdir: Path) -> dict[str, Path]:
 
 
 def kv_bytes_per_token(model: Transformer, params, context: int, cache_config: CacheConfig) -> float:
-  """Bytes a prefill of one token into a one-row cache of `context` positions allocates (the
-  cache's nbytes: every array of its layers), over `context`."""
-  _, cache = decode.prefill(
-    model,
-    params,
-    np.zeros((1, 1), np.int32),
-    np.ones((1,), np.int32),
-    context,
-    logits="last",
-    cache_config=cache_config,
-  )
+  """Bytes a one-row cache of exactly `context` positions holds after one token (the cache's
+  nbytes: every array of its layers; not prefill's, whose storage is a bucket's), over `context`."""
+  empty = kinds.create(model.config, cache_config, 1, context, prompt=1)
+  _, cache = decode.extend(model, params, empty, np.zeros((1, 1), np.int32), np.ones((1,), np.int32), logits="last")
   return cache.nbytes / context
 
 
