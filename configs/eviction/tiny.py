@@ -4,11 +4,7 @@ perplexity window (the test of the study's driver).
   kvjax run configs/eviction/tiny.py --workdir runs/eviction_tiny
 """
 
-from pathlib import Path
-
 from kvjax.studies.eviction import EvictionStudy
-
-DRIVER = Path(__file__).parents[2] / "experiments" / "eviction.py"
 
 
 def get_config() -> EvictionStudy:
