@@ -1,4 +1,4 @@
-"""The KV frontier: every family of KV-cache compression side by side on one model, quality and recall against KV bytes per token.
+"""The KV frontier: every family of KV compression on one model, quality and recall against KV bytes.
 
 The model is a toy one trained here on bytes (`gqa`: a GQA study's MHA-big and its uptrainings,
 kvjax.studies.toy_kv) or a pretrained one (`source`: kvjax.studies.real_kv's import and

@@ -4,11 +4,12 @@ The rows: the model as shipped, MQA by mean-pooling its kv heads (the paper's co
 alpha = 0 and recovered, MQA by kvjax's best conversion recovered, and MLA at MQA's bytes
 recovered; each a Variant (kvjax.studies.variants) with the full cache.
 
-Columns: KV bytes per token (kvjax.studies.measure); time per sample (one jitted `generate` of timing.batch rows of
-timing.prompt tokens + timing.new_tokens greedy tokens, over the batch; models timed round-robin,
-kvjax.studies.stages.time_per_sample, weights stored as measure.weights); held-out perplexity and
-pass-key recall (kvjax.studies.real_kv.measure_row's, per-sample records under "samples"); and the gap each row closes in loss per token at the
-longest context, ln perplexity: 0% at mean-pooling at alpha = 0, 100% at the model as shipped.
+Columns: KV bytes per token (kvjax.studies.measure); time per sample (one jitted `generate` of
+timing.batch rows of timing.prompt tokens + timing.new_tokens greedy tokens, over the batch;
+models timed round-robin, kvjax.studies.stages.time_per_sample, weights stored as
+measure.weights); held-out perplexity and pass-key recall (per-sample records under "samples");
+and the gap each row closes in loss per token at the longest context, ln perplexity: 0% at
+mean-pooling at alpha = 0, 100% at the model as shipped.
 """
 
 from __future__ import annotations
