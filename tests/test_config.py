@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import pathlib
 import re
 
 import pytest
@@ -187,114 +186,6 @@ def test_from_dict_errors():
     from_dict(TrainRun, {"train": {"steps": "3"}})
   # Missing keys take their defaults.
   assert from_dict(TrainRun, {"job": "train"}) == TrainRun()
-
-
-CONFIG_FILE = """
-import dataclasses
-from kvjax.config import ModelConfig
-
-DRIVER = {driver!r}
-
-@dataclasses.dataclass(frozen=True)
-class HelloRun:
-  job: str = "{job}"
-  greeting: str = "hello"
-  model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
-
-def get_config():
-  return HelloRun()
-"""
-
-DRIVER = """
-import json
-
-def main(config, workdir):
-  (workdir / "out.json").write_text(json.dumps({"greeting": config.greeting}))
-  return {"said": config.greeting, "kv_heads": config.model.num_kv_heads}
-"""
-
-
-def test_run_dispatches_to_the_driver_the_config_names(tmp_path, capsys):
-  from kvjax.cli import main as cli
-
-  (tmp_path / "configs" / "nested").mkdir(parents=True)
-  (tmp_path / "drivers").mkdir()
-  config_file = tmp_path / "configs" / "nested" / "hello.py"
-  config_file.write_text(CONFIG_FILE.format(job="hello", driver="../../drivers/hello.py"))
-  (tmp_path / "drivers" / "hello.py").write_text(DRIVER)
-  workdir = tmp_path / "runs" / "hello"
-  argv = ["run", str(config_file), "--workdir", str(workdir), "--set", "greeting=hi", "model.num_kv_heads=2"]
-  assert cli.main(argv) == 0
-  out = capsys.readouterr().out
-  assert json.loads(out.strip().splitlines()[-1]) == {"said": "hi", "kv_heads": 2}
-  saved = json.loads((workdir / "config.json").read_text())
-  assert saved["greeting"] == "hi" and saved["model"]["num_kv_heads"] == 2 and saved["job"] == "hello"
-  assert json.loads((workdir / "out.json").read_text()) == {"greeting": "hi"}
-  assert '"greeting": "hi"' in out  # the resolved config is printed
-
-
-def test_run_works_from_another_working_directory(tmp_path, monkeypatch, capsys):
-  """The config names its driver by path: nothing is looked up from the working directory."""
-  from kvjax.cli import main as cli
-
-  (tmp_path / "project").mkdir()
-  driver = tmp_path / "project" / "hello_driver.py"
-  driver.write_text(DRIVER)
-  config_file = tmp_path / "project" / "hello.py"
-  config_file.write_text(CONFIG_FILE.format(job="hello", driver=driver.name))  # beside the config
-  elsewhere = tmp_path / "elsewhere"
-  elsewhere.mkdir()
-  monkeypatch.chdir(elsewhere)
-  assert cli.main(["run", "../project/hello.py", "--set", "greeting=hey"]) == 0
-  assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["said"] == "hey"
-  # The default workdir is runs/<config stem> under the working directory.
-  assert json.loads((elsewhere / "runs" / "hello" / "out.json").read_text()) == {"greeting": "hey"}
-
-
-def test_every_config_names_an_existing_driver_or_a_library_job():
-  from kvjax.cli import run
-
-  root = pathlib.Path(__file__).resolve().parent.parent
-  configs = sorted((root / "configs").rglob("*.py"))
-  assert configs
-  for path in configs:
-    config, driver = run._load(path)
-    job = run.resolve_job(config.job, driver, path)
-    assert callable(job), path
-    assert (driver is None) == (config.job in run.JOBS), path
-    assert driver is None or driver.parent == root / "experiments", path
-
-
-@pytest.mark.parametrize(
-  "content, message",
-  [
-    (CONFIG_FILE.format(job="nosuchjob", driver=None), "unknown job 'nosuchjob': not a library job (train)"),
-    (CONFIG_FILE.format(job="hello", driver="missing.py"), "names DRIVER {tmp}/missing.py, which does not exist"),
-    (CONFIG_FILE.format(job="hello", driver="bad.py"), "bad.py (DRIVER of {tmp}/bad.py) does not define main"),
-    (CONFIG_FILE.format(job="hello", driver=3), "DRIVER in config file {tmp}/bad.py must be a path, got 3"),
-    ("x = 1\n", "does not define get_config()"),
-    ("def get_config():\n  return {'job': 'train'}\n", "must return a config dataclass with a `job` field"),
-    (CONFIG_FILE.format(job="hello", driver=None), "unknown config key 'greting'"),
-  ],
-)
-def test_run_errors(tmp_path, capsys, content, message):
-  from kvjax.cli import main as cli
-
-  config_file = tmp_path / "bad.py"
-  config_file.write_text(content)
-  argv = ["run", str(config_file), "--workdir", str(tmp_path / "w")]
-  if "greting" in message:
-    argv += ["--set", "greting=hi"]
-  assert cli.main(argv) == 2
-  assert message.format(tmp=tmp_path) in capsys.readouterr().err
-  assert not (tmp_path / "w").exists()  # nothing written before the config resolves
-
-
-def test_run_missing_config_file(tmp_path, capsys):
-  from kvjax.cli import main as cli
-
-  assert cli.main(["run", str(tmp_path / "absent.py")]) == 2
-  assert "config file not found" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

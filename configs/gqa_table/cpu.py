@@ -7,8 +7,6 @@ runtime and results are in docs/results.md.
   kvjax run configs/gqa_table/cpu.py --workdir runs/gqa_cpu
 """
 
-from pathlib import Path
-
 from kvjax.config import ModelConfig
 from kvjax.conversion.conversions import KVHeads, ToMLA
 from kvjax.studies.gqa import GqaStudy
@@ -16,7 +14,6 @@ from kvjax.studies.stages import TimingConfig
 from kvjax.studies.tasks import TaskConfig
 from kvjax.training.config import DataConfig, TrainConfig
 
-DRIVER = Path(__file__).parents[2] / "experiments" / "gqa_table.py"
 BIG = ModelConfig(
   vocab_size=256, d_model=128, num_layers=4, num_heads=16, num_kv_heads=16, head_dim=32, mlp_dim=384, max_len=2048
 )

@@ -4,15 +4,11 @@ byte-level models; MHA-big has 32 heads, so GQA-4 keeps the paper's 8 query head
   pip install -e '.[cuda]' && kvjax run configs/gqa_table/gpu.py --workdir runs/gqa_gpu
 """
 
-from pathlib import Path
-
 from kvjax.config import ModelConfig
 from kvjax.studies.gqa import GqaStudy
 from kvjax.studies.stages import TimingConfig
 from kvjax.studies.tasks import TaskConfig
 from kvjax.training.config import DataConfig, TrainConfig
-
-DRIVER = Path(__file__).parents[2] / "experiments" / "gqa_table.py"
 
 
 def get_config() -> GqaStudy:

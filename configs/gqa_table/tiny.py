@@ -7,8 +7,6 @@ layer and token, so the MLA row is at the bytes of 8 kv heads: latent 32 + 32 ro
   kvjax run configs/gqa_table/tiny.py --workdir runs/gqa_tiny
 """
 
-from pathlib import Path
-
 from kvjax.config import ModelConfig
 from kvjax.conversion.conversions import KVHeads, ToMLA
 from kvjax.studies.gqa import GqaStudy
@@ -16,7 +14,6 @@ from kvjax.studies.stages import TimingConfig
 from kvjax.studies.tasks import TaskConfig
 from kvjax.training.config import DataConfig, TrainConfig
 
-DRIVER = Path(__file__).parents[2] / "experiments" / "gqa_table.py"
 BIG = ModelConfig(vocab_size=256, d_model=64, num_layers=2, num_heads=16, num_kv_heads=16, mlp_dim=192, max_len=128)
 
 

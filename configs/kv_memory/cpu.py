@@ -5,12 +5,8 @@ a KV budget of 16384 token slots, i.e. 16 requests preallocated at max_len.
   kvjax run configs/kv_memory/cpu.py --workdir runs/kv_memory
 """
 
-from pathlib import Path
-
 from kvjax.config import ModelConfig
 from kvjax.studies.kv_memory import KVMemoryStudy, WorkloadConfig
-
-DRIVER = Path(__file__).parents[2] / "experiments" / "kv_memory.py"
 
 
 def get_config() -> KVMemoryStudy:

@@ -7,12 +7,8 @@ is measured), and only the paged policy runs (the allocation baselines are the c
   kvjax run configs/kv_memory/quantized.py --workdir runs/kv_memory_quantized
 """
 
-from pathlib import Path
-
 from kvjax.config import ModelConfig
 from kvjax.studies.kv_memory import KVMemoryStudy, WorkloadConfig
-
-DRIVER = Path(__file__).parents[2] / "experiments" / "kv_memory.py"
 
 
 def get_config() -> KVMemoryStudy:

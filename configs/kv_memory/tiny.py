@@ -3,12 +3,8 @@
 kvjax run configs/kv_memory/tiny.py --workdir /tmp/kv_memory_tiny
 """
 
-from pathlib import Path
-
 from kvjax.config import ModelConfig
 from kvjax.studies.kv_memory import KVMemoryStudy, WorkloadConfig
-
-DRIVER = Path(__file__).parents[2] / "experiments" / "kv_memory.py"
 
 
 def get_config() -> KVMemoryStudy:

@@ -1,55 +1,82 @@
 """`kvjax run CONFIG.py`: load a config, apply overrides, save it in the workdir, run its job.
 
-A config file defines `get_config()` returning a nested frozen dataclass with a `job` field. A
-library job (JOBS) runs by that name: a function `run(config, workdir) -> dict`. Any other job
-is run by the driver the config file names in a module-level DRIVER, the path of a Python file
-defining `main(config, workdir)`; a relative DRIVER is taken from the config file's folder. The
-configs under configs/ name theirs from their own location:
+A config file defines `get_config()` returning a frozen config dataclass whose `job` field names
+what runs it:
+  - a study: the module kvjax/studies/<job>.py, whose entry point
+    `run(study, workdir, progress) -> rows` writes its report into the workdir through
+    kvjax.studies.report (WORKDIR/<job>.md, .csv, .json and its figures) and returns the rows;
+  - the library job "train" (kvjax.training.train), which trains a model in the workdir.
+Configs live in configs/<job>/<name>.py, and a run's default workdir is runs/<job>_<name>.
 
-  DRIVER = Path(__file__).parents[2] / "experiments" / "gqa_table.py"
-
-so a config runs the same from any working directory. A config file that names a DRIVER runs it,
-whatever its job field says.
+A study reports the progress of its stages on stderr (its training logs too); stdout gets only
+its table, WORKDIR/<job>.md, once it has finished; every row is in WORKDIR/<job>.json. A training
+run logs on stdout. The resolved config is saved as WORKDIR/config.json.
 
 The workdir is claimed (kvjax.training.workdir) before anything is written into it and held
-until the job ends: a library job's workdir by that job's rule (a training run's: empty, or
-holding a run this config may resume), a driver's as a study's (empty, or holding a study of
-the same config class).
+until the job ends: a training run's by train's rule (empty, or holding a run this config may
+resume), a study's as a study's (empty, or holding a study of the same config class).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import contextlib
 import dataclasses
 import importlib
 import importlib.util
 import json
-import os
+import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any, Callable, ContextManager
 
-from kvjax.cli import options
+import kvjax
+from kvjax.cli import options, pending
 from kvjax.fields import apply_overrides, config_keys, to_dict
 from kvjax.training import checkpoint, train
 from kvjax.training.config import TrainRun
 from kvjax.training import workdir as workdirs
 
-JOBS = {
-  "train": "kvjax.training.train:run",
+STUDIES = Path(__file__).resolve().parents[1] / "studies"
+CONFIGS = Path(kvjax.__file__).resolve().parents[1] / "configs"
+# A job's runner: run(config, workdir, progress) -> rows (a list of dicts) or a summary.
+Runner = Callable[[Any, Path, Callable[[str], None]], Any]
+
+
+def _train(config: TrainRun, workdir: Path, progress: Callable[[str], None]) -> dict:
+  return train.run(config, workdir)
+
+
+# The library jobs: (runner, claim(config, workdir) -> a context manager, description).
+LIBRARY_JOBS = {
+  "train": (_train, train.claim_workdir, "train a model from scratch (kvjax.training.train)"),
 }
-# How a library job claims its workdir: claim(config, workdir) -> a context manager.
-CLAIMS = {
-  "train": "kvjax.training.train:claim_workdir",
-}
 
 
-def _function(spec: str) -> Callable:
-  module, name = spec.split(":")
-  return getattr(importlib.import_module(module), name)
+def study_modules() -> dict[str, str]:
+  """{job: the first line of its docstring} of every module of kvjax/studies that defines a
+  function `run` (read from the source, so that listing imports nothing)."""
+  found = {}
+  for path in sorted(STUDIES.glob("*.py")):
+    tree = ast.parse(path.read_text(), str(path))
+    if any(isinstance(node, ast.FunctionDef) and node.name == "run" for node in tree.body):
+      found[path.stem] = (ast.get_docstring(tree) or "").strip().split("\n")[0]
+  return found
 
 
-def _load_module(path: Path, name: str, what: str) -> ModuleType:
+def studies() -> dict[str, str]:
+  """{job: its one-line description} of every study: the study modules, and those still run by
+  their scripts (kvjax.cli.pending)."""
+  modules = study_modules()
+  return {**modules, **{job: text for job, text in pending.studies().items() if job not in modules}}
+
+
+def configs_of(job: str) -> list[Path]:
+  """The config files of `job`: configs/<job>/*.py, where the source tree has them."""
+  return sorted((CONFIGS / job).glob("*.py"))
+
+
+def _load_module(path: Path, name: str, what: str):
   """The module of the Python file `path`, refused with a ValueError naming it as `what` when it is
   not one (another kind of file, or text that does not parse). An exception its code raises is
   its own and keeps its traceback."""
@@ -67,8 +94,9 @@ def _load_module(path: Path, name: str, what: str) -> ModuleType:
   return module
 
 
-def _load(path: Path) -> tuple[Any, Path | None]:
-  """(get_config() of the config file, the DRIVER it names resolved to an absolute path, or None)."""
+def load_config(path: str | Path) -> Any:
+  """Runs `get_config()` of a Python config file and checks what it returns."""
+  path = Path(path)
   if not path.is_file():
     raise ValueError(f"config file not found: {path}")
   module = _load_module(path, f"kvjax_config_{path.stem}", "config file")
@@ -77,41 +105,27 @@ def _load(path: Path) -> tuple[Any, Path | None]:
   config = module.get_config()
   if not dataclasses.is_dataclass(config) or not isinstance(getattr(config, "job", None), str):
     raise ValueError(f"get_config() in {path} must return a config dataclass with a `job` field, got {config!r}")
-  driver = getattr(module, "DRIVER", None)
-  if driver is None:
-    return config, None
-  if not isinstance(driver, (str, os.PathLike)):
-    raise ValueError(f"DRIVER in config file {path} must be a path, got {driver!r}")
-  return config, (path.resolve().parent / driver).resolve()
+  return config
 
 
-def load_config(path: str | Path) -> Any:
-  """Runs `get_config()` of a Python config file and checks what it returns."""
-  return _load(Path(path))[0]
-
-
-def resolve_job(job: str, driver: Path | None, config_path: str | Path) -> Callable[[Any, Path], Any]:
-  """The function that runs the config of `config_path`: main() of its `driver` file when it names
-  one, else the library job `job` from JOBS."""
-  if driver is not None:
-    if not driver.is_file():
-      raise ValueError(f"config file {config_path} names DRIVER {driver}, which does not exist")
-    module = _load_module(driver, f"kvjax_driver_{driver.stem}", f"driver (DRIVER of {config_path})")
-    if not callable(getattr(module, "main", None)):
-      raise ValueError(f"driver {driver} (DRIVER of {config_path}) does not define main(config, workdir)")
-    return module.main
-  if job in JOBS:
-    return _function(JOBS[job])
+def resolve_job(job: str, config_path: str | Path) -> Runner:
+  """The runner of `job`: a library job's, or run() of the study module kvjax/studies/<job>.py."""
+  if job in LIBRARY_JOBS:
+    return LIBRARY_JOBS[job][0]
+  if job in study_modules():
+    return importlib.import_module(f"kvjax.studies.{job}").run
+  if job in pending.studies():
+    return pending.runner(job)
   raise ValueError(
-    f"unknown job {job!r}: not a library job ({', '.join(sorted(JOBS))}), and config file "
-    f"{config_path} names no DRIVER (the path of a file defining main(config, workdir))"
+    f"unknown job {job!r} in config file {config_path}: not a study ({', '.join(sorted(studies()))}) "
+    f"nor a library job ({', '.join(LIBRARY_JOBS)})"
   )
 
 
-def claim_workdir(workdir: Path, config: Any, driver: Path | None) -> ContextManager[Path]:
+def claim_workdir(workdir: Path, config: Any) -> ContextManager[Path]:
   """The claim of `workdir` for the job of `config` (see the module docstring)."""
-  if driver is None and config.job in CLAIMS:
-    return _function(CLAIMS[config.job])(config, workdir)
+  if config.job in LIBRARY_JOBS:
+    return LIBRARY_JOBS[config.job][1](config, workdir)
   return workdirs.claim_study(workdir, config)
 
 
@@ -121,40 +135,65 @@ def prepare_workdir(workdir: Path, config: Any) -> None:
   checkpoint.write_atomically(workdir / "config.json", json.dumps(to_dict(config), indent=2) + "\n")
 
 
+def default_workdir(config: Any, config_path: str | Path) -> Path:
+  """runs/<job>_<config file's stem>: one per config, as configs/<job>/ holds each name once."""
+  return Path("runs") / f"{config.job}_{Path(config_path).stem}"
+
+
+def progress(message: str) -> None:
+  """A study's progress: one line on stderr."""
+  print(message, file=sys.stderr, flush=True)
+
+
 def command(args: argparse.Namespace) -> int:
-  config, driver = _load(Path(args.config))
-  config = options.apply_set(config, args)
+  config = options.apply_set(load_config(args.config), args)
   if args.mesh is not None:
     if "train.mesh" not in config_keys(config):
       raise ValueError(f"--mesh shards training runs, but the {config.job!r} config of {args.config} has no train.mesh")
     config = apply_overrides(config, [f"train.mesh={args.mesh}"])
-  job = resolve_job(config.job, driver, args.config)
-  workdir = Path(args.workdir) if args.workdir is not None else Path("runs") / Path(args.config).stem
-  print(json.dumps(to_dict(config), indent=2), flush=True)
+  job = resolve_job(config.job, args.config)
+  workdir = Path(args.workdir) if args.workdir is not None else default_workdir(config, args.config)
   if isinstance(config, TrainRun):  # a run the memory cannot hold is refused before its workdir is touched
     train.check_memory(config)
-  with claim_workdir(workdir, config, driver):
+  study = config.job not in LIBRARY_JOBS
+  with claim_workdir(workdir, config):
     prepare_workdir(workdir, config)
-    result = job(config, workdir)
-  if result is not None:
-    print(json.dumps(result), flush=True)
+    # A study's stdout is its table alone: whatever it prints on the way goes to stderr.
+    with contextlib.redirect_stdout(sys.stderr) if study else contextlib.nullcontext():
+      job(config, workdir, progress)
+  table = workdir / f"{config.job}.md"
+  if study and table.is_file():
+    print(table.read_text(), end="", flush=True)
   return 0
+
+
+def jobs_help() -> str:
+  """The epilog of `kvjax run --help`: every job, one line each, and its configs."""
+  lines = ["jobs (the `job` of a config; its configs):"]
+  described = {**{job: text for job, (_, _, text) in LIBRARY_JOBS.items()}, **studies()}
+  for job, text in described.items():
+    lines.append(f"  {job:<14} {text}")
+    names = ", ".join(path.name for path in configs_of(job))
+    if names:
+      lines.append(f"  {'':<14} configs/{job}/: {names}")
+  return "\n".join(lines)
 
 
 def add_parser(subparsers) -> None:
   parser = subparsers.add_parser(
     "run",
-    help="run the job a config file describes (training, experiments)",
+    help="run the job a config file names: a study, or training",
     description=__doc__,
+    epilog=jobs_help(),
     formatter_class=argparse.RawDescriptionHelpFormatter,
   )
   parser.add_argument(
-    "config", type=options.path_text, help="Python file defining get_config() (and DRIVER, for an experiment)"
+    "config", type=options.path_text, help="Python file defining get_config(), e.g. configs/<job>/tiny.py"
   )
   parser.add_argument(
     "--workdir",
     type=options.workdir_text,
-    help="output folder: new, empty or a kvjax workdir of this job (default: runs/<config stem>)",
+    help="output folder: new, empty or a kvjax workdir of this job (default: runs/<job>_<config stem>)",
   )
   options.add_set_option(parser)
   options.add_mesh_option(parser)

@@ -1,7 +1,9 @@
 """The GQA paper's study (Ainslie et al. 2023): pre-train MHA models, uptrain MHA-big by a list of
-conversions, and measure inference time against quality. The drivers in experiments/gqa_*.py
-compose these pieces and the shared stages (kvjax.studies.stages: pre-training, uptraining,
-timing), every one cached in WORKDIR/stages.json, so a rerun skips finished stages.
+conversions, and measure inference time against quality. The studies gqa_table and
+gqa_figure4/5/6 (kvjax.studies) compose these pieces and the shared stages
+(kvjax.studies.stages: pre-training, uptraining, timing), every one cached in
+WORKDIR/stages.json, so a rerun skips finished stages; the table and the figures share one
+GqaStudy and may share one workdir.
 
 Naming follows the paper: MHA-small plays T5-Large, MHA-big plays T5-XXL; GQA-k and MQA rows are
 named by their kv heads. Time per sample is the wall time of one jitted `generate` call divided
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Callable
 
 from kvjax.cache import kinds
 from kvjax.config import ModelConfig
@@ -155,10 +158,11 @@ def recorded_settings(recorded: dict) -> dict:
     return recorded
 
 
-def open_stages(study: GqaStudy, workdir: Path) -> Stages:
+def open_stages(study: GqaStudy, workdir: Path, progress: Callable[[str], None] = print) -> Stages:
   """The study's stages in `workdir` (kvjax.studies.stages.Stages), recorded under its
-  stage_settings: a rerun with other models, data, training or timing settings is refused."""
-  return Stages(workdir, stage_settings(study), recorded_settings)
+  stage_settings: a rerun with other models, data, training or timing settings is refused.
+  Each stage's progress goes to `progress`."""
+  return Stages(workdir, stage_settings(study), recorded_settings, progress)
 
 
 def pretrain(study: GqaStudy, stages: Stages, which: str) -> dict:

@@ -19,8 +19,10 @@ the study counts the requests that match the first policy's run (a quantized cac
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from pathlib import Path
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -209,9 +211,11 @@ def serve(model: Transformer, params, workload, config: EngineConfig) -> tuple[d
   return {**metrics, "trace": trace}, outputs
 
 
-def run_study(study: KVMemoryStudy, workdir: str | Path) -> list[dict]:
-  """Serves the workload under every policy; writes kv_memory.{csv,json,md,png} to workdir, claimed
-  as a study's for the whole run (kvjax.training.workdir.claim_study); returns the rows."""
+def run(study: KVMemoryStudy, workdir: str | Path, progress: Callable[[str], None] = print) -> list[dict]:
+  """Serves the workload under every policy, one line of `progress` each; writes
+  kv_memory.{md,csv,json,png} and the headline numbers (summary) as kv_memory_summary.json to
+  workdir, claimed as a study's for the whole run (kvjax.training.workdir.claim_study); returns
+  the rows."""
   with claim_study(workdir, study) as workdir:
     cfg = study.model
     params = Transformer(cfg).init(jax.random.key(study.seed), jnp.zeros((1, 1), jnp.int32))["params"]
@@ -229,14 +233,14 @@ def run_study(study: KVMemoryStudy, workdir: str | Path) -> list[dict]:
       reference = outputs if reference is None else reference
       row["identical_outputs"] = sum(np.array_equal(reference[i], outputs[i]) for i in reference)
       rows.append(row)
-      print(
+      progress(
         f"kv_memory: {row['policy']} {cache_dtype}: utilisation {row['utilisation']:.3f}, peak concurrent "
-        f"{row['peak_concurrent']}, {row['tokens_per_s']:.0f} tokens/s",
-        flush=True,
+        f"{row['peak_concurrent']}, {row['tokens_per_s']:.0f} tokens/s"
       )
     write_table([{k: r[k] for k in CSV_FIELDS} for r in rows], workdir / "kv_memory", [(k, k, "") for k in CSV_FIELDS])
     (workdir / "kv_memory.md").write_text(report(study, workload, rows))
     plot(rows, workdir / "kv_memory.png")
+    (workdir / "kv_memory_summary.json").write_text(json.dumps(summary(rows), indent=2) + "\n")
     return rows
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -54,7 +55,9 @@ def settings_diffs(recorded: dict, settings: dict, read_back: Callable[[dict], d
 
 
 class Stages:
-  """Results of finished stages in WORKDIR/stages.json; `run` computes a stage once.
+  """Results of finished stages in WORKDIR/stages.json; `run` computes a stage once, and says
+  through `progress` (one line per message) which stage runs, how long it took, or that it was
+  done earlier.
 
   The file records the study settings its results were computed under (`settings`, a dict): a
   rerun with other settings stops with an error instead of reusing them (settings_diffs, with
@@ -62,13 +65,20 @@ class Stages:
   `kvjax run` does).
   """
 
-  def __init__(self, workdir: Path, settings: dict, read_back: Callable[[dict], dict] = lambda d: d):
+  def __init__(
+    self,
+    workdir: Path,
+    settings: dict,
+    read_back: Callable[[dict], dict] = lambda d: d,
+    progress: Callable[[str], None] = print,
+  ):
     if workdirs.held(workdir) != workdirs.STUDY:
       raise ValueError(
         f"{workdir} is not claimed as a study's workdir: run the study with `kvjax run`, "
         "or inside kvjax.training.workdir.claim_study"
       )
     self.workdir = Path(workdir)
+    self.progress = progress
     self.path = self.workdir / "stages.json"
     self.done = json.loads(self.path.read_text()) if self.path.exists() else {}
     diffs = settings_diffs(self.done.setdefault("study", settings), settings, read_back)
@@ -78,10 +88,14 @@ class Stages:
       )
 
   def run(self, name: str, fn):
-    if name not in self.done:
-      print(f"== stage {name}", flush=True)
-      self.done[name] = fn()
-      self.path.write_text(json.dumps(self.done, indent=2) + "\n")
+    if name in self.done:
+      self.progress(f"stage {name}: done earlier (in {self.path.name})")
+      return self.done[name]
+    self.progress(f"stage {name}: running")
+    start = time.perf_counter()
+    self.done[name] = fn()
+    self.path.write_text(json.dumps(self.done, indent=2) + "\n")
+    self.progress(f"stage {name}: done in {time.perf_counter() - start:.0f} s")
     return self.done[name]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from conftest import load_module
 from kvjax.cache.config import CacheConfig
 from kvjax.cache.kinds import bytes_per_token
 from kvjax.config import ModelConfig
+from kvjax.studies import kv_memory
 from kvjax.studies.kv_memory import CSV_FIELDS, KVMemoryStudy, WorkloadConfig, make_workload
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -20,7 +22,11 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_tiny_study_writes_its_results(tmp_path):
   study = load_module(ROOT / "configs/kv_memory/tiny.py").get_config()
   assert study.job == "kv_memory"
-  load_module(ROOT / "experiments/kv_memory.py").main(study, str(tmp_path))
+  lines = []
+  kv_memory.run(study, tmp_path, lines.append)
+  assert [line.split(":")[1] for line in lines] == [
+    f" {p} float32" for p in ("max_len", "doubling", "paged8", "paged16", "paged32")
+  ]
 
   with open(tmp_path / "kv_memory.csv") as f:
     rows = {row["policy"]: row for row in csv.DictReader(f)}
@@ -43,6 +49,11 @@ def test_tiny_study_writes_its_results(tmp_path):
   report = (tmp_path / "kv_memory.md").read_text()
   assert all(f"| {name} |" in report for name in rows) and "96.3%" in report
   assert (tmp_path / "kv_memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  headline = json.loads((tmp_path / "kv_memory_summary.json").read_text())
+  assert headline["paged_policy"] == "paged16"
+  assert headline["paged_utilisation"] == pytest.approx(float(rows["paged16"]["utilisation"]))
+  want = int(rows["paged16"]["peak_concurrent"]) / int(rows["max_len"]["peak_concurrent"])
+  assert headline["peak_concurrent_over_max_len"] == pytest.approx(want)
 
 
 def test_cpu_config_is_valid():
@@ -82,7 +93,7 @@ def test_quantized_formats_hold_more_requests_within_the_same_bytes(tmp_path):
   study = dataclasses.replace(
     tiny, model=tiny.model.replace(head_dim=32), page_sizes=(16,), cache_dtypes=("int8",), baselines=False
   )
-  rows = load_module(ROOT / "experiments/kv_memory.py").main(study, str(tmp_path))["rows"]
+  rows = kv_memory.run(study, tmp_path)
   assert [(r["policy"], r["cache_dtype"]) for r in rows] == [("paged16", "float32"), ("paged16", "int8")]
   own, int8 = rows
   assert own["budget_tokens"] == study.budget_tokens

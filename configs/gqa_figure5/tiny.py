@@ -1,15 +1,13 @@
 """Figure 5 of the GQA paper at the tiny size: the study of configs/gqa_table/tiny.py.
 Run it in the table's workdir to reuse the pre-trained MHA-big:
 
-  kvjax run configs/gqa_figures/figure5_tiny.py --workdir runs/gqa_tiny
+  kvjax run configs/gqa_figure5/tiny.py --workdir runs/gqa_tiny
 """
 
 import dataclasses
 from pathlib import Path
 
 from kvjax.cli.run import load_config
-
-DRIVER = Path(__file__).parents[2] / "experiments" / "gqa_figure5.py"
 
 
 def get_config():

@@ -1,9 +1,12 @@
-"""The GQA paper's Table 1 and Figure 3: time per sample vs quality for MHA-small, MHA-big,
-MHA-big uptrained into GQA and MQA as the paper does (mean-pooled, alpha = study.fraction), and
-MHA-big uptrained by each of kvjax's conversions (study.conversions: data-aware regrouping,
-multi-head latent attention, ...) with distillation (study.distill), all timed together.
-Quality is measured both ways: held-out bits per byte right after (up)training, and the paper's
-protocol, every model fine-tuned on each downstream task and scored there (kvjax.studies.tasks).
+"""The GQA paper's Table 1 and Figure 3: time per sample vs quality, MHA to GQA, MQA and MLA.
+
+Rows: MHA-small, MHA-big, MHA-big uptrained into GQA and MQA as the paper does (mean-pooled,
+alpha = study.fraction), and MHA-big uptrained by each of kvjax's conversions
+(study.conversions: data-aware regrouping, multi-head latent attention, ...) with distillation
+(study.distill), all timed together. Quality is measured both ways: held-out bits per byte right
+after (up)training, and the paper's protocol, every model fine-tuned on each downstream task and
+scored there (kvjax.studies.tasks). The study is a GqaStudy (kvjax.studies.gqa) with job
+"gqa_table".
 
 Writes gqa_table.{md,csv,json,png} into the workdir. Run: kvjax run configs/gqa_table/tiny.py
 """
@@ -11,6 +14,7 @@ Writes gqa_table.{md,csv,json,png} into the workdir. Run: kvjax run configs/gqa_
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 from kvjax.studies import gqa as gs
 from kvjax.studies import report
@@ -40,8 +44,10 @@ def gap_closed(row: dict, small: dict, big: dict, key: str) -> float | None:
   return (row[key] - small[key]) / (big[key] - small[key])
 
 
-def main(study: gs.GqaStudy, workdir: Path) -> list[dict]:
-  stages = gs.open_stages(study, workdir)
+def run(study: gs.GqaStudy, workdir: Path, progress: Callable[[str], None]) -> list[dict]:
+  """Runs every stage not done yet in `workdir` (reporting each through `progress`), writes
+  gqa_table.{md,csv,json,png} there; returns the rows."""
+  stages = gs.open_stages(study, workdir, progress)
   gs.pretrain(study, stages, "small")
   gs.pretrain(study, stages, "big")
   # (name, kv heads or their bytes, workdir, quality right after conversion or None, model config)
@@ -123,7 +129,6 @@ def main(study: gs.GqaStudy, workdir: Path) -> list[dict]:
     f"tasks):\n\n{paper}\n"
   )
   Path(f"{stem}.md").write_text(text)
-  print(text)
   gs.plot(
     Path(f"{stem}.png"),
     [(r["model"], [r["time_per_sample_s"] * 1e3], [r["bits_per_byte"]]) for r in rows],

@@ -1,19 +1,26 @@
-"""The GQA paper's Figure 5: quality against the uptraining proportion alpha for every uptraining
-of the table (study.uptrainings(): MQA and GQA mean-pooled as in the paper, and each of kvjax's
-conversions with distillation), with MHA-big as the reference line.
-Writes gqa_figure5.{csv,json,png}. Run: kvjax run configs/gqa_figures/figure5_tiny.py
+"""The GQA paper's Figure 5: quality against the uptraining proportion alpha.
+
+Every uptraining of the table (study.uptrainings(): MQA and GQA mean-pooled as in the paper, and
+each of kvjax's conversions with distillation) at each alpha of study.fractions, with MHA-big as
+the reference line. The study is the table's GqaStudy with job "gqa_figure5"; run in the table's
+workdir, it reuses MHA-big and the uptrainings the table made.
+
+Writes gqa_figure5.{md,csv,json,png}. Run: kvjax run configs/gqa_figure5/tiny.py
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 from kvjax.studies import gqa as gs
 from kvjax.studies import report
 
 
-def main(study: gs.GqaStudy, workdir: Path) -> list[dict]:
-  stages = gs.open_stages(study, workdir)
+def run(study: gs.GqaStudy, workdir: Path, progress: Callable[[str], None]) -> list[dict]:
+  """Runs every stage not done yet in `workdir` (reporting each through `progress`), writes
+  gqa_figure5.{md,csv,json,png} there; returns the rows."""
+  stages = gs.open_stages(study, workdir, progress)
   mha = gs.pretrain(study, stages, "big")
   rows = [
     {
@@ -40,7 +47,8 @@ def main(study: gs.GqaStudy, workdir: Path) -> list[dict]:
         }
       )
   stem = workdir / "gqa_figure5"
-  print(report.write_table(rows, stem, [(k, k, ".4f" if k in ("bits_per_byte", "accuracy") else "") for k in rows[0]]))
+  table = report.write_table(rows, stem, [(k, k, ".4f" if k in ("bits_per_byte", "accuracy") else "") for k in rows[0]])
+  Path(f"{stem}.md").write_text(f"# GQA Figure 5: uptraining proportion\n\n{table}\n")
   series = [
     (name, [r["alpha"] for r in rows if r["model"] == name], [r["bits_per_byte"] for r in rows if r["model"] == name])
     for name in dict.fromkeys(r["model"] for r in rows)

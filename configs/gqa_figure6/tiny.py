@@ -1,15 +1,13 @@
 """Figure 6 of the GQA paper at the tiny size: the study of configs/gqa_table/tiny.py.
 Run it in the table's workdir to reuse the pre-trained MHA-big:
 
-  kvjax run configs/gqa_figures/figure6_tiny.py --workdir runs/gqa_tiny
+  kvjax run configs/gqa_figure6/tiny.py --workdir runs/gqa_tiny
 """
 
 import dataclasses
 from pathlib import Path
 
 from kvjax.cli.run import load_config
-
-DRIVER = Path(__file__).parents[2] / "experiments" / "gqa_figure6.py"
 
 
 def get_config():
