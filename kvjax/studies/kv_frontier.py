@@ -113,7 +113,7 @@ def toy_rows(study: KVFrontierStudy, workdir: Path, progress: Callable[[str], No
   measure.timing.repeats jitted generate calls over measure.timing.new_tokens, every variant
   timed round-robin in one run); pareto: the front of bits_per_byte."""
   settings = study.measure
-  paths = toy_kv.prepare(study.gqa, study.variants, workdir, study.models_from)
+  paths = toy_kv.prepare(study.gqa, study.variants, workdir, study.models_from, progress)
   data = load_dataset(study.gqa.data)
   loaded = {name: checkpoint.load_model(path)[:2] for name, path in paths.items()}
   progress("kv_frontier: evaluating the params without a cache")
@@ -160,7 +160,7 @@ def pretrained_rows(study: KVFrontierStudy, workdir: Path, progress: Callable[[s
   pareto_perplexity and pareto_recall: the fronts of perplexity at the longest context and of
   mean recall."""
   paths = real_kv.prepare(
-    study.source, study.source_layers, study.recovery, list(study.variants), workdir, study.models_from
+    study.source, study.source_layers, study.recovery, list(study.variants), workdir, study.models_from, progress
   )
   for variant in study.variants:  # every cache fits its model before anything is measured
     check_cache(real_kv.stored_config(paths[study.folder(variant)]), variant)

@@ -81,7 +81,7 @@ def run(study: RealGqaStudy, workdir: Path, progress: Callable[[str], None]) -> 
   """The table's rows; writes real_gqa.{csv,json,md,png} to workdir."""
   workdir = Path(workdir)
   wanted = study.variants(0)
-  paths = prepare(study.source, study.source_layers, study.recovery, wanted, workdir, study.models_from)
+  paths = prepare(study.source, study.source_layers, study.recovery, wanted, workdir, study.models_from, progress)
   rows, timed, windows = [], {}, None
   m = study.measure
   longest = max(m.contexts)

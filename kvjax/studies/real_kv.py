@@ -27,6 +27,7 @@ import dataclasses
 import json
 import statistics
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -104,7 +105,13 @@ def stage_settings(source: str, layers: int | None, recovery: Recovery) -> dict:
 
 
 def prepare(
-  source: str, layers: int | None, recovery: Recovery, wanted: list[Variant], workdir: Path, models_from: str = ""
+  source: str,
+  layers: int | None,
+  recovery: Recovery,
+  wanted: list[Variant],
+  workdir: Path,
+  models_from: str = "",
+  progress: Callable[[str], None] = lambda line: None,
 ) -> dict[str, Path]:
   """{folder: path} of the params of every variant in `wanted`: imported (its first `layers` layers when
   given) and converted (and recovered) here as stages. With models_from (the workdir of a study
@@ -128,7 +135,7 @@ def prepare(
       )
     paths = {f: root / f for f in [SOURCE, *folders] if f in done}
     base = root / SOURCE
-  run = stages.Stages(workdir, settings)
+  run = stages.Stages(workdir, settings, progress=progress)
   if SOURCE not in paths:
     run.run(SOURCE, lambda: import_model(source, base, layers=layers))
   for name, p in folders.items():

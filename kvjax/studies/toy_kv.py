@@ -25,6 +25,7 @@ import dataclasses
 import json
 import math
 from pathlib import Path
+from typing import Callable
 
 from kvjax.config import ModelConfig
 from kvjax.fields import check_positive
@@ -96,10 +97,12 @@ def model_config(variant: Variant, gqa: gs.GqaStudy) -> ModelConfig:
     raise ValueError(f"Variant {variant.name!r}: {variant.conversion.name} does not convert MHA-big: {err}") from None
 
 
-def prepare(gqa: gs.GqaStudy, variants, workdir: Path, models_from: str = "") -> dict[str, Path]:
+def prepare(
+  gqa: gs.GqaStudy, variants, workdir: Path, models_from: str = "", progress: Callable[[str], None] = lambda line: None
+) -> dict[str, Path]:
   """{folder: path} of the params of every variant. With models_from, that GQA study's finished
   stages, only read (its recorded settings must be gqa's); otherwise pre-trained and uptrained
-  here."""
+  here, each stage reported through `progress`."""
   names = list(dict.fromkeys(folder(v, gqa) for v in variants))
   if models_from:
     root = Path(models_from)
@@ -117,7 +120,7 @@ def prepare(gqa: gs.GqaStudy, variants, workdir: Path, models_from: str = "") ->
         "or set models_from='' to train them in this workdir"
       )
     return {name: root / name for name in names}
-  study_stages = gs.open_stages(gqa, workdir)
+  study_stages = gs.open_stages(gqa, workdir, progress)
   stages.pretrain(study_stages, "big", gqa.pretraining("big"))
   paths = {MHA_BIG: stages.pretrained(workdir, "big")}
   for variant in variants:
