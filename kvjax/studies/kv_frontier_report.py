@@ -7,14 +7,18 @@ pretrained one (kv_frontier_perplexity.png, kv_frontier_recall.png).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvjax.studies import report
 from kvjax.studies.variants import FAMILIES
 
+if TYPE_CHECKING:  # the study imports this module to write its report
+  from kvjax.studies.kv_frontier import KVFrontierStudy
+
 STEM = "kv_frontier"
 
 
-def write(study, rows: list[dict], workdir: Path) -> str:
+def write(study: KVFrontierStudy, rows: list[dict], workdir: Path) -> str:
   """WORKDIR/kv_frontier.{csv,json,md} and the figures; returns the markdown."""
   stem = Path(workdir) / STEM
   if study.toy:
@@ -28,7 +32,7 @@ def write(study, rows: list[dict], workdir: Path) -> str:
   return text
 
 
-def columns(study) -> list[report.Column]:
+def columns(study: KVFrontierStudy) -> list[report.Column]:
   """A toy table's columns: one recall column per distance (exact match)."""
   recall = [(f"recall_{d}", f"recall @{d}", ".0%") for d in study.measure.recall.distances]
   return (
@@ -47,7 +51,7 @@ def columns(study) -> list[report.Column]:
   )
 
 
-def csv_columns(study) -> list[report.Column]:
+def csv_columns(study: KVFrontierStudy) -> list[report.Column]:
   """Every measured field but the raw times: the table's plus byte accuracy per distance."""
   return (
     columns(study)[:-2]
@@ -62,7 +66,7 @@ def csv_columns(study) -> list[report.Column]:
   )
 
 
-def report_text(study, rows: list[dict]) -> str:
+def report_text(study: KVFrontierStudy, rows: list[dict]) -> str:
   shown = [{**r, "pareto": "yes" if r["pareto"] else ""} for r in rows]
   big, m = study.gqa.big, study.measure
   t, rc = m.timing, m.recall
@@ -98,7 +102,7 @@ def report_text(study, rows: list[dict]) -> str:
 FAMILY_COLOURS = {name: family.colour for name, family in FAMILIES.items()}
 
 
-def plot(study, rows: list[dict], path: Path) -> None:
+def plot(study: KVFrontierStudy, rows: list[dict], path: Path) -> None:
   """Bits per byte and recall at the longest distance against KV bytes per token (log scale),
   a marker per variant coloured by family; the Pareto front of bits per byte drawn as a line."""
   longest = max(study.measure.recall.distances)
@@ -126,7 +130,7 @@ def plot(study, rows: list[dict], path: Path) -> None:
     recall.set_title("long-range recall against KV memory")
 
 
-def pretrained_columns(study) -> list[report.Column]:
+def pretrained_columns(study: KVFrontierStudy) -> list[report.Column]:
   """A pretrained table's columns (key, header, format)."""
   m = study.measure
   return [
@@ -142,7 +146,7 @@ def pretrained_columns(study) -> list[report.Column]:
   ]
 
 
-def plot_pretrained(study, rows: list[dict], stem: Path) -> list[Path]:
+def plot_pretrained(study: KVFrontierStudy, rows: list[dict], stem: Path) -> list[Path]:
   """STEM_perplexity.png and STEM_recall.png: perplexity at the longest context and mean recall
   against KV bytes per token (log scale), a marker per variant coloured by family, the Pareto
   front as a dashed line."""
