@@ -23,9 +23,8 @@ from kvjax.training.data import PROSE, eval_batches, load_dataset
 ROOT = Path(__file__).parents[2]
 
 
-def forward_perplexity(study: EvictionStudy) -> float:
+def forward_perplexity(study: EvictionStudy, params, config, tokenizer) -> float:
   """The oracle: a causal forward pass over each whole window, its continuation scored."""
-  params, config, tokenizer, _ = read_model(study.source)
   length = study.perplexity_context + study.continuation
   data = load_dataset(DataConfig(source=PROSE, seq_len=length), tokenizer)
   total = count = 0
@@ -51,11 +50,12 @@ def test_the_tiny_study_writes_a_row_per_cache(tmp_path):
   assert full["recall_query_agnostic"] == full["recall_query_aware"] == 100.0
   agnostic, aware = ([s for s in full["samples"] if s["protocol"] == p] for p in eviction.PROTOCOLS)
   assert [s["answer"] for s in agnostic] == [s["answer"] for s in aware]
-  _, _, keys = eviction.needles(read_model(study.source)[2], study)
+  params, config, tokenizer, _ = read_model(study.source)
+  _, _, keys = eviction.needles(tokenizer, study)
   for row in rows:
     for protocol in eviction.PROTOCOLS:
       assert [s["key"] for s in row["samples"] if s["protocol"] == protocol] == keys
-  assert full["perplexity"] == pytest.approx(forward_perplexity(study), rel=1e-4)
+  assert full["perplexity"] == pytest.approx(forward_perplexity(study, params, config, tokenizer), rel=1e-4)
   assert snapkv["perplexity"] != pytest.approx(
     full["perplexity"], rel=1e-4
   )  # the press dropped what the continuation reads
