@@ -44,21 +44,24 @@ def test_the_tiny_study_writes_a_row_per_cache(tmp_path):
   assert progress == ["eviction: measuring the full cache", "eviction: measuring snapkv at ratio 0.75"]
   assert [(r["press"], r["ratio"]) for r in rows] == [("full cache", 0.0), ("snapkv", 0.75)]
   full, snapkv = rows
-  # Calibration: through the full cache the model finds both keys at 200 tokens, under either
-  # protocol, and answers alike, token for token: reading the question after the prefill is
-  # reading it in the prompt.
-  assert full["recall_query_agnostic"] == full["recall_query_aware"] == 100.0
+  # Through the full cache the model finds the first key at 200 tokens ("The pass key is 98874.",
+  # inside the 12-token budget) and misses the second, under either protocol, answering alike
+  # token for token: reading the question after the prefill is reading it in the prompt.
+  assert full["recall_query_agnostic"] == full["recall_query_aware"] == 50.0
   agnostic, aware = ([s for s in full["samples"] if s["protocol"] == p] for p in eviction.PROTOCOLS)
   assert [s["answer"] for s in agnostic] == [s["answer"] for s in aware]
+  assert [s["hit"] for s in agnostic] == [True, False] and agnostic[0]["answer"].startswith("The pass key is 98874.")
   params, config, tokenizer, _ = read_model(study.source)
   _, _, keys = eviction.needles(tokenizer, study)
   for row in rows:
     for protocol in eviction.PROTOCOLS:
       assert [s["key"] for s in row["samples"] if s["protocol"] == protocol] == keys
   assert full["perplexity"] == pytest.approx(forward_perplexity(study, params, config, tokenizer), rel=1e-4)
-  assert snapkv["perplexity"] != pytest.approx(
-    full["perplexity"], rel=1e-4
-  )  # the press dropped what the continuation reads
+  # The press dropped what the continuation reads; pressing before or after the question arrives
+  # keeps other tokens, so the two protocols answer differently.
+  assert snapkv["perplexity"] != pytest.approx(full["perplexity"], rel=1e-4)
+  agnostic, aware = ([s["answer"] for s in snapkv["samples"] if s["protocol"] == p] for p in eviction.PROTOCOLS)
+  assert agnostic != aware
   assert json.loads((tmp_path / "eviction.json").read_text()) == rows
   assert "| snapkv |" in (tmp_path / "eviction.md").read_text()
 
