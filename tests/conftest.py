@@ -30,7 +30,7 @@ def word_corpus(path: Path, seed: int = 0) -> Path:
 
 
 def load_module(path: Path):
-  """The module of a Python file (a config under configs/, a driver under experiments/)."""
+  """The module of a Python file (a config under configs/, to read its module-level names)."""
   spec = importlib.util.spec_from_file_location(path.stem, path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)

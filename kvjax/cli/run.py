@@ -151,6 +151,8 @@ def command(args: argparse.Namespace) -> int:
     if "train.mesh" not in config_keys(config):
       raise ValueError(f"--mesh shards training runs, but the {config.job!r} config of {args.config} has no train.mesh")
     config = apply_overrides(config, [f"train.mesh={args.mesh}"])
+  if isinstance(config, TrainRun) and config.job != "train":
+    raise ValueError(f"the TrainRun of config file {args.config} runs as job 'train', got job={config.job!r}")
   job = resolve_job(config.job, args.config)
   workdir = Path(args.workdir) if args.workdir is not None else default_workdir(config, args.config)
   if isinstance(config, TrainRun):  # a run the memory cannot hold is refused before its workdir is touched

@@ -40,6 +40,10 @@ PAPER_TABLE = (
 )
 
 
+# The studies a GqaStudy runs as (kvjax.studies.<job>); they share one workdir's stages.
+JOBS = ("gqa_table", "gqa_figure4", "gqa_figure5", "gqa_figure6")
+
+
 @dataclasses.dataclass(frozen=True)
 class GqaStudy:
   """Shared by the table and the figures.
@@ -66,6 +70,8 @@ class GqaStudy:
   conversions: tuple[Conversion, ...] = ()
 
   def __post_init__(self):
+    if self.job not in JOBS:
+      raise ValueError(f"GqaStudy.job must be one of {JOBS}, got {self.job!r}")
     for name in ("small", "big"):
       cfg = getattr(self, name)
       if cfg.num_kv_heads != cfg.num_heads:

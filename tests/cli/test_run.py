@@ -161,3 +161,18 @@ def test_every_study_module_has_configs_of_its_job():
     assert configs, job
     jobs = {run.load_config(path).job for path in configs}
     assert job in jobs and jobs - {job} <= set(pending.SCRIPTS), job
+
+
+@pytest.mark.parametrize(
+  "config, job, message",
+  [
+    ("train/tiny.py", "gqa_table", "the TrainRun of config file {config} runs as job 'train', got job='gqa_table'"),
+    ("gqa_table/tiny.py", "kv_memory", "GqaStudy.job must be one of ('gqa_table', 'gqa_figure4', 'gqa_figure5', "),
+    ("kv_memory/tiny.py", "gqa_table", "KVMemoryStudy.job must be 'kv_memory', got 'gqa_table'"),
+  ],
+)
+def test_a_config_runs_only_as_a_job_of_its_kind(tmp_path, capsys, config, job, message):
+  path = ROOT / "configs" / config
+  assert cli.main(["run", str(path), "--workdir", str(tmp_path / "w"), "--set", f"job={job!r}"]) == 2
+  assert message.format(config=path) in capsys.readouterr().err
+  assert not (tmp_path / "w").exists()

@@ -8,10 +8,10 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import load_module
 
 from kvjax.cache.config import CacheConfig
 from kvjax.cache.kinds import bytes_per_token
+from kvjax.cli.run import load_config
 from kvjax.config import ModelConfig
 from kvjax.studies import kv_memory
 from kvjax.studies.kv_memory import CSV_FIELDS, KVMemoryStudy, WorkloadConfig, make_workload
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_tiny_study_writes_its_results(tmp_path):
-  study = load_module(ROOT / "configs/kv_memory/tiny.py").get_config()
+  study = load_config(ROOT / "configs/kv_memory/tiny.py")
   assert study.job == "kv_memory"
   lines = []
   kv_memory.run(study, tmp_path, lines.append)
@@ -57,7 +57,7 @@ def test_tiny_study_writes_its_results(tmp_path):
 
 
 def test_cpu_config_is_valid():
-  study = load_module(ROOT / "configs/kv_memory/cpu.py").get_config()
+  study = load_config(ROOT / "configs/kv_memory/cpu.py")
   assert study.page_sizes == (8, 16, 32) and study.budget_tokens % study.model.max_len == 0
 
 
@@ -89,7 +89,7 @@ def test_bad_study_configs_name_the_field():
 def test_quantized_formats_hold_more_requests_within_the_same_bytes(tmp_path):
   """int8 pages within the float32 budget's bytes: more token slots, at least as many requests at
   once, and the rows name their format."""
-  tiny = load_module(ROOT / "configs/kv_memory/tiny.py").get_config()
+  tiny = load_config(ROOT / "configs/kv_memory/tiny.py")
   study = dataclasses.replace(
     tiny, model=tiny.model.replace(head_dim=32), page_sizes=(16,), cache_dtypes=("int8",), baselines=False
   )
