@@ -88,15 +88,3 @@ def _drop_compiled_functions():
   compiler crashes."""
   yield
   jax.clear_caches()
-
-
-@pytest.fixture(scope="session")
-def gqa_tiny(tmp_path_factory) -> Path:
-  """The workdir of a finished `kvjax run configs/gqa_table/tiny.py`: MHA-big at gqa_tiny / "mha_big"
-  and its uptrainings beside it, read by the studies that reuse them."""
-  from kvjax.cli.main import main as kvjax_main
-
-  workdir = tmp_path_factory.mktemp("gqa_tiny") / "workdir"
-  config = Path(__file__).resolve().parents[1] / "configs" / "gqa_table" / "tiny.py"
-  assert kvjax_main(["run", str(config), "--workdir", str(workdir)]) == 0
-  return workdir
