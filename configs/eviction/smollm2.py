@@ -5,11 +5,7 @@ protocols (kvjax.studies.eviction).
   kvjax run configs/eviction/smollm2.py --workdir runs/eviction
 """
 
-from pathlib import Path
-
 from kvjax.studies.eviction import EvictionStudy
-
-DRIVER = Path(__file__).parents[2] / "experiments" / "eviction.py"
 
 
 def get_config() -> EvictionStudy:

@@ -1,14 +1,11 @@
-"""The eviction study shrunk to run in a minute: one press, 2 needles of 200 tokens, one short
-perplexity window (the test of the study's driver).
+"""The eviction study shrunk to run in a minute: one press, 2 needles of 200 tokens answered in
+up to 12 tokens (the model's "The pass key is 48213." holds the key), one short perplexity
+window (the study's test).
 
   kvjax run configs/eviction/tiny.py --workdir runs/eviction_tiny
 """
 
-from pathlib import Path
-
 from kvjax.studies.eviction import EvictionStudy
-
-DRIVER = Path(__file__).parents[2] / "experiments" / "eviction.py"
 
 
 def get_config() -> EvictionStudy:
@@ -19,7 +16,7 @@ def get_config() -> EvictionStudy:
     recall_ratios=(0.75,),
     trials=2,
     context=200,
-    answer_tokens=8,
+    answer_tokens=12,
     batch_size=2,
     perplexity_context=128,
     continuation=32,

@@ -9,18 +9,18 @@ CPU cores.
 
   kvjax run configs/kv_frontier/cpu.py --workdir runs/kv_frontier_cpu
   # or reuse a finished GQA table's models, read only:
-  kvjax run configs/kv_frontier/cpu.py --workdir runs/kv_frontier_cpu --set gqa_workdir=runs/gqa_cpu
+  kvjax run configs/kv_frontier/cpu.py --workdir runs/kv_frontier_cpu --set models_from=runs/gqa_cpu
 """
 
 from pathlib import Path
 
-from kvjax.cache.config import CacheConfig
 from kvjax.cli.run import load_config
-from kvjax.studies.kv_frontier import KVFrontierStudy, Variant, standard_variants
+from kvjax.studies.kv_frontier import KVFrontierStudy
 from kvjax.studies.recall import RecallConfig
 from kvjax.studies.stages import TimingConfig
+from kvjax.studies.toy_kv import ToyMeasure
+from kvjax.studies.variants import Variant, cache, toy_variants
 
-DRIVER = Path(__file__).parents[2] / "experiments" / "kv_frontier.py"
 GQA_TABLE = Path(__file__).parents[1] / "gqa_table" / "cpu.py"
 
 
@@ -28,9 +28,11 @@ def get_config() -> KVFrontierStudy:
   gqa = load_config(GQA_TABLE)
   return KVFrontierStudy(
     gqa=gqa,
-    variants=standard_variants(gqa, windows=(32, 64), sink_tokens=4)
-    + (Variant("local 32 / global", "window", CacheConfig(window=(32, 0))),),
-    context=2048,
-    recall=RecallConfig(distances=(24, 48, 96), needles=32, needle_bytes=12),
-    timing=TimingConfig(batch=16, prompt=64, new_tokens=448, repeats=3),
+    variants=toy_variants(gqa, windows=(32, 64), sinks=4)
+    + (Variant("local 32 / global", "window", cache(window=(32, 0))),),
+    measure=ToyMeasure(
+      context=2048,
+      recall=RecallConfig(distances=(24, 48, 96), needles=32, needle_bytes=12),
+      timing=TimingConfig(batch=16, prompt=64, new_tokens=448, repeats=3),
+    ),
   )

@@ -1,5 +1,5 @@
 """The KV frontier on SmolLM2-135M-Instruct (float32, CPU): every family of KV compression on the
-pretrained model (kvjax.studies.real_frontier.standard_variants), cut to what two CPU cores
+pretrained model (kvjax.studies.variants.pretrained_variants), cut to what two CPU cores
 measure in under an hour: the full cache; fp8 / int8 / int4 caches (bf16 is float32's to 0.1%);
 a 256-token window on every layer without and with 4 sinks, at decode time; SnapKV at 0.75
 (every press at every ratio is the eviction study's, configs/eviction);
@@ -12,16 +12,13 @@ prose window each of 1,024 and 2,048 tokens, pass-key recall at 64 / 256 tokens 
 GQA table's models with --set models_from=runs/real_gqa; drop the `keep` filter for the whole
 grid.
 
-  kvjax run configs/kv_frontier/smollm2.py --workdir runs/real_frontier --set "models_from='runs/real_gqa'"
+  kvjax run configs/kv_frontier/smollm2.py --workdir runs/kv_frontier_smollm2 --set "models_from='runs/real_gqa'"
 """
 
-from pathlib import Path
-
 from kvjax.studies.passkey import PasskeyConfig
-from kvjax.studies.real_frontier import RealFrontierStudy, standard_variants
+from kvjax.studies.kv_frontier import KVFrontierStudy
+from kvjax.studies.variants import pretrained_variants
 from kvjax.studies.real_kv import Measure, Recovery
-
-DRIVER = Path(__file__).parents[2] / "experiments" / "real_frontier.py"
 
 
 def keep(variant) -> bool:
@@ -30,10 +27,10 @@ def keep(variant) -> bool:
   return variant.name not in ("bf16", "MQA mean + recovery")
 
 
-def get_config() -> RealFrontierStudy:
-  return RealFrontierStudy(
+def get_config() -> KVFrontierStudy:
+  return KVFrontierStudy(
     source="smollm2-135m",
-    variants=tuple(v for v in standard_variants(mla_recovered=(False, True)) if keep(v)),
+    variants=tuple(v for v in pretrained_variants(mla_recovered=(False, True)) if keep(v)),
     recovery=Recovery(mode="local", steps=60, batch_size=8, lr=1e-3, seq_len=256, windows=128),
     measure=Measure(
       contexts=(1024, 2048),

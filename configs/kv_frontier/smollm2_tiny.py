@@ -4,20 +4,17 @@ alpha = 0, MQA pca recovered layer by layer, MLA at MQA's bytes recovered, int8 
 recovered + int8), short windows and needles: every model is one of the tiny GQA table's, so
 models_from may point at its workdir. The numbers only show the pipeline works.
 
-  kvjax run configs/kv_frontier/smollm2_tiny.py --workdir runs/real_frontier_tiny
+  kvjax run configs/kv_frontier/smollm2_tiny.py --workdir runs/kv_frontier_smollm2_tiny
 """
 
-from pathlib import Path
-
 from kvjax.studies.passkey import PasskeyConfig
-from kvjax.studies.real_frontier import RealFrontierStudy, standard_variants
+from kvjax.studies.kv_frontier import KVFrontierStudy
+from kvjax.studies.variants import pretrained_variants
 from kvjax.studies.real_kv import Measure, Recovery
 
-DRIVER = Path(__file__).parents[2] / "experiments" / "real_frontier.py"
 
-
-def get_config() -> RealFrontierStudy:
-  variants = standard_variants(
+def get_config() -> KVFrontierStudy:
+  variants = pretrained_variants(
     dtypes=("int8",), windows=(32,), presses=("snapkv",), ratios=(0.5,), methods=("mean", "pca"), mla_rope_dims=(48, 24)
   )
   keep = (
@@ -30,7 +27,7 @@ def get_config() -> RealFrontierStudy:
     "MQA pca",
     "MQA pca + recovery",
   )
-  return RealFrontierStudy(
+  return KVFrontierStudy(
     source="smollm2-135m",
     source_layers=2,
     variants=tuple(

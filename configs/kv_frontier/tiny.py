@@ -4,16 +4,19 @@ every measurement, the files) at a size the test suite runs. The numbers only sh
 works.
 
   kvjax run configs/kv_frontier/tiny.py --workdir runs/kv_frontier_tiny
+  # or reuse a finished tiny GQA table's models, read only:
+  kvjax run configs/kv_frontier/tiny.py --workdir runs/kv_frontier_tiny --set models_from=runs/gqa_tiny
 """
 
 from pathlib import Path
 
 from kvjax.cli.run import load_config
-from kvjax.studies.kv_frontier import KVFrontierStudy, standard_variants
+from kvjax.studies.kv_frontier import KVFrontierStudy
 from kvjax.studies.recall import RecallConfig
 from kvjax.studies.stages import TimingConfig
+from kvjax.studies.toy_kv import ToyMeasure
+from kvjax.studies.variants import toy_variants
 
-DRIVER = Path(__file__).parents[2] / "experiments" / "kv_frontier.py"
 GQA_TABLE = Path(__file__).parents[1] / "gqa_table" / "tiny.py"
 
 
@@ -21,9 +24,11 @@ def get_config() -> KVFrontierStudy:
   gqa = load_config(GQA_TABLE)
   return KVFrontierStudy(
     gqa=gqa,
-    variants=standard_variants(gqa, windows=(16,), sink_tokens=2),
-    recall=RecallConfig(distances=(24, 40), needles=4, needle_bytes=8),
-    # Timed at the recall test's shapes (4 rows, prompts in the 64-byte bucket, 8 new tokens), so
-    # that the timed generate is the one recall compiled.
-    timing=TimingConfig(batch=4, prompt=40, new_tokens=8, repeats=3),
+    variants=toy_variants(gqa, windows=(16,), sinks=2),
+    measure=ToyMeasure(
+      recall=RecallConfig(distances=(24, 40), needles=4, needle_bytes=8),
+      # Timed at the recall test's shapes (4 rows, prompts in the 64-byte bucket, 8 new tokens), so
+      # that the timed generate is the one recall compiled.
+      timing=TimingConfig(batch=4, prompt=40, new_tokens=8, repeats=3),
+    ),
   )

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Callable, ContextManager
 
 import kvjax
-from kvjax.cli import options, pending
+from kvjax.cli import options
 from kvjax.fields import apply_overrides, config_keys, to_dict
 from kvjax.training import checkpoint, train
 from kvjax.training.config import TrainRun
@@ -62,13 +62,6 @@ def study_modules() -> dict[str, str]:
     if any(isinstance(node, ast.FunctionDef) and node.name == "run" for node in tree.body):
       found[path.stem] = (ast.get_docstring(tree) or "").strip().split("\n")[0]
   return found
-
-
-def studies() -> dict[str, str]:
-  """{job: its one-line description} of every study: the study modules, and those still run by
-  their scripts (kvjax.cli.pending)."""
-  modules = study_modules()
-  return {**modules, **{job: text for job, text in pending.studies().items() if job not in modules}}
 
 
 def configs_of(job: str) -> list[Path]:
@@ -114,10 +107,8 @@ def resolve_job(job: str, config_path: str | Path) -> Runner:
     return LIBRARY_JOBS[job][0]
   if job in study_modules():
     return importlib.import_module(f"kvjax.studies.{job}").run
-  if job in pending.studies():
-    return pending.runner(job)
   raise ValueError(
-    f"unknown job {job!r} in config file {config_path}: not a study ({', '.join(sorted(studies()))}) "
+    f"unknown job {job!r} in config file {config_path}: not a study ({', '.join(sorted(study_modules()))}) "
     f"nor a library job ({', '.join(LIBRARY_JOBS)})"
   )
 
@@ -172,7 +163,7 @@ def command(args: argparse.Namespace) -> int:
 def jobs_help() -> str:
   """The epilog of `kvjax run --help`: every job, one line each, and its configs."""
   lines = ["jobs (the `job` of a config; its configs):"]
-  described = {**{job: text for job, (_, _, text) in LIBRARY_JOBS.items()}, **studies()}
+  described = {**{job: text for job, (_, _, text) in LIBRARY_JOBS.items()}, **study_modules()}
   for job, text in described.items():
     lines.append(f"  {job:<14} {text}")
     names = ", ".join(path.name for path in configs_of(job))

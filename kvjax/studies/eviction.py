@@ -1,5 +1,7 @@
-"""The eviction study: needle recall and perplexity of a pretrained model decoded through evicting
-caches (kvjax.cache.evict), one press and compression ratio at a time, beside the full cache.
+"""The eviction study: needle recall and perplexity of a pretrained model through every press.
+
+Each press (kvjax.cache.evict) is measured at each compression ratio, beside the full cache, by
+kvjax.studies.measure.
 
 Needle recall follows kvpress's protocol: prompts of exactly `context` tokens of held-out prose
 (kvjax.studies.passkey's pass-key prompt: the instruction, a 5-digit key sentence at a random
@@ -12,7 +14,8 @@ by exact match. Two protocols:
                   the whole prompt through the press.
 Perplexity: held-out prose windows of perplexity_context + continuation tokens; the context is
 pressed, then the continuation is read through the evicted cache and scored (the tokens the
-prefill's own logits predict are left out: no press changes them).
+prefill's own logits predict are left out: no press changes them). Every row keeps its needles'
+per-sample records under "samples" ({"protocol", "index", "key", "answer", "hit"}).
 
 Run: kvjax run configs/eviction/smollm2.py --workdir runs/eviction
 """
@@ -20,22 +23,19 @@ Run: kvjax run configs/eviction/smollm2.py --workdir runs/eviction
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 from pathlib import Path
+from typing import Callable
 
-import jax.numpy as jnp
 import numpy as np
 
 from kvjax.cache.config import CacheConfig
-from kvjax.cache.presses import PRESSES, make_press
-from kvjax.decoding import decode
+from kvjax.cache.presses import PRESSES
 from kvjax.fields import check_positive, check_nonnegative
 from kvjax.interop.importer import read_model
 from kvjax.model.transformer import Transformer
-from kvjax.studies import report
-from kvjax.studies.real_kv import continuation_nll
-from kvjax.studies.passkey import Frame, PasskeyConfig, Prose, answered, answers, examples
+from kvjax.studies import measure, report
+from kvjax.studies.passkey import Frame, PasskeyConfig, Prose, examples, judge
+from kvjax.studies.variants import cache
 from kvjax.training.config import DataConfig
 from kvjax.training.data import PROSE, eval_batches, load_dataset
 
@@ -75,7 +75,7 @@ class EvictionStudy:
         raise ValueError(f"EvictionStudy.presses: {press!r} is not one of {tuple(PRESSES)}")
     for name in ("ratios", "recall_ratios"):
       for ratio in getattr(self, name):
-        make_press("knorm", compression_ratio=ratio)  # a ratio outside [0, 1) is refused, named
+        cache(press="knorm", ratio=ratio)  # a ratio outside [0, 1) is refused, named
 
 
 def needles(tokenizer, study: EvictionStudy):
@@ -99,71 +99,60 @@ def needles(tokenizer, study: EvictionStudy):
   return np.stack(rows).astype(np.int32), frame.closing.astype(np.int32), keys
 
 
-def greedy_after(model, params, cache, question: np.ndarray, new_tokens: int, stop_ids) -> np.ndarray:
-  """Extends every row of `cache` by `question` [q], then greedy-decodes new_tokens -> int32 [B, new_tokens]."""
-  batch = cache.lengths.shape[0]
-  tokens = np.broadcast_to(question, (batch, len(question)))
-  logits, cache = decode.extend(model, params, cache, tokens, np.full(batch, len(question)), logits="last")
-  out = [np.asarray(jnp.argmax(logits, axis=-1), np.int32)]
-  while len(out) < new_tokens and not np.isin(np.stack(out, 1), stop_ids).any(axis=1).all():
-    logits, cache = decode.decode_step(model, params, cache, out[-1])
-    out.append(np.asarray(jnp.argmax(logits, axis=-1), np.int32))
-  return np.stack(out, 1)
-
-
-def recall(model, params, tokenizer, cache_config: CacheConfig, protocol: str, trials, study: EvictionStudy) -> float:
-  """Exact-match recall (%) of the needles `trials` (needles()) through caches of cache_config."""
+def recall(model, params, tokenizer, cache_config: CacheConfig, protocol: str, trials, study: EvictionStudy):
+  """Exact-match recall (%) of the needles `trials` (needles()) through caches of cache_config,
+  and one record per needle -> (recall, samples)."""
   contexts, question, keys = trials
-  hits = []
-  for start in range(0, len(contexts), study.batch_size):
-    rows = contexts[start : start + study.batch_size]
-    n, c = rows.shape
-    max_len = c + len(question) + study.answer_tokens
-    if protocol == "query_aware":
-      prompts = np.concatenate([rows, np.broadcast_to(question, (n, len(question)))], axis=1)
-      lengths = np.full(n, prompts.shape[1], np.int32)
-      out = answers(model, params, prompts, lengths, study.answer_tokens, tokenizer.stop_ids, cache_config=cache_config)
-    else:
-      _, cache = decode.prefill(model, params, rows, np.full(n, c), max_len, logits="last", cache_config=cache_config)
-      out = decode.until_stop(
-        greedy_after(model, params, cache, question, study.answer_tokens, tokenizer.stop_ids), tokenizer.stop_ids
-      )
-    hits += [answered(tokenizer.decode(row), key) for row, key in zip(out, keys[start : start + study.batch_size])]
-  return 100.0 * float(np.mean(hits))
+  n, c = contexts.shape
+  if protocol == "query_aware":
+    prompts, after = np.concatenate([contexts, np.broadcast_to(question, (n, len(question)))], axis=1), None
+  else:
+    prompts, after = contexts, question
+  exact, samples = measure.recall(
+    model,
+    params,
+    prompts,
+    np.full(n, prompts.shape[1], np.int32),
+    keys,
+    judge(tokenizer),
+    study.answer_tokens,
+    cache_config,
+    batch_size=study.batch_size,
+    stop_ids=tokenizer.stop_ids,
+    question=after,
+  )
+  return 100.0 * exact, [{"protocol": protocol, **s} for s in samples]
 
 
-def perplexity(model, params, windows, cache_config: CacheConfig, study: EvictionStudy) -> float:
-  """Perplexity of the continuations of `windows` ([(inputs, targets)] of context + continuation
-  tokens) read through a cache of cache_config that pressed their contexts."""
-  total, count = continuation_nll(model, params, windows, cache_config, study.perplexity_context)
-  return math.exp(total / count)
-
-
-def run_study(study: EvictionStudy, workdir: str | Path, progress=print) -> list[dict]:
+def run(study: EvictionStudy, workdir: Path, progress: Callable[[str], None]) -> list[dict]:
   """Every cell of the study -> rows {press, ratio, perplexity, recall_query_agnostic,
-  recall_query_aware}; writes eviction.{csv,json,md} to workdir."""
+  recall_query_aware, samples}; writes eviction.{csv,json,md} to workdir."""
   workdir = Path(workdir)
-  workdir.mkdir(parents=True, exist_ok=True)
   params, config, tokenizer, path = read_model(study.source)
   if tokenizer is None:
     raise ValueError(f"EvictionStudy.source={study.source!r} has no tokenizer; the needles need one")
   model = Transformer(config)
   trials = needles(tokenizer, study)
-  data = load_dataset(DataConfig(source=PROSE, seq_len=study.perplexity_context + study.continuation), tokenizer)
-  windows = list(eval_batches(data.val, study.perplexity_context + study.continuation, study.windows, 1))
+  length = study.perplexity_context + study.continuation
+  data = load_dataset(DataConfig(source=PROSE, seq_len=length), tokenizer)
+  windows = list(eval_batches(data.val, length, study.windows, 1))
   rows = []
   for press, ratio in [(None, 0.0)] + [
     (p, r) for p in study.presses for r in sorted({*study.ratios, *study.recall_ratios})
   ]:
-    cache_config = CacheConfig(press=None if press is None else make_press(press, compression_ratio=ratio))
+    cache_config = cache(press=press, ratio=ratio)
+    progress(f"eviction: measuring {press or 'the full cache'}" + (f" at ratio {ratio:g}" if press else ""))
     row = {"press": press or "full cache", "ratio": ratio}
     if press is None or ratio in study.ratios:
-      row["perplexity"] = perplexity(model, params, windows, cache_config, study) if study.windows else None
+      row["perplexity"] = (
+        measure.perplexity(model, params, windows, cache_config, study.perplexity_context) if study.windows else None
+      )
+    samples = []
     if press is None or ratio in study.recall_ratios:
       for protocol in PROTOCOLS:
-        row[f"recall_{protocol}"] = recall(model, params, tokenizer, cache_config, protocol, trials, study)
-    rows.append(row)
-    progress(json.dumps(row))
+        row[f"recall_{protocol}"], found = recall(model, params, tokenizer, cache_config, protocol, trials, study)
+        samples += found
+    rows.append({**row, "samples": samples})
   columns = [
     ("press", "press", ""),
     ("ratio", "compression ratio", ".3f"),

@@ -1,19 +1,40 @@
-"""The KV frontier study's report: its table's columns (those of the markdown table, and the CSV's
-every measured field), the markdown text around the table, and the figure of quality and recall
-against KV bytes per token. The rows are kvjax.studies.kv_frontier.measure's.
+"""The KV frontier study's report (kvjax.studies.kv_frontier): its table's columns (those of the
+markdown table, and the CSV's every measured field), the markdown text around the table, and the
+figures of quality and recall against KV bytes per token, for a toy model (kv_frontier.png) or a
+pretrained one (kv_frontier_perplexity.png, kv_frontier_recall.png).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvjax.studies import report
-from kvjax.studies.kv_frontier import KVFrontierStudy
+from kvjax.studies.variants import FAMILIES
+
+if TYPE_CHECKING:  # the study imports this module to write its report
+  from kvjax.studies.kv_frontier import KVFrontierStudy
+
+STEM = "kv_frontier"
+
+
+def write(study: KVFrontierStudy, rows: list[dict], workdir: Path) -> str:
+  """WORKDIR/kv_frontier.{csv,json,md} and the figures; returns the markdown."""
+  stem = Path(workdir) / STEM
+  if study.toy:
+    report.write_table(rows, stem, csv_columns(study))
+    text = report_text(study, rows)
+    plot(study, rows, Path(f"{stem}.png"))
+  else:
+    text = f"# The KV frontier on {study.source}\n\n{report.write_table(rows, stem, pretrained_columns(study))}\n"
+    plot_pretrained(study, rows, stem)
+  Path(f"{stem}.md").write_text(text)
+  return text
 
 
 def columns(study: KVFrontierStudy) -> list[report.Column]:
-  """The table's columns: one recall column per distance (exact match)."""
-  recall = [(f"recall_{d}", f"recall @{d}", ".0%") for d in study.recall.distances]
+  """A toy table's columns: one recall column per distance (exact match)."""
+  recall = [(f"recall_{d}", f"recall @{d}", ".0%") for d in study.measure.recall.distances]
   return (
     [
       ("variant", "variant", ""),
@@ -40,14 +61,15 @@ def csv_columns(study: KVFrontierStudy) -> list[report.Column]:
       ("kv_latent_rank", "latent rank", "d"),
       ("rope_dims", "rotary dims", "d"),
     ]
-    + [(f"recall_bytes_{d}", f"recall bytes @{d}", ".0%") for d in study.recall.distances]
+    + [(f"recall_bytes_{d}", f"recall bytes @{d}", ".0%") for d in study.measure.recall.distances]
     + columns(study)[-2:]
   )
 
 
 def report_text(study: KVFrontierStudy, rows: list[dict]) -> str:
   shown = [{**r, "pareto": "yes" if r["pareto"] else ""} for r in rows]
-  big, t, rc = study.gqa.big, study.timing, study.recall
+  big, m = study.gqa.big, study.measure
+  t, rc = m.timing, m.recall
   front = [r["variant"] for r in sorted(rows, key=lambda r: r["kv_bytes_per_token"]) if r["pareto"]]
   return "\n".join(
     [
@@ -56,14 +78,14 @@ def report_text(study: KVFrontierStudy, rows: list[dict]) -> str:
       f"MHA-big: d_model {big.d_model}, {big.num_layers} layers, {big.num_heads} heads of {big.head_dim}, "
       f"max_len {big.max_len}; {study.gqa.train.steps} pre-training steps; uptrained variants trained for "
       f"alpha = {study.gqa.fraction} of them"
-      + (f" (params read from {study.gqa_workdir})" if study.gqa_workdir else "")
+      + (f" (params read from {study.models_from})" if study.models_from else "")
       + ".",
       "",
       report.markdown_table(shown, columns(study)),
       "",
-      f"- KV bytes/token: the bytes of a one-row cache of {study.context} positions (every array the cache "
-      f"kind stores: scales and ring buffers included) over {study.context}.",
-      f"- bits/byte: held-out bits per byte on {study.eval_batches} x {study.eval_batch_size} windows of "
+      f"- KV bytes/token: the bytes of a one-row cache of {m.context} positions holding a {m.context}-token "
+      f"prompt (every array the cache kind stores: scales, ring buffers, the row's length) over {m.context}.",
+      f"- bits/byte: held-out bits per byte on {m.eval_batches} x {m.eval_batch_size} windows of "
       f"{study.gqa.data.seq_len} bytes (the windows `kvjax eval` scores), from one extend into an empty cache; "
       "decode bits/byte: the same windows fed one byte per decode step, every position reading the stored "
       "cache; no-cache bits/byte: the params' own model without a cache (`kvjax eval`).",
@@ -77,20 +99,20 @@ def report_text(study: KVFrontierStudy, rows: list[dict]) -> str:
   )
 
 
-FAMILY_COLOURS = {"dtype": "tab:blue", "heads": "tab:orange", "window": "tab:green", "mla": "tab:red"}
+FAMILY_COLOURS = {name: family.colour for name, family in FAMILIES.items()}
 
 
 def plot(study: KVFrontierStudy, rows: list[dict], path: Path) -> None:
   """Bits per byte and recall at the longest distance against KV bytes per token (log scale),
   a marker per variant coloured by family; the Pareto front of bits per byte drawn as a line."""
-  longest = max(study.recall.distances)
+  longest = max(study.measure.recall.distances)
   with report.figure(path, panels=2, size=(12, 4.6)) as (quality, recall):
     for ax, key, label in (
       (quality, "bits_per_byte", "held-out bits/byte through the cache (better: up)"),
       (recall, f"recall_{longest}", f"recall @{longest} bytes, exact (better: up)"),
     ):
       report.scatter_by_family(ax, rows, "kv_bytes_per_token", key, FAMILY_COLOURS)
-      ax.set(xscale="log", xlabel=f"KV bytes per token at {study.context} positions", ylabel=label)
+      ax.set(xscale="log", xlabel=f"KV bytes per token at {study.measure.context} positions", ylabel=label)
       ax.grid(alpha=0.3)
       ax.legend(fontsize=8)
     front = sorted((r for r in rows if r["pareto"]), key=lambda r: r["kv_bytes_per_token"])
@@ -106,3 +128,44 @@ def plot(study: KVFrontierStudy, rows: list[dict], path: Path) -> None:
     quality.set_title("quality against KV memory")
     recall.set_ylim(-0.05, 1.05)
     recall.set_title("long-range recall against KV memory")
+
+
+def pretrained_columns(study: KVFrontierStudy) -> list[report.Column]:
+  """A pretrained table's columns (key, header, format)."""
+  m = study.measure
+  return [
+    ("variant", "variant", ""),
+    ("family", "family", ""),
+    ("kv_bytes_per_token", f"KV bytes / token @{m.context}", ",.0f"),
+    *[(f"perplexity_{c}", f"perplexity @{c}", ".3f") for c in m.contexts],
+    *[(f"recall_{d}", f"recall % @{d}", ".0f") for d in m.recall.distances],
+    ("recall_mean", "recall % mean", ".1f"),
+    ("decode_step_ms", f"decode step ms (batch {m.batch})", ".1f"),
+    ("pareto_perplexity", "front (ppl)", ""),
+    ("pareto_recall", "front (recall)", ""),
+  ]
+
+
+def plot_pretrained(study: KVFrontierStudy, rows: list[dict], stem: Path) -> list[Path]:
+  """STEM_perplexity.png and STEM_recall.png: perplexity at the longest context and mean recall
+  against KV bytes per token (log scale), a marker per variant coloured by family, the Pareto
+  front as a dashed line."""
+  longest = max(study.measure.contexts)
+  paths = []
+  for key, front, label, suffix in (
+    (f"perplexity_{longest}", "pareto_perplexity", f"perplexity @{longest} tokens (log; better: down)", "perplexity"),
+    ("recall_mean", "pareto_recall", "pass-key recall %, mean over distances (better: up)", "recall"),
+  ):
+    path = Path(f"{stem}_{suffix}.png")
+    with report.figure(path, size=(9, 6)) as (ax,):
+      report.scatter_by_family(ax, rows, "kv_bytes_per_token", key, FAMILY_COLOURS, fontsize=6)
+      line = sorted((r for r in rows if r[front]), key=lambda r: r["kv_bytes_per_token"])
+      ax.plot([r["kv_bytes_per_token"] for r in line], [r[key] for r in line], "k--", linewidth=1, label="Pareto front")
+      ax.set(xscale="log", xlabel=f"KV bytes per token at {study.measure.context} positions", ylabel=label)
+      if suffix == "perplexity":
+        ax.set_yscale("log")
+      ax.grid(alpha=0.3)
+      ax.legend(fontsize=8)
+      ax.set_title(f"{study.source}: {suffix} against KV memory")
+    paths.append(path)
+  return paths

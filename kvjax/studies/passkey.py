@@ -27,7 +27,8 @@ that sequence of ids (re-encoding its text may merge a token across a part bound
 Scored by exact match: the first number of the greedy answer equals the key. Everything is drawn
 from a generator seeded by (seed, D): the same config gives the same examples for every model
 with the same tokenizer. The answers are decoded through the KV cache of a CacheConfig: a
-contiguous one by kvjax.generate, a paged one by the continuous-batching engine.
+contiguous one by kvjax.generate, a paged one by the continuous-batching engine
+(kvjax.studies.measure.answers).
 """
 
 from __future__ import annotations
@@ -41,11 +42,10 @@ import numpy as np
 
 from kvjax.cache.config import CacheConfig
 from kvjax.fields import check_nonnegative, check_positive, check_positive_int, to_dict
-from kvjax.decoding.decode import generate, until_stop
 from kvjax.interop.tokenizer import TextTokenizer
 from kvjax.model.transformer import Transformer
 from kvjax.model.weights import check_format, store
-from kvjax.serving.engine import Engine, EngineConfig
+from kvjax.studies import measure
 from kvjax.training.checkpoint import latest_step, load_model
 from kvjax.training.data import documentation, paragraphs_of
 
@@ -215,42 +215,6 @@ def answered(text: str, key: str) -> bool:
   return found is not None and found.group() == key
 
 
-def answers(
-  model: Transformer,
-  params,
-  prompts: np.ndarray,
-  lengths: np.ndarray,
-  new_tokens: int,
-  stop_ids,
-  *,
-  cache_config: CacheConfig = CacheConfig(),
-) -> list[np.ndarray]:
-  """Greedy answers [n] of int32 tokens (cut at the first stop token) through a contiguous cache
-  (generate) or the engine's paged cache, of cache_config."""
-  if cache_config.layout != "paged":
-    out = np.asarray(
-      generate(model, params, prompts, lengths, new_tokens, stop_ids=stop_ids, cache_config=cache_config)
-    )
-    return until_stop(out, stop_ids)
-  page_size = cache_config.page_size
-  longest = int(lengths.max()) + new_tokens
-  pages = -(-longest // page_size)
-  engine = Engine(
-    model,
-    params,
-    EngineConfig(
-      num_slots=len(prompts),
-      num_pages=len(prompts) * pages + 1,
-      cache=cache_config,
-      max_len=pages * page_size,
-      stop_ids=tuple(stop_ids),
-    ),
-  )
-  ids = [engine.submit(prompt[:length], new_tokens) for prompt, length in zip(prompts, lengths)]
-  out = engine.run()
-  return [out[i][:-1] if len(out[i]) and out[i][-1] in stop_ids else out[i] for i in ids]
-
-
 def passkey(
   model: Transformer,
   params,
@@ -259,7 +223,9 @@ def passkey(
   *,
   cache_config: CacheConfig = CacheConfig(),
 ) -> dict[str, dict]:
-  """Exact-match recall per distance -> {str(D): {"distance", "exact_match", "needles", "answers"}}."""
+  """Exact-match recall per distance through a cache of cache_config (kvjax.studies.measure.recall,
+  config.batch_size examples at a time) -> {str(D): {"distance", "exact_match", "needles",
+  "samples"}}; samples: one record per example ({"index", "key", "answer", "hit"})."""
   longest = Frame.of(tokenizer).length(config.lead, max(config.distances)) + config.answer_tokens
   cache_config.model(model.config).check_length(
     longest, f"PasskeyConfig.distances: distance {max(config.distances)} needs {longest} positions"
@@ -268,27 +234,30 @@ def passkey(
   out = {}
   for distance in config.distances:
     prompts, lengths, keys = examples(tokenizer, config, distance, prose)
-    texts = [
-      tokenizer.decode(a)
-      for start in range(0, config.needles, config.batch_size)
-      for a in answers(
-        model,
-        params,
-        prompts[start : start + config.batch_size],
-        lengths[start : start + config.batch_size],
-        config.answer_tokens,
-        tokenizer.stop_ids,
-        cache_config=cache_config,
-      )
-    ]
-    hits = [answered(text, key) for text, key in zip(texts, keys)]
-    out[str(distance)] = {
-      "distance": distance,
-      "exact_match": float(np.mean(hits)),
-      "needles": config.needles,
-      "answers": [{"key": k, "answer": t} for k, t in zip(keys, texts)],
-    }
+    exact, samples = measure.recall(
+      model,
+      params,
+      prompts,
+      lengths,
+      keys,
+      judge(tokenizer),
+      config.answer_tokens,
+      cache_config,
+      batch_size=config.batch_size,
+      stop_ids=tokenizer.stop_ids,
+    )
+    out[str(distance)] = {"distance": distance, "exact_match": exact, "needles": config.needles, "samples": samples}
   return out
+
+
+def judge(tokenizer: TextTokenizer):
+  """judge(answer ids, key) -> one sample's record {"key", "answer" (text), "hit" (answered)}."""
+
+  def record(answer: np.ndarray, key: str) -> dict:
+    text = tokenizer.decode(answer)
+    return {"key": key, "answer": text, "hit": answered(text, key)}
+
+  return record
 
 
 def passkey_checkpoint(

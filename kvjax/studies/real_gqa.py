@@ -1,12 +1,15 @@
-"""The GQA table on a pretrained checkpoint (experiments/real_gqa_table.py): the model as shipped,
-MQA by mean-pooling its kv heads (the paper's conversion) at alpha = 0 and recovered, MQA by
-kvjax's best conversion recovered, and MLA at MQA's bytes recovered.
+"""The GQA table on a pretrained model: as shipped, MQA (mean-pooled, best conversion) and MLA, recovered.
 
-Columns: KV bytes per token; time per sample (one jitted `generate` of timing.batch rows of
-timing.prompt tokens + timing.new_tokens greedy tokens, over the batch; models timed round-robin,
-kvjax.studies.stages.time_per_sample, weights stored as measure.weights); held-out perplexity and
-pass-key recall (kvjax.studies.real_kv); and the gap each row closes in loss per token at the
-longest context, ln perplexity: 0% at mean-pooling at alpha = 0, 100% at the model as shipped.
+The rows: the model as shipped, MQA by mean-pooling its kv heads (the paper's conversion) at
+alpha = 0 and recovered, MQA by kvjax's best conversion recovered, and MLA at MQA's bytes
+recovered; each a Variant (kvjax.studies.variants) with the full cache.
+
+Columns: KV bytes per token (kvjax.studies.measure); time per sample (one jitted `generate` of
+timing.batch rows of timing.prompt tokens + timing.new_tokens greedy tokens, over the batch;
+models timed round-robin, kvjax.studies.stages.time_per_sample, weights stored as
+measure.weights); held-out perplexity and pass-key recall (per-sample records under "samples");
+and the gap each row closes in loss per token at the longest context, ln perplexity: 0% at
+mean-pooling at alpha = 0, 100% at the model as shipped.
 """
 
 from __future__ import annotations
@@ -14,14 +17,15 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
+from typing import Callable
 
-from kvjax.cache import kinds
-from kvjax.cache.config import CacheConfig
 from kvjax.conversion.conversions import KVHeads, ToMLA
 from kvjax.model.weights import store
-from kvjax.studies import report
-from kvjax.studies.real_kv import Measure, Params, Recovery, load, perplexity, prepare, prose_windows, recall
+from kvjax.studies import measure, report
+from kvjax.studies.passkey import passkey
+from kvjax.studies.real_kv import Measure, Recovery, folder, load, prepare, prose_windows
 from kvjax.studies.stages import TimingConfig, time_per_sample
+from kvjax.studies.variants import Variant
 
 PROTOCOL = """Protocol: {source} imported from its file (float32). MQA rows convert its {kv} kv heads to
 one: "mean" mean-pools them (Ainslie et al. 2023), the best conversion is {best}; MLA is
@@ -36,9 +40,9 @@ weights stored as {weights}, median of {repeats} round-robin rounds over the bat
 
 @dataclasses.dataclass(frozen=True)
 class RealGqaStudy:
-  """The study `kvjax run` runs for job "real_gqa_table"; models_from as RealFrontierStudy's."""
+  """The study `kvjax run` runs for job "real_gqa"; models_from as KVFrontierStudy's."""
 
-  job: str = "real_gqa_table"
+  job: str = "real_gqa"
   source: str = "smollm2-135m"
   source_layers: int | None = None
   best: KVHeads = KVHeads(1, "pca")
@@ -51,8 +55,8 @@ class RealGqaStudy:
   models_from: str = ""
 
   def __post_init__(self):
-    if self.job != "real_gqa_table":
-      raise ValueError(f"RealGqaStudy.job must be 'real_gqa_table', got {self.job!r}")
+    if self.job != "real_gqa":
+      raise ValueError(f"RealGqaStudy.job must be 'real_gqa', got {self.job!r}")
     if not isinstance(self.best, KVHeads) or self.best.num_kv_heads != 1:
       raise ValueError(f"RealGqaStudy.best must be a KVHeads conversion to one kv head (MQA), got {self.best!r}")
     if not isinstance(self.mla, ToMLA):
@@ -61,54 +65,63 @@ class RealGqaStudy:
       if not isinstance(getattr(self, name), cls):
         raise ValueError(f"RealGqaStudy.{name} must be a {cls.__name__}, got {getattr(self, name)!r}")
 
-  def rows(self, num_kv_heads: int) -> list[tuple[str, Params]]:
-    mean = KVHeads(1)
+  def variants(self, num_kv_heads: int) -> list[Variant]:
+    """The table's rows, named for a source of num_kv_heads kv heads."""
+    mean, mode = KVHeads(1), self.recovery.mode
     return [
-      (f"as shipped (GQA-{num_kv_heads})", Params()),
-      ("MQA mean, alpha 0", Params(mean)),
-      (f"MQA mean + {self.recovery.mode} recovery", Params(mean, True)),
-      (f"MQA {self.best.label} + {self.recovery.mode} recovery", Params(self.best, True)),
-      (f"MLA {self.mla.label} (MQA bytes) + {self.recovery.mode} recovery", Params(self.mla, True)),
+      Variant(f"as shipped (GQA-{num_kv_heads})", "full"),
+      Variant("MQA mean, alpha 0", "heads", conversion=mean),
+      Variant(f"MQA mean + {mode} recovery", "heads", conversion=mean, recovered=True),
+      Variant(f"MQA {self.best.label} + {mode} recovery", "heads", conversion=self.best, recovered=True),
+      Variant(f"MLA {self.mla.label} (MQA bytes) + {mode} recovery", "mla", conversion=self.mla, recovered=True),
     ]
 
 
-def run_study(study: RealGqaStudy, workdir: str | Path, progress=print) -> list[dict]:
-  """The table's rows; writes real_gqa_table.{csv,json,md,png} to workdir."""
+def run(study: RealGqaStudy, workdir: Path, progress: Callable[[str], None]) -> list[dict]:
+  """The table's rows; writes real_gqa.{csv,json,md,png} to workdir."""
   workdir = Path(workdir)
-  wanted = study.rows(0)
-  paths = prepare(study.source, study.source_layers, study.recovery, [p for _, p in wanted], workdir, study.models_from)
+  wanted = study.variants(0)
+  paths = prepare(study.source, study.source_layers, study.recovery, wanted, workdir, study.models_from, progress)
   rows, timed, windows = [], {}, None
-  longest = max(study.measure.contexts)
-  for i, (_, params_of) in enumerate(wanted):
-    model, params, tokenizer = load(paths[params_of.folder(study.recovery)])
+  m = study.measure
+  longest = max(m.contexts)
+  for i, variant in enumerate(wanted):
+    model, params, tokenizer = load(paths[folder(variant, study.recovery)])
     if i == 0:
-      wanted = study.rows(model.config.num_kv_heads)
-      windows = {c: prose_windows(tokenizer, c, study.measure.windows) for c in study.measure.contexts}
-    name = wanted[i][0]
-    progress(f"real_gqa_table: measuring {name}")
+      wanted = study.variants(model.config.num_kv_heads)
+      windows = {c: prose_windows(tokenizer, c, m.windows) for c in m.contexts}
+    variant = wanted[i]
+    progress(f"real_gqa: measuring {variant.name}")
     row = {
-      "model": name,
-      "params": params_of.folder(study.recovery),
+      "model": variant.name,
+      "params": folder(variant, study.recovery),
       "kv_heads": model.config.num_kv_heads,
       "kv_latent_rank": model.config.kv_latent_rank,
-      "kv_bytes_per_token": kinds.bytes_per_token(model.config, CacheConfig()),
+      "kv_bytes_per_token": measure.kv_bytes_per_token(model.config, variant.cache, m.context),
     }
     for c, ws in windows.items():
-      row[f"perplexity_{c}"] = perplexity(model, params, ws, CacheConfig())
-    for d, value in recall(model, params, tokenizer, study.measure.recall, CacheConfig()).items():
-      row[f"recall_{d}"] = value
+      row[f"perplexity_{c}"] = measure.perplexity(model, params, ws, variant.cache, c // 2)
+    found = passkey(model, params, tokenizer, m.recall, cache_config=variant.cache)
+    for d, result in found.items():
+      row[f"recall_{d}"] = 100.0 * result["exact_match"]
+    row["samples"] = [{"distance": int(d), **r} for d, result in found.items() for r in result["samples"]]
     rows.append(row)
-    timed[name] = (model, store(params, study.measure.weights))
-    progress(str(row))
+    timed[variant.name] = (model, store(params, m.weights))
+  progress("real_gqa: timing every model")
   times = time_per_sample(timed, study.timing)
   ln = lambda r: math.log(r[f"perplexity_{longest}"])
   start, goal = ln(rows[1]), ln(rows[0])
   for row in rows:
     row["time_per_sample_s"] = times[row["model"]]["time_per_sample_s"]
     row["times_s"] = times[row["model"]]["times_s"]
-    row["gap_closed"] = (start - ln(row)) / (start - goal) if start != goal else None
-  write(study, rows, workdir / "real_gqa_table")
+    row["gap_closed"] = gap_closed(ln(row), start, goal)
+  write(study, rows, workdir / "real_gqa")
   return rows
+
+
+def gap_closed(value: float, start: float, goal: float) -> float | None:
+  """The fraction of the way from `start` to `goal` that `value` went (None when they are equal)."""
+  return (start - value) / (start - goal) if start != goal else None
 
 
 def write(study: RealGqaStudy, rows: list[dict], stem: Path) -> str:

@@ -1,5 +1,5 @@
-"""KV-cache compression on a pretrained model: the pieces the real-model frontier and GQA table
-share (kvjax.studies.real_frontier, kvjax.studies.real_gqa).
+"""Pretrained models for the real-model studies (kvjax.studies.kv_frontier, real_gqa, eviction):
+the import and the conversions a list of variants runs, and the measurement settings.
 
 Models. The pretrained model (a name `kvjax import` knows, a GGUF file, a Hugging Face folder) is
 imported once into WORKDIR/source; each conversion (kvjax.conversion.conversions) of it is run by
@@ -9,45 +9,37 @@ end-to-end uptraining with distillation). Every one is a stage of WORKDIR/stages
 (kvjax.studies.stages), so a rerun skips what is done and an interrupted recovery resumes; with
 `models_from`, another study's finished workdir (same source and Recovery) is only read.
 
-Measurements, each through the cache a CacheConfig makes (any layout, codec, window or press):
-  kv_bytes_per_token  the cache's bytes for one row of `context` positions whose prompt fills it
-                      (kinds.cache_bytes: scales, rings, eviction slots and their bookkeeping),
-                      over `context`;
+Measurements (measure_row), each through the cache a variant names, by kvjax.studies.measure:
+  kv_bytes_per_token  measure.kv_bytes_per_token at Measure.context;
   perplexity          held-out prose windows of C tokens (pydoc_data prose, which no recovery
                       trains on): the first C/2 prefilled through the cache (a press compresses
                       them, a window drops what leaves it), the last C/2 extended into it and
                       scored; the same tokens for every variant;
-  recall              pass-key recall per distance (kvjax.studies.passkey; generate from the
+  recall              pass-key recall per distance, in % (kvjax.studies.passkey; generate from the
                       whole prompt, so a press sees the question: the query-aware protocol);
-  decode step         one decode step of `batch` rows holding `context` positions (random
-                      payloads written through the cache, an evicted cache holding what its
-                      press keeps of a `context`-token prompt), weights stored as timing_weights.
+  decode step         one decode step of `batch` rows holding `context` positions, weights stored
+                      as Measure.weights (measure.decode_step_ms).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import statistics
-import time
 from pathlib import Path
+from typing import Callable
 
-import jax
 import numpy as np
 
-from kvjax.cache import kinds
 from kvjax.cache.config import CacheConfig
-from kvjax.cache.fill import filled, filled_evicted
-from kvjax.conversion.conversions import Conversion
 from kvjax.conversion.import_model import import_model
 from kvjax.conversion.uptrain import uptrain
-from kvjax.decoding import decode
 from kvjax.config import ModelConfig
 from kvjax.fields import check_choice, check_positive, check_real, from_dict, to_dict
 from kvjax.interop.tokenizer import TextTokenizer
 from kvjax.model.weights import check_format, store
-from kvjax.studies import stages
+from kvjax.studies import measure, stages
+from kvjax.studies.variants import Variant
 from kvjax.studies.passkey import PasskeyConfig, passkey
 from kvjax.training import checkpoint
 from kvjax.training.config import DataConfig
@@ -100,22 +92,11 @@ class Recovery:
     ]
 
 
-@dataclasses.dataclass(frozen=True)
-class Params:
-  """Which params a row runs: the source's (conversion None) or a conversion's, recovered or at
-  alpha = 0."""
-
-  conversion: Conversion | None = None
-  recovered: bool = False
-
-  def __post_init__(self):
-    if self.recovered and self.conversion is None:
-      raise ValueError("Params(recovered=True) needs a conversion to recover from")
-
-  def folder(self, recovery: Recovery) -> str:
-    if self.conversion is None:
-      return SOURCE
-    return f"{self.conversion.name}_{recovery.mode if self.recovered else 'alpha0'}"
+def folder(variant: Variant, recovery: Recovery) -> str:
+  """The folder of the params a variant runs: the import, or its conversion's at alpha = 0 or recovered."""
+  if variant.conversion is None:
+    return SOURCE
+  return f"{variant.conversion.name}_{recovery.mode if variant.recovered else 'alpha0'}"
 
 
 def stage_settings(source: str, layers: int | None, recovery: Recovery) -> dict:
@@ -124,14 +105,20 @@ def stage_settings(source: str, layers: int | None, recovery: Recovery) -> dict:
 
 
 def prepare(
-  source: str, layers: int | None, recovery: Recovery, wanted: list[Params], workdir: Path, models_from: str = ""
+  source: str,
+  layers: int | None,
+  recovery: Recovery,
+  wanted: list[Variant],
+  workdir: Path,
+  models_from: str = "",
+  progress: Callable[[str], None] = lambda line: None,
 ) -> dict[str, Path]:
-  """{folder: path} of every params source in `wanted`: imported (its first `layers` layers when
+  """{folder: path} of the params of every variant in `wanted`: imported (its first `layers` layers when
   given) and converted (and recovered) here as stages. With models_from (the workdir of a study
   with the same settings), the models it finished are only read from there, the import among
   them, and the rest are made here from its import."""
   settings = stage_settings(source, layers, recovery)
-  folders = {p.folder(recovery): p for p in wanted}
+  folders = {folder(v, recovery): v for v in wanted}
   paths, base = {}, workdir / SOURCE
   if models_from:
     root = Path(models_from)
@@ -148,11 +135,11 @@ def prepare(
       )
     paths = {f: root / f for f in [SOURCE, *folders] if f in done}
     base = root / SOURCE
-  run = stages.Stages(workdir, settings)
+  run = stages.Stages(workdir, settings, progress=progress)
   if SOURCE not in paths:
     run.run(SOURCE, lambda: import_model(source, base, layers=layers))
-  for folder, p in folders.items():
-    if folder in paths or p.conversion is None:
+  for name, p in folders.items():
+    if name in paths or p.conversion is None:
       continue
     kwargs = (
       dict(fraction=1.0, recovery=recovery.mode, overrides=recovery.overrides(True))
@@ -162,7 +149,7 @@ def prepare(
     )
     if p.recovered and recovery.mode == "train":
       kwargs["distill"] = recovery.distill
-    run.run(folder, lambda p=p, kw=kwargs, f=folder: uptrain(base, workdir / f, p.conversion, **kw))
+    run.run(name, lambda p=p, kw=kwargs, f=name: uptrain(base, workdir / f, p.conversion, **kw))
   return {f: paths.get(f, workdir / f) for f in folders}
 
 
@@ -177,64 +164,10 @@ def load(path: Path):
   return model, params, TextTokenizer.load(path, model.config.vocab_size)
 
 
-def kv_bytes_per_token(config, cache_config: CacheConfig, context: int) -> float:
-  """Bytes of a one-row cache of `context` positions whose prompt is `context` tokens, over `context`."""
-  return kinds.cache_bytes(config, cache_config, 1, context, prompt=context) / context
-
-
 def prose_windows(tokenizer, length: int, count: int) -> list[tuple[np.ndarray, np.ndarray]]:
   """`count` held-out prose windows of `length` tokens -> [(inputs, targets) int32 [count, length]]."""
   data = load_dataset(DataConfig(source=PROSE, seq_len=length), tokenizer)
   return list(eval_batches(data.val, length, count, 1))
-
-
-def continuation_nll(model, params, windows, cache_config: CacheConfig, context: int) -> tuple[float, int]:
-  """(summed negative log-likelihood, tokens) of the tokens after `context` of each window
-  ([(inputs, targets) [n, C]]), read through a cache of cache_config that holds (and pressed) the
-  first `context` tokens."""
-  total, count = 0.0, 0
-  for inputs, targets in windows:
-    n, length = inputs.shape
-    _, cache = decode.prefill(
-      model, params, inputs[:, :context], np.full(n, context), length, logits="last", cache_config=cache_config
-    )
-    logits, _ = decode.extend(model, params, cache, inputs[:, context:], np.full(n, length - context))
-    nll = -jax.nn.log_softmax(logits, axis=-1)
-    picked = np.take_along_axis(np.asarray(nll), targets[:, context:, None].astype(np.int64), axis=-1)
-    total += float(picked.sum())
-    count += picked.size
-  return total, count
-
-
-def perplexity(model, params, windows, cache_config: CacheConfig) -> float:
-  """Perplexity of the second half of each window, its first half through the cache."""
-  total, count = continuation_nll(model, params, windows, cache_config, windows[0][0].shape[1] // 2)
-  return math.exp(total / count)
-
-
-def recall(model, params, tokenizer, config: PasskeyConfig, cache_config: CacheConfig) -> dict[int, float]:
-  """Exact-match pass-key recall (%) per distance."""
-  found = passkey(model, params, tokenizer, config, cache_config=cache_config)
-  return {int(d): 100.0 * r["exact_match"] for d, r in found.items()}
-
-
-def decode_step_ms(model, params, cache_config: CacheConfig, batch: int, context: int, repeats: int) -> list[float]:
-  """Milliseconds of `repeats` decode steps (after warm-up ones) of `batch` rows holding
-  `context` positions in a cache of cache_config."""
-  max_len = context + repeats + 3
-  if cache_config.press is not None:
-    cache = filled_evicted(model.config, cache_config, batch, context, max_len)
-  else:
-    cache = filled(kinds.create(model.config, cache_config, batch, max_len), model.config, context)
-  tokens = np.zeros((batch,), np.int32)
-  times = []
-  for i in range(repeats + 2):  # two warm-up steps: the second call compiles for the cache the first returns
-    start = time.perf_counter()
-    logits, cache = decode.decode_step(model, params, cache, tokens)
-    jax.block_until_ready(logits)
-    if i > 1:
-      times.append(1e3 * (time.perf_counter() - start))
-  return times
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,16 +195,19 @@ class Measure:
     check_format(self.weights)
 
 
-def measure_row(model, params, tokenizer, cache_config: CacheConfig, measure: Measure, windows: dict) -> dict:
-  """Every measurement of one model through one cache (windows: {C: prose_windows(C)})."""
-  row = {"kv_bytes_per_token": kv_bytes_per_token(model.config, cache_config, measure.context)}
+def measure_row(model, params, tokenizer, cache_config: CacheConfig, settings: Measure, windows: dict) -> dict:
+  """Every measurement of one model through one cache (windows: {C: prose_windows(C)}); the pass-key
+  samples under "samples" (one record per example, with its distance)."""
+  row = {"kv_bytes_per_token": measure.kv_bytes_per_token(model.config, cache_config, settings.context)}
   for length, ws in windows.items():
-    row[f"perplexity_{length}"] = perplexity(model, params, ws, cache_config)
-  for distance, value in recall(model, params, tokenizer, measure.recall, cache_config).items():
-    row[f"recall_{distance}"] = value
-  row["recall_mean"] = statistics.mean(row[f"recall_{d}"] for d in measure.recall.distances)
-  steps = decode_step_ms(
-    model, store(params, measure.weights), cache_config, measure.batch, measure.context, measure.repeats
+    row[f"perplexity_{length}"] = measure.perplexity(model, params, ws, cache_config, length // 2)
+  found = passkey(model, params, tokenizer, settings.recall, cache_config=cache_config)
+  for distance, result in found.items():
+    row[f"recall_{distance}"] = 100.0 * result["exact_match"]
+  row["recall_mean"] = statistics.mean(row[f"recall_{d}"] for d in settings.recall.distances)
+  steps = measure.decode_step_ms(
+    model, store(params, settings.weights), cache_config, settings.batch, settings.context, settings.repeats
   )
   row["decode_step_ms"] = statistics.median(steps)
+  row["samples"] = [{"distance": int(d), **r} for d, result in found.items() for r in result["samples"]]
   return row

@@ -15,7 +15,7 @@ byte. Answer byte j is predicted at position (prompt end + j), where the needle'
 exactly D positions back: a sliding window must span D + 1 positions (the query's own included)
 to see it. So D >= MIN_DISTANCE + needle_bytes (the marker, the needle and its closing quote).
 
-Scoring is greedy decoding through the KV cache (kvjax.decoding.decode.generate), so what the
+Scoring is greedy decoding through the KV cache (kvjax.studies.measure.recall), so what the
 model reads is what the cache kind stores: a quantized cache's rounding, a window's forgetting.
 Per distance: byte accuracy (answer bytes equal to the needle's, position by position) and exact
 match (whole needles), both in [0, 1]. Everything is drawn from a generator seeded by
@@ -31,9 +31,9 @@ import numpy as np
 
 from kvjax.cache.config import CacheConfig
 from kvjax.fields import check_nonnegative, check_positive, check_positive_int, from_dict
-from kvjax.decoding.decode import generate
 from kvjax.interop.hf_files import TOKENIZER_FILE
 from kvjax.model.transformer import Transformer
+from kvjax.studies import measure
 from kvjax.training.checkpoint import latest_step, load_model
 from kvjax.training.config import DataConfig
 from kvjax.training.data import load_dataset
@@ -117,17 +117,37 @@ def examples(config: RecallConfig, distance: int, filler: np.ndarray) -> tuple[n
 def recall(
   model: Transformer, params, config: RecallConfig, filler: np.ndarray, cache_config: CacheConfig = CacheConfig()
 ) -> dict[str, dict]:
-  """Greedy copies of the needles at every distance -> {str(D): {"distance", "byte_accuracy",
-  "exact_match", "needles"}}; one kvjax.generate call per distance, through a cache of
-  `cache_config`."""
+  """Greedy copies of the needles at every distance through a cache of `cache_config`
+  (kvjax.studies.measure.recall, one batch per distance) -> {str(D): {"distance",
+  "byte_accuracy", "exact_match", "needles", "samples"}}; samples: one record per needle
+  ({"index", "needle", "answer", "byte_accuracy", "hit"}, text as str)."""
   config.check_model(model.config.max_len, model.config.vocab_size)
   out = {}
   for distance in config.distances:
     prompts, needles = examples(config, distance, filler)
     lengths = np.full((len(prompts),), prompts.shape[1], np.int32)
-    copies = generate(model, params, prompts, lengths, config.needle_bytes, cache_config=cache_config)  # greedy
-    out[str(distance)] = {"distance": distance, **score(copies, needles), "needles": config.needles}
+    exact, samples = measure.recall(model, params, prompts, lengths, needles, judge, config.needle_bytes, cache_config)
+    out[str(distance)] = {
+      "distance": distance,
+      "byte_accuracy": float(np.mean([s["byte_accuracy"] for s in samples])),
+      "exact_match": exact,
+      "needles": config.needles,
+      "samples": samples,
+    }
   return out
+
+
+def judge(copy: np.ndarray, needle: np.ndarray) -> dict:
+  """One sample's record: the needle and the copy as text, the fraction of bytes in place, and
+  whether the whole needle was copied."""
+  text = lambda ids: np.asarray(ids, np.uint8).tobytes().decode("latin-1")
+  hits = score(copy[None], needle[None])
+  return {
+    "needle": text(needle),
+    "answer": text(copy),
+    "byte_accuracy": hits["byte_accuracy"],
+    "hit": bool(hits["exact_match"]),
+  }
 
 
 def score(copies, needles: np.ndarray) -> dict[str, float]:

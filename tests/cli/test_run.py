@@ -12,7 +12,7 @@ import pytest
 
 import kvjax.studies
 from kvjax.cli import main as cli
-from kvjax.cli import pending, run
+from kvjax.cli import run
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -75,7 +75,6 @@ def studies(tmp_path, monkeypatch):
   config.write_text(CONFIG.format(job="hello_study"))
   monkeypatch.setattr(run, "STUDIES", folder)
   monkeypatch.setattr(run, "CONFIGS", configs)
-  monkeypatch.setattr(pending, "SCRIPTS", {})
   monkeypatch.setattr(kvjax.studies, "__path__", [*kvjax.studies.__path__, str(folder)])
   yield config
   for name in ("kvjax.studies.hello_study", "kvjax.studies.greetings"):
@@ -141,16 +140,14 @@ def test_missing_config_file(tmp_path, capsys):
 
 
 def test_every_config_lives_in_its_jobs_folder_and_resolves():
-  """configs/<job>/<name>.py: the folder names the job, so no two configs share a default workdir.
-  (configs/gqa_table/smollm2*.py and configs/kv_frontier/smollm2*.py name the pending jobs
-  real_gqa_table and real_frontier, kvjax.cli.pending, until those become study modules.)"""
+  """configs/<job>/<name>.py: the folder names the job, so no two configs share a default workdir."""
   paths = sorted((ROOT / "configs").glob("*/*.py"))
   assert len(paths) > 10
   workdirs = set()
   for path in paths:
     config = run.load_config(path)
     assert callable(run.resolve_job(config.job, path)), path
-    assert path.parent.name == config.job or config.job in pending.SCRIPTS, path
+    assert path.parent.name == config.job, path
     workdirs.add(run.default_workdir(config, path))
   assert len(workdirs) == len(paths)
 
@@ -160,7 +157,7 @@ def test_every_study_module_has_configs_of_its_job():
     configs = run.configs_of(job)
     assert configs, job
     jobs = {run.load_config(path).job for path in configs}
-    assert job in jobs and jobs - {job} <= set(pending.SCRIPTS), job
+    assert jobs == {job}, job
 
 
 @pytest.mark.parametrize(

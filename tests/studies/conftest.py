@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,19 @@ from kvjax.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
 GQA_TINY = ROOT / "configs" / "gqa_table" / "tiny.py"
+
+
+def _helpers():
+  """tests/conftest.py as a module of its own name: this file is the `conftest` the study tests
+  import, so the shared helpers they use from tests/conftest.py are named here too."""
+  spec = importlib.util.spec_from_file_location("kvjax_tests_conftest", ROOT / "tests" / "conftest.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+_shared = _helpers()
+init_params, tiny_config, tree_state = _shared.init_params, _shared.tiny_config, _shared.tree_state
 
 
 @pytest.fixture(scope="session")

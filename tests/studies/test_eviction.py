@@ -1,5 +1,6 @@
-"""The eviction study's driver on SmolLM2, shrunk (configs/eviction/tiny.py): one press beside the
-full cache, both recall protocols, perplexity after a pressed context."""
+"""The eviction study on SmolLM2, shrunk (configs/eviction/tiny.py): one press beside the full
+cache, both recall protocols with an answer budget that holds the key, perplexity after a
+pressed context; the full cache's rows against oracles."""
 
 from __future__ import annotations
 
@@ -7,26 +8,60 @@ import json
 import math
 from pathlib import Path
 
+import jax
+import numpy as np
 import pytest
-from conftest import load_module
 
+from kvjax.cli.run import load_config
+from kvjax.interop.importer import read_model
+from kvjax.model.transformer import Transformer
+from kvjax.studies import eviction
 from kvjax.studies.eviction import EvictionStudy
+from kvjax.training.config import DataConfig
+from kvjax.training.data import PROSE, eval_batches, load_dataset
 
 ROOT = Path(__file__).parents[2]
 
 
+def forward_perplexity(study: EvictionStudy, params, config, tokenizer) -> float:
+  """The oracle: a causal forward pass over each whole window, its continuation scored."""
+  length = study.perplexity_context + study.continuation
+  data = load_dataset(DataConfig(source=PROSE, seq_len=length), tokenizer)
+  total = count = 0
+  for inputs, targets in eval_batches(data.val, length, study.windows, 1):
+    logits = Transformer(config).apply({"params": params}, inputs)
+    nll = -jax.nn.log_softmax(logits, axis=-1)[:, study.perplexity_context :]
+    picked = np.take_along_axis(np.asarray(nll), targets[:, study.perplexity_context :, None].astype(np.int64), -1)
+    total += float(picked.sum())
+    count += picked.size
+  return math.exp(total / count)
+
+
 def test_the_tiny_study_writes_a_row_per_cache(tmp_path):
-  config = load_module(ROOT / "configs" / "eviction" / "tiny.py")
-  study = config.get_config()
-  rows = load_module(config.DRIVER).main(study, tmp_path)
+  study = load_config(ROOT / "configs" / "eviction" / "tiny.py")
+  progress = []
+  rows = eviction.run(study, tmp_path, progress.append)
+  assert progress == ["eviction: measuring the full cache", "eviction: measuring snapkv at ratio 0.75"]
   assert [(r["press"], r["ratio"]) for r in rows] == [("full cache", 0.0), ("snapkv", 0.75)]
   full, snapkv = rows
-  # Without a press both protocols are the same computation.
-  assert full["recall_query_agnostic"] == full["recall_query_aware"]
+  # Through the full cache the model finds the first key at 200 tokens ("The pass key is 98874.",
+  # inside the 12-token budget) and misses the second, under either protocol, answering alike
+  # token for token: reading the question after the prefill is reading it in the prompt.
+  assert full["recall_query_agnostic"] == full["recall_query_aware"] == 50.0
+  agnostic, aware = ([s for s in full["samples"] if s["protocol"] == p] for p in eviction.PROTOCOLS)
+  assert [s["answer"] for s in agnostic] == [s["answer"] for s in aware]
+  assert [s["hit"] for s in agnostic] == [True, False] and agnostic[0]["answer"].startswith("The pass key is 98874.")
+  params, config, tokenizer, _ = read_model(study.source)
+  _, _, keys = eviction.needles(tokenizer, study)
   for row in rows:
-    assert math.isfinite(row["perplexity"]) and row["perplexity"] > 1
-    assert {row["recall_query_agnostic"], row["recall_query_aware"]} <= {0.0, 50.0, 100.0}
-  assert snapkv["perplexity"] != full["perplexity"]  # the press dropped tokens the continuation reads
+    for protocol in eviction.PROTOCOLS:
+      assert [s["key"] for s in row["samples"] if s["protocol"] == protocol] == keys
+  assert full["perplexity"] == pytest.approx(forward_perplexity(study, params, config, tokenizer), rel=1e-4)
+  # The press dropped what the continuation reads; pressing before or after the question arrives
+  # keeps other tokens, so the two protocols answer differently.
+  assert snapkv["perplexity"] != pytest.approx(full["perplexity"], rel=1e-4)
+  agnostic, aware = ([s["answer"] for s in snapkv["samples"] if s["protocol"] == p] for p in eviction.PROTOCOLS)
+  assert agnostic != aware
   assert json.loads((tmp_path / "eviction.json").read_text()) == rows
   assert "| snapkv |" in (tmp_path / "eviction.md").read_text()
 

@@ -1,11 +1,11 @@
-"""The KV frontier study end to end on its tiny config, against the plain evaluation of the same
-models; reuse of a finished study's models; and the checks of its variants."""
+"""The KV frontier study end to end on its tiny toy config, reading the tiny GQA table's models
+(the gqa_tiny fixture), against the plain evaluation of the same models; and the checks of its
+variants."""
 
 from __future__ import annotations
 
 import csv
 import dataclasses
-import importlib.util
 import json
 from pathlib import Path
 
@@ -16,36 +16,37 @@ from kvjax.cache.kinds import bytes_per_token
 from kvjax.cli.main import main as kvjax_main
 from kvjax.cli.run import load_config
 from kvjax.conversion.conversions import KVHeads, ToMLA
+from kvjax.fields import apply_overrides
 from kvjax.studies import kv_frontier as kvf
 from kvjax.studies import kv_frontier_report as kvf_report
+from kvjax.studies import toy_kv
+from kvjax.studies.variants import FAMILIES, Variant
 from kvjax.training.evaluate import evaluate_checkpoint
 from kvjax.training.workdir import claim_study
+from conftest import tree_state
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs/kv_frontier/tiny.py"
 MLA = "MLA 32+32+distill1"
 
 
-def driver():
-  spec = importlib.util.spec_from_file_location("kv_frontier_driver", ROOT / "experiments/kv_frontier.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.main
-
-
-def tree_state(path: Path) -> dict:
-  return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns) for p in path.rglob("*") if p.is_file()}
-
-
 @pytest.fixture(scope="module")
-def frontier(tmp_path_factory):
-  """`kvjax run configs/kv_frontier/tiny.py`, its variants given again by --set (a tuple of
-  Variants, each with its CacheConfig and conversion, read back from dicts)."""
+def frontier(gqa_tiny, tmp_path_factory):
+  """configs/kv_frontier/tiny.py on the tiny GQA table's models (models_from), its variants given
+  again by --set (a tuple of Variants, each with its CacheConfig and conversion, read back from
+  dicts); the GQA table's workdir is left as it was."""
   study = load_config(TINY)
-  workdir = tmp_path_factory.mktemp("kv_frontier_tiny")
   variants = f"variants={[dataclasses.asdict(v) for v in study.variants]!r}"
-  assert kvjax_main(["run", str(TINY), "--workdir", str(workdir), "--set", variants]) == 0
-  return study, workdir, json.loads((workdir / "kv_frontier.json").read_text())
+  study = apply_overrides(study, [variants, f"models_from={str(gqa_tiny)!r}"])
+  workdir = tmp_path_factory.mktemp("kv_frontier_tiny")
+  before = tree_state(gqa_tiny)
+  progress = []
+  with claim_study(workdir, study):
+    rows = kvf.run(study, workdir, progress.append)
+  assert tree_state(gqa_tiny) == before and not (workdir / "mha_big").exists()
+  assert progress[-1] == "kv_frontier: timing the decode step of every variant"
+  assert json.loads((workdir / "kv_frontier.json").read_text()) == rows
+  return study, workdir, rows
 
 
 def test_tiny_study_writes_a_row_per_variant_and_the_columns_asked_for(frontier):
@@ -68,21 +69,27 @@ def test_tiny_study_writes_a_row_per_variant_and_the_columns_asked_for(frontier)
   assert list(table[0]) == [key for key, _, _ in kvf_report.csv_columns(study)]
   assert {"recall_24", "recall_40", "recall_bytes_24", "recall_bytes_40"} <= set(table[0])
   assert [r["variant"] for r in rows] == names
-  assert json.loads((workdir / "config.json").read_text())["variants"][0]["name"] == names[0]
   text = (workdir / "kv_frontier.md").read_text()
   assert all(f"| {name} |" in text for name in names) and "recall @40" in text
   assert (workdir / "kv_frontier.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   for row in rows:
     assert 0 < row["bits_per_byte"] < 8 and 0 < row["decode_bits_per_byte"] < 8 and row["decode_step_ms"] > 0
-    assert all(0 <= row[f"recall_{d}"] <= row[f"recall_bytes_{d}"] <= 1 for d in study.recall.distances)
-  assert [r["pareto"] for r in rows] == kvf.pareto(rows, "kv_bytes_per_token", "bits_per_byte")
+    assert all(0 <= row[f"recall_{d}"] <= row[f"recall_bytes_{d}"] <= 1 for d in study.measure.recall.distances)
+    # One record per needle: exact match and byte accuracy are their means.
+    for d in study.measure.recall.distances:
+      samples = [s for s in row["samples"] if s["distance"] == d]
+      assert len(samples) == study.measure.recall.needles
+      assert row[f"recall_{d}"] == sum(s["answer"] == s["needle"] for s in samples) / len(samples)
+  # The fewest bytes per token cannot be beaten on bytes: the better MQA row is on the front.
+  assert min(rows, key=lambda r: (r["kv_bytes_per_token"], r["bits_per_byte"]))["pareto"]
 
 
 def test_float32_cache_matches_the_plain_evaluation_and_bytes_are_exact(frontier):
   study, workdir, rows = frontier
   by_name = {r["variant"]: r for r in rows}
-  fp32, big = by_name["fp32"], study.gqa.big
-  plain = evaluate_checkpoint(workdir / "mha_big", batch_size=study.eval_batch_size, num_batches=study.eval_batches)
+  fp32, big, m = by_name["fp32"], study.gqa.big, study.measure
+  source = Path(study.models_from)
+  plain = evaluate_checkpoint(source / "mha_big", batch_size=m.eval_batch_size, num_batches=m.eval_batches)
   # Oracle: a float32 cache stores the values as computed, so through it (prefill, and decode
   # step by step) the held-out bits per byte are kvjax eval's.
   assert fp32["bits_per_byte"] == pytest.approx(plain["bits_per_byte"], rel=1e-5)
@@ -95,24 +102,25 @@ def test_float32_cache_matches_the_plain_evaluation_and_bytes_are_exact(frontier
       # Oracle: decoding through the ring buffer sees what one prefill under the window's mask sees.
       assert row["decode_bits_per_byte"] == pytest.approx(row["bits_per_byte"], rel=1e-4)
       cache = next(v for v in study.variants if v.name == row["variant"]).cache
-      slots = min(study.context, cache.window[0] + (cache.sink_tokens or 0))
-      assert row["kv_bytes_per_token"] == bytes_per_token(big) * slots / study.context
+      slots = min(m.context, cache.window[0] + (cache.sink_tokens or 0))
+      assert row["kv_bytes_per_token"] == (bytes_per_token(big) * slots + 4) / m.context
   assert by_name["bf16"]["decode_bits_per_byte"] == pytest.approx(fp32["decode_bits_per_byte"], rel=1e-2)
-  assert fp32["kv_bytes_per_token"] == bytes_per_token(big)
+  # Every byte per token at 128 positions carries the row's int32 length: 4 / 128.
+  assert m.context == 128 and fp32["kv_bytes_per_token"] == bytes_per_token(big) + 4 / 128 == 1024 + 1 / 32
   # 2 (K, V) x layers x kv heads x (head_dim + one float32 scale) bytes
-  assert by_name["int8"]["kv_bytes_per_token"] == 2 * big.num_layers * big.num_kv_heads * (big.head_dim + 4)
-  assert by_name["bf16"]["kv_bytes_per_token"] == bytes_per_token(big) / 2
-  assert by_name["GQA-2 mean"]["kv_bytes_per_token"] == bytes_per_token(big) * 2 / big.num_heads
-  assert by_name["MQA pca+distill1"]["kv_bytes_per_token"] == bytes_per_token(big) / big.num_heads
+  assert by_name["int8"]["kv_bytes_per_token"] == 2 * big.num_layers * big.num_kv_heads * (big.head_dim + 4) + 1 / 32
+  assert by_name["bf16"]["kv_bytes_per_token"] == 512 + 1 / 32
+  assert by_name["GQA-2 mean"]["kv_bytes_per_token"] == 1024 * 2 / 16 + 1 / 32
+  assert by_name["MQA pca+distill1"]["kv_bytes_per_token"] == 1024 / 16 + 1 / 32
   mla = by_name[MLA]
   # MLA at the bytes of 8 kv heads: 2 layers x (latent 32 + 32 rotary dims) x 4 bytes.
-  assert mla["kv_bytes_per_token"] == bytes_per_token(big) * 8 / big.num_heads == 2 * (32 + 32) * 4
+  assert mla["kv_bytes_per_token"] == 2 * (32 + 32) * 4 + 1 / 32 == 1024 * 8 / 16 + 1 / 32
   assert (mla["kv_latent_rank"], mla["rope_dims"], mla["params"]) == (32, 32, "mla_r32_rope32_alpha0.1_distill1")
   # Oracle: decoding reads the latent cache absorbed, the prefill expanded; the two agree.
   assert mla["decode_bits_per_byte"] == pytest.approx(mla["bits_per_byte"], rel=1e-4)
   # The same uptraining as the heads family's best rows: alpha and distillation.
-  gqa_run = json.loads((workdir / "kv2_pca_alpha0.1_distill1" / "uptrain.json").read_text())
-  mla_run = json.loads((workdir / mla["params"] / "uptrain.json").read_text())
+  gqa_run = json.loads((source / "kv2_pca_alpha0.1_distill1" / "uptrain.json").read_text())
+  mla_run = json.loads((source / mla["params"] / "uptrain.json").read_text())
   assert mla_run["conversion"] == {"kv_latent_rank": 32, "rope_dims": 32, "factorisation": "activation"}
   assert {k: mla_run[k] for k in ("fraction", "distill", "steps", "source_step")} == {
     k: gqa_run[k] for k in ("fraction", "distill", "steps", "source_step")
@@ -121,14 +129,14 @@ def test_float32_cache_matches_the_plain_evaluation_and_bytes_are_exact(frontier
 
 def test_kvjax_eval_recall_scores_as_the_study_does(frontier, capsys):
   study, workdir, rows = frontier
-  rc = study.recall
+  rc, big = study.measure.recall, Path(study.models_from) / "mha_big"
   capsys.readouterr()
   assert (
     kvjax_main(
       [
         "eval",
         "--workdir",
-        str(workdir / "mha_big"),
+        str(big),
         "--recall",
         ",".join(map(str, rc.distances)),
         "--needles",
@@ -144,48 +152,35 @@ def test_kvjax_eval_recall_scores_as_the_study_does(frontier, capsys):
   for d in rc.distances:
     assert result["recall"][str(d)]["exact_match"] == fp32[f"recall_{d}"]
     assert result["recall"][str(d)]["byte_accuracy"] == fp32[f"recall_bytes_{d}"]
-  assert kvjax_main(["eval", "--workdir", str(workdir / "mha_big"), "--recall", "4"]) == 2
+  assert kvjax_main(["eval", "--workdir", str(big), "--recall", "4"]) == 2
   assert "below 24" in capsys.readouterr().err
-  assert kvjax_main(["eval", "--workdir", str(workdir / "mha_big"), "--recall", "24", "--batches", "2"]) == 2
+  assert kvjax_main(["eval", "--workdir", str(big), "--recall", "24", "--batches", "2"]) == 2
   assert "--batches" in capsys.readouterr().err
 
 
-def test_a_finished_study_is_reused_read_only(frontier, tmp_path):
-  study, source, rows = frontier
-  before = tree_state(source)
-  reuse = dataclasses.replace(study, gqa_workdir=str(source), variants=study.variants[:1] + study.variants[-1:])
-  with claim_study(tmp_path, reuse):
-    again = driver()(reuse, tmp_path)
-  assert tree_state(source) == before and not (tmp_path / "mha_big").exists()
-  for row, want in zip(again, [rows[0], rows[-1]]):
-    assert row["variant"] == want["variant"] and row["bits_per_byte"] == want["bits_per_byte"]
-  other = dataclasses.replace(reuse, gqa=dataclasses.replace(study.gqa, fraction=0.2))
+def test_models_from_a_study_with_other_settings_or_unfinished_is_refused(frontier, tmp_path):
+  study, _, _ = frontier
+  other = dataclasses.replace(study.gqa, fraction=0.2)
   with pytest.raises(ValueError, match=r"other settings.*fraction: 0.1 -> 0.2"):
-    kvf.prepare_sources(other, tmp_path)
-  missing = dataclasses.replace(reuse, variants=(kvf.Variant("GQA-4", "heads", conversion=KVHeads(4)),))
+    toy_kv.prepare(other, study.variants, tmp_path, study.models_from)
+  missing = (Variant("GQA-4", "heads", conversion=KVHeads(4), recovered=True),)
   with pytest.raises(ValueError, match=r"has not finished \['kv4_mean_alpha0.1'\]"):
-    kvf.prepare_sources(missing, tmp_path)
+    toy_kv.prepare(study.gqa, missing, tmp_path, study.models_from)
+  with pytest.raises(ValueError, match="is not a GQA study's workdir"):
+    toy_kv.prepare(study.gqa, missing, tmp_path, str(tmp_path / "nothing"))
 
 
-def test_a_variant_this_kvjax_lacks_is_refused_up_front(tmp_path):
+def test_a_variant_this_kvjax_lacks_is_refused_up_front():
   study = load_config(TINY)
-  too_wide = dataclasses.replace(
-    study, variants=study.variants[:1] + (kvf.Variant("ring", "window", CacheConfig(window=(4096,))),)
-  )
   with pytest.raises(
     ValueError,
     match=r"variant 'ring' \(window=\(4096,\)\) cannot decode its model: .*window\[0\]=4096 "
     "is larger than max_len=128",
   ):
-    kvf.check_variants(too_wide)
+    dataclasses.replace(study, variants=study.variants[:1] + (Variant("ring", "window", CacheConfig(window=(4096,))),))
   odd = dataclasses.replace(study.gqa.big, head_dim=9, positions="learned")
   with pytest.raises(ValueError, match=r"variant 'int4' \(dtype=int4\) cannot decode its model: an int4 cache packs"):
-    kvf.check_cache(odd, kvf.Variant("int4", "dtype", CacheConfig(dtype="int4")))
-  bad = dataclasses.replace(study, variants=(kvf.Variant("ring", "window", CacheConfig(window=(4096,))),))
-  with pytest.raises(ValueError, match=r"variant 'ring'.*cannot decode its model"):
-    with claim_study(tmp_path, bad):
-      driver()(bad, tmp_path)
-  assert not (tmp_path / "mha_big").exists()  # refused before anything trained
+    kvf.check_cache(odd, Variant("int4", "codec", CacheConfig(dtype="int4")))
 
 
 def test_bad_study_configs_name_the_field():
@@ -197,29 +192,41 @@ def test_bad_study_configs_name_the_field():
     match=r"Variant 'GQA-3': kv3_mean does not convert MHA-big: KVHeads.num_kv_heads=3: "
     "cannot convert 16 kv heads to 3",
   ):
-    dataclasses.replace(study, variants=(kvf.Variant("GQA-3", "heads", conversion=KVHeads(3)),))
+    dataclasses.replace(study, variants=(Variant("GQA-3", "heads", conversion=KVHeads(3), recovered=True),))
+  with pytest.raises(ValueError, match="a toy study's conversions are uptrained at alpha = gqa.fraction"):
+    dataclasses.replace(study, variants=(Variant("GQA-2", "heads", conversion=KVHeads(2)),))
   with pytest.raises(ValueError, match=r"Variant 'x': cache must be a CacheConfig, got \{'num_kv_heads': 2\}"):
-    kvf.Variant("x", "window", {"num_kv_heads": 2})
-  with pytest.raises(ValueError, match="Variant.family must be one of"):
-    kvf.Variant("x", "pruning")
+    Variant("x", "window", {"num_kv_heads": 2})
+  with pytest.raises(ValueError, match="Variant 'x': family must be one of"):
+    Variant("x", "pruning")
   with pytest.raises(
     ValueError, match="family 'mla' runs params converted by a conversion of that kind, got conversion=None"
   ):
-    kvf.Variant("x", "mla")
+    Variant("x", "mla")
   with pytest.raises(ValueError, match="family 'heads' .* got conversion=mla_r32_rope32"):
-    kvf.Variant("x", "heads", conversion=ToMLA(32, 32))
+    Variant("x", "heads", conversion=ToMLA(32, 32))
   with pytest.raises(ValueError, match="distill=1.0 needs a conversion to uptrain"):
-    kvf.Variant("x", "window", CacheConfig(window=(16,)), distill=1.0)
+    Variant("x", "window", CacheConfig(window=(16,)), distill=1.0)
+  with pytest.raises(ValueError, match="recovered=True needs a conversion"):
+    Variant("x", "window", recovered=True)
   with pytest.raises(ValueError, match="rope_dims=8 must be a multiple of 2 x num_kv_heads=32"):
-    dataclasses.replace(study, variants=(kvf.Variant("x", "mla", conversion=ToMLA(8, 8)),))
+    dataclasses.replace(study, variants=(Variant("x", "mla", conversion=ToMLA(8, 8), recovered=True),))
   with pytest.raises(ValueError, match="rope_dims=32 leaves no latent at the bytes of 2 kv heads"):
     ToMLA.at_kv_heads(study.gqa.big, 2, 32)
   # A cache change on converted params is a point of its own family.
-  windowed = kvf.Variant("GQA-2 window 16", "window", CacheConfig(window=(16,)), conversion=KVHeads(2))
-  assert kvf.source(dataclasses.replace(study, variants=(windowed,)), windowed) == "kv2_mean_alpha0.1"
+  windowed = Variant("GQA-2 window 16", "window", CacheConfig(window=(16,)), conversion=KVHeads(2), recovered=True)
+  assert dataclasses.replace(study, variants=(windowed,)).folder(windowed) == "kv2_mean_alpha0.1"
   with pytest.raises(ValueError, match="context=4096 exceeds MHA-big's max_len=128"):
-    dataclasses.replace(study, context=4096)
+    dataclasses.replace(study, measure=dataclasses.replace(study.measure, context=4096))
   with pytest.raises(ValueError, match="distance 200 needs"):
-    dataclasses.replace(study, recall=dataclasses.replace(study.recall, distances=(200,)))
+    dataclasses.replace(
+      study,
+      measure=dataclasses.replace(study.measure, recall=dataclasses.replace(study.measure.recall, distances=(200,))),
+    )
+  with pytest.raises(ValueError, match="needs one model: gqa .* or source"):
+    dataclasses.replace(study, source="smollm2-135m")
+  with pytest.raises(ValueError, match="KVFrontierStudy.measure must be a ToyMeasure for a toy model"):
+    kvf.KVFrontierStudy(gqa=study.gqa, variants=study.variants, measure=kvf.Measure())
   cpu = load_config(ROOT / "configs/kv_frontier/cpu.py")
-  assert cpu.context == 2048 and {v.family for v in cpu.variants} == set(kvf.FAMILIES)
+  assert cpu.measure.context == 2048 and {v.family for v in cpu.variants} == {"codec", "heads", "window", "mla"}
+  assert set(FAMILIES) >= {v.family for v in cpu.variants}

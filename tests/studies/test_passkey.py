@@ -12,6 +12,7 @@ import pytest
 
 from kvjax.cache.config import CacheConfig
 from kvjax.interop.tokenizer import TextTokenizer
+from kvjax.studies import measure
 from kvjax.studies.passkey import (
   ANSWER,
   INSTRUCTION,
@@ -23,7 +24,6 @@ from kvjax.studies.passkey import (
   PasskeyConfig,
   Prose,
   answered,
-  answers,
   examples,
   passkey,
   prose_sentences,
@@ -123,12 +123,34 @@ def test_paged_answers_in_batches_equal_the_contiguous_cache():
   assert passkey(model, params, tokenizer, paged, cache_config=CacheConfig(layout="paged")) == contiguous
   assert list(contiguous) == ["48", "52"]
   for distance, result in contiguous.items():
-    prompts, lengths, keys = examples(tokenizer, config, int(distance), Prose.of(tokenizer))
-    assert [a["key"] for a in result["answers"]] == keys and result["needles"] == 2
-    assert result["exact_match"] == np.mean([answered(a["answer"], a["key"]) for a in result["answers"]])
-    out = answers(model, params, prompts, lengths, config.answer_tokens, tokenizer.stop_ids)
-    assert [tokenizer.decode(a) for a in out] == [a["answer"] for a in result["answers"]]
-    assert any(len(a) for a in out)  # a random model's answers are tokens, not an immediate stop
+    _, _, keys = examples(tokenizer, config, int(distance), Prose.of(tokenizer))
+    assert [s["key"] for s in result["samples"]] == keys and result["needles"] == 2
+    assert [s["index"] for s in result["samples"]] == [0, 1]
+  assert any(s["answer"] for r in contiguous.values() for s in r["samples"])  # tokens, not an immediate stop
+
+
+def test_exact_match_counts_the_answers_that_hold_the_key(monkeypatch):
+  """Answers made up by hand (the key for every other example asked, a wrong number for the
+  rest) give the exact match counted by hand, per distance, in batches of 2."""
+  tokenizer = word_tokenizer(True)
+  model, params = tiny_llama(tokenizer, max_len=160)
+  config = PasskeyConfig(distances=(48, 52), needles=3, lead=20, answer_tokens=6, batch_size=2)
+  asked = []
+
+  def made_up(model, params, prompts, lengths, new_tokens, cache_config, *, stop_ids, question):
+    out = []
+    for prompt, length in zip(prompts, lengths):
+      key = re.search(r"The pass key is (\d+)", tokenizer.decode(prompt[:length])).group(1)
+      out.append(tokenizer.encode(f" {key}." if len(asked) % 2 == 0 else " 1234."))
+      asked.append(key)
+    return out
+
+  monkeypatch.setattr(measure, "answers", made_up)
+  found = passkey(model, params, tokenizer, config)
+  # Examples 0, 2 of distance 48 and example 1 of distance 52 (the 5th asked) get their key.
+  assert [found[d]["exact_match"] for d in ("48", "52")] == [2 / 3, 1 / 3]
+  assert [[s["hit"] for s in found[d]["samples"]] for d in ("48", "52")] == [[True, False, True], [False, True, False]]
+  assert [s["answer"] for s in found["52"]["samples"]] == [" 1234.", f" {asked[4]}.", " 1234."]
 
 
 def test_too_short_a_distance_or_model_is_refused():

@@ -1,9 +1,10 @@
 """The real-model studies end to end on the first 2 layers of SmolLM2-135M-Instruct: the GQA table
-(configs/gqa_table/smollm2_tiny.py) makes every model, the frontier (configs/kv_frontier/
+(configs/real_gqa/smollm2_tiny.py) makes every model, the frontier (configs/kv_frontier/
 smollm2_tiny.py) reads them from its workdir; the rows are checked against oracles."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -13,24 +14,38 @@ import numpy as np
 import pytest
 
 from kvjax.cache.config import CacheConfig
-from kvjax.cli.main import main
-from kvjax.studies import real_kv
-from kvjax.studies.real_frontier import RealFrontierStudy, Variant, pareto
-from kvjax.studies.real_kv import Params, Recovery
-from conftest import load_module
+from kvjax.cli.run import load_config
+from kvjax.studies import kv_frontier, real_gqa, real_kv
+from kvjax.studies.kv_frontier import KVFrontierStudy
+from kvjax.studies.real_kv import Recovery
+from kvjax.studies.variants import Variant
+from kvjax.training.workdir import claim_study
 
 CONFIGS = Path(__file__).parents[2] / "configs"
+
+
+def run(module, study, workdir: Path) -> list[dict]:
+  with claim_study(workdir, study):
+    return module.run(study, workdir, lambda line: None)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
   root = tmp_path_factory.mktemp("real")
-  assert main(["run", str(CONFIGS / "gqa_table" / "smollm2_tiny.py"), "--workdir", str(root / "gqa")]) == 0
-  frontier = ["run", str(CONFIGS / "kv_frontier" / "smollm2_tiny.py"), "--workdir", str(root / "frontier")]
-  assert main([*frontier, "--set", f"models_from={str(root / 'gqa')!r}"]) == 0
-  table = json.loads((root / "gqa" / "real_gqa_table.json").read_text())
-  rows = json.loads((root / "frontier" / "real_frontier.json").read_text())
+  table = run(real_gqa, load_config(CONFIGS / "real_gqa" / "smollm2_tiny.py"), root / "gqa")
+  study = dataclasses.replace(load_config(CONFIGS / "kv_frontier" / "smollm2_tiny.py"), models_from=str(root / "gqa"))
+  rows = run(kv_frontier, study, root / "frontier")
+  assert json.loads((root / "gqa" / "real_gqa.json").read_text()) == table
+  assert json.loads((root / "frontier" / "kv_frontier.json").read_text()) == rows
   return root, table, {r["variant"]: r for r in rows}
+
+
+def test_gap_closed_by_hand():
+  # Halfway from ln 4 to ln 1 in log perplexity is ln 2; past the goal is more than all of it.
+  assert real_gqa.gap_closed(math.log(2), math.log(4), math.log(1)) == pytest.approx(0.5)
+  assert real_gqa.gap_closed(math.log(4), math.log(4), math.log(2)) == 0.0
+  assert real_gqa.gap_closed(math.log(1), math.log(4), math.log(2)) == pytest.approx(2.0)
+  assert real_gqa.gap_closed(1.0, 3.0, 3.0) is None
 
 
 def test_the_gqa_table_rows_and_files(runs):
@@ -42,14 +57,19 @@ def test_the_gqa_table_rows_and_files(runs):
     "MQA pca + local recovery",
     "MLA 104+24 (MQA bytes) + local recovery",
   ]
-  assert table[0]["gap_closed"] == 1.0 and table[1]["gap_closed"] == 0.0
-  # 2 layers x (K + V) x kv heads x 64 dims x 4 bytes; MLA at MQA's bytes exactly.
-  assert [r["kv_bytes_per_token"] for r in table] == [3072, 1024, 1024, 1024, 1024]
+  # The gap each recovered row closes, from its own perplexity and the two rows that bound it.
+  ln = [math.log(r["perplexity_128"]) for r in table]
+  for row, value in zip(table[2:], ln[2:]):
+    assert row["gap_closed"] == pytest.approx((ln[1] - value) / (ln[1] - ln[0]), rel=1e-9)
+  # 2 layers x (K + V) x kv heads x 64 dims x 4 bytes, and the row's int32 length over 2,048
+  # positions; MLA at MQA's bytes exactly.
+  assert [r["kv_bytes_per_token"] for r in table] == [3072 + 4 / 2048] + [1024 + 4 / 2048] * 4
   for row in table:
     assert row["time_per_sample_s"] > 0 and math.isfinite(row["perplexity_128"])
-  for name in ("real_gqa_table.md", "real_gqa_table.csv", "real_gqa_table.png"):
+    assert [s["distance"] for s in row["samples"]] == [64, 64]
+  for name in ("real_gqa.md", "real_gqa.csv", "real_gqa.png"):
     assert (root / "gqa" / name).stat().st_size > 0
-  assert "Gap closed" in (root / "gqa" / "real_gqa_table.md").read_text()
+  assert "Gap closed" in (root / "gqa" / "real_gqa.md").read_text()
   for folder in ("kv1_mean_local", "kv1_pca_local", "mla_r104_rope24_local"):
     record = json.loads((root / "gqa" / folder / "uptrain.json").read_text())
     assert record["recovery"] == "local" and len(record["layers"]) == 2
@@ -72,7 +92,7 @@ def continuation_perplexity(model, params, windows) -> float:
 
 def test_the_frontier_rows_against_oracles(runs):
   root, table, rows = runs
-  study = load_module(CONFIGS / "kv_frontier" / "smollm2_tiny.py").get_config()
+  study = load_config(CONFIGS / "kv_frontier" / "smollm2_tiny.py")
   assert list(rows) == [v.name for v in study.variants]
   # Models the GQA table made are read from its workdir; the frontier made the one it lacked.
   assert not (root / "frontier" / "source").exists() and not (root / "frontier" / "kv1_pca_local").exists()
@@ -90,41 +110,46 @@ def test_the_frontier_rows_against_oracles(runs):
   assert rows["MQA pca + recovery"]["perplexity_128"] == pytest.approx(table[3]["perplexity_128"], rel=1e-6)
   # Bytes per token by hand: int8 stores 64 bytes + a 4-byte scale per head vector; a window of
   # 32 (+ 4 sinks) holds 32 (36) of the 128 positions; SnapKV at 0.5 keeps 64 slots of 128 with
-  # 8 bytes of position and score each per kv head.
-  assert rows["int8"]["kv_bytes_per_token"] == pytest.approx(2 * 2 * 3 * 68, abs=1)
-  assert rows["window 32"]["kv_bytes_per_token"] == pytest.approx(3072 * 32 / 128, abs=1)
-  assert rows["window 32 + 4 sinks"]["kv_bytes_per_token"] == pytest.approx(3072 * 36 / 128, abs=1)
-  assert rows["snapkv 0.5"]["kv_bytes_per_token"] == pytest.approx((3072 + 2 * 3 * 8) * 64 / 128, abs=1)
-  assert rows["int8 + snapkv 0.5"]["kv_bytes_per_token"] == pytest.approx((816 + 2 * 3 * 8) * 64 / 128, abs=1)
-  # What a cache drops changes the numbers; the front is computed from them.
+  # 8 bytes of position and score each per kv head; every one with the row's int32 length.
+  length = 4 / 128
+  assert rows["int8"]["kv_bytes_per_token"] == 2 * 2 * 3 * 68 + length
+  assert rows["window 32"]["kv_bytes_per_token"] == 3072 * 32 / 128 + length
+  assert rows["window 32 + 4 sinks"]["kv_bytes_per_token"] == 3072 * 36 / 128 + length
+  assert rows["snapkv 0.5"]["kv_bytes_per_token"] == (3072 + 2 * 3 * 8) * 64 / 128 + length
+  assert rows["int8 + snapkv 0.5"]["kv_bytes_per_token"] == (816 + 2 * 3 * 8) * 64 / 128 + length
+  # What a cache drops changes the numbers.
   assert rows["window 32"]["perplexity_128"] != rows["full cache"]["perplexity_128"]
-  ordered = list(rows.values())
-  assert [r["pareto_perplexity"] for r in ordered] == pareto(ordered, "kv_bytes_per_token", "perplexity_128")
-  for name in ("real_frontier.md", "real_frontier.csv", "real_frontier_perplexity.png", "real_frontier_recall.png"):
+  # The fewest bytes per token cannot be beaten on bytes: int8 + SnapKV is on both fronts.
+  assert min(rows.values(), key=lambda r: r["kv_bytes_per_token"])["variant"] == "int8 + snapkv 0.5"
+  assert rows["int8 + snapkv 0.5"]["pareto_perplexity"] and rows["int8 + snapkv 0.5"]["pareto_recall"]
+  for name in ("kv_frontier.md", "kv_frontier.csv", "kv_frontier_perplexity.png", "kv_frontier_recall.png"):
     assert (root / "frontier" / name).stat().st_size > 0
 
 
 def test_models_from_a_study_with_other_settings_is_refused(runs, tmp_path):
   root, _, _ = runs
+  full = [Variant("full", "full")]
   with pytest.raises(ValueError, match="other settings.*recovery.steps: 3 -> 4"):
     real_kv.prepare(
       "smollm2-135m",
       2,
       Recovery(steps=4, batch_size=2, seq_len=32, data_bytes=200_000, windows=32),
-      [Params()],
+      full,
       tmp_path,
       str(root / "gqa"),
     )
   with pytest.raises(ValueError, match="not a real-model study's workdir"):
-    real_kv.prepare("smollm2-135m", 2, Recovery(), [Params()], tmp_path, str(tmp_path / "nothing"))
+    real_kv.prepare("smollm2-135m", 2, Recovery(), full, tmp_path, str(tmp_path / "nothing"))
 
 
 def test_bad_variants_are_refused():
   with pytest.raises(ValueError, match="family"):
     Variant("x", "quantum")
   with pytest.raises(ValueError, match="names must be distinct"):
-    RealFrontierStudy(variants=(Variant("a", "full"), Variant("a", "codec", CacheConfig(dtype="int8"))))
-  with pytest.raises(ValueError, match="needs a conversion"):
-    Params(recovered=True)
+    KVFrontierStudy(source="x", variants=(Variant("a", "full"), Variant("a", "codec", CacheConfig(dtype="int8"))))
+  with pytest.raises(ValueError, match="KVFrontierStudy.variants must be a non-empty tuple"):
+    KVFrontierStudy(source="x")
+  with pytest.raises(ValueError, match="KVFrontierStudy.measure must be a Measure for a pretrained model"):
+    KVFrontierStudy(source="x", variants=(Variant("a", "full"),), measure=kv_frontier.ToyMeasure())
   with pytest.raises(ValueError, match="Recovery.mode"):
     Recovery(mode="none")

@@ -2,18 +2,14 @@
 every row (as shipped, MQA mean at alpha = 0 and recovered, MQA pca recovered, MLA at MQA's bytes
 recovered), short windows, needles and timing. The numbers only show the pipeline works.
 
-  kvjax run configs/gqa_table/smollm2_tiny.py --workdir runs/real_gqa_tiny
+  kvjax run configs/real_gqa/smollm2_tiny.py --workdir runs/real_gqa_tiny
 """
-
-from pathlib import Path
 
 from kvjax.conversion.conversions import KVHeads, ToMLA
 from kvjax.studies.passkey import PasskeyConfig
 from kvjax.studies.real_gqa import RealGqaStudy
 from kvjax.studies.real_kv import Measure, Recovery
 from kvjax.studies.stages import TimingConfig
-
-DRIVER = Path(__file__).parents[2] / "experiments" / "real_gqa_table.py"
 
 
 def get_config() -> RealGqaStudy:

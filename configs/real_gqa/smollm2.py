@@ -3,18 +3,14 @@ MQA mean-pooled at alpha = 0 and after layer-local recovery, MQA by pca after th
 MLA at MQA's bytes (latent 104 + 24 rotary dims) recovered; time per sample at batch 8 of 2,048 +
 256 tokens. Layer-local recovery: 60 steps per layer on 128 windows of 256 tokens of stdlib source.
 
-  kvjax run configs/gqa_table/smollm2.py --workdir runs/real_gqa
+  kvjax run configs/real_gqa/smollm2.py --workdir runs/real_gqa
 """
-
-from pathlib import Path
 
 from kvjax.conversion.conversions import KVHeads, ToMLA
 from kvjax.studies.passkey import PasskeyConfig
 from kvjax.studies.real_gqa import RealGqaStudy
 from kvjax.studies.real_kv import Measure, Recovery
 from kvjax.studies.stages import TimingConfig
-
-DRIVER = Path(__file__).parents[2] / "experiments" / "real_gqa_table.py"
 
 
 def get_config() -> RealGqaStudy:

@@ -1,0 +1,238 @@
+"""The measurement layer every study uses, toy or pretrained: what a model decoded through a KV
+cache of a CacheConfig costs and how well it still reads its context.
+
+  kv_bytes_per_token  the cache's physical bytes for the prompt it holds: a one-row cache of
+                      `context` positions whose prompt is `context` tokens (kinds.cache_bytes:
+                      codec scales, rings, an evicting cache's kept slots and their bookkeeping,
+                      the row's length), over `context`. An evicting cache holds the slots its
+                      press keeps of that prompt, so its bytes fall with the compression ratio.
+  nll                 negative log-likelihood through a cache: each window's first `context`
+                      tokens prefilled through it (a press compresses them, a window drops what
+                      leaves it), the rest read after them by one extend or one decode step per
+                      token, and scored (the prefill's own predictions too, when asked).
+  perplexity          exp of nll per scored token.
+  answers / recall    greedy answers through a cache (kvjax.generate; the engine for a paged
+                      cache; or, query-agnostic, the context prefilled first and the question read
+                      into what the press kept), judged per sample: one record per example kept.
+  decode_step_ms      one decode step of `batch` rows holding `context` positions.
+The timed request (one jitted `generate` of a batch, models round-robin) is
+kvjax.studies.stages.time_per_sample.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from kvjax.cache import kinds
+from kvjax.cache.config import CacheConfig
+from kvjax.cache.fill import filled, filled_evicted
+from kvjax.decoding import decode
+from kvjax.model.transformer import Transformer
+from kvjax.serving.engine import Engine, EngineConfig
+
+# (inputs, targets) int32 [n, L]: windows of L tokens and the token after each position.
+Window = tuple[np.ndarray, np.ndarray]
+
+
+def kv_bytes_per_token(config, cache_config: CacheConfig, context: int) -> float:
+  """Bytes of a one-row cache of `context` positions holding a `context`-token prompt, over `context`."""
+  return kinds.cache_bytes(config, cache_config, 1, context, prompt=context) / context
+
+
+@functools.partial(jax.jit, static_argnames="model")
+def _decoded_nats(model: Transformer, params, cache, inputs, targets):
+  """inputs, targets int32 [B, T] fed one column per decode step after what `cache` holds ->
+  summed cross entropy of the steps' logits."""
+  ones = jnp.ones((inputs.shape[0],), jnp.int32)
+
+  def step(cache, column):
+    token, target = column  # [B], [B]
+    logits, cache = decode.forward(model, params, cache, token[:, None], ones, last=True)  # [B, V]
+    return cache, optax.softmax_cross_entropy_with_integer_labels(logits, target).sum()
+
+  _, nats = jax.lax.scan(step, cache, (inputs.T, targets.T))
+  return nats.sum()
+
+
+@jax.jit
+def _nats(logits, targets):
+  """logits float32 [B, T, V], targets int32 [B, T] -> summed cross entropy."""
+  return optax.softmax_cross_entropy_with_integer_labels(logits, targets).sum()
+
+
+def nll(
+  model: Transformer,
+  params,
+  windows: Sequence[Window],
+  cache_config: CacheConfig,
+  context: int,
+  *,
+  score_context: bool = False,
+  stepwise: bool = False,
+) -> tuple[float, int]:
+  """(summed negative log-likelihood in nats, tokens scored) of `windows` read through a cache of
+  cache_config.
+
+  Each window's first `context` tokens are prefilled into a cache of the window's length; the
+  tokens after them are read into it by one extend, or (stepwise) one decode step each, so that
+  every one of them attends to what the cache stored; their predictions are scored, and the
+  prefill's own predictions too when score_context."""
+  total, count = 0.0, 0
+  for inputs, targets in windows:
+    n, length = inputs.shape
+    if not 0 < context <= length:
+      raise ValueError(f"nll: context={context} must be in [1, {length}], the windows' length")
+    logits, cache = decode.prefill(
+      model,
+      params,
+      inputs[:, :context],
+      np.full(n, context, np.int32),
+      length,
+      logits="all" if score_context else "last",
+      cache_config=cache_config,
+    )
+    if score_context:
+      total += float(_nats(logits, targets[:, :context]))
+      count += n * context
+    if context == length:
+      continue
+    rest, scored = inputs[:, context:], targets[:, context:]
+    if stepwise:
+      decode.check_cache(model, cache, np.full(n, length - context, np.int32))
+      total += float(_decoded_nats(decode.for_decoding(model), params, cache, rest, scored))
+    else:
+      logits, _ = decode.extend(model, params, cache, rest, np.full(n, length - context, np.int32))
+      picked = np.take_along_axis(
+        np.asarray(-jax.nn.log_softmax(logits, axis=-1)), scored[:, :, None].astype(np.int64), axis=-1
+      )
+      total += float(picked.sum())
+    count += scored.size
+  return total, count
+
+
+def perplexity(model: Transformer, params, windows: Sequence[Window], cache_config: CacheConfig, context: int) -> float:
+  """exp(nll per token) of the tokens after each window's first `context`, read through the cache."""
+  total, count = nll(model, params, windows, cache_config, context)
+  return math.exp(total / count)
+
+
+def answers(
+  model: Transformer,
+  params,
+  prompts: np.ndarray,
+  lengths: np.ndarray,
+  new_tokens: int,
+  cache_config: CacheConfig = CacheConfig(),
+  *,
+  stop_ids: Sequence[int] = (),
+  question: np.ndarray | None = None,
+) -> list[np.ndarray]:
+  """Greedy answers of at most new_tokens (int32, cut before the first stop id), one per prompt
+  (prompts int32 [n, P] right-padded, lengths int32 [n]), decoded through a cache of cache_config.
+
+  With `question` (int32 [q]): the query-agnostic protocol. Each prompt is prefilled through the
+  cache first (a press compresses it before the question is known), then the question is read into
+  what it kept, and the answer decoded. Without: the whole prompt in one generate (a press sees the
+  question: the query-aware protocol), or through the engine's pages for a paged cache."""
+  if question is not None:
+    return _answers_after(model, params, prompts, lengths, new_tokens, cache_config, stop_ids, question)
+  if cache_config.layout != "paged":
+    out = decode.generate(model, params, prompts, lengths, new_tokens, stop_ids=stop_ids, cache_config=cache_config)
+    return decode.until_stop(np.asarray(out), stop_ids)
+  page_size = cache_config.page_size
+  pages = -(-(int(lengths.max()) + new_tokens) // page_size)
+  engine = Engine(
+    model,
+    params,
+    EngineConfig(
+      num_slots=len(prompts),
+      num_pages=len(prompts) * pages + 1,
+      cache=cache_config,
+      max_len=pages * page_size,
+      stop_ids=tuple(stop_ids),
+    ),
+  )
+  ids = [engine.submit(prompt[:length], new_tokens) for prompt, length in zip(prompts, lengths)]
+  out = engine.run()
+  return [out[i][:-1] if len(out[i]) and out[i][-1] in stop_ids else out[i] for i in ids]
+
+
+def _answers_after(model, params, prompts, lengths, new_tokens, cache_config, stop_ids, question) -> list[np.ndarray]:
+  n = len(prompts)
+  max_len = int(lengths.max()) + len(question) + new_tokens
+  _, cache = decode.prefill(model, params, prompts, lengths, max_len, logits="last", cache_config=cache_config)
+  tokens = np.broadcast_to(question, (n, len(question)))
+  logits, cache = decode.extend(model, params, cache, tokens, np.full(n, len(question)), logits="last")
+  out = [np.asarray(jnp.argmax(logits, axis=-1), np.int32)]
+  while len(out) < new_tokens and not np.isin(np.stack(out, 1), stop_ids).any(axis=1).all():
+    logits, cache = decode.decode_step(model, params, cache, out[-1])
+    out.append(np.asarray(jnp.argmax(logits, axis=-1), np.int32))
+  return decode.until_stop(np.stack(out, 1), stop_ids)
+
+
+def recall(
+  model: Transformer,
+  params,
+  prompts: np.ndarray,
+  lengths: np.ndarray,
+  expected: Sequence,
+  judge: Callable[[np.ndarray, object], dict],
+  new_tokens: int,
+  cache_config: CacheConfig = CacheConfig(),
+  *,
+  batch_size: int | None = None,
+  stop_ids: Sequence[int] = (),
+  question: np.ndarray | None = None,
+) -> tuple[float, list[dict]]:
+  """Exact-match recall of examples through a cache -> (the fraction of samples judged a hit, one
+  record per sample).
+
+  prompts int32 [n, P] and lengths int32 [n] are answered `batch_size` at a time (all at once by
+  default) by `answers`; judge(answer ids, expected[i]) -> a record with at least "hit" (bool),
+  kept per sample with "index" so that two caches can be compared sample by sample."""
+  step = batch_size or len(prompts)
+  records = []
+  for start in range(0, len(prompts), step):
+    got = answers(
+      model,
+      params,
+      prompts[start : start + step],
+      lengths[start : start + step],
+      new_tokens,
+      cache_config,
+      stop_ids=stop_ids,
+      question=question,
+    )
+    for i, answer in enumerate(got, start):
+      records.append({"index": i, **judge(np.asarray(answer), expected[i])})
+  return float(np.mean([r["hit"] for r in records])), records
+
+
+def decode_step_ms(
+  model: Transformer, params, cache_config: CacheConfig, batch: int, context: int, repeats: int
+) -> list[float]:
+  """Milliseconds of `repeats` decode steps (after two warm-up ones) of `batch` rows holding
+  `context` positions in a cache of cache_config (an evicting cache holds what its press keeps of
+  a `context`-token prompt)."""
+  max_len = context + repeats + 3
+  if cache_config.press is not None:
+    cache = filled_evicted(model.config, cache_config, batch, context, max_len)
+  else:
+    cache = filled(kinds.create(model.config, cache_config, batch, max_len), model.config, context)
+  tokens = np.zeros((batch,), np.int32)
+  times = []
+  for i in range(repeats + 2):  # two warm-up steps: the second call compiles for the cache the first returns
+    start = time.perf_counter()
+    logits, cache = decode.decode_step(model, params, cache, tokens)
+    jax.block_until_ready(logits)
+    if i > 1:
+      times.append(1e3 * (time.perf_counter() - start))
+  return times
