@@ -1,0 +1,24 @@
+"""The README's quickstart runs as printed: the first Python a new user copies."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_the_quickstart_runs_and_generates_what_it_says():
+  code = re.search(r"## Quickstart\n\n```python\n(.*?)```", README.read_text(), re.S).group(1)
+  names: dict = {}
+  exec(compile(code, str(README), "exec"), names)
+  assert names["tokens"].shape == (2, 32)
+  assert names["mqa_config"].num_kv_heads == 1
+  assert [len(tokens) for tokens in names["out"].values()] == [32]
+
+
+def test_the_readme_is_short_and_starts_with_its_two_commands():
+  lines = README.read_text().splitlines()
+  assert len(lines) <= 150
+  commands = lines[lines.index("```bash") + 1 : lines.index("```bash") + 3]
+  assert "kvjax run configs/gqa_table/tiny.py" in commands[0] and commands[1].endswith("pytest")
