@@ -224,7 +224,8 @@ def kill_chain(env: Env, seed: int, name: str, args_of, ref: tuple, steps: int, 
     if latest == steps:  # killed after its last checkpoint: a finished run
       finish(workdir)
       workdir = None
-  finish(workdir)
+  if workdir is not None:  # the last kill may have fallen after the last checkpoint, finished above
+    finish(workdir)
   return points
 
 
