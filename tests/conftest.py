@@ -115,3 +115,29 @@ def _drop_compiled_functions():
   compiler crashes."""
   yield
   jax.clear_caches()
+
+
+@pytest.fixture
+def bench_model() -> kvjax.ModelConfig:
+  """A benchmark model small enough to run every benchmark end to end in seconds."""
+  return kvjax.ModelConfig(vocab_size=64, d_model=32, num_layers=1, num_heads=4, num_kv_heads=2, mlp_dim=64, max_len=64)
+
+
+@pytest.fixture(scope="session")
+def gqa_tiny(tmp_path_factory) -> Path:
+  """The workdir where `kvjax run configs/gqa_table/tiny.py` finished (through kvjax.cli.main):
+  gqa_table.{md,csv,json,png}, stages.json, the pre-trained mha_small / mha_big and each
+  uptraining's folder. Every test that needs a tiny pre-trained MHA-big (gqa_tiny / "mha_big") or
+  the table reads it here; a test that changes files copies it first. (Fixtures live in this one
+  conftest: a conftest.py in a test folder would shadow the `conftest` module the tests import
+  their helpers from.)"""
+  from kvjax.cli.main import main
+
+  workdir = tmp_path_factory.mktemp("gqa_tiny") / "workdir"
+  assert (
+    main(
+      ["run", str(Path(__file__).resolve().parents[1] / "configs" / "gqa_table" / "tiny.py"), "--workdir", str(workdir)]
+    )
+    == 0
+  )
+  return workdir

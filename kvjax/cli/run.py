@@ -153,10 +153,12 @@ def command(args: argparse.Namespace) -> int:
     prepare_workdir(workdir, config)
     # A study's stdout is its table alone: whatever it prints on the way goes to stderr.
     with contextlib.redirect_stdout(sys.stderr) if study else contextlib.nullcontext():
-      job(config, workdir, progress)
+      result = job(config, workdir, progress)
   table = workdir / f"{config.job}.md"
   if study and table.is_file():
     print(table.read_text(), end="", flush=True)
+  elif not study:  # a training run ends with its final metrics, one JSON line
+    print(json.dumps(result), flush=True)
   return 0
 
 

@@ -1,4 +1,4 @@
-"""The tiny GQA gqa_tiny end to end (the session's gqa_tiny, tests/studies/conftest.py), the three
+"""The tiny GQA table end to end (the session fixture gqa_tiny, tests/conftest.py), the three
 figures run in a copy of its workdir (reusing its models), and `kvjax uptrain` on its MHA-big
 checkpoint."""
 
