@@ -98,8 +98,8 @@ class Variant:
   def describe(self) -> str:
     """The cache's choices that differ from the default, e.g. "dtype=int8, window=(32,)"; "full"
     without any."""
-    default = CacheConfig()
-    changed = {k: v for k, v in to_dict(self.cache).items() if k != "press" and v != to_dict(default)[k]}
+    default = to_dict(CacheConfig())
+    changed = {k: v for k, v in to_dict(self.cache).items() if k != "press" and v != default[k]}
     if self.cache.press is not None:  # its layout follows from the press: the press names itself
       changed.pop("layout", None)
       press = self.cache.press
