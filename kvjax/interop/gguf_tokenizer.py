@@ -6,9 +6,15 @@ transformers' GGUF loader builds it, so the ids equal those of
 merges, text split by the regex tokenizer.ggml.pre names (llama.cpp's names, transformers' table:
 PRE_TOKENIZER_SPLITS; GPT-2's own split for a name not in it: 'default', 'gpt2', 'smollm', ...).
 'llama' files are SentencePiece BPE as LlamaTokenizer builds it: '▁' for spaces, one prepended to
-the text, byte fallback, merges from the file or recovered from the token scores. Either way
-CONTROL tokens (token_type 3) are matched whole as special tokens, USER_DEFINED ones (4) whole as
-plain added tokens.
+the text, byte fallback, merges from the file or recovered from the token scores. Gemma's 'llama'
+files (GGUF_LLAMA_CPP_SENTENCEPIECE) are built by llama.cpp's SPM rules instead, since
+transformers' Gemma GGUF tokenizer is not what the model was trained with (it splits "capital"
+into c|ap|it|al): every space becomes '▁' with none prepended (add_space_prefix false), the
+adjacent pair whose concatenation is the best-scored token merges first, a character outside the
+vocabulary falls back to its <0xNN> bytes; the ids equal llama.cpp's
+(tests/interop/data/gemma3_token_ids.json). Either way CONTROL tokens (token_type 3) are matched
+whole as special tokens, USER_DEFINED ones (4: Gemma's runs of spaces, tabs and newlines, HTML
+tags) whole as plain added tokens, before any merge.
 
 `build` is the entry; kvjax.interop.tokenizer.TextTokenizer.from_gguf_metadata wraps what it returns.
 """
@@ -19,18 +25,25 @@ import functools
 from typing import Any, Mapping
 
 import numpy as np
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 GGUF_MODELS = ("gpt2", "llama")
-# Architectures whose 'llama' vocabulary transformers builds differently (Gemma respells space
-# tokens and reorders merges, Phi-3 prepends the space in a normalizer): refused, not approximated.
-GGUF_OTHER_SENTENCEPIECE = ("gemma", "gemma2", "gemma3", "phi3")
+# Architectures whose 'llama' vocabulary is built by llama.cpp's SPM rules (the module docstring).
+GGUF_LLAMA_CPP_SENTENCEPIECE = ("gemma", "gemma2", "gemma3")
+# Architectures whose 'llama' vocabulary is built another way (Phi-3: llama.cpp strips spaces after
+# its special tokens): refused, not approximated.
+GGUF_OTHER_SENTENCEPIECE = ("phi3",)
+SPACE = "\u2581"  # SentencePiece's visible space
 GGUF_SPECIAL_KEYS = {
   "bos": "tokenizer.ggml.bos_token_id",
   "eos": "tokenizer.ggml.eos_token_id",
   "pad": "tokenizer.ggml.padding_token_id",
   "unk": "tokenizer.ggml.unknown_token_id",
+  "eot": "tokenizer.ggml.eot_token_id",
 }
+# The end-of-turn token llama.cpp finds by name when the file names none (Gemma's chat turns end
+# with it, and a model that writes it is done), looked up for the llama.cpp-rule vocabularies.
+END_OF_TURN = "<end_of_turn>"
 GGUF_CONTROL, GGUF_USER_DEFINED = 3, 4  # llama.cpp's token_type codes
 
 _LLAMA3_SPLIT = (
@@ -84,8 +97,8 @@ PRE_TOKENIZER_SPLITS = {
 
 def build(metadata: Mapping[str, Any], source: str = "GGUF") -> tuple[Tokenizer, dict[str, int | None], bool]:
   """The tokenizer a GGUF file's metadata describes ({key: python value}) -> (tokenizer, its
-  special ids {'bos': ..., 'eos', 'pad', 'unk'} (None where the file names none), whether a BOS is
-  prepended). ValueError naming the key for a missing vocabulary or merges, an unsupported
+  special ids {'bos': ..., 'eos', 'pad', 'unk', 'eot'} (None where the file names none), whether a
+  BOS is prepended). ValueError naming the key for a missing vocabulary or merges, an unsupported
   tokenizer.ggml.model, or a special id outside the vocabulary."""
   tokens = metadata.get("tokenizer.ggml.tokens")
   if tokens is None or len(tokens) == 0:
@@ -104,8 +117,12 @@ def build(metadata: Mapping[str, Any], source: str = "GGUF") -> tuple[Tokenizer,
   if types and len(types) != len(tokens):
     raise ValueError(f"{source} has {len(types)} tokenizer.ggml.token_type entries for {len(tokens)} tokens")
   special = {name: _gguf_special_id(metadata, key, len(tokens), source) for name, key in GGUF_SPECIAL_KEYS.items()}
+  if special["eot"] is None and kind == "llama" and architecture in GGUF_LLAMA_CPP_SENTENCEPIECE:
+    special["eot"] = next((i for i, token in enumerate(tokens) if token == END_OF_TURN), None)
   if kind == "gpt2":
     tokenizer, spelled = _byte_level_bpe(tokens, metadata, source)
+  elif architecture in GGUF_LLAMA_CPP_SENTENCEPIECE:
+    tokenizer, spelled = _llama_cpp_sentencepiece(tokens, metadata, source), tokens
   else:
     tokenizer, spelled = _sentencepiece_bpe(tokens, metadata, source), tokens
   # Added only where the token is spelled as the vocabulary spells it: transformers appends a
@@ -172,6 +189,29 @@ def _sentencepiece_bpe(tokens: list[str], metadata: Mapping[str, Any], source: s
   tokenizer.decoder = decoders.Sequence(
     [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(content=" ", left=1)]
   )
+  return tokenizer
+
+
+def _llama_cpp_sentencepiece(tokens: list[str], metadata: Mapping[str, Any], source: str) -> Tokenizer:
+  """SentencePiece BPE of a 'llama' vocabulary by llama.cpp's rules (llm_tokenizer_spm): merges
+  from the scores of every token, spaces to '▁' with none prepended, byte fallback."""
+  if metadata.get("tokenizer.ggml.add_space_prefix", True):  # llama.cpp's default for SPM is true
+    raise ValueError(
+      f"{source} has tokenizer.ggml.add_space_prefix true (or unset): llama.cpp then prefixes a space to the "
+      "text after every special token, which kvjax does not rebuild"
+    )
+  scores = metadata.get("tokenizer.ggml.scores")
+  if scores is None or len(scores) != len(tokens):
+    raise ValueError(
+      f"{source} has {0 if scores is None else len(scores)} tokenizer.ggml.scores for {len(tokens)} tokens; "
+      "llama.cpp's SentencePiece merges need one score per token"
+    )
+  vocab = {token: i for i, token in enumerate(tokens)}
+  tokenizer = _bpe(
+    vocab, _merges_from_scores(vocab, dict(zip(tokens, (float(s) for s in scores)))), source, byte_fallback=True
+  )
+  tokenizer.normalizer = normalizers.Replace(" ", SPACE)  # after the added tokens: runs of spaces stay whole
+  tokenizer.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
   return tokenizer
 
 

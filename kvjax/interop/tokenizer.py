@@ -6,7 +6,8 @@ Built on the `tokenizers` library from either place a model keeps its tokenizer:
   the template to chat_template.jinja instead; that file is read when the config has none);
 - a GGUF file's metadata (tokenizer.ggml.*), rebuilt as transformers' GGUF loader builds it
   (kvjax.interop.gguf_tokenizer), so the ids equal those of
-  `AutoTokenizer.from_pretrained(folder, gguf_file=name)`.
+  `AutoTokenizer.from_pretrained(folder, gguf_file=name)`; Gemma's by llama.cpp's rules instead,
+  so its ids equal llama.cpp's.
 
 encode never runs the tokenizer's post-processor: whether a BOS is prepended is `add_bos`, decided
 once (tokenizer_config.json's add_bos_token, else what tokenizer.json's post-processor does, or the
@@ -36,6 +37,9 @@ class TextTokenizer:
   Attributes:
     tokenizer: the backend; its post-processor is not used by encode (see the module docstring).
     bos_id, eos_id, pad_id, unk_id: the special ids, None where the model has none.
+    eot_id: the token that ends a turn, a stop id with or without a chat template (Gemma's
+      <end_of_turn>; kept in tokenizer_config.json as eot_token); None for most models, whose
+      turn markers stop only when their template writes them.
     add_bos: encode(add_special_tokens=True) prepends bos_id.
     chat_template: the Jinja chat template, None for a model without one.
     source: where it came from (a file, 'GGUF'), named by its errors.
@@ -49,16 +53,18 @@ class TextTokenizer:
     eos_id: int | None = None,
     pad_id: int | None = None,
     unk_id: int | None = None,
+    eot_id: int | None = None,
     add_bos: bool = False,
     chat_template: str | None = None,
     source: str = "tokenizer",
   ):
     self.tokenizer, self.source = tokenizer, source
     self._vocab_size = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
-    for name, token_id in (("bos_id", bos_id), ("eos_id", eos_id), ("pad_id", pad_id), ("unk_id", unk_id)):
+    special = {"bos_id": bos_id, "eos_id": eos_id, "pad_id": pad_id, "unk_id": unk_id, "eot_id": eot_id}
+    for name, token_id in special.items():
       if token_id is not None and not 0 <= token_id < self._vocab_size:
         raise ValueError(f"{source}: {name}={token_id} is not an id of its {self._vocab_size}-token vocabulary")
-    self.bos_id, self.eos_id, self.pad_id, self.unk_id = bos_id, eos_id, pad_id, unk_id
+    self.bos_id, self.eos_id, self.pad_id, self.unk_id, self.eot_id = bos_id, eos_id, pad_id, unk_id, eot_id
     self.add_bos = bool(add_bos) and bos_id is not None  # no BOS to add means none is added (as transformers)
     self.chat_template = chat_template
     self._compiled: tuple[str, Any] | None = None  # (template text, jinja2 Template)
@@ -70,8 +76,8 @@ class TextTokenizer:
 
   @property
   def stop_ids(self) -> tuple[int, ...]:
-    """eos_id plus the END_OF_TURN_TOKENS that are tokens and that the chat template writes."""
-    ids = {self.eos_id} if self.eos_id is not None else set()
+    """eos_id, eot_id, and the END_OF_TURN_TOKENS that are tokens and that the chat template writes."""
+    ids = {token_id for token_id in (self.eos_id, self.eot_id) if token_id is not None}
     for marker in END_OF_TURN_TOKENS if self.chat_template else ():
       token_id = self.tokenizer.token_to_id(marker)
       if token_id is not None and marker in self.chat_template:
@@ -141,6 +147,8 @@ class TextTokenizer:
       **tokens,
       "chat_template": self.chat_template,
     }
+    if self.eot_id is not None:
+      config["eot_token"] = self.tokenizer.id_to_token(self.eot_id)
     (directory / TOKENIZER_CONFIG_FILE).write_text(
       json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
     )
@@ -164,7 +172,8 @@ class TextTokenizer:
     config_path = root / TOKENIZER_CONFIG_FILE
     config = _read_json_object(config_path) if config_path.is_file() else {}
     ids = {
-      name: _config_token_id(tokenizer, config, f"{name}_token", config_path) for name in ("bos", "eos", "pad", "unk")
+      name: _config_token_id(tokenizer, config, f"{name}_token", config_path)
+      for name in ("bos", "eos", "pad", "unk", "eot")
     }
     add_bos = config.get("add_bos_token")
     if add_bos is None:  # e.g. Llama 3's directories: the BOS is added by tokenizer.json's post-processor
@@ -178,6 +187,7 @@ class TextTokenizer:
       eos_id=ids["eos"],
       pad_id=ids["pad"],
       unk_id=ids["unk"],
+      eot_id=ids["eot"],
       add_bos=bool(add_bos),
       chat_template=template,
       source=str(root / TOKENIZER_FILE),
@@ -186,7 +196,8 @@ class TextTokenizer:
   @classmethod
   def from_gguf_metadata(cls, metadata: Mapping[str, Any], source: str = "GGUF") -> TextTokenizer:
     """The tokenizer a GGUF file's metadata describes ({key: python value}, built by
-    kvjax.interop.gguf_tokenizer); ids identical to transformers' for the same file. ValueError
+    kvjax.interop.gguf_tokenizer); ids identical to transformers' for the same file (to llama.cpp's
+    for Gemma's, kvjax.interop.gguf_tokenizer.GGUF_LLAMA_CPP_SENTENCEPIECE). ValueError
     naming the key for a missing vocabulary or merges, an unsupported tokenizer.ggml.model, or a
     special id outside the vocabulary."""
     tokenizer, special, add_bos = gguf_tokenizer.build(metadata, source)
