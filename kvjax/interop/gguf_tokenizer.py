@@ -39,11 +39,10 @@ GGUF_SPECIAL_KEYS = {
   "eos": "tokenizer.ggml.eos_token_id",
   "pad": "tokenizer.ggml.padding_token_id",
   "unk": "tokenizer.ggml.unknown_token_id",
-  "eot": "tokenizer.ggml.eot_token_id",
 }
-# The end-of-turn token llama.cpp finds by name when the file names none (Gemma's chat turns end
-# with it, and a model that writes it is done), looked up for the llama.cpp-rule vocabularies.
-END_OF_TURN = "<end_of_turn>"
+# The llama.cpp-rule vocabularies' end of turn: the file's tokenizer.ggml.eot_token_id, else the
+# token llama.cpp finds by name (Gemma's chat turns end with it; a model that writes it is done).
+GGUF_EOT_KEY, END_OF_TURN = "tokenizer.ggml.eot_token_id", "<end_of_turn>"
 GGUF_CONTROL, GGUF_USER_DEFINED = 3, 4  # llama.cpp's token_type codes
 
 _LLAMA3_SPLIT = (
@@ -97,9 +96,10 @@ PRE_TOKENIZER_SPLITS = {
 
 def build(metadata: Mapping[str, Any], source: str = "GGUF") -> tuple[Tokenizer, dict[str, int | None], bool]:
   """The tokenizer a GGUF file's metadata describes ({key: python value}) -> (tokenizer, its
-  special ids {'bos': ..., 'eos', 'pad', 'unk', 'eot'} (None where the file names none), whether a
-  BOS is prepended). ValueError naming the key for a missing vocabulary or merges, an unsupported
-  tokenizer.ggml.model, or a special id outside the vocabulary."""
+  special ids {'bos': ..., 'eos', 'pad', 'unk', 'eot'} (None where the file names none; 'eot' only
+  for the llama.cpp-rule vocabularies), whether a BOS is prepended). ValueError naming the key for
+  a missing vocabulary, merges or scores, an unsupported tokenizer.ggml.model or add_space_prefix,
+  or a special id outside the vocabulary."""
   tokens = metadata.get("tokenizer.ggml.tokens")
   if tokens is None or len(tokens) == 0:
     raise ValueError(f"{source} has no tokenizer.ggml.tokens: it carries no tokenizer")
@@ -117,11 +117,13 @@ def build(metadata: Mapping[str, Any], source: str = "GGUF") -> tuple[Tokenizer,
   if types and len(types) != len(tokens):
     raise ValueError(f"{source} has {len(types)} tokenizer.ggml.token_type entries for {len(tokens)} tokens")
   special = {name: _gguf_special_id(metadata, key, len(tokens), source) for name, key in GGUF_SPECIAL_KEYS.items()}
-  if special["eot"] is None and kind == "llama" and architecture in GGUF_LLAMA_CPP_SENTENCEPIECE:
+  llama_cpp_rules = kind == "llama" and architecture in GGUF_LLAMA_CPP_SENTENCEPIECE
+  special["eot"] = _gguf_special_id(metadata, GGUF_EOT_KEY, len(tokens), source) if llama_cpp_rules else None
+  if llama_cpp_rules and special["eot"] is None:
     special["eot"] = next((i for i, token in enumerate(tokens) if token == END_OF_TURN), None)
   if kind == "gpt2":
     tokenizer, spelled = _byte_level_bpe(tokens, metadata, source)
-  elif architecture in GGUF_LLAMA_CPP_SENTENCEPIECE:
+  elif llama_cpp_rules:
     tokenizer, spelled = _llama_cpp_sentencepiece(tokens, metadata, source), tokens
   else:
     tokenizer, spelled = _sentencepiece_bpe(tokens, metadata, source), tokens
