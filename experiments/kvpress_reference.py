@@ -1,96 +1,179 @@
-"""NVIDIA kvpress on the eviction study's needles (kvjax.studies.eviction), the reference that
-kvjax's presses are compared with in docs/results.md: the same prompts, token for token, through
-`transformers` (float32, from the same GGUF file) with kvpress's presses as context managers.
+"""NVIDIA kvpress on kvjax's own long-context samples, token for token: the per-sample reference
+that kvjax's presses are compared with (kvjax.studies.press_table, docs/results.md).
 
-Needs kvpress (`pip install kvpress`; not a kvjax dependency). Run:
-  python experiments/kvpress_reference.py [ratio] [trials] [protocols] > kvpress_reference.json
+kvjax writes the samples (WORKDIR/samples.jsonl: context_ids, question_ids, answer_tokens,
+stop_ids per sample); this script feeds exactly those ids to `transformers` (float32, loaded
+from the same GGUF file; eager attention for the press that reads
+attention weights, SDPA otherwise, as kvpress requires) under each kvpress press, and writes each greedy answer
+as token ids, one JSON line per (sample, press, ratio, protocol). kvjax decodes and scores them
+with the scorer it uses for its own answers, so the two sides differ only in the model runtime
+and the press.
+
+Protocols: query_agnostic (kvpress's own: the press runs while the context is prefilled, then
+the question is read into the pressed cache) and query_aware (the whole prompt is pressed).
+A Gemma 3 model is pressed on its global layers only, kvpress's rule for Gemma 3 (its
+sliding-window layers keep their window).
+
+It imports neither jax nor kvjax: run it in an environment with kvpress (which pins its own
+transformers), e.g.
+  python -m venv kvp && kvp/bin/pip install torch==2.13.0 kvpress gguf
+  kvp/bin/python experiments/kvpress_reference.py --gguf MODEL.gguf --samples W/samples.jsonl \
+      --out W/kvpress.jsonl --presses snapkv,tova --ratios 0.5,0.75
+A rerun appends only the answers the output file lacks.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import importlib.metadata
 import json
+import pathlib
 import sys
+import time
 
-import numpy as np
+import torch
+import transformers
 
-from kvjax.bench.real_model import hf_reference
-from kvjax.interop.importer import read_model
-from kvjax.studies.eviction import PROTOCOLS, EvictionStudy, needles
-from kvjax.studies.passkey import answered
+import kvpress
+
+PROTOCOLS = ("query_agnostic", "query_aware")
 
 
-def presses(kvpress, ratio: float) -> dict:
-  return {
-    "full cache": None,
-    "streaming_llm": kvpress.StreamingLLMPress(compression_ratio=ratio),
-    "snapkv": kvpress.SnapKVPress(compression_ratio=ratio),
-    "tova": kvpress.TOVAPress(compression_ratio=ratio),
-    "knorm": kvpress.KnormPress(compression_ratio=ratio),
-    "random": kvpress.RandomPress(compression_ratio=ratio, seed=0),
+def make_press(name: str, ratio: float):
+  """kvpress's press for kvjax's press name (kvjax.cache.presses), with kvjax's default fields;
+  `name:adaptive` wraps it in AdaKV's head-adaptive budgets."""
+  base, _, heads = name.partition(":")
+  scorers = {
+    "streaming_llm": lambda: kvpress.StreamingLLMPress(compression_ratio=ratio, n_sink=4),
+    "snapkv": lambda: kvpress.SnapKVPress(compression_ratio=ratio, window_size=64, kernel_size=5),
+    "tova": lambda: kvpress.TOVAPress(compression_ratio=ratio),
+    "observed": lambda: kvpress.ObservedAttentionPress(compression_ratio=ratio),
+    "knorm": lambda: kvpress.KnormPress(compression_ratio=ratio),
+    "random": lambda: kvpress.RandomPress(compression_ratio=ratio, seed=0),
   }
+  if base not in scorers:
+    raise SystemExit(f"--presses: unknown press {base!r}; choose from {sorted(scorers)}")
+  press = scorers[base]()
+  if heads == "adaptive":
+    return kvpress.AdaKVPress(press, alpha_safeguard=0.2)
+  if heads:
+    raise SystemExit(f"--presses: {name!r}: the only suffix is ':adaptive'")
+  return press
 
 
-def greedy(
-  torch, transformers, hf, press, pressed: np.ndarray, after: np.ndarray, new_tokens: int, stop_ids
-) -> list[int]:
-  """Prefill `pressed` under the press, then read `after` and decode greedily, one token per
-  call at its own position (a pressed cache holds fewer entries than the positions it covers)."""
-  cache = transformers.DynamicCache()
+@contextlib.contextmanager
+def pressing(press, model):
+  """The press applied to `model`'s prefill: kvpress's own context manager, or, for a model with
+  sliding-window layers (Gemma 3), its hooks on the global layers only."""
+  if press is None:
+    yield
+    return
+  layers = model.model.layers
+  if not any(getattr(layer.self_attn, "is_sliding", False) for layer in layers):
+    with press(model):
+      yield
+    return
+  press.post_init_from_model(model)
+  hooks = []
+  try:
+    for layer in layers:
+      if not layer.self_attn.is_sliding:
+        layer.self_attn.rotary_emb = model.model.rotary_emb
+        hooks.append(layer.self_attn.register_forward_hook(press.forward_hook, with_kwargs=True))
+    yield
+  finally:
+    for hook in hooks:
+      hook.remove()
+
+
+def greedy(model, press, pressed: list[int], after: list[int], new_tokens: int, stop_ids: set[int]) -> list[int]:
+  """Prefill `pressed` under the press, read `after`, then decode greedily, each token at its
+  own position (a pressed cache holds fewer entries than the positions it covers)."""
+  cache = transformers.DynamicCache(config=model.config)
+  position = 0
+
+  def feed(ids: list[int]):
+    nonlocal position
+    positions = torch.arange(position, position + len(ids))[None]
+    position += len(ids)
+    return model(input_ids=torch.tensor([ids]), position_ids=positions, past_key_values=cache, use_cache=True)
+
   with torch.inference_mode():
-    with press(hf) if press is not None else contextlib.nullcontext():
-      out = hf(input_ids=torch.from_numpy(pressed[None].astype(np.int64)), cache=cache, use_cache=True)
-    position = len(pressed)
-
-    def feed(token: int):
-      nonlocal position
-      result = hf(
-        input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[position]]), cache=cache, use_cache=True
-      )
-      position += 1
-      return result
-
-    for token in after:
-      out = feed(int(token))
+    with pressing(press, model):
+      out = feed(pressed)
+    if after:
+      out = feed(after)
     tokens = []
     for _ in range(new_tokens):
       token = int(out.logits[0, -1].argmax())
       if token in stop_ids:
         break
       tokens.append(token)
-      out = feed(token)
+      out = feed([token])
   return tokens
 
 
-def main(ratio: float = 0.75, trials: int = 24, protocols: tuple[str, ...] = PROTOCOLS) -> dict:
-  import kvpress
-  import torch
-  import transformers
+def done(path: pathlib.Path) -> set[tuple]:
+  if not path.exists():
+    return set()
+  keys = set()
+  for line in path.read_text().splitlines():
+    row = json.loads(line)
+    keys.add((row["id"], row["method"], row["protocol"]))
+  return keys
 
-  params, config, tokenizer, path = read_model("smollm2-135m")
-  del params
-  hf = hf_reference(path)
-  study = EvictionStudy(trials=trials)
-  contexts, question, keys = needles(tokenizer, study)
-  result = {"kvpress_version": getattr(kvpress, "__version__", "?"), "transformers_version": transformers.__version__}
-  for name, press in presses(kvpress, ratio).items():
-    for protocol in protocols:
-      hits = []
-      for context, key in zip(contexts, keys):
-        if protocol == "query_agnostic":
-          answer = greedy(torch, transformers, hf, press, context, question, study.answer_tokens, tokenizer.stop_ids)
-        else:
-          prompt = np.concatenate([context, question])
-          answer = greedy(torch, transformers, hf, press, prompt, question[:0], study.answer_tokens, tokenizer.stop_ids)
-        hits.append(answered(tokenizer.decode(np.asarray(answer, np.int32)), key))
-      result[f"{name} {protocol}"] = 100.0 * float(np.mean(hits))
-      print(json.dumps({name: {protocol: result[f"{name} {protocol}"]}}), file=sys.stderr)
-  return result
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--gguf", required=True, type=pathlib.Path, help="the model's GGUF file (the one kvjax imported)")
+  parser.add_argument("--samples", required=True, type=pathlib.Path, help="kvjax's samples.jsonl")
+  parser.add_argument("--out", required=True, type=pathlib.Path, help="JSON lines of answers (appended to)")
+  parser.add_argument("--presses", default="streaming_llm,snapkv,tova,observed,knorm", help="kvjax press names")
+  parser.add_argument("--ratios", default="0.5,0.75", help="compression ratios")
+  parser.add_argument("--protocols", default=",".join(PROTOCOLS))
+  parser.add_argument("--full", action="store_true", help="also answer with the full cache (method 'full')")
+  parser.add_argument("--limit", type=int, default=0, help="only the first N samples (0: all)")
+  args = parser.parse_args(argv)
+  if not args.gguf.is_file():
+    raise SystemExit(f"--gguf {args.gguf}: no such file")
+  protocols = args.protocols.split(",")
+  if set(protocols) - set(PROTOCOLS):
+    raise SystemExit(f"--protocols: choose from {PROTOCOLS}, got {protocols}")
+  samples = [json.loads(line) for line in args.samples.read_text().splitlines()]
+  if args.limit:
+    samples = samples[: args.limit]
+  model = transformers.AutoModelForCausalLM.from_pretrained(
+    args.gguf.parent, gguf_file=args.gguf.name, dtype=torch.float32, attn_implementation="sdpa"
+  ).eval()
+  methods = [("full", None)] if args.full else []
+  for ratio in (float(r) for r in args.ratios.split(",")):
+    methods += [(f"{name}@{ratio:g}", (name, ratio)) for name in args.presses.split(",")]
+  seen = done(args.out)
+  meta = {"kvpress_version": importlib.metadata.version("kvpress"), "transformers_version": transformers.__version__}
+  with args.out.open("a") as out:
+    for method, spec in methods:
+      for protocol in protocols if spec is not None else protocols[:1]:
+        start = time.perf_counter()
+        for sample in samples:
+          if (sample["id"], method, protocol) in seen:
+            continue
+          press = None if spec is None else make_press(*spec)
+          # ObservedAttention reads the attention weights, which only eager attention returns;
+          # AdaKV refuses eager attention.
+          model.set_attn_implementation("eager" if spec and spec[0] == "observed" else "sdpa")
+          context, question = sample["context_ids"], sample["question_ids"]
+          if protocol == "query_agnostic":
+            pressed, after = context, question
+          else:
+            pressed, after = context + question, []
+          ids = greedy(model, press, pressed, after, sample["answer_tokens"], set(sample.get("stop_ids", ())))
+          row = {"id": sample["id"], "method": method, "protocol": protocol, "answer_ids": ids, **meta}
+          out.write(json.dumps(row) + "\n")
+          out.flush()
+        print(f"{method} {protocol}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
+  return 0
 
 
 if __name__ == "__main__":
-  args = sys.argv[1:]
-  ratio = float(args[0]) if args else 0.75
-  trials = int(args[1]) if len(args) > 1 else 24
-  protocols = tuple(args[2].split(",")) if len(args) > 2 else PROTOCOLS
-  print(json.dumps(main(ratio, trials, protocols)))
+  sys.exit(main())
