@@ -17,7 +17,7 @@ import numpy as np
 from kvjax.bench.real_model import hf_reference
 from kvjax.interop.importer import read_model
 from kvjax.studies.eviction import PROTOCOLS, EvictionStudy, needles
-from kvjax.studies.passkey import answered
+from kvjax.studies.scoring import score
 
 
 def presses(kvpress, ratio: float) -> dict:
@@ -71,18 +71,19 @@ def main(ratio: float = 0.75, trials: int = 24, protocols: tuple[str, ...] = PRO
   del params
   hf = hf_reference(path)
   study = EvictionStudy(trials=trials)
-  contexts, question, keys = needles(tokenizer, study)
+  contexts, question, samples = needles(tokenizer, study)
   result = {"kvpress_version": getattr(kvpress, "__version__", "?"), "transformers_version": transformers.__version__}
   for name, press in presses(kvpress, ratio).items():
     for protocol in protocols:
       hits = []
-      for context, key in zip(contexts, keys):
+      for context, sample in zip(contexts, samples):
+        budget = sample["answer_tokens"]
         if protocol == "query_agnostic":
-          answer = greedy(torch, transformers, hf, press, context, question, study.answer_tokens, tokenizer.stop_ids)
+          answer = greedy(torch, transformers, hf, press, context, question, budget, tokenizer.stop_ids)
         else:
           prompt = np.concatenate([context, question])
-          answer = greedy(torch, transformers, hf, press, prompt, question[:0], study.answer_tokens, tokenizer.stop_ids)
-        hits.append(answered(tokenizer.decode(np.asarray(answer, np.int32)), key))
+          answer = greedy(torch, transformers, hf, press, prompt, question[:0], budget, tokenizer.stop_ids)
+        hits.append(score(tokenizer.decode(np.asarray(answer, np.int32)), sample["references"]))
       result[f"{name} {protocol}"] = 100.0 * float(np.mean(hits))
       print(json.dumps({name: {protocol: result[f"{name} {protocol}"]}}), file=sys.stderr)
   return result
