@@ -77,7 +77,8 @@ class EvictionStudy:
     for press in self.presses:
       if press not in PRESSES:
         raise ValueError(f"EvictionStudy.presses: {press!r} is not one of {tuple(PRESSES)}")
-    self.passkey()  # a bad answer_tokens is refused, named
+    if self.answer_tokens is not None:
+      check_positive(self, "answer_tokens")
     for name in ("ratios", "recall_ratios"):
       for ratio in getattr(self, name):
         cache(press="knorm", ratio=ratio)  # a ratio outside [0, 1) is refused, named

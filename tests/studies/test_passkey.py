@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import re
 
 import numpy as np
 import pytest
 
 from kvjax.cache.config import CacheConfig
+from kvjax.cli.main import main as kvjax_main
 from kvjax.interop.tokenizer import TextTokenizer
 from kvjax.studies import measure
 from kvjax.studies.passkey import (
@@ -28,6 +30,8 @@ from kvjax.studies.passkey import (
   samples,
 )
 from kvjax.studies.passkey_run import all_samples, passkey
+from kvjax.studies.scoring import read_jsonl
+from kvjax.training.checkpoint import save_params
 from kvjax.training.data import documentation
 from conftest import init_params, tiny_config
 
@@ -249,3 +253,23 @@ def test_too_short_a_length_or_model_is_refused():
     PasskeyConfig(lengths=(60, 60))
   with pytest.raises(ValueError, match="PasskeyConfig.wording must be one of"):
     PasskeyConfig(wording="magic number")
+
+
+def test_kvjax_eval_recall_writes_a_record_per_sample(tmp_path, capsys):
+  """`kvjax eval --recall` on a saved hand-built model: the printed rates are those of the
+  answers it writes to the workdir, one line per sample, beside the samples it asked."""
+  tokenizer = word_tokenizer(True)
+  model, params = answering(tokenizer, f"The secret passkey is {KEY}.", max_len=256)
+  save_params(tmp_path, params, model.config)
+  tokenizer.save(tmp_path)
+  assert kvjax_main(["eval", "--workdir", str(tmp_path), "--recall", "100,120", "--needles", "3"]) == 0
+  result = json.loads(capsys.readouterr().out)
+  inputs, answers = read_jsonl(tmp_path / "samples.jsonl"), read_jsonl(tmp_path / "answers.jsonl")
+  assert inputs == all_samples(tokenizer, PasskeyConfig(lengths=(100, 120), needles=3))
+  assert [a["id"] for a in answers] == [s["id"] for s in inputs] and {a["method"] for a in answers} == {"full"}
+  for a, s in zip(answers, inputs):
+    assert a["answer"] == f"The secret passkey is {KEY}." and a["score"] == float(s["references"] == [KEY])
+    assert (a["depth"], a["distance"], a["length"]) == (s["depth"], s["distance"], s["length"])
+  for n in ("100", "120"):
+    assert result["recall"][n]["recall"] == np.mean([a["hit"] for a in answers if a["length"] == int(n)])
+    assert result["recall"][n]["needles"] == 3
