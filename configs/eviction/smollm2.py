@@ -1,5 +1,5 @@
 """The eviction study on SmolLM2-135M-Instruct (float32, CPU): every press at compression ratios
-0.5 / 0.75 / 0.875 for perplexity, 24 needles of 950 tokens at ratio 0.75 for recall, under both
+0.5 / 0.75 / 0.875 for perplexity, 24 needles in prompts of 950 tokens at ratio 0.75 for recall, under both
 protocols (kvjax.studies.eviction).
 
   kvjax run configs/eviction/smollm2.py --workdir runs/eviction

@@ -1,6 +1,6 @@
-"""The eviction study shrunk to run in a minute: one press, 2 needles of 200 tokens answered in
-up to 12 tokens (the model's "The pass key is 48213." holds the key), one short perplexity
-window (the study's test).
+"""The eviction study shrunk to run in a minute: one press, 2 needles in prompts of 200 tokens
+answered in the pass-key budget (twice "The secret passkey is 48213." in tokens), one short
+perplexity window (the study's test).
 
   kvjax run configs/eviction/tiny.py --workdir runs/eviction_tiny
 """
@@ -16,7 +16,6 @@ def get_config() -> EvictionStudy:
     recall_ratios=(0.75,),
     trials=2,
     context=200,
-    answer_tokens=12,
     batch_size=2,
     perplexity_context=128,
     continuation=32,

@@ -7,8 +7,9 @@ its 3 kv heads mean-pooled and pca'd to one at alpha = 0 and pca after layer-loc
 steps per layer on 128 windows of 256 tokens; mean-pooling after recovery is the GQA table's
 row); MLA at the bytes of its GQA-3 cache (latent 336 + 48 rotary dims) at alpha = 0 and of MQA
 (104 + 24) recovered; int8 + SnapKV 0.5 and recovered MQA + int8. Perplexity on one held-out
-prose window each of 1,024 and 2,048 tokens, pass-key recall at 64 / 256 tokens (4 needles; at
-1,024 the full cache recalls none), the decode step at batch 8 over 2,048 positions. Reuse the
+prose window each of 1,024 and 2,048 tokens, pass-key recall in prompts of 512 and 1,024 tokens
+(24 needles each at random depths; the full cache finds them all), the decode step at batch 8
+over 2,048 positions. Reuse the
 GQA table's models with --set models_from=runs/real_gqa; drop the `keep` filter for the whole
 grid.
 
@@ -35,7 +36,7 @@ def get_config() -> KVFrontierStudy:
     measure=Measure(
       contexts=(1024, 2048),
       windows=1,
-      recall=PasskeyConfig(distances=(64, 256), needles=4, batch_size=4),
+      recall=PasskeyConfig(lengths=(512, 1024), needles=24, batch_size=4),
       batch=8,
       context=2048,
       repeats=3,

@@ -37,7 +37,7 @@ def get_config() -> KVFrontierStudy:
     measure=Measure(
       contexts=(128,),
       windows=1,
-      recall=PasskeyConfig(distances=(64,), needles=2, batch_size=2, answer_tokens=4),
+      recall=PasskeyConfig(lengths=(128,), needles=2, batch_size=2),
       batch=2,
       context=128,
       repeats=1,

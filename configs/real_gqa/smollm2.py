@@ -22,7 +22,7 @@ def get_config() -> RealGqaStudy:
     measure=Measure(
       contexts=(1024, 2048),
       windows=1,
-      recall=PasskeyConfig(distances=(64, 256, 1024), needles=4, batch_size=4),
+      recall=PasskeyConfig(lengths=(512, 1024), needles=24, batch_size=4),
       weights="int8",
     ),
     timing=TimingConfig(batch=8, prompt=2048, new_tokens=256, repeats=1),

@@ -19,8 +19,6 @@ def get_config() -> RealGqaStudy:
     best=KVHeads(1, "pca"),
     mla=ToMLA(104, 24),
     recovery=Recovery(mode="local", steps=3, batch_size=2, seq_len=32, data_bytes=200_000, windows=32),
-    measure=Measure(
-      contexts=(128,), windows=1, recall=PasskeyConfig(distances=(64,), needles=2, batch_size=2, answer_tokens=4)
-    ),
+    measure=Measure(contexts=(128,), windows=1, recall=PasskeyConfig(lengths=(128,), needles=2, batch_size=2)),
     timing=TimingConfig(batch=2, prompt=64, new_tokens=4, repeats=1),
   )

@@ -2,11 +2,12 @@
 a checkpoint (kvjax.training.evaluate.evaluate_checkpoint); --corpus and --seq-len choose the text
 and the window length in tokens (an imported model: English prose by default).
 
-`kvjax eval --workdir DIR --recall 32,64,128`: instead, the long-range recall test, printed as one
-JSON object: for a model with a tokenizer (an imported model), a pass key hidden in English prose
-that many tokens back and asked for (kvjax.studies.passkey); for a byte-level model trained here,
-greedy copies of needles planted that many bytes back (kvjax.studies.recall). Both decode through
-the KV cache (--set cache.dtype=int8 cache.layout=paged ...)."""
+`kvjax eval --workdir DIR --recall 512,1024`: instead, the long-range recall test, printed as one
+JSON object: for a model with a tokenizer (an imported model), a pass key hidden at a random
+depth of English prose in prompts of that many tokens and asked for (kvjax.studies.passkey; the
+samples and the answers written to DIR/samples.jsonl and DIR/answers.jsonl); for a byte-level
+model trained here, greedy copies of needles planted that many bytes back (kvjax.studies.recall).
+Both decode through the KV cache (--set cache.dtype=int8 cache.layout=paged ...)."""
 
 from __future__ import annotations
 
@@ -17,13 +18,15 @@ import sys
 
 from kvjax.cli import options
 from kvjax.interop.hf_files import TOKENIZER_FILE
-from kvjax.studies.passkey import PasskeyConfig, passkey_checkpoint
+from kvjax.studies.passkey import PasskeyConfig
+from kvjax.studies.passkey_run import passkey_checkpoint
 from kvjax.studies.recall import RecallConfig, recall_checkpoint
 from kvjax.training.evaluate import evaluate_checkpoint
 
 
 def distances(text: str) -> tuple[int, ...]:
-  """The argparse type of --recall: comma-separated positive integers."""
+  """The argparse type of --recall: comma-separated positive integers (prompt lengths in tokens,
+  or distances in bytes for a byte-level model)."""
   try:
     values = tuple(int(part) for part in text.split(","))
   except ValueError:
@@ -43,7 +46,7 @@ def command(args: argparse.Namespace) -> int:
           "--needle-bytes applies to byte-level models; a tokenized model's needle is a "
           f"{PasskeyConfig.digits}-digit pass key"
         )
-      config = PasskeyConfig(distances=args.recall, needles=args.needles or PasskeyConfig.needles, seed=args.seed)
+      config = PasskeyConfig(lengths=args.recall, needles=args.needles or PasskeyConfig.needles, seed=args.seed)
       result = passkey_checkpoint(
         args.workdir,
         config,
@@ -126,9 +129,10 @@ def add_parser(subparsers) -> None:
     "--recall",
     type=distances,
     metavar="D1,D2,...",
-    help="run the recall test at these distances (tokens; bytes for a byte-level model) instead, and print JSON",
+    help="run the recall test instead, and print JSON: pass-key prompts of these lengths in tokens "
+    "(samples.jsonl and answers.jsonl written to the workdir); needle distances in bytes for a byte-level model",
   )
-  recall.add_argument("--needles", type=options.positive_int, help="needles per distance")
+  recall.add_argument("--needles", type=options.positive_int, help="needles per length (distance)")
   recall.add_argument(
     "--needle-bytes",
     type=options.positive_int,

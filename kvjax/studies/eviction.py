@@ -3,10 +3,11 @@
 Each press (kvjax.cache.evict) is measured at each compression ratio, beside the full cache, by
 kvjax.studies.measure.
 
-Needle recall follows kvpress's protocol: prompts of exactly `context` tokens of held-out prose
-(kvjax.studies.passkey's pass-key prompt: the instruction, a 5-digit key sentence at a random
-depth, whole sentences of prose), then the question in the chat template; greedy answers scored
-by exact match. Two protocols:
+Needle recall follows kvpress's protocol: kvjax.studies.passkey's prompts of exactly `context`
+tokens (the instruction, a 5-digit key sentence at a random depth, whole sentences of held-out
+prose: the context_ids; then the question in the chat template: the question_ids); greedy
+answers of the pass-key answer budget, scored as RULER scores (the key appears in the answer).
+Two protocols:
   query_agnostic  the context is pressed before the question arrives (kvpress's pipeline; a
                   cache shared by many questions must be): prefill the context through the
                   press, then extend the question into the evicted cache and decode;
@@ -15,7 +16,8 @@ by exact match. Two protocols:
 Perplexity: held-out prose windows of perplexity_context + continuation tokens; the context is
 pressed, then the continuation is read through the evicted cache and scored (the tokens the
 prefill's own logits predict are left out: no press changes them). Every row keeps its needles'
-per-sample records under "samples" ({"protocol", "index", "key", "answer", "hit"}).
+per-sample records under "samples" (passkey.judge's, with "index", "method" (e.g. "snapkv@0.75" or
+"full") and "protocol"), also written as WORKDIR/samples.jsonl and answers.jsonl.
 
 Run: kvjax run configs/eviction/smollm2.py --workdir runs/eviction
 """
@@ -34,7 +36,8 @@ from kvjax.fields import check_positive, check_nonnegative
 from kvjax.interop.importer import read_model
 from kvjax.model.transformer import Transformer
 from kvjax.studies import measure, report
-from kvjax.studies.passkey import Frame, PasskeyConfig, Prose, examples, judge
+from kvjax.studies.passkey import PasskeyConfig, judge
+from kvjax.studies.passkey_run import all_samples, write_records
 from kvjax.studies.variants import cache
 from kvjax.training.config import DataConfig
 from kvjax.training.data import PROSE, eval_batches, load_dataset
@@ -45,7 +48,8 @@ PROTOCOLS = ("query_agnostic", "query_aware")
 @dataclasses.dataclass(frozen=True)
 class EvictionStudy:
   """source: the pretrained model (a name kvjax import knows, or a file). presses x ratios for
-  perplexity, presses x recall_ratios x PROTOCOLS for recall; `trials` needles per cell."""
+  perplexity, presses x recall_ratios x PROTOCOLS for recall; `trials` needles per cell, in
+  prompts of `context` tokens; answer_tokens as PasskeyConfig's (None: the pass-key rule)."""
 
   source: str = "smollm2-135m"
   presses: tuple[str, ...] = tuple(PRESSES)
@@ -53,7 +57,7 @@ class EvictionStudy:
   recall_ratios: tuple[float, ...] = (0.75,)
   trials: int = 24
   context: int = 950
-  answer_tokens: int = 10
+  answer_tokens: int | None = None
   batch_size: int = 8
   perplexity_context: int = 1024
   continuation: int = 256
@@ -64,7 +68,7 @@ class EvictionStudy:
   def __post_init__(self):
     if self.job != "eviction":
       raise ValueError(f"EvictionStudy.job must be 'eviction', got {self.job!r}")
-    check_positive(self, "trials", "context", "answer_tokens", "batch_size", "perplexity_context", "continuation")
+    check_positive(self, "trials", "context", "batch_size", "perplexity_context", "continuation")
     check_nonnegative(self, "windows", "seed")
     if self.context < 128:
       raise ValueError(
@@ -73,60 +77,66 @@ class EvictionStudy:
     for press in self.presses:
       if press not in PRESSES:
         raise ValueError(f"EvictionStudy.presses: {press!r} is not one of {tuple(PRESSES)}")
+    if self.answer_tokens is not None:
+      check_positive(self, "answer_tokens")
     for name in ("ratios", "recall_ratios"):
       for ratio in getattr(self, name):
         cache(press="knorm", ratio=ratio)  # a ratio outside [0, 1) is refused, named
 
+  def passkey(self) -> PasskeyConfig:
+    """The pass-key settings of the needles."""
+    return PasskeyConfig(
+      lengths=(self.context,),
+      needles=self.trials,
+      answer_tokens=self.answer_tokens,
+      batch_size=self.batch_size,
+      seed=self.seed,
+    )
+
 
 def needles(tokenizer, study: EvictionStudy):
-  """study.trials prompts -> (contexts int32 [n, context], question int32 [q], keys): the needle
-  sentence at a random depth of exactly `context` tokens, the question (the frame's closing) after."""
-  frame = Frame.of(tokenizer)
-  prose = Prose.of(tokenizer)
-  rng = np.random.default_rng([study.seed, study.context])
-  rows, keys = [], []
-  while len(rows) < study.trials:
-    total = study.context + len(frame.closing)
-    distance = int(rng.integers(len(frame.closing) + 24, study.context - 32))
-    lead = total - distance - len(frame.opening) - len(frame.separator)
-    config = PasskeyConfig(distances=(distance,), needles=1, lead=lead, seed=int(rng.integers(2**31)))
-    try:
-      prompts, lengths, found = examples(tokenizer, config, distance, prose)
-    except ValueError:  # no run of whole sentences of exactly that many tokens: draw another depth
-      continue
-    rows.append(prompts[0, : study.context])
-    keys.append(found[0])
-  return np.stack(rows).astype(np.int32), frame.closing.astype(np.int32), keys
+  """study.trials pass-key samples of `context` tokens -> (contexts int32 [n, c], question int32
+  [q], samples): the needle sentence at a random depth of the contexts, the question after them
+  (the same for every sample)."""
+  samples = all_samples(tokenizer, study.passkey())
+  contexts = np.array([s["context_ids"] for s in samples], np.int32)
+  return contexts, np.array(samples[0]["question_ids"], np.int32), samples
 
 
-def recall(model, params, tokenizer, cache_config: CacheConfig, protocol: str, trials, study: EvictionStudy):
-  """Exact-match recall (%) of the needles `trials` (needles()) through caches of cache_config,
-  and one record per needle -> (recall, samples)."""
-  contexts, question, keys = trials
+def method(press: str | None, ratio: float) -> str:
+  """A result's method: "full", or press@ratio."""
+  return f"{press}@{ratio:g}" if press else "full"
+
+
+def recall(model, params, tokenizer, cache_config: CacheConfig, protocol: str, trials, study: EvictionStudy, name: str):
+  """Recall (%) of the needles `trials` (needles()) through caches of cache_config, and one
+  result per needle marked with `name` and the protocol -> (recall, samples)."""
+  contexts, question, samples = trials
   n, c = contexts.shape
   if protocol == "query_aware":
     prompts, after = np.concatenate([contexts, np.broadcast_to(question, (n, len(question)))], axis=1), None
   else:
     prompts, after = contexts, question
-  exact, samples = measure.recall(
+  rate, results = measure.recall(
     model,
     params,
     prompts,
     np.full(n, prompts.shape[1], np.int32),
-    keys,
+    samples,
     judge(tokenizer),
-    study.answer_tokens,
+    max(s["answer_tokens"] for s in samples),
     cache_config,
     batch_size=study.batch_size,
     stop_ids=tokenizer.stop_ids,
     question=after,
   )
-  return 100.0 * exact, [{"protocol": protocol, **s} for s in samples]
+  return 100.0 * rate, [{**r, "method": name, "protocol": protocol} for r in results]
 
 
 def run(study: EvictionStudy, workdir: Path, progress: Callable[[str], None]) -> list[dict]:
   """Every cell of the study -> rows {press, ratio, perplexity, recall_query_agnostic,
-  recall_query_aware, samples}; writes eviction.{csv,json,md} to workdir."""
+  recall_query_aware, samples}; writes eviction.{csv,json,md}, samples.jsonl and answers.jsonl
+  to workdir."""
   workdir = Path(workdir)
   params, config, tokenizer, path = read_model(study.source)
   if tokenizer is None:
@@ -150,7 +160,9 @@ def run(study: EvictionStudy, workdir: Path, progress: Callable[[str], None]) ->
     samples = []
     if press is None or ratio in study.recall_ratios:
       for protocol in PROTOCOLS:
-        row[f"recall_{protocol}"], found = recall(model, params, tokenizer, cache_config, protocol, trials, study)
+        row[f"recall_{protocol}"], found = recall(
+          model, params, tokenizer, cache_config, protocol, trials, study, method(press, ratio)
+        )
         samples += found
     rows.append({**row, "samples": samples})
   columns = [
@@ -161,6 +173,7 @@ def run(study: EvictionStudy, workdir: Path, progress: Callable[[str], None]) ->
     ("recall_query_aware", "recall %, query-aware", ".1f"),
   ]
   table = report.write_table(rows, workdir / "eviction", columns)
+  write_records(workdir, trials[2], [r for row in rows for r in row["samples"]])
   (workdir / "eviction.md").write_text(
     f"Eviction study: {path.name}, {study.trials} needles of {study.context} tokens, "
     f"{study.windows} windows of {study.perplexity_context} + {study.continuation} tokens\n\n{table}\n"

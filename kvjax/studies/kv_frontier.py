@@ -8,8 +8,8 @@ is checked against the model it runs before anything trains: one error names it.
 
 Every variant is measured alike by kvjax.studies.measure (toy_kv.measure_row, real_kv.measure_row):
 KV bytes per token, quality through the cache (bits per byte of a toy model, perplexity of a
-pretrained one), needle recall (per-sample records kept under each row's "samples") and the
-decode step. `pareto` marks the front of quality (and of a pretrained model's recall) against KV
+pretrained one), needle recall (per-sample records kept under each row's "samples"; a pretrained model's
+pass-key samples and answers also as WORKDIR/samples.jsonl and answers.jsonl) and the decode step. `pareto` marks the front of quality (and of a pretrained model's recall) against KV
 bytes per token. The report (kvjax.studies.kv_frontier_report): kv_frontier.{md,csv,json} and its
 figures in the workdir.
 """
@@ -23,6 +23,7 @@ from typing import Callable
 
 from kvjax.studies import gqa as gs
 from kvjax.studies import kv_frontier_report, real_kv, toy_kv
+from kvjax.studies.passkey_run import all_samples, write_records
 from kvjax.studies.real_kv import Measure, Recovery
 from kvjax.studies.stages import time_per_sample
 from kvjax.studies.toy_kv import ToyMeasure
@@ -164,7 +165,7 @@ def pretrained_rows(study: KVFrontierStudy, workdir: Path, progress: Callable[[s
   )
   for variant in study.variants:  # every cache fits its model before anything is measured
     check_cache(real_kv.stored_config(paths[study.folder(variant)]), variant)
-  rows, loaded, windows = [], {}, None
+  rows, loaded, windows, inputs = [], {}, None, []
   for variant in study.variants:
     folder = study.folder(variant)
     if folder not in loaded:
@@ -173,6 +174,7 @@ def pretrained_rows(study: KVFrontierStudy, workdir: Path, progress: Callable[[s
     model, params, tokenizer = loaded[folder]
     if windows is None:
       windows = {c: real_kv.prose_windows(tokenizer, c, study.measure.windows) for c in study.measure.contexts}
+      inputs = all_samples(tokenizer, study.measure.recall)
     progress(f"kv_frontier: measuring {variant.name}")
     rows.append(
       {
@@ -180,7 +182,7 @@ def pretrained_rows(study: KVFrontierStudy, workdir: Path, progress: Callable[[s
         "family": variant.family,
         "params": folder,
         "cache": variant.describe(),
-        **real_kv.measure_row(model, params, tokenizer, variant.cache, study.measure, windows),
+        **real_kv.measure_row(model, params, tokenizer, variant.cache, study.measure, windows, inputs, variant.name),
       }
     )
   longest = f"perplexity_{max(study.measure.contexts)}"
@@ -190,4 +192,5 @@ def pretrained_rows(study: KVFrontierStudy, workdir: Path, progress: Callable[[s
     pareto(rows, "kv_bytes_per_token", "recall_mean", lower=False),
   ):
     row["pareto_perplexity"], row["pareto_recall"] = quality, recall
+  write_records(workdir, inputs, [r for row in rows for r in row["samples"]])
   return rows

@@ -138,7 +138,7 @@ def pretrained_columns(study: KVFrontierStudy) -> list[report.Column]:
     ("family", "family", ""),
     ("kv_bytes_per_token", f"KV bytes / token @{m.context}", ",.0f"),
     *[(f"perplexity_{c}", f"perplexity @{c}", ".3f") for c in m.contexts],
-    *[(f"recall_{d}", f"recall % @{d}", ".0f") for d in m.recall.distances],
+    *[(f"recall_{n}", f"recall % @{n}", ".0f") for n in m.recall.lengths],
     ("recall_mean", "recall % mean", ".1f"),
     ("decode_step_ms", f"decode step ms (batch {m.batch})", ".1f"),
     ("pareto_perplexity", "front (ppl)", ""),
@@ -154,7 +154,7 @@ def plot_pretrained(study: KVFrontierStudy, rows: list[dict], stem: Path) -> lis
   paths = []
   for key, front, label, suffix in (
     (f"perplexity_{longest}", "pareto_perplexity", f"perplexity @{longest} tokens (log; better: down)", "perplexity"),
-    ("recall_mean", "pareto_recall", "pass-key recall %, mean over distances (better: up)", "recall"),
+    ("recall_mean", "pareto_recall", "pass-key recall %, mean over prompt lengths (better: up)", "recall"),
   ):
     path = Path(f"{stem}_{suffix}.png")
     with report.figure(path, size=(9, 6)) as (ax,):

@@ -192,12 +192,14 @@ def recall(
   stop_ids: Sequence[int] = (),
   question: np.ndarray | None = None,
 ) -> tuple[float, list[dict]]:
-  """Exact-match recall of examples through a cache -> (the fraction of samples judged a hit, one
-  record per sample).
+  """Recall of examples through a cache -> (the fraction of samples judged a hit, one record per
+  sample).
 
   prompts int32 [n, P] and lengths int32 [n] are answered `batch_size` at a time (all at once by
-  default) by `answers`; judge(answer ids, expected[i]) -> a record with at least "hit" (bool),
-  kept per sample with "index" so that two caches can be compared sample by sample."""
+  default) by `answers`, each in up to new_tokens greedy tokens (a judge may read fewer: the
+  pass-key test cuts each answer to its sample's budget); judge(answer ids, expected[i]) -> a
+  record with at least "hit" (bool), kept per sample with "index" so that two caches can be
+  compared sample by sample."""
   step = batch_size or len(prompts)
   records = []
   for start in range(0, len(prompts), step):

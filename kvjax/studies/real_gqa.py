@@ -7,7 +7,8 @@ recovered; each a Variant (kvjax.studies.variants) with the full cache.
 Columns: KV bytes per token (kvjax.studies.measure); time per sample (one jitted `generate` of
 timing.batch rows of timing.prompt tokens + timing.new_tokens greedy tokens, over the batch;
 models timed round-robin, kvjax.studies.stages.time_per_sample, weights stored as
-measure.weights); held-out perplexity and pass-key recall (per-sample records under "samples");
+measure.weights); held-out perplexity and pass-key recall (per-sample records under "samples", and as
+WORKDIR/samples.jsonl and answers.jsonl);
 and the gap each row closes in loss per token at the longest context, ln perplexity: 0% at
 mean-pooling at alpha = 0, 100% at the model as shipped.
 """
@@ -22,7 +23,7 @@ from typing import Callable
 from kvjax.conversion.conversions import KVHeads, ToMLA
 from kvjax.model.weights import store
 from kvjax.studies import measure, report
-from kvjax.studies.passkey import passkey
+from kvjax.studies.passkey_run import all_samples, passkey, write_records
 from kvjax.studies.real_kv import Measure, Recovery, folder, load, prepare, prose_windows
 from kvjax.studies.stages import TimingConfig, time_per_sample
 from kvjax.studies.variants import Variant
@@ -31,8 +32,8 @@ PROTOCOL = """Protocol: {source} imported from its file (float32). MQA rows conv
 one: "mean" mean-pools them (Ainslie et al. 2023), the best conversion is {best}; MLA is
 kvjax.conversion.mla at the KV bytes of MQA ({mla}). Recovery: {recovery}. Perplexity: {windows}
 held-out prose windows (pydoc_data, unseen in recovery) per context, the first half prefilled
-through the cache and the second half scored. Recall: pass-key exact match, {needles} needles
-per distance. Time per sample: batch {batch}, {prompt}-token prompts + {new} greedy tokens,
+through the cache and the second half scored. Recall: pass-key, the key found in the
+answer, {needles} needles at a random depth per prompt length. Time per sample: batch {batch}, {prompt}-token prompts + {new} greedy tokens,
 weights stored as {weights}, median of {repeats} round-robin rounds over the batch. Gap closed:
 (ln ppl(MQA mean, alpha 0) - ln ppl(row)) / (ln ppl(MQA mean, alpha 0) - ln ppl(as shipped)) at
 {longest} tokens."""
@@ -82,7 +83,7 @@ def run(study: RealGqaStudy, workdir: Path, progress: Callable[[str], None]) -> 
   workdir = Path(workdir)
   wanted = study.variants(0)
   paths = prepare(study.source, study.source_layers, study.recovery, wanted, workdir, study.models_from, progress)
-  rows, timed, windows = [], {}, None
+  rows, timed, windows, inputs = [], {}, None, []
   m = study.measure
   longest = max(m.contexts)
   for i, variant in enumerate(wanted):
@@ -90,6 +91,7 @@ def run(study: RealGqaStudy, workdir: Path, progress: Callable[[str], None]) -> 
     if i == 0:
       wanted = study.variants(model.config.num_kv_heads)
       windows = {c: prose_windows(tokenizer, c, m.windows) for c in m.contexts}
+      inputs = all_samples(tokenizer, m.recall)
     variant = wanted[i]
     progress(f"real_gqa: measuring {variant.name}")
     row = {
@@ -101,10 +103,10 @@ def run(study: RealGqaStudy, workdir: Path, progress: Callable[[str], None]) -> 
     }
     for c, ws in windows.items():
       row[f"perplexity_{c}"] = measure.perplexity(model, params, ws, variant.cache, c // 2)
-    found = passkey(model, params, tokenizer, m.recall, cache_config=variant.cache)
-    for d, result in found.items():
-      row[f"recall_{d}"] = 100.0 * result["exact_match"]
-    row["samples"] = [{"distance": int(d), **r} for d, result in found.items() for r in result["samples"]]
+    found = passkey(model, params, tokenizer, m.recall, cache_config=variant.cache, inputs=inputs, method=variant.name)
+    for length, result in found.items():
+      row[f"recall_{length}"] = 100.0 * result["recall"]
+    row["samples"] = [r for result in found.values() for r in result["samples"]]
     rows.append(row)
     timed[variant.name] = (model, store(params, m.weights))
   progress("real_gqa: timing every model")
@@ -116,6 +118,7 @@ def run(study: RealGqaStudy, workdir: Path, progress: Callable[[str], None]) -> 
     row["times_s"] = times[row["model"]]["times_s"]
     row["gap_closed"] = gap_closed(ln(row), start, goal)
   write(study, rows, workdir / "real_gqa")
+  write_records(workdir, inputs, [r for row in rows for r in row["samples"]])
   return rows
 
 
@@ -133,7 +136,7 @@ def write(study: RealGqaStudy, rows: list[dict], stem: Path) -> str:
     ("kv_bytes_per_token", "KV bytes / token", ",.0f"),
     ("time_per_sample_s", f"time per sample s ({t.prompt}+{t.new_tokens})", ".3f"),
     *[(f"perplexity_{c}", f"perplexity @{c}", ".3f") for c in m.contexts],
-    *[(f"recall_{d}", f"recall % @{d}", ".0f") for d in m.recall.distances],
+    *[(f"recall_{n}", f"recall % @{n}", ".0f") for n in m.recall.lengths],
     ("gap_closed", f"gap closed (ln ppl @{longest})", ".1%"),
   ]
   table = report.write_table(rows, stem, columns)

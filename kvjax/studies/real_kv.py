@@ -15,8 +15,11 @@ Measurements (measure_row), each through the cache a variant names, by kvjax.stu
                       trains on): the first C/2 prefilled through the cache (a press compresses
                       them, a window drops what leaves it), the last C/2 extended into it and
                       scored; the same tokens for every variant;
-  recall              pass-key recall per distance, in % (kvjax.studies.passkey; generate from the
-                      whole prompt, so a press sees the question: the query-aware protocol);
+  recall              pass-key recall per prompt length, in % (kvjax.studies.passkey: the needle at
+                      a random depth, the key found in the answer; generate from the whole prompt,
+                      so a press sees the question: the query-aware protocol); the samples drawn
+                      once per study and written to WORKDIR/samples.jsonl, every variant's
+                      answers to WORKDIR/answers.jsonl (kvjax.studies.passkey_run.write_records);
   decode step         one decode step of `batch` rows holding `context` positions, weights stored
                       as Measure.weights (measure.decode_step_ms).
 """
@@ -40,7 +43,8 @@ from kvjax.interop.tokenizer import TextTokenizer
 from kvjax.model.weights import check_format, store
 from kvjax.studies import measure, stages
 from kvjax.studies.variants import Variant
-from kvjax.studies.passkey import PasskeyConfig, passkey
+from kvjax.studies.passkey import PasskeyConfig
+from kvjax.studies.passkey_run import passkey
 from kvjax.training import checkpoint
 from kvjax.training.config import DataConfig
 from kvjax.training.data import PROSE, eval_batches, load_dataset
@@ -179,7 +183,7 @@ class Measure:
   contexts: tuple[int, ...] = (1024, 2048)
   windows: int = 2
   recall: PasskeyConfig = dataclasses.field(
-    default_factory=lambda: PasskeyConfig(distances=(64, 256, 1024, 2048), needles=8, batch_size=4)
+    default_factory=lambda: PasskeyConfig(lengths=(512, 1024, 2048), needles=24, batch_size=4)
   )
   batch: int = 8
   context: int = 2048
@@ -195,19 +199,22 @@ class Measure:
     check_format(self.weights)
 
 
-def measure_row(model, params, tokenizer, cache_config: CacheConfig, settings: Measure, windows: dict) -> dict:
-  """Every measurement of one model through one cache (windows: {C: prose_windows(C)}); the pass-key
-  samples under "samples" (one record per example, with its distance)."""
+def measure_row(
+  model, params, tokenizer, cache_config: CacheConfig, settings: Measure, windows: dict, inputs: list[dict], method: str
+) -> dict:
+  """Every measurement of one model through one cache (windows: {C: prose_windows(C)}; inputs: the
+  pass-key samples, passkey_run.all_samples); the pass-key results under "samples" (one per
+  example, with its length, depth and distance, marked `method`)."""
   row = {"kv_bytes_per_token": measure.kv_bytes_per_token(model.config, cache_config, settings.context)}
   for length, ws in windows.items():
     row[f"perplexity_{length}"] = measure.perplexity(model, params, ws, cache_config, length // 2)
-  found = passkey(model, params, tokenizer, settings.recall, cache_config=cache_config)
-  for distance, result in found.items():
-    row[f"recall_{distance}"] = 100.0 * result["exact_match"]
-  row["recall_mean"] = statistics.mean(row[f"recall_{d}"] for d in settings.recall.distances)
+  found = passkey(model, params, tokenizer, settings.recall, cache_config=cache_config, inputs=inputs, method=method)
+  for length, result in found.items():
+    row[f"recall_{length}"] = 100.0 * result["recall"]
+  row["recall_mean"] = statistics.mean(row[f"recall_{n}"] for n in settings.recall.lengths)
   steps = measure.decode_step_ms(
     model, store(params, settings.weights), cache_config, settings.batch, settings.context, settings.repeats
   )
   row["decode_step_ms"] = statistics.median(steps)
-  row["samples"] = [{"distance": int(d), **r} for d, result in found.items() for r in result["samples"]]
+  row["samples"] = [r for result in found.values() for r in result["samples"]]
   return row

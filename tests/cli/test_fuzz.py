@@ -28,7 +28,7 @@ import kvjax.bench.real_model
 import kvjax.decoding.stream
 import kvjax.interop.hf_export
 import kvjax.kernels.build
-import kvjax.studies.passkey
+import kvjax.studies.passkey_run
 import kvjax.studies.recall
 import kvjax.training.checkpoint
 import kvjax.training.evaluate
@@ -402,7 +402,7 @@ def tripwires(monkeypatch, files):
     (kvjax.training.evaluate, "_eval_sums"),
     (kvjax.decoding.stream, "prefill"),
     (kvjax.studies.recall, "recall"),
-    (kvjax.studies.passkey, "passkey"),
+    (kvjax.studies.passkey_run, "passkey"),
     (kvjax.interop.hf_export, "save_file"),
     (kvjax.training.checkpoint, "save_params"),
     (conversions.KVHeads, "convert"),

@@ -17,6 +17,7 @@ from kvjax.interop.importer import read_model
 from kvjax.model.transformer import Transformer
 from kvjax.studies import eviction
 from kvjax.studies.eviction import EvictionStudy
+from kvjax.studies.scoring import read_jsonl
 from kvjax.training.config import DataConfig
 from kvjax.training.data import PROSE, eval_batches, load_dataset
 
@@ -44,18 +45,23 @@ def test_the_tiny_study_writes_a_row_per_cache(tmp_path):
   assert progress == ["eviction: measuring the full cache", "eviction: measuring snapkv at ratio 0.75"]
   assert [(r["press"], r["ratio"]) for r in rows] == [("full cache", 0.0), ("snapkv", 0.75)]
   full, snapkv = rows
-  # Through the full cache the model finds the first key at 200 tokens ("The pass key is 98874.",
-  # inside the 12-token budget) and misses the second, under either protocol, answering alike
-  # token for token: reading the question after the prefill is reading it in the prompt.
-  assert full["recall_query_agnostic"] == full["recall_query_aware"] == 50.0
+  # Through the full cache the model finds both keys in prompts of 200 tokens ("The secret
+  # passkey is 12345.", inside the 24-token budget), under either protocol, answering alike token
+  # for token: reading the question after the prefill is reading it in the prompt.
+  assert full["recall_query_agnostic"] == full["recall_query_aware"] == 100.0
   agnostic, aware = ([s for s in full["samples"] if s["protocol"] == p] for p in eviction.PROTOCOLS)
   assert [s["answer"] for s in agnostic] == [s["answer"] for s in aware]
-  assert [s["hit"] for s in agnostic] == [True, False] and agnostic[0]["answer"].startswith("The pass key is 98874.")
   params, config, tokenizer, _ = read_model(study.source)
-  _, _, keys = eviction.needles(tokenizer, study)
+  contexts, question, samples = eviction.needles(tokenizer, study)
+  assert contexts.shape == (2, 200 - len(question)) and all(s["answer_tokens"] == 24 for s in samples)
+  assert [s["answer"] for s in agnostic] == [f"The secret passkey is {s['references'][0]}." for s in samples]
   for row in rows:
     for protocol in eviction.PROTOCOLS:
-      assert [s["key"] for s in row["samples"] if s["protocol"] == protocol] == keys
+      found = [s for s in row["samples"] if s["protocol"] == protocol]
+      assert [s["id"] for s in found] == [s["id"] for s in samples]
+      assert {s["method"] for s in found} == {"full" if row["press"] == "full cache" else "snapkv@0.75"}
+  assert read_jsonl(tmp_path / "samples.jsonl") == samples
+  assert read_jsonl(tmp_path / "answers.jsonl") == [s for row in rows for s in row["samples"]]
   assert full["perplexity"] == pytest.approx(forward_perplexity(study, params, config, tokenizer), rel=1e-4)
   # The press dropped what the continuation reads; pressing before or after the question arrives
   # keeps other tokens, so the two protocols answer differently.
@@ -73,6 +79,7 @@ def test_the_tiny_study_writes_a_row_per_cache(tmp_path):
     (dict(ratios=(1.0,)), "compression_ratio must be a finite number in"),
     (dict(context=64), "EvictionStudy.context must be at least 128"),
     (dict(trials=0), "trials"),
+    (dict(answer_tokens=0), "EvictionStudy.answer_tokens must be"),
   ],
 )
 def test_bad_studies_are_refused_naming_the_field(changes, message):

@@ -18,6 +18,7 @@ from kvjax.cli.run import load_config
 from kvjax.studies import kv_frontier, real_gqa, real_kv
 from kvjax.studies.kv_frontier import KVFrontierStudy
 from kvjax.studies.real_kv import Recovery
+from kvjax.studies.scoring import read_jsonl
 from kvjax.studies.variants import Variant
 from kvjax.training.workdir import claim_study
 
@@ -66,7 +67,15 @@ def test_the_gqa_table_rows_and_files(runs):
   assert [r["kv_bytes_per_token"] for r in table] == [3072 + 4 / 2048] + [1024 + 4 / 2048] * 4
   for row in table:
     assert row["time_per_sample_s"] > 0 and math.isfinite(row["perplexity_128"])
-    assert [s["distance"] for s in row["samples"]] == [64, 64]
+    assert [s["length"] for s in row["samples"]] == [128, 128] and all(
+      s["method"] == row["model"] for s in row["samples"]
+    )
+    assert all(0 < s["distance"] < 128 and 0 <= s["depth"] <= 1 for s in row["samples"])
+  # Per-sample records as JSON lines: the inputs once, every row's answers.
+  inputs = read_jsonl(root / "gqa" / "samples.jsonl")
+  assert [s["id"] for s in inputs] == ["passkey/128/0", "passkey/128/1"]
+  assert all(len(s["context_ids"]) + len(s["question_ids"]) == 128 for s in inputs)
+  assert read_jsonl(root / "gqa" / "answers.jsonl") == [s for row in table for s in row["samples"]]
   for name in ("real_gqa.md", "real_gqa.csv", "real_gqa.png"):
     assert (root / "gqa" / name).stat().st_size > 0
   assert "Gap closed" in (root / "gqa" / "real_gqa.md").read_text()
@@ -124,6 +133,11 @@ def test_the_frontier_rows_against_oracles(runs):
   assert rows["int8 + snapkv 0.5"]["pareto_perplexity"] and rows["int8 + snapkv 0.5"]["pareto_recall"]
   for name in ("kv_frontier.md", "kv_frontier.csv", "kv_frontier_perplexity.png", "kv_frontier_recall.png"):
     assert (root / "frontier" / name).stat().st_size > 0
+  # The same samples as the GQA table's (one tokenizer, one seed); every variant's answers.
+  assert read_jsonl(root / "frontier" / "samples.jsonl") == read_jsonl(root / "gqa" / "samples.jsonl")
+  answers = read_jsonl(root / "frontier" / "answers.jsonl")
+  assert [a["method"] for a in answers] == [name for name in rows for _ in range(2)]
+  assert [a for a in answers if a["method"] == "full cache"] == rows["full cache"]["samples"]
 
 
 def test_models_from_a_study_with_other_settings_is_refused(runs, tmp_path):
