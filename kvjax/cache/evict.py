@@ -70,8 +70,8 @@ def kept(lengths, ratio: float):
 
 
 def slots_for(cache_config: CacheConfig, max_len: int, prompt: int | None) -> int:
-  """Slots per row and kv head of a cache of max_len positions whose prompt is `prompt` tokens
-  (default max_len): max_len less the tokens the press drops of the prompt."""
+  """Slots per row and kv head of each global layer of a cache of max_len positions whose prompt
+  is `prompt` tokens (default max_len): max_len less the tokens the press drops of the prompt."""
   prompt = max_len if prompt is None else min(prompt, max_len)
   return int(max_len - (prompt - kept(prompt, cache_config.press.compression_ratio)))
 
