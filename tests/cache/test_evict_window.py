@@ -49,7 +49,6 @@ def made(how: str, window: tuple[int, ...], sinks: int, press):
     ("knorm", "model (6, 6, 0) + 2 sinks"),
     ("adaptive", "model (6, 6, 0) + 2 sinks"),
     ("streaming_llm", "cache (6, 0) + 3 sinks"),
-    ("snapkv", "cache (6, 0) + 3 sinks"),
   ],
 )
 def test_decoding_is_the_forward_masked_to_the_pressed_globals_and_the_windows(press, windows):
@@ -89,12 +88,11 @@ def test_decoding_is_the_forward_masked_to_the_pressed_globals_and_the_windows(p
 
 
 @pytest.mark.parametrize(
-  "press, windows, generate",
-  [("snapkv", "model (6, 6, 0) + 2 sinks", True), ("adaptive", "cache (6, 0) + 3 sinks", False)],
+  "press, windows", [("snapkv", "model (6, 6, 0) + 2 sinks"), ("adaptive", "cache (6, 0) + 3 sinks")]
 )
-def test_ratio_zero_is_the_contiguous_cache_of_the_windowed_model(press, windows, generate):
-  """Nothing pressed: a prefill (bucketed storage), decode steps past the rings' wrap and
-  generate (one case: it compiles a loop) give the contiguous cache's logits and tokens."""
+def test_ratio_zero_is_the_contiguous_cache_of_the_windowed_model(press, windows):
+  """Nothing pressed: a ragged prefill (bucketed storage) and decode steps past the rings' wrap
+  give the contiguous cache's logits, whose rings hold the same windows."""
   model, params, cache_config, _ = made(*WINDOWS[windows], dataclasses.replace(PRESSES[press], compression_ratio=0.0))
   contiguous = cache_config.replace(press=None, layout=None)
   tokens = RNG.integers(0, 64, (2, 24)).astype(np.int32)
@@ -107,10 +105,6 @@ def test_ratio_zero_is_the_contiguous_cache_of_the_windowed_model(press, windows
     want, full = decode.decode_step(model, params, full, token)
     got, cache = decode.decode_step(model, params, cache, token)
     np.testing.assert_allclose(got, want, atol=1e-5, err_msg=f"step {step}")
-  if not generate:
-    return
-  greedy = decode.generate(model, params, tokens, lengths, 12, cache_config=contiguous)
-  np.testing.assert_array_equal(decode.generate(model, params, tokens, lengths, 12, cache_config=cache_config), greedy)
 
 
 KV = 2 * 2 * 8 * 4  # bytes of one position of one layer: K and V, 2 kv heads x 8 dims, float32
