@@ -35,11 +35,14 @@ RATIOS = (0.5, 0.75, 0.875)
 
 
 @functools.partial(jax.jit, static_argnames=("backend",))
-def _attention(backend, q, stored: list, filled_through):
+def _attention(backend, q, stored: list, filled_through: list):
   """Every layer's decode read of a float32 cache: q [B, 1, N, H] against each layer's k/v
-  through the contiguous decode route, positions [0, filled_through[b]]."""
+  through the contiguous decode route, positions [0, filled_through[layer][b]]."""
   read = functools.partial(attend_one, codec=codec("float32"))
-  return [backend.cache_attention(("contiguous", "float32"), q, s["k"], s["v"], filled_through, read) for s in stored]
+  return [
+    backend.cache_attention(("contiguous", "float32"), q, s["k"], s["v"], through, read)
+    for s, through in zip(stored, filled_through)
+  ]
 
 
 def bench_evict(
@@ -78,11 +81,12 @@ def bench_evict(
   reads, read_bytes = {}, {}
   for name, cache in caches.items():
     stored = [{n: layer[n] for n in ("k", "v")} for layer in cache_layers(cache.layers)]
-    through = jnp.full(
-      (batch,), (context if name == "full" else int(kept(context, cache.press.compression_ratio))) - 1, jnp.int32
-    )
+    held = context if name == "full" else int(kept(context, cache.press.compression_ratio))
+    # A windowed layer (a ring, never pressed) reads its window and sinks whatever the ratio.
+    reads_of = [min(held, layer["v"].shape[2]) for layer in stored]
+    through = [jnp.full((batch,), n - 1, jnp.int32) for n in reads_of]
     reads[name] = functools.partial(_attention, backend, q, stored, through)
-    read_bytes[name] = int(through[0] + 1) * config.num_layers * batch * 2 * config.num_kv_heads * config.head_dim * 4
+    read_bytes[name] = sum(reads_of) * batch * 2 * config.num_kv_heads * config.head_dim * 4
   attention_s = timed_alternating(reads, repeats)
   median = lambda xs: float(np.median(xs))
   step_ms = {n: 1e3 * median(s) for n, s in step_s.items()}

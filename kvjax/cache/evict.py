@@ -21,13 +21,28 @@ most the slots each) and every read goes by positions, in XLA.
 
 A cache for max_len positions whose first call is `prompt` tokens long has
 S = max_len - (prompt - int(prompt * (1 - ratio))) slots: room for the kept prompt and every
-later token, as kvpress's pipeline keeps them. The layout does not take sliding-window layers
-(a window keeps tokens by recency, a press by score) nor MLA's latent (one vector shared by all
-heads); a paged cache does not evict.
+later token, as kvpress's pipeline keeps them.
+
+Sliding-window layers (ModelConfig.window, e.g. Gemma 3's five local layers of every six) are
+not pressed, as kvpress presses only Gemma 3's global ones: the press and its slots serve the
+global layers (window 0), and a windowed layer keeps exactly what its window can still show a
+later query (a query at t >= the prompt's length reads s > t - window and the sinks): after the
+prompt its last `window` positions and its sink_tokens first ones, then, decoding, at most
+window + sinks tokens, its oldest non-sink token going first. That is the contiguous layout's
+ring of min(max_len, window + sinks) slots (kvjax.cache.contiguous, `ring`), without positions
+or scores, so a windowed layer loses nothing a windowed model reads. For such a model a
+compression ratio is the fraction of the global layers' prompt dropped; the windowed layers
+keep their window whatever the ratio, and the cache's bytes count them at their ring.
+A CacheConfig's window and sink_tokens (StreamingLLM's windows on a model trained with full
+attention) combine with a press alike: they decide which layers are windowed, and the press
+presses the layers they leave global. A pattern that windows every layer leaves the press
+nothing to press and is refused, as are MLA's latent (one vector shared by all heads) and a
+paged cache (which does not evict).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import flax.struct
@@ -55,8 +70,8 @@ def kept(lengths, ratio: float):
 
 
 def slots_for(cache_config: CacheConfig, max_len: int, prompt: int | None) -> int:
-  """Slots per row and kv head of a cache of max_len positions whose prompt is `prompt` tokens
-  (default max_len): max_len less the tokens the press drops of the prompt."""
+  """Slots per row and kv head of each global layer of a cache of max_len positions whose prompt
+  is `prompt` tokens (default max_len): max_len less the tokens the press drops of the prompt."""
   prompt = max_len if prompt is None else min(prompt, max_len)
   return int(max_len - (prompt - kept(prompt, cache_config.press.compression_ratio)))
 
@@ -70,11 +85,24 @@ def check_model(config: ModelConfig, cache_config: CacheConfig) -> None:
       f"caches {sorted(payload)} (MLA's latent, shared by every head), which cannot be evicted per head"
     )
   model = cache_config.model(config)
-  if any(model.window):
+  if model.all_windowed:
+    whose = "the model's" if cache_config.window is None else "CacheConfig.window's"
     raise ValueError(
-      f"CacheConfig.press={cache_config.press!r} does not combine with sliding windows "
-      f"(window={model.window}): a window keeps tokens by recency, a press by score"
+      f"CacheConfig.press={cache_config.press!r} presses the global layers (window 0), but {whose} "
+      f"window={model.window} windows every layer, so nothing is left to press: drop the press (the "
+      "windows alone bound the cache) or leave a layer global"
     )
+
+
+def layer_spec(model: ModelConfig, codec, batch: int, layer: int, max_len: int, slots: int) -> dict:
+  """{name: (shape, dtype)} of layer `layer` of a model of `model` (the cache's windows): a
+  windowed layer's ring (the contiguous layout's arrays at min(max_len, window + sinks)), a global
+  layer's `slots` with their bookkeeping."""
+  if model.layer_window(layer):
+    return contiguous_spec(model, codec, batch, model.cached_positions(layer, max_len))
+  spec = contiguous_spec(model, codec, batch, slots)
+  heads = model.num_kv_heads
+  return spec | {name: ((batch, heads, slots), dtype) for name, dtype in BOOKKEEPING.items()}
 
 
 def scatter_heads(buffer: jax.Array, update: jax.Array, slots: jax.Array, axis: int) -> jax.Array:
@@ -101,8 +129,9 @@ def head_budgets(scores: jax.Array, keep: jax.Array, safeguard: float) -> jax.Ar
 
 @register("evict")
 class EvictedCache(ContiguousCache):
-  """Per row and kv head, `slots` (static) tokens chosen by `press` (static; its compression
-  ratio and head budgets too); see the module docstring. max_len (static) bounds the positions a
+  """Per row and kv head of each global layer, `slots` (static) tokens chosen by `press` (static;
+  its compression ratio and head budgets too); each windowed layer a ring of min(max_len, window +
+  sinks) positions; see the module docstring. max_len (static) bounds the positions a
   row may reach.
 
   budget: int32 scalar, the slots a row may fill when `slots` (the storage) was made larger (a
@@ -130,7 +159,7 @@ class EvictedCache(ContiguousCache):
     bucket: bool = False,
   ) -> "EvictedCache":
     """An empty cache of `batch` rows for max_len positions whose first call is `prompt` tokens
-    (default max_len): slots_for(...) slots per row and kv head. With `bucket`, the storage is
+    (default max_len): slots_for(...) slots per row and kv head of each global layer. With `bucket`, the storage is
     rounded up (size_bucket: max_len positions, the slots), `limit` and `budget` keep the asked."""
     check_positive_int(batch, "batch")
     check_positive_int(max_len, "max_len")
@@ -159,15 +188,15 @@ class EvictedCache(ContiguousCache):
     """An empty cache of `slots` slots per row and kv head, for max_len positions."""
     memory.check_fits(
       f"an evicting cache of {batch} rows x {slots} slots",
-      batch * config.num_layers * slots * cls.slot_bytes(config, cache_config) + 4 * batch,
+      batch * cls.row_bytes(config, cache_config, max_len, slots) + 4 * batch,
     )
     statics = cls.statics(config, cache_config)
-    spec = cls.spec(config, statics["codec"], batch, slots)
+    model = cache_config.model(config)
 
     def layer(i):
       return {
         name: jnp.full(shape, -1, dtype) if name == "positions" else jnp.zeros(shape, dtype)
-        for name, (shape, dtype) in spec.items()
+        for name, (shape, dtype) in layer_spec(model, statics["codec"], batch, i, max_len, slots).items()
       }
 
     return cls(
@@ -183,17 +212,21 @@ class EvictedCache(ContiguousCache):
   def create(cls, config, batch, max_len, cache_config=CacheConfig(), prompt=None) -> "EvictedCache":
     return cls.rows(config, batch, max_len, cache_config, prompt)
 
-  @staticmethod
-  def spec(config: ModelConfig, codec, batch: int, slots: int) -> dict:
-    """{name: (shape, dtype)} of one layer: the contiguous layout's arrays at `slots`, and the bookkeeping."""
-    spec = contiguous_spec(config, codec, batch, slots)
-    heads = config.num_kv_heads
-    return spec | {name: ((batch, heads, slots), dtype) for name, dtype in BOOKKEEPING.items()}
-
   @classmethod
   def sequence_bytes(cls, config: ModelConfig, cache_config: CacheConfig, length: int, prompt: int | None = None):
-    """Bytes one row takes: every layer's slots, K/V through the codec and the bookkeeping."""
-    return config.num_layers * slots_for(cache_config, length, prompt) * cls.slot_bytes(config, cache_config)
+    """Bytes one row of a cache for `length` positions and a `prompt`-token first call takes."""
+    return cls.row_bytes(config, cache_config, length, slots_for(cache_config, length, prompt))
+
+  @classmethod
+  def row_bytes(cls, config: ModelConfig, cache_config: CacheConfig, max_len: int, slots: int) -> int:
+    """Bytes of one row's layers: each global layer's `slots` (K/V through the codec and the
+    bookkeeping), each windowed layer's ring of min(max_len, window + sinks) positions."""
+    model = cache_config.model(config)
+    slot, position = cls.slot_bytes(config, cache_config), cls.position_bytes(config, cache_config)
+    return sum(
+      model.cached_positions(i, max_len) * position if model.layer_window(i) else slots * slot
+      for i in range(config.num_layers)
+    )
 
   @classmethod
   def slot_bytes(cls, config: ModelConfig, cache_config: CacheConfig) -> int:
@@ -207,7 +240,12 @@ class EvictedCache(ContiguousCache):
     return batch * cls.sequence_bytes(config, cache_config, max_len, prompt) + 4 * batch
 
   def layer_spec(self, config: ModelConfig, layer: int = 0):
-    return self.spec(config, self.codec, self.lengths.shape[0], self.slots)
+    return layer_spec(config, self.codec, self.lengths.shape[0], layer, self.max_len, self.slots)
+
+  @property
+  def ring(self) -> ContiguousCache:
+    """The contiguous layout over the same arrays: what writes and reads the windowed layers' rings."""
+    return ContiguousCache(**{f.name: getattr(self, f.name) for f in dataclasses.fields(ContiguousCache)})
 
   def filled(self, stored: dict) -> jax.Array:
     """int[B]: the slots row b holds (every head of a row holds as many, slots 0, 1, ... first)."""
@@ -257,8 +295,10 @@ class EvictedCache(ContiguousCache):
     return stored
 
   def write(self, stored, new, span: Span):
-    """Each valid new token to an empty slot (lowest first) or, in a full row, to the slot of the
+    """A windowed layer's tokens to its ring (`ring`); a global layer's, each valid new token to an empty slot (lowest first) or, in a full row, to the slot of the
     lowest-scoring token held; the call's own tokens all enter (a chunk fits the slots: check_room)."""
+    if span.window.size:
+      return self.ring.write(stored, new, span)
     t = span.positions.shape[1]
     priority = jnp.where(stored["positions"] < 0, -jnp.inf, stored["scores"])  # [B, K, S]
     # Slots past the budget rank with the tokens scored +inf (a press's always-kept ones), after
@@ -281,6 +321,8 @@ class EvictedCache(ContiguousCache):
     return out
 
   def read(self, stored, query, q_positions, span: Span, backend: Backend):
+    if span.window.size:
+      return self.ring.read(stored, query, q_positions, span, backend)
     if q_positions.shape[1] == 1 and query.kernel_query is not None and not self.adaptive:
       return backend.cache_attention(
         ("contiguous", self.codec.name),
@@ -295,6 +337,8 @@ class EvictedCache(ContiguousCache):
     return query.attend(self.readable(stored), keys, transposed=True)
 
   def attend(self, stored, query, q_positions, new, span: Span, backend: Backend):
+    if span.window.size:  # a windowed layer: its ring, never pressed
+      return self.ring.attend(stored, query, q_positions, new, span, backend)
     if span.from_empty:
       out = query.attend(self.as_stored(new), new_keys(q_positions, span))
       return self.compress(new, query.every_q, span), out

@@ -37,7 +37,9 @@ def filled(cache: KVCache, cfg: ModelConfig, context: int) -> KVCache:
       for key, (name, field) in zip(draws, cache.fields.items())
     }
 
-  layers = cache_collection(cfg, lambda i: _write(cache, stored[i], payload(i), span))
+  layers = cache_collection(
+    cfg, lambda i: _write(cache, stored[i], payload(i), span.replace(window=cache.layer_window(cfg, i)))
+  )
   return cache.replace(layers=layers, lengths=jnp.full((batch,), context, jnp.int32))
 
 
@@ -48,11 +50,14 @@ def _write(cache, stored, new, span):
 
 def filled_evicted(config, cache_config: CacheConfig, batch: int, context: int, max_len: int) -> EvictedCache:
   """An evicting cache whose rows hold int(context * (1 - ratio)) random tokens spread over
-  positions [0, context), every slot of the kept prompt filled, as after a pressed prefill."""
+  positions [0, context), every slot of the kept prompt filled, as after a pressed prefill (a
+  windowed layer's ring holds the last positions of `held`: what it holds is timed, not read)."""
   cache = kinds.create(config, cache_config, batch, max_len, prompt=context)
   held = int(kept(context, cache_config.press.compression_ratio))
   layers = filled(cache.replace(max_len=held), config, 0).layers  # slots [0, held) written in order
   positions = jnp.broadcast_to(jnp.linspace(0, context - 1, held).astype(jnp.int32), (batch, config.num_kv_heads, held))
   for layer in cache_layers(layers):
+    if "positions" not in layer:  # a windowed layer's ring
+      continue
     layer["positions"] = layer["positions"].at[..., :held].set(positions)
   return cache.replace(layers=layers, lengths=jnp.full((batch,), context, jnp.int32))

@@ -51,3 +51,39 @@ class _FixedMask:
 
   def mask(self):
     return self._mask
+
+
+def held(cache) -> list[np.ndarray | None]:
+  """Per layer of an evicting cache, int[B, K, S] the positions each slot holds (-1 empty); None
+  for a windowed layer (a ring, which keeps no positions)."""
+  return [
+    np.asarray(layer["attn"]["positions"]) if "positions" in layer["attn"] else None for layer in cache.layers.values()
+  ]
+
+
+def masks_of(history, total: int, windows: tuple[tuple[int, int], ...] = ()) -> list[np.ndarray]:
+  """The reference masks [B, K, T, T] per layer of an evicting cache (KeptForward's). Every query
+  reads the earlier tokens, in a windowed layer (windows[l] = (size, sinks); size 0 or none given:
+  global) those within its window and the sinks: s <= t and (t - s < size or s < sinks). A query
+  of a later call in a global layer reads the positions that layer and head held after the call.
+  history: per call after the prompt, (first position int[B], last position + 1 int[B], held(cache))."""
+  layers = len(history[0][2])
+  b, k = next(h for h in history[0][2] if h is not None).shape[:2]
+  t, s = np.arange(total)[:, None], np.arange(total)[None, :]
+  causal = s <= t
+  masks = []
+  for layer in range(layers):
+    size, sinks = windows[layer % len(windows)] if windows else (0, 0)
+    mask = causal & ((t - s < size) | (s < sinks)) if size else causal
+    masks.append(np.broadcast_to(mask, (b, k, total, total)).copy())
+  for start, end, after in history:
+    for layer, positions in enumerate(after):
+      if positions is None:
+        continue
+      for row in range(b):
+        for head in range(k):
+          seen = np.zeros(total, bool)
+          seen[positions[row, head][positions[row, head] >= 0]] = True
+          rows = np.arange(start[row], end[row])
+          masks[layer][row, head, rows] = seen[None, :] & causal[rows]
+  return masks

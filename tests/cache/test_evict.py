@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import init_params, tiny_config
-from oracles import KeptForward, forward
+from oracles import KeptForward, forward, held, masks_of
 
 from kvjax.cache import kinds
 from kvjax.cache.config import CacheConfig
@@ -34,11 +34,6 @@ def evicting(name: str, **fields) -> CacheConfig:
 @pytest.fixture(scope="module")
 def gqa():
   return init_params(tiny_config(2))
-
-
-def held(cache) -> list[np.ndarray]:
-  """Per layer, int[B, K, S] positions (-1 empty)."""
-  return [np.asarray(layer["attn"]["positions"]) for layer in cache.layers.values()]
 
 
 @pytest.mark.parametrize("press", list(PRESSES))
@@ -133,25 +128,6 @@ def test_random_press_keeps_a_seeded_sample():
   assert not np.array_equal(np.asarray(other.compress(new, jnp.ones((2, 24, 4, 8)), span)["positions"]), first)
 
 
-def masks_of(history, lengths, total) -> list[np.ndarray]:
-  """The reference masks [B, K, T, T] per layer: a prompt query reads every earlier token; query
-  t of a later call reads the positions its layer and head held after that call (history: per
-  call, (first position, last position + 1, held per layer))."""
-  layers = len(history[0][2])
-  b, k = history[0][2][0].shape[:2]
-  causal = np.tril(np.ones((total, total), bool))
-  masks = [np.broadcast_to(causal, (b, k, total, total)).copy() for _ in range(layers)]
-  for start, end, after in history:
-    for layer, positions in enumerate(after):
-      for row in range(b):
-        for head in range(k):
-          seen = np.zeros(total, bool)
-          seen[positions[row, head][positions[row, head] >= 0]] = True
-          rows = np.arange(start[row], end[row])
-          masks[layer][row, head, rows] = seen[None, :] & causal[rows]
-  return masks
-
-
 @pytest.mark.parametrize("press", ["snapkv", "streaming_llm", "knorm"])
 @pytest.mark.parametrize("dtype", [None, "int8"])
 def test_decoding_after_eviction_is_the_forward_masked_to_the_kept_tokens(gqa, press, dtype):
@@ -175,7 +151,7 @@ def test_decoding_after_eviction_is_the_forward_masked_to_the_kept_tokens(gqa, p
     history.append((np.full(2, step), np.full(2, step + 1), held(cache)))
     calls.append(logits)
   assert ((held(cache)[0] >= 0).sum(-1) == cache.slots).all()  # full since the chunk: every later step evicted
-  reference = forward(model, params, tokens[:, :28], KeptForward(masks_of(history, lengths, 28)))
+  reference = forward(model, params, tokens[:, :28], KeptForward(masks_of(history, 28)))
   positions = [prompt - 1, prompt + 3, *range(prompt + 4, 28)]
   tolerance = 1e-4 if dtype is None else 5e-2
   for got, position in zip(calls, positions):
@@ -263,8 +239,8 @@ def test_bad_budgets_and_models_are_refused(gqa):
   with pytest.raises(ValueError, match="MLA's latent"):
     mla = tiny_config(2, kv_latent_rank=16, rope_dims=4)
     kinds.create(mla, CacheConfig(press=KNorm()), 1, 32)
-  with pytest.raises(ValueError, match="does not combine with sliding windows"):
-    kinds.create(tiny_config(2, window=(8, 0)), CacheConfig(press=KNorm()), 1, 32)
+  with pytest.raises(ValueError, match=r"presses the global layers \(window 0\), but the model's window=\(8,\)"):
+    kinds.create(tiny_config(2, window=(8,)), CacheConfig(press=KNorm()), 1, 32)
   cache = kinds.create(config, CacheConfig(press=KNorm(compression_ratio=0.5)), 2, 64)  # 32 slots
   _, cache = decode.extend(model, params, cache, TOKENS, LENGTHS)
   with pytest.raises(ValueError, match="row 0 brings 33 tokens in one call, more than the evicting cache's 32 slots"):
@@ -309,6 +285,6 @@ def test_adaptive_head_budgets_keep_what_adakv_keeps(gqa, press):
     logits, cache = decode.decode_step(model, params, cache, tokens[:, step])
     history.append((np.full(2, step), np.full(2, step + 1), held(cache)))
     calls.append(logits)
-  reference = forward(model, params, tokens, KeptForward(masks_of(history, np.array([20, 20]), 30)))
+  reference = forward(model, params, tokens, KeptForward(masks_of(history, 30)))
   for got, position in zip(calls, range(20, 30)):
     np.testing.assert_allclose(got, reference[:, position], atol=1e-4, err_msg=f"position {position}")
