@@ -18,7 +18,17 @@ def get_config() -> RealGqaStudy:
     source="smollm2-135m",
     best=KVHeads(1, "pca"),
     mla=ToMLA(104, 24),
-    recovery=Recovery(mode="local", steps=60, batch_size=8, lr=1e-3, seq_len=256, windows=128),
+    recovery=Recovery(
+      mode="local",
+      steps=60,
+      batch_size=8,
+      lr=1e-3,
+      seq_len=256,
+      windows=128,
+      distill_steps=50,
+      distill_lr=1e-4,
+      distill_eval_every=10,
+    ),
     measure=Measure(
       contexts=(1024, 2048),
       windows=1,

@@ -18,7 +18,16 @@ def get_config() -> RealGqaStudy:
     source_layers=2,
     best=KVHeads(1, "pca"),
     mla=ToMLA(104, 24),
-    recovery=Recovery(mode="local", steps=3, batch_size=2, seq_len=32, data_bytes=200_000, windows=32),
+    recovery=Recovery(
+      mode="local",
+      steps=3,
+      batch_size=2,
+      seq_len=32,
+      data_bytes=200_000,
+      windows=32,
+      distill_steps=2,
+      distill_eval_every=1,
+    ),
     measure=Measure(
       contexts=(128,), windows=1, recall=PasskeyConfig(distances=(64,), needles=2, batch_size=2, answer_tokens=4)
     ),
