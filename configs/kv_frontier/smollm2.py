@@ -39,9 +39,9 @@ def get_config() -> KVFrontierStudy:
       lr=1e-3,
       seq_len=256,
       windows=128,
-      distill_steps=50,
+      distill_steps=40,
       distill_lr=1e-4,
-      distill_eval_every=10,
+      distill_eval_every=8,
     ),
     measure=Measure(
       contexts=(1024, 2048),

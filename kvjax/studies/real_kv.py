@@ -119,6 +119,7 @@ class Recovery:
       f"train.eval_every={self.distill_eval_every}",
       f"train.checkpoint_every={self.distill_eval_every}",
       f"train.log_every={self.distill_eval_every}",
+      "train.keep_checkpoints=1",  # a resume needs the latest only; each holds AdamW's state too
     ]
 
 

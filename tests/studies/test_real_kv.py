@@ -173,3 +173,15 @@ def test_bad_variants_are_refused():
     Recovery(mode="none")
   with pytest.raises(ValueError, match="Recovery.distill_steps=5 trains end to end after a layer-local recovery"):
     Recovery(mode="train", distill_steps=5)
+
+
+def test_settings_recorded_before_distillation_read_back():
+  """A stages.json written before Recovery had its distill_* fields reads as their defaults (0
+  steps: no distilled rows), so its models are reused; other values are a real change."""
+  recovery = Recovery(steps=4)
+  old = real_kv.stage_settings("smollm2-135m", 2, recovery)
+  for key in ("distill_steps", "distill_lr", "distill_eval_every"):
+    del old["recovery"][key]
+  assert real_kv.read_back(old) == real_kv.stage_settings("smollm2-135m", 2, recovery)
+  distilled = real_kv.stage_settings("smollm2-135m", 2, dataclasses.replace(recovery, distill_steps=2))
+  assert real_kv.read_back(old) != distilled
