@@ -42,7 +42,7 @@ def get_config() -> KVFrontierStudy:
       data_bytes=200_000,
       windows=32,
       distill_steps=2,
-      distill_eval_every=1,
+      distill_eval_every=2,
     ),
     measure=Measure(
       contexts=(128,),
