@@ -9,17 +9,18 @@ any run) plus uptrain.json, which records the conversion and held-out quality be
 after it (alpha = 0) and after uptraining. A source with a tokenizer.json (an imported model)
 passes it on: the destination gets a copy, and evaluation and training there use its token ids.
 
+What the job needs in memory is checked against the machine (kvjax.memory) before the source is
+loaded. The destination is claimed as an "uptrain" workdir (claim_workdir) whose marker records
+the source (its path, step and fingerprint: kvjax.training.workdir.fingerprint of its config and
+params) and the settings (the conversion's dict, fraction, distillation weight); it resumes from
+that source with those settings only.
+
 The paper's path after a layer-local recovery: `init` (`kvjax uptrain --init RECOVERED`) starts the
 end-to-end uptraining from the params of a finished uptraining of the same source by the same
 conversion (a layer-local recovery), not from the freshly converted ones; the distillation
 teacher is still the source model. uptrain.json then records the init's quality ("recovered")
 beside before / converted / after, and every end-to-end uptraining records the gap it closed
 against its steps ("curve", kvjax.conversion.curve) from its held-out evaluations.
-What the job needs in memory is checked against the machine (kvjax.memory) before the source is
-loaded. The destination is claimed as an "uptrain" workdir (claim_workdir) whose marker records
-the source (its path, step and fingerprint: kvjax.training.workdir.fingerprint of its config and
-params) and the settings (the conversion's dict, fraction, distillation weight); it resumes from
-that source with those settings only.
 """
 
 from __future__ import annotations
@@ -300,7 +301,11 @@ def check_init(init: Path, source: dict, conversion: Conversion, target: ModelCo
   if job.get("conversion") != to_dict(conversion):
     raise ValueError(f"--init {init} holds {_settings({'conversion': job.get('conversion')})}, not {conversion.name}")
   step = checkpoint.latest_step(init)
-  if step is None or not (init / "uptrain.json").exists():
+  try:
+    finished = "after" in json.loads((init / "uptrain.json").read_text())
+  except (OSError, ValueError):
+    finished = False
+  if step is None or not finished:
     raise ValueError(f"--init {init} holds no finished uptraining: run it to the end first")
   model, params, config = checkpoint.load_model(init, step)
   if diffs := checkpoint.config_diffs(to_dict(model.config), to_dict(target)):
