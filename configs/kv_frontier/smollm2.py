@@ -32,7 +32,18 @@ def get_config() -> KVFrontierStudy:
   return KVFrontierStudy(
     source="smollm2-135m",
     variants=tuple(v for v in pretrained_variants(mla_recovered=(False, True)) if keep(v)),
-    recovery=Recovery(mode="local", steps=60, batch_size=8, lr=1e-3, seq_len=256, windows=128),
+    # The GQA table's recovery (configs/real_gqa/smollm2.py), so that models_from may read its models.
+    recovery=Recovery(
+      mode="local",
+      steps=60,
+      batch_size=8,
+      lr=1e-3,
+      seq_len=256,
+      windows=128,
+      distill_steps=40,
+      distill_lr=1e-4,
+      distill_eval_every=8,
+    ),
     measure=Measure(
       contexts=(1024, 2048),
       windows=1,

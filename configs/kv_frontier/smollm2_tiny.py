@@ -33,7 +33,17 @@ def get_config() -> KVFrontierStudy:
     variants=tuple(
       v for v in variants if v.name in keep or v.name.startswith(("MLA 104", "int8 +", "MQA mean + recovery +"))
     ),
-    recovery=Recovery(mode="local", steps=3, batch_size=2, seq_len=32, data_bytes=200_000, windows=32),
+    # The tiny GQA table's recovery, so that models_from may read its models.
+    recovery=Recovery(
+      mode="local",
+      steps=3,
+      batch_size=2,
+      seq_len=32,
+      data_bytes=200_000,
+      windows=32,
+      distill_steps=2,
+      distill_eval_every=2,
+    ),
     measure=Measure(
       contexts=(128,),
       windows=1,

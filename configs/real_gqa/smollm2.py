@@ -2,6 +2,18 @@
 MQA mean-pooled at alpha = 0 and after layer-local recovery, MQA by pca after the same recovery,
 MLA at MQA's bytes (latent 104 + 24 rotary dims) recovered; time per sample at batch 8 of 2,048 +
 256 tokens. Layer-local recovery: 60 steps per layer on 128 windows of 256 tokens of stdlib source.
+Then each recovered row is also distilled end to end from its recovery (the paper's path, the
+source as the teacher: `kvjax uptrain --init`), for about an hour on 2 CPU cores per row (three
+rows, about three hours), held-out loss every 8 steps for the gap-closed curve
+(gap_closed_vs_steps.png).
+
+The hour, measured on this 2-core machine (shared, load average about 10) with `kvjax uptrain
+--distill 1` of SmolLM2-135M to MQA at batch 8 x 256 tokens, 8 steps: the first step (compiling)
+55 s, steps 2-8 took 502 s, 72 s a step; the first held-out eval (2 batches, compiling) about
+100 s, later ones about 40 s; a checkpoint (params and AdamW state, 1.6 GB) about 27 s; loading,
+converting and the three quality figures before training about 3 minutes. So per row:
+  180 (setup) + 55 (first step) + 60 (eval compile) + N x 72 + N / 8 x (40 + 27) s <= 3,600 s
+gives N = 40: 295 + 2,880 + 5 x 67 = 3,510 s, 58.5 minutes.
 
   kvjax run configs/real_gqa/smollm2.py --workdir runs/real_gqa
 """
@@ -18,7 +30,17 @@ def get_config() -> RealGqaStudy:
     source="smollm2-135m",
     best=KVHeads(1, "pca"),
     mla=ToMLA(104, 24),
-    recovery=Recovery(mode="local", steps=60, batch_size=8, lr=1e-3, seq_len=256, windows=128),
+    recovery=Recovery(
+      mode="local",
+      steps=60,
+      batch_size=8,
+      lr=1e-3,
+      seq_len=256,
+      windows=128,
+      distill_steps=40,
+      distill_lr=1e-4,
+      distill_eval_every=8,
+    ),
     measure=Measure(
       contexts=(1024, 2048),
       windows=1,

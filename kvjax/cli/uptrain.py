@@ -1,6 +1,8 @@
 """`kvjax uptrain --from SRC --workdir DEST --kv-heads K [--method M]` (or `--to-mla RANK
 --rope-dims D`): the conversion these flags name (kvjax.conversion.conversions: KVHeads or ToMLA),
-then continued training or layer-local recovery (`--recovery local`; kvjax.conversion.uptrain); prints quality before, at and after."""
+then continued training or layer-local recovery (`--recovery local`; kvjax.conversion.uptrain); prints quality before, at and after.
+`--init RECOVERED_WORKDIR` starts the continued training (with `--distill W`: distillation from the
+source) from a finished layer-local recovery of the same source by the same conversion."""
 
 from __future__ import annotations
 
@@ -36,11 +38,13 @@ def command(args: argparse.Namespace) -> int:
     fraction=args.fraction,
     distill=args.distill,
     recovery=args.recovery,
+    init=args.init,
     overrides=overrides,
   )
   rows = [
     ("before conversion", record["before"]),
     ("converted (alpha=0)", record["converted"]),
+    *([(f"init ({record['init']['recovery']})", record["recovered"])] if "recovered" in record else []),
     (
       f"{'recovered' if record.get('recovery') == 'local' else 'uptrained'} (alpha={record['fraction']})",
       record["after"],
@@ -48,6 +52,9 @@ def command(args: argparse.Namespace) -> int:
   ]
   for name, q in rows:
     print(f"{name:>22}: loss {q['loss']:.4f}  bits/byte {q['bits_per_byte']:.4f}  accuracy {q['accuracy']:.4f}")
+  for point in record.get("curve", []):
+    closed = "" if point["gap_closed"] is None else f"  gap closed {point['gap_closed']:.1%}"
+    print(f"{'step ' + str(point['step']):>22}: val loss {point['val_loss']:.4f}{closed}")
   return 0
 
 
@@ -101,6 +108,13 @@ def add_parser(subparsers) -> None:
     default="train",
     help="train: continue training the whole network (end to end, with --distill); local: each converted "
     "layer's attention learns the source layer's output, train.steps steps per layer (fits a CPU)",
+  )
+  parser.add_argument(
+    "--init",
+    metavar="RECOVERED_WORKDIR",
+    type=options.workdir_text,
+    help="with --recovery train: start from the params of this finished uptraining of the same source by the same "
+    "conversion (a --recovery local run) instead of the converted ones; the teacher stays the source",
   )
   options.add_set_option(parser)
   options.add_mesh_option(parser)

@@ -8,11 +8,19 @@ The source workdir is only read. The destination is an ordinary training workdir
 any run) plus uptrain.json, which records the conversion and held-out quality before it, right
 after it (alpha = 0) and after uptraining. A source with a tokenizer.json (an imported model)
 passes it on: the destination gets a copy, and evaluation and training there use its token ids.
+
 What the job needs in memory is checked against the machine (kvjax.memory) before the source is
 loaded. The destination is claimed as an "uptrain" workdir (claim_workdir) whose marker records
 the source (its path, step and fingerprint: kvjax.training.workdir.fingerprint of its config and
 params) and the settings (the conversion's dict, fraction, distillation weight); it resumes from
 that source with those settings only.
+
+The paper's path after a layer-local recovery: `init` (`kvjax uptrain --init RECOVERED`) starts the
+end-to-end uptraining from the params of a finished uptraining of the same source by the same
+conversion (a layer-local recovery), not from the freshly converted ones; the distillation
+teacher is still the source model. uptrain.json then records the init's quality ("recovered")
+beside before / converted / after, and every end-to-end uptraining records the gap it closed
+against its steps ("curve", kvjax.conversion.curve) from its held-out evaluations.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from kvjax.training import train
 from kvjax.training import workdir as workdirs
 from kvjax.config import ModelConfig
 from kvjax.fields import apply_overrides, from_dict, to_dict
-from kvjax.conversion import local
+from kvjax.conversion import curve, local
 from kvjax.conversion.conversions import KINDS, Conversion, from_record
 from kvjax.interop.hf_files import copy_tokenizer
 from kvjax.interop.tokenizer import TextTokenizer
@@ -111,6 +119,8 @@ def _describe(source: dict) -> str:
 
 def _settings(settings: dict) -> str:
   def shown(key, value):
+    if key == "init":
+      return _describe(value)
     try:
       return from_record(value).name if key == "conversion" else repr(value)
     except ValueError:
@@ -133,6 +143,7 @@ def uptrain(
   distill: float = 0.0,
   recovery: str = "train",
   local_windows: int = LOCAL_WINDOWS,
+  init: str | Path | None = None,
   overrides=(),
 ) -> dict:
   """Converts the latest checkpoint of `source_workdir` by `conversion` and uptrains it in `workdir`.
@@ -141,7 +152,8 @@ def uptrain(
   ToMLA) fits it to CALIBRATION_WINDOWS windows of the source run's training data. fraction = 0
   stores the converted weights without training (the paper's alpha = 0). distill > 0 adds
   distill x KL to the source model's next-token distribution to the uptraining loss
-  (TrainConfig.distill).
+  (TrainConfig.distill). init (recovery "train" only): the workdir of a finished uptraining of
+  this source by this conversion whose params the training starts from (check_init).
   Returns the record written to workdir/uptrain.json.
   """
   if not isinstance(conversion, KINDS):
@@ -160,6 +172,11 @@ def uptrain(
   if recovery == "local" and distill:
     raise ValueError(
       f"distill={distill} adds to end-to-end training; recovery 'local' learns from the source layers alone"
+    )
+  if init is not None and (recovery != "train" or fraction == 0):
+    raise ValueError(
+      f"init={init} starts an end-to-end uptraining (recovery 'train', fraction > 0), "
+      f"not recovery {recovery!r} at fraction {fraction}"
     )
   workdirs.check(dest, workdirs.UPTRAIN)  # a file, a folder of other things: refused before any loading
   step = checkpoint.latest_step(source)
@@ -198,6 +215,9 @@ def uptrain(
     | ({"recovery": recovery, "local_windows": local_windows} if recovery == "local" else {})
   )
   source_id = {"path": str(source), "step": step, "fingerprint": workdirs.fingerprint(source_config, params)}
+  if init is not None:
+    init_id, init_model, init_params = check_init(Path(init), source_id, conversion, config.model)
+    settings["init"] = init_id
   with claim_workdir(dest, source_id, settings, to_dict(config)):
     record_path = dest / "uptrain.json"
     record = json.loads(record_path.read_text()) if record_path.exists() else None
@@ -216,6 +236,9 @@ def uptrain(
         "before": quality(model, params),
         "converted": quality(Transformer(new_model_config), new_params),
       }
+      if init is not None:
+        record["init"] = init_id
+        record["recovered"] = quality(init_model, init_params)
       checkpoint.write_atomically(record_path, json.dumps(record, indent=2) + "\n")
     copy_tokenizer(source, dest)  # before any checkpoint: training and every later eval read it there
 
@@ -240,7 +263,14 @@ def uptrain(
       record["after"] = quality(new_model, recovered)
     else:
       checkpoint.write_atomically(dest / "config.json", json.dumps(to_dict(config), indent=2) + "\n")
-      summary = train.run(config, dest, init_params=new_params, teacher=(model, params))
+      start = new_params if init is None else init_params
+      summary = train.run(config, dest, init_params=start, teacher=(model, params))
+      record["curve"] = curve.gap_closed_curve(
+        record["converted"]["loss"],
+        record["before"]["loss"],
+        record.get("recovered", record["converted"])["loss"],
+        curve.eval_lines(dest / "metrics.jsonl"),
+      )
       record["after"] = {
         "loss": summary["val_loss"],
         "bits_per_byte": summary["bits_per_byte"],
@@ -248,3 +278,42 @@ def uptrain(
       }
     checkpoint.write_atomically(record_path, json.dumps(record, indent=2) + "\n")
   return record
+
+
+def check_init(init: Path, source: dict, conversion: Conversion, target: ModelConfig):
+  """(its id {path, step, fingerprint, recovery}, model, params) of the finished uptraining in
+  `init` that an end-to-end uptraining starts from; a ValueError naming init and what differs
+  when it is not an uptraining of `source` (path, step, fingerprint) by `conversion` into a model
+  of config `target`."""
+  init = init.resolve()
+  marker = init / workdirs.MARKER
+  try:
+    recorded = json.loads(marker.read_text())
+  except (OSError, ValueError):
+    raise ValueError(f"--init {init} is not an uptraining's workdir (no readable {workdirs.MARKER})") from None
+  job = recorded.get("job") or {}
+  if recorded.get("kind") != workdirs.UPTRAIN:
+    raise ValueError(f"--init {init} is a {recorded.get('kind')!r} workdir, not an uptraining's")
+  if job.get("source") != source:
+    raise ValueError(
+      f"--init {init} is an uptraining of {_describe(job.get('source') or {})}, not of {_describe(source)}"
+    )
+  if job.get("conversion") != to_dict(conversion):
+    raise ValueError(f"--init {init} holds {_settings({'conversion': job.get('conversion')})}, not {conversion.name}")
+  step = checkpoint.latest_step(init)
+  try:
+    finished = "after" in json.loads((init / "uptrain.json").read_text())
+  except (OSError, ValueError):
+    finished = False
+  if step is None or not finished:
+    raise ValueError(f"--init {init} holds no finished uptraining: run it to the end first")
+  model, params, config = checkpoint.load_model(init, step)
+  if diffs := checkpoint.config_diffs(to_dict(model.config), to_dict(target)):
+    raise ValueError(f"--init {init} holds a model other than this run's ({'; '.join(diffs)})")
+  init_id = {
+    "path": str(init),
+    "step": step,
+    "fingerprint": workdirs.fingerprint(config, params),
+    "recovery": job.get("recovery", "train"),
+  }
+  return init_id, model, params

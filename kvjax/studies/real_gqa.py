@@ -2,7 +2,11 @@
 
 The rows: the model as shipped, MQA by mean-pooling its kv heads (the paper's conversion) at
 alpha = 0 and recovered, MQA by kvjax's best conversion recovered, and MLA at MQA's bytes
-recovered; each a Variant (kvjax.studies.variants) with the full cache.
+recovered; each a Variant (kvjax.studies.variants) with the full cache. With
+Recovery.distill_steps, each recovered row also gets the paper's path after it: end-to-end
+uptraining with distillation from the model as shipped, started from the layer-local recovery
+(kvjax uptrain --init), whose held-out loss against its steps is drawn as the gap it closes
+(gap_closed_vs_steps.{png,md,csv,json}; kvjax.conversion.curve).
 
 Columns: KV bytes per token (kvjax.studies.measure); time per sample (one jitted `generate` of
 timing.batch rows of timing.prompt tokens + timing.new_tokens greedy tokens, over the batch;
@@ -16,11 +20,13 @@ mean-pooling at alpha = 0, 100% at the model as shipped.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from pathlib import Path
 from typing import Callable
 
 from kvjax.conversion.conversions import KVHeads, ToMLA
+from kvjax.conversion.curve import gap_closed
 from kvjax.model.weights import store
 from kvjax.studies import measure, report
 from kvjax.studies.passkey_run import all_samples, passkey, write_records
@@ -68,13 +74,21 @@ class RealGqaStudy:
 
   def variants(self, num_kv_heads: int) -> list[Variant]:
     """The table's rows, named for a source of num_kv_heads kv heads."""
-    mean, mode = KVHeads(1), self.recovery.mode
-    return [
-      Variant(f"as shipped (GQA-{num_kv_heads})", "full"),
-      Variant("MQA mean, alpha 0", "heads", conversion=mean),
+    mean, mode, r = KVHeads(1), self.recovery.mode, self.recovery
+    recovered = [
       Variant(f"MQA mean + {mode} recovery", "heads", conversion=mean, recovered=True),
       Variant(f"MQA {self.best.label} + {mode} recovery", "heads", conversion=self.best, recovered=True),
       Variant(f"MLA {self.mla.label} (MQA bytes) + {mode} recovery", "mla", conversion=self.mla, recovered=True),
+    ]
+    distilled = [
+      dataclasses.replace(v, name=f"{v.name} + distillation ({r.distill_steps} steps)", distill=r.distill)
+      for v in (recovered if r.distill_steps else [])
+    ]
+    return [
+      Variant(f"as shipped (GQA-{num_kv_heads})", "full"),
+      Variant("MQA mean, alpha 0", "heads", conversion=mean),
+      *recovered,
+      *distilled,
     ]
 
 
@@ -119,12 +133,44 @@ def run(study: RealGqaStudy, workdir: Path, progress: Callable[[str], None]) -> 
     row["gap_closed"] = gap_closed(ln(row), start, goal)
   write(study, rows, workdir / "real_gqa")
   write_records(workdir, inputs, [r for row in rows for r in row["samples"]])
+  curves = {
+    v.name: json.loads((paths[folder(v, study.recovery)] / "uptrain.json").read_text())["curve"]
+    for v in wanted
+    if v.distill
+  }
+  if curves:
+    write_curves(study, curves, workdir / "gap_closed_vs_steps")
   return rows
 
 
-def gap_closed(value: float, start: float, goal: float) -> float | None:
-  """The fraction of the way from `start` to `goal` that `value` went (None when they are equal)."""
-  return (start - value) / (start - goal) if start != goal else None
+def write_curves(study: RealGqaStudy, curves: dict[str, list[dict]], stem: Path) -> str:
+  """STEM.{csv,json,md,png}: the gap each distilled row closed against its steps ({model: the
+  curve its uptrain.json records}); returns the markdown."""
+  rows = [{"model": name, **point} for name, curve in curves.items() for point in curve]
+  columns = [
+    ("model", "model", ""),
+    ("step", "step", "d"),
+    ("val_loss", "held-out loss (nats / token)", ".4f"),
+    ("gap_closed", "gap closed", ".1%"),
+  ]
+  table = report.write_table(rows, stem, columns)
+  r = study.recovery
+  text = (
+    f"# The gap closed against steps on {study.source}\n\n{table}\n\n"
+    f"End-to-end uptraining with distillation (weight {r.distill:g}) from the model as shipped, started "
+    f"from the layer-local recovery (step 0), {r.distill_steps} steps of {r.batch_size} x {r.seq_len} "
+    f"tokens of stdlib source at lr {r.distill_lr:g}. Gap closed: (loss(alpha 0) - loss) / (loss(alpha 0) - "
+    "loss(as shipped)), every loss on the same held-out windows of the training data (not the table's prose)."
+  )
+  Path(f"{stem}.md").write_text(text + "\n")
+  series = [
+    (name, [p["step"] for p in c], [math.nan if p["gap_closed"] is None else p["gap_closed"] for p in c])
+    for name, c in curves.items()
+  ]
+  with report.figure(Path(f"{stem}.png"), size=(7, 4.6)) as (ax,):
+    report.plot_series(ax, series, "uptraining step", "gap closed (held-out loss)", f"{study.source}: distillation")
+    ax.axhline(1.0, color="black", lw=0.8, ls="--")
+  return text
 
 
 def write(study: RealGqaStudy, rows: list[dict], stem: Path) -> str:
@@ -142,6 +188,12 @@ def write(study: RealGqaStudy, rows: list[dict], stem: Path) -> str:
   table = report.write_table(rows, stem, columns)
   recovery = (
     f"layer-local, {r.steps} steps per layer of {r.batch_size} x {r.seq_len}-token windows of stdlib source, lr {r.lr:g}"
+    + (
+      f"; the rows + distillation then train end to end from it, {r.distill_steps} steps, distillation "
+      f"weight {r.distill:g}, lr {r.distill_lr:g} (gap_closed_vs_steps.md)"
+      if r.distill_steps
+      else ""
+    )
     if r.mode == "local"
     else f"end to end, {r.steps} steps of {r.batch_size} x {r.seq_len} tokens, distillation weight {r.distill:g}"
   )

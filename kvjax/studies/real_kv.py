@@ -5,7 +5,9 @@ Models. The pretrained model (a name `kvjax import` knows, a GGUF file, a Huggin
 imported once into WORKDIR/source; each conversion (kvjax.conversion.conversions) of it is run by
 kvjax.conversion.uptrain into its own folder, at alpha = 0 (`{name}_alpha0`: converted, not
 trained) or recovered (`{name}_{mode}`: Recovery.mode "local", layer-local recovery, or "train",
-end-to-end uptraining with distillation). Every one is a stage of WORKDIR/stages.json
+end-to-end uptraining with distillation); a variant with `distill` > 0 under a layer-local
+Recovery with distill_steps is then trained end to end from that recovery with distillation from
+the source (`{name}_local_distill`: the paper's path, `kvjax uptrain --init`). Every one is a stage of WORKDIR/stages.json
 (kvjax.studies.stages), so a rerun skips what is done and an interrupted recovery resumes; with
 `models_from`, another study's finished workdir (same source and Recovery) is only read.
 
@@ -38,7 +40,7 @@ from kvjax.cache.config import CacheConfig
 from kvjax.conversion.import_model import import_model
 from kvjax.conversion.uptrain import uptrain
 from kvjax.config import ModelConfig
-from kvjax.fields import check_choice, check_positive, check_real, from_dict, to_dict
+from kvjax.fields import check_choice, check_nonnegative, check_positive, check_real, from_dict, to_dict
 from kvjax.interop.tokenizer import TextTokenizer
 from kvjax.model.weights import check_format, store
 from kvjax.studies import measure, stages
@@ -58,7 +60,12 @@ class Recovery:
   """How a converted model recovers: mode "local" (kvjax.conversion.local: `steps` per layer on
   `windows` calibration windows) or "train" (end-to-end uptraining for `steps` steps with distillation
   weight `distill`); both on windows of seq_len tokens of the first data_bytes bytes of the standard
-  library's sources, batch_size windows a step, AdamW at `lr` after warmup_steps."""
+  library's sources, batch_size windows a step, AdamW at `lr` after warmup_steps.
+
+  distill_steps > 0 (mode "local" only): the variants that ask for it (Variant.distill, the
+  distillation weight) then train end to end from the layer-local recovery, distill_steps steps at
+  `distill_lr` (warmup alike), held-out loss every distill_eval_every steps (the gap-closed curve,
+  kvjax.conversion.curve), a checkpoint at each."""
 
   mode: str = "local"
   steps: int = 100
@@ -69,12 +76,22 @@ class Recovery:
   distill: float = 1.0
   data_bytes: int = 1_000_000
   windows: int = 256
+  distill_steps: int = 0
+  distill_lr: float = 1e-4
+  distill_eval_every: int = 10
 
   def __post_init__(self):
     check_choice(self, "mode", MODES)
-    check_positive(self, "steps", "batch_size", "seq_len", "data_bytes", "windows")
+    check_positive(self, "steps", "batch_size", "seq_len", "data_bytes", "windows", "distill_eval_every")
+    check_nonnegative(self, "distill_steps")
     check_real(self, "lr", 0.0, 1.0, open_low=True)
+    check_real(self, "distill_lr", 0.0, 1.0, open_low=True)
     check_real(self, "distill", 0.0, 1e6)
+    if self.distill_steps and self.mode != "local":
+      raise ValueError(
+        f"Recovery.distill_steps={self.distill_steps} trains end to end after a layer-local recovery: "
+        f"it needs mode 'local', got {self.mode!r}"
+      )
 
   def overrides(self, recovered: bool) -> list[str]:
     """The uptraining's --set overrides: its data and evaluation (2 batches) always; its steps
@@ -95,17 +112,40 @@ class Recovery:
       f"train.checkpoint_every={self.steps}",
     ]
 
+  def distill_overrides(self) -> list[str]:
+    """The --set overrides of the end-to-end distillation after the layer-local recovery: the same
+    data and evaluation (so its held-out losses are comparable with the recovery's own), its
+    steps, learning rate and cadence."""
+    return self.overrides(False) + [
+      f"train.steps={self.distill_steps}",
+      f"train.lr={self.distill_lr!r}",
+      f"train.warmup_steps={min(self.warmup_steps, self.distill_steps)}",
+      f"train.eval_every={self.distill_eval_every}",
+      f"train.checkpoint_every={self.distill_eval_every}",
+      f"train.log_every={self.distill_eval_every}",
+      "train.keep_checkpoints=1",  # a resume needs the latest only; each holds AdamW's state too
+    ]
+
 
 def folder(variant: Variant, recovery: Recovery) -> str:
   """The folder of the params a variant runs: the import, or its conversion's at alpha = 0 or recovered."""
   if variant.conversion is None:
     return SOURCE
-  return f"{variant.conversion.name}_{recovery.mode if variant.recovered else 'alpha0'}"
+  distilled = "_distill" if variant.distill else ""
+  return f"{variant.conversion.name}_{recovery.mode if variant.recovered else 'alpha0'}{distilled}"
 
 
 def stage_settings(source: str, layers: int | None, recovery: Recovery) -> dict:
   """What a workdir's stages.json records: the models depend on these alone."""
   return {"source": source, "layers": layers, "recovery": to_dict(recovery)}
+
+
+def read_back(recorded: dict) -> dict:
+  """stage_settings as this kvjax reads a recorded one: Recovery fields added since take their defaults."""
+  try:
+    return stage_settings(recorded["source"], recorded["layers"], from_dict(Recovery, recorded["recovery"]))
+  except (KeyError, TypeError, ValueError):
+    return recorded
 
 
 def prepare(
@@ -130,7 +170,7 @@ def prepare(
       done = json.loads((root / "stages.json").read_text())
     except (OSError, ValueError) as err:
       raise ValueError(f"models_from={root} is not a real-model study's workdir: {err}") from None
-    diffs = stages.settings_diffs(done.get("study") or {}, settings)
+    diffs = stages.settings_diffs(done.get("study") or {}, settings, read_back)
     if diffs:
       raise ValueError(f"models_from={root} holds models made with other settings ({'; '.join(diffs)})")
     if SOURCE not in done:
@@ -139,21 +179,34 @@ def prepare(
       )
     paths = {f: root / f for f in [SOURCE, *folders] if f in done}
     base = root / SOURCE
-  run = stages.Stages(workdir, settings, progress=progress)
+  for p in folders.values():
+    if p.distill and not (recovery.mode == "local" and recovery.distill_steps):
+      raise ValueError(
+        f"variant {p.name!r} is distilled after a layer-local recovery: it needs Recovery(mode='local', "
+        f"distill_steps > 0), got mode {recovery.mode!r}, distill_steps {recovery.distill_steps}"
+      )
+  run = stages.Stages(workdir, settings, read_back, progress=progress)
   if SOURCE not in paths:
     run.run(SOURCE, lambda: import_model(source, base, layers=layers))
-  for name, p in folders.items():
+
+  def make(name: str, p: Variant) -> None:
     if name in paths or p.conversion is None:
-      continue
-    kwargs = (
-      dict(fraction=1.0, recovery=recovery.mode, overrides=recovery.overrides(True))
-      | ({"local_windows": recovery.windows} if recovery.mode == "local" else {})
-      if p.recovered
-      else dict(fraction=0.0, overrides=recovery.overrides(False))
-    )
-    if p.recovered and recovery.mode == "train":
-      kwargs["distill"] = recovery.distill
-    run.run(name, lambda p=p, kw=kwargs, f=name: uptrain(base, workdir / f, p.conversion, **kw))
+      return
+    if p.distill:  # after the layer-local recovery of the same conversion, made first
+      recovered = dataclasses.replace(p, distill=0.0)
+      init = folder(recovered, recovery)
+      make(init, recovered)
+      kwargs = dict(fraction=1.0, distill=p.distill, init=paths.get(init, workdir / init))
+      kwargs["overrides"] = recovery.distill_overrides()
+    elif p.recovered:
+      kwargs = dict(fraction=1.0, recovery=recovery.mode, overrides=recovery.overrides(True))
+      kwargs |= {"local_windows": recovery.windows} if recovery.mode == "local" else {"distill": recovery.distill}
+    else:
+      kwargs = dict(fraction=0.0, overrides=recovery.overrides(False))
+    run.run(name, lambda: uptrain(base, workdir / name, p.conversion, **kwargs))
+
+  for name, p in folders.items():
+    make(name, p)
   return {f: paths.get(f, workdir / f) for f in folders}
 
 

@@ -57,6 +57,9 @@ def test_the_gqa_table_rows_and_files(runs):
     "MQA mean + local recovery",
     "MQA pca + local recovery",
     "MLA 104+24 (MQA bytes) + local recovery",
+    "MQA mean + local recovery + distillation (2 steps)",
+    "MQA pca + local recovery + distillation (2 steps)",
+    "MLA 104+24 (MQA bytes) + local recovery + distillation (2 steps)",
   ]
   # The gap each recovered row closes, from its own perplexity and the two rows that bound it.
   ln = [math.log(r["perplexity_128"]) for r in table]
@@ -64,7 +67,7 @@ def test_the_gqa_table_rows_and_files(runs):
     assert row["gap_closed"] == pytest.approx((ln[1] - value) / (ln[1] - ln[0]), rel=1e-9)
   # 2 layers x (K + V) x kv heads x 64 dims x 4 bytes, and the row's int32 length over 2,048
   # positions; MLA at MQA's bytes exactly.
-  assert [r["kv_bytes_per_token"] for r in table] == [3072 + 4 / 2048] + [1024 + 4 / 2048] * 4
+  assert [r["kv_bytes_per_token"] for r in table] == [3072 + 4 / 2048] + [1024 + 4 / 2048] * 7
   for row in table:
     assert row["time_per_sample_s"] > 0 and math.isfinite(row["perplexity_128"])
     assert [s["length"] for s in row["samples"]] == [128, 128] and all(
@@ -85,6 +88,19 @@ def test_the_gqa_table_rows_and_files(runs):
     assert all(layer["loss_after"] <= layer["loss_before"] for layer in record["layers"])
   # A recovered row runs the recovered params: not the alpha = 0 ones.
   assert table[2]["perplexity_128"] != table[1]["perplexity_128"]
+  # Each distilled row trained end to end from its layer-local recovery; its curve starts there.
+  curves = json.loads((root / "gqa" / "gap_closed_vs_steps.json").read_text())
+  for row, local in zip(table[5:], ("kv1_mean_local", "kv1_pca_local", "mla_r104_rope24_local")):
+    assert row["params"] == f"{local}_distill"
+    record = json.loads((root / "gqa" / row["params"] / "uptrain.json").read_text())
+    recovered = json.loads((root / "gqa" / local / "uptrain.json").read_text())
+    assert record["init"]["path"] == str(root / "gqa" / local) and record["recovered"] == recovered["after"]
+    start, goal = record["converted"]["loss"], record["before"]["loss"]
+    assert [p["step"] for p in record["curve"]] == [0, 2]
+    assert record["curve"][0]["gap_closed"] == pytest.approx((start - recovered["after"]["loss"]) / (start - goal))
+    assert [c for c in curves if c["model"] == row["model"]] == [{"model": row["model"], **p} for p in record["curve"]]
+  for name in ("gap_closed_vs_steps.md", "gap_closed_vs_steps.csv", "gap_closed_vs_steps.png"):
+    assert (root / "gqa" / name).stat().st_size > 0
 
 
 def continuation_perplexity(model, params, windows) -> float:
@@ -147,7 +163,9 @@ def test_models_from_a_study_with_other_settings_is_refused(runs, tmp_path):
     real_kv.prepare(
       "smollm2-135m",
       2,
-      Recovery(steps=4, batch_size=2, seq_len=32, data_bytes=200_000, windows=32),
+      Recovery(
+        steps=4, batch_size=2, seq_len=32, data_bytes=200_000, windows=32, distill_steps=2, distill_eval_every=2
+      ),
       full,
       tmp_path,
       str(root / "gqa"),
@@ -167,3 +185,17 @@ def test_bad_variants_are_refused():
     KVFrontierStudy(source="x", variants=(Variant("a", "full"),), measure=kv_frontier.ToyMeasure())
   with pytest.raises(ValueError, match="Recovery.mode"):
     Recovery(mode="none")
+  with pytest.raises(ValueError, match="Recovery.distill_steps=5 trains end to end after a layer-local recovery"):
+    Recovery(mode="train", distill_steps=5)
+
+
+def test_settings_recorded_before_distillation_read_back():
+  """A stages.json written before Recovery had its distill_* fields reads as their defaults (0
+  steps: no distilled rows), so its models are reused; other values are a real change."""
+  recovery = Recovery(steps=4)
+  old = real_kv.stage_settings("smollm2-135m", 2, recovery)
+  for key in ("distill_steps", "distill_lr", "distill_eval_every"):
+    del old["recovery"][key]
+  assert real_kv.read_back(old) == real_kv.stage_settings("smollm2-135m", 2, recovery)
+  distilled = real_kv.stage_settings("smollm2-135m", 2, dataclasses.replace(recovery, distill_steps=2))
+  assert real_kv.read_back(old) != distilled
