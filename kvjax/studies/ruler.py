@@ -38,7 +38,8 @@ from kvjax.interop.tokenizer import TextTokenizer
 from kvjax.model.transformer import Transformer
 from kvjax.studies import measure, report
 from kvjax.studies.eviction import PROTOCOLS
-from kvjax.studies.ruler_tasks import TASKS, TEMPLATES, check_tasks, make_sample
+from kvjax.studies.ruler_prompts import TEMPLATES
+from kvjax.studies.ruler_tasks import TASKS, check_tasks, make_sample
 from kvjax.studies.variants import cache
 from kvjax.training.checkpoint import latest_step, load_model
 

@@ -11,7 +11,8 @@ import pytest
 
 from kvjax.interop.tokenizer import TextTokenizer
 from kvjax.studies import ruler
-from kvjax.studies.ruler_tasks import TASKS, TooShort, make_sample
+from kvjax.studies.ruler_prompts import TooShort
+from kvjax.studies.ruler_tasks import TASKS, make_sample
 from conftest import init_params, tiny_config
 
 
