@@ -225,20 +225,26 @@ class RulerStudy:
         cache(press=press, ratio=ratio)  # an unknown press or a ratio outside [0, 1) is refused, named
 
 
+def checkpoint(workdir: Path):
+  """(model, params, tokenizer) of a workdir's latest checkpoint; ValueError naming the workdir
+  when it has none, or no tokenizer."""
+  model, params, _ = load_model(workdir)
+  tokenizer = TextTokenizer.load(workdir, model.config.vocab_size)
+  if tokenizer is None:
+    raise ValueError(f"{workdir} has no tokenizer: the RULER suite is for tokenized models (an imported one)")
+  return model, params, tokenizer
+
+
 def load(source: str):
   """(model, params, tokenizer, a name for reports) of a named model, a file, a directory or a
   kvjax workdir with a checkpoint; ValueError when it has no tokenizer."""
   path = Path(source)
   if path.is_dir() and latest_step(path) is not None:
-    model, params, _ = load_model(path)
-    tokenizer = TextTokenizer.load(path, model.config.vocab_size)
-    name = path.name
-  else:
-    params, config, tokenizer, resolved = read_model(source)
-    model, name = Transformer(config), resolved.name
+    return (*checkpoint(path), path.name)
+  params, config, tokenizer, resolved = read_model(source)
   if tokenizer is None:
     raise ValueError(f"RULER source {source!r} has no tokenizer; the suite's prompts need one")
-  return model, params, tokenizer, name
+  return Transformer(config), params, tokenizer, resolved.name
 
 
 def run(study: RulerStudy, workdir: Path, progress: Callable[[str], None]) -> list[dict]:
@@ -306,7 +312,7 @@ def ruler_checkpoint(
   cache_config; writes samples.jsonl and answers.jsonl to `out` (default WORKDIR/ruler) ->
   {"method", "protocol", "samples", "seconds", "out", **summary}."""
   cache_config = cache_config or CacheConfig()
-  model, params, tokenizer, _ = load(str(workdir))
+  model, params, tokenizer = checkpoint(Path(workdir))
   items = build(tokenizer, tasks, lengths, samples, seed=seed, max_len=model.config.max_len)
   out = Path(out) if out is not None else Path(workdir) / "ruler"
   write_jsonl(out / "samples.jsonl", items)
