@@ -7,7 +7,12 @@ JSON object: for a model with a tokenizer (an imported model), a pass key hidden
 depth of English prose in prompts of that many tokens and asked for (kvjax.studies.passkey; the
 samples and the answers written to DIR/samples.jsonl and DIR/answers.jsonl); for a byte-level
 model trained here, greedy copies of needles planted that many bytes back (kvjax.studies.recall).
-Both decode through the KV cache (--set cache.dtype=int8 cache.layout=paged ...)."""
+Both decode through the KV cache (--set cache.dtype=int8 cache.layout=paged ...).
+
+`kvjax eval --workdir DIR --ruler 1024,2048 [--tasks niah_single_1,vt] [--samples N]`: instead,
+the RULER-style suite (kvjax.studies.ruler) on an imported model through the cache --set gives,
+its summary printed as one JSON object, its samples.jsonl and answers.jsonl written to --out
+(default DIR/ruler)."""
 
 from __future__ import annotations
 
@@ -21,6 +26,8 @@ from kvjax.interop.hf_files import TOKENIZER_FILE
 from kvjax.studies.passkey import PasskeyConfig
 from kvjax.studies.passkey_run import passkey_checkpoint
 from kvjax.studies.recall import RecallConfig, recall_checkpoint
+from kvjax.studies.ruler import ruler_checkpoint
+from kvjax.studies.ruler_tasks import TASKS, check_tasks
 from kvjax.training.evaluate import evaluate_checkpoint
 
 
@@ -36,7 +43,36 @@ def distances(text: str) -> tuple[int, ...]:
   return values
 
 
+def task_names(text: str) -> tuple[str, ...]:
+  """The argparse type of --tasks: comma-separated RULER task names."""
+  try:
+    return check_tasks(part.strip() for part in text.split(","))
+  except ValueError as err:
+    raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def ruler(args: argparse.Namespace) -> int:
+  if args.recall is not None or args.mesh is not None or args.split != "val" or args.batches or args.batch_size:
+    raise ValueError("--ruler runs the suite alone: --recall, --mesh, --split, --batches and --batch-size do not apply")
+  result = ruler_checkpoint(
+    args.workdir,
+    args.ruler,
+    tasks=args.tasks or tuple(TASKS),
+    samples=args.samples,
+    seed=args.seed,
+    cache_config=options.cache_config(args),
+    out=args.out,
+    progress=lambda message: print(message, file=sys.stderr, flush=True),
+  )
+  print(json.dumps(result))
+  return 0
+
+
 def command(args: argparse.Namespace) -> int:
+  if args.ruler is not None:
+    return ruler(args)
+  if args.tasks is not None or args.out is not None:
+    raise ValueError("--tasks and --out apply to the RULER-style suite (--ruler)")
   if args.recall is not None:
     if args.mesh is not None or args.split != "val" or args.batches or args.batch_size:
       raise ValueError("--recall runs the recall test alone: --mesh, --split, --batches and --batch-size do not apply")
@@ -139,4 +175,13 @@ def add_parser(subparsers) -> None:
     help=f"byte-level models: bytes per needle (default {RecallConfig.needle_bytes})",
   )
   recall.add_argument("--seed", type=options.seed, default=RecallConfig.seed, help="seed of needles and filler")
+  suite = parser.add_argument_group("RULER-style suite (kvjax.studies.ruler)")
+  suite.add_argument(
+    "--ruler", type=distances, metavar="L1,L2,...", help="run the suite at these prompt lengths (tokens) instead"
+  )
+  suite.add_argument("--tasks", type=task_names, help=f"comma-separated tasks (default all: {','.join(TASKS)})")
+  suite.add_argument("--samples", type=options.positive_int, default=8, help="samples per task and length")
+  suite.add_argument(
+    "--out", type=options.path_text, help="folder for samples.jsonl, answers.jsonl (default DIR/ruler)"
+  )
   parser.set_defaults(func=command)

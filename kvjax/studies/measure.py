@@ -134,16 +134,19 @@ def answers(
   *,
   stop_ids: Sequence[int] = (),
   question: np.ndarray | None = None,
+  question_lengths: np.ndarray | None = None,
 ) -> list[np.ndarray]:
   """Greedy answers of at most new_tokens (int32, cut before the first stop id), one per prompt
   (prompts int32 [n, P] right-padded, lengths int32 [n]), decoded through a cache of cache_config.
 
-  With `question` (int32 [q]): the query-agnostic protocol. Each prompt is prefilled through the
-  cache first (a press compresses it before the question is known), then the question is read into
+  With `question` (int32 [q], or [n, q]: one per prompt, right-padded to question_lengths int32
+  [n] when given): the query-agnostic protocol. Each prompt is prefilled through the cache first (a press compresses it before the question is known), then the question is read into
   what it kept, and the answer decoded. Without: the whole prompt in one generate (a press sees the
   question: the query-aware protocol), or through the engine's pages for a paged cache."""
   if question is not None:
-    return _answers_after(model, params, prompts, lengths, new_tokens, cache_config, stop_ids, question)
+    return _answers_after(
+      model, params, prompts, lengths, new_tokens, cache_config, stop_ids, question, question_lengths
+    )
   if cache_config.layout != "paged":
     out = decode.generate(model, params, prompts, lengths, new_tokens, stop_ids=stop_ids, cache_config=cache_config)
     return decode.until_stop(np.asarray(out), stop_ids)
@@ -165,12 +168,15 @@ def answers(
   return [out[i][:-1] if len(out[i]) and out[i][-1] in stop_ids else out[i] for i in ids]
 
 
-def _answers_after(model, params, prompts, lengths, new_tokens, cache_config, stop_ids, question) -> list[np.ndarray]:
-  n = len(prompts)
-  max_len = int(lengths.max()) + len(question) + new_tokens
+def _answers_after(
+  model, params, prompts, lengths, new_tokens, cache_config, stop_ids, question, question_lengths
+) -> list[np.ndarray]:
+  n, q = len(prompts), question.shape[-1]
+  max_len = int(lengths.max()) + q + new_tokens
   _, cache = decode.prefill(model, params, prompts, lengths, max_len, logits="last", cache_config=cache_config)
-  tokens = np.broadcast_to(question, (n, len(question)))
-  logits, cache = decode.extend(model, params, cache, tokens, np.full(n, len(question)), logits="last")
+  tokens = np.broadcast_to(question, (n, q))
+  read = np.full(n, q) if question_lengths is None else np.asarray(question_lengths)
+  logits, cache = decode.extend(model, params, cache, tokens, read, logits="last")
   out = [np.asarray(jnp.argmax(logits, axis=-1), np.int32)]
   while len(out) < new_tokens and not np.isin(np.stack(out, 1), stop_ids).any(axis=1).all():
     logits, cache = decode.decode_step(model, params, cache, out[-1])

@@ -118,6 +118,9 @@ def refusals(s: dict[str, Path]) -> list[tuple[list[str], str]]:
     (["import-hf", hf, "--workdir", run], r"is a kvjax workdir of another kind \(train, not import\)"),
     (["import-hf", hf, "--workdir", hf], "is not empty"),
     (["eval", "--workdir", str(unknown)], "no checkpoint found in"),
+    (["eval", "--workdir", str(unknown), "--ruler", "512"], "no checkpoint found in"),
+    (["eval", "--workdir", imported, "--ruler", "512"], "has no tokenizer: the RULER suite is for tokenized models"),
+    (["eval", "--workdir", imported, "--tasks", "vt"], r"--tasks and --out apply to the RULER-style suite \(--ruler\)"),
     (["run", config, "--workdir", str(s["root"] / "new"), "--set", "model.d_model=-1"], "ModelConfig.d_model"),
     (["run", str(s["root"] / "missing.py")], "config file not found"),
   ]

@@ -1,0 +1,330 @@
+"""The RULER-style long-context suite (Hsieh et al. 2024): every task of
+kvjax.studies.ruler_tasks at each context length, answered greedily through the KV cache of a
+CacheConfig and scored as RULER scores them.
+
+Scoring (RULER's scripts/eval/synthetic/constants.py): string_match_all, the fraction of a
+sample's references found in its answer (case-insensitive), for every task here;
+string_match_part (1 when any reference is found) for question-answering tasks. A task's score
+is the mean over its samples, in percent; the suite's is the mean over tasks.
+
+Protocols (kvjax.studies.eviction.PROTOCOLS):
+  query_agnostic  kvpress's: context_ids are prefilled (and pressed) first, question_ids read
+                  after into what the cache kept;
+  query_aware     the whole prompt in one generate (a press sees the question).
+Samples of one task and length are answered batch_size at a time (query-agnostic: the contexts
+and the questions each right-padded, read with their own lengths).
+
+Files: samples.jsonl (one sample per line, the inputs) and answers.jsonl (one result per line:
+id, task, length, method, answer, score, depth, distance), as `kvjax eval --ruler` and the study
+write them.
+
+Run: kvjax run configs/ruler/small.py --workdir runs/ruler
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Callable, Iterable
+
+import numpy as np
+
+from kvjax.cache.config import CacheConfig
+from kvjax.fields import check_nonnegative, check_positive, check_positive_int
+from kvjax.interop.importer import read_model
+from kvjax.interop.tokenizer import TextTokenizer
+from kvjax.model.transformer import Transformer
+from kvjax.studies import measure, report
+from kvjax.studies.eviction import PROTOCOLS
+from kvjax.studies.ruler_prompts import TEMPLATES
+from kvjax.studies.ruler_tasks import TASKS, check_tasks, make_sample
+from kvjax.studies.variants import cache
+from kvjax.training.checkpoint import latest_step, load_model
+
+FACTS = ("depth", "distance")
+
+
+def string_match_all(answer: str, references: Iterable[str]) -> float:
+  """The fraction of references found in the answer, case-insensitive (RULER's string_match_all
+  for one sample, as a fraction)."""
+  references = list(references)
+  found = sum(r.lower() in answer.lower() for r in references)
+  return found / len(references)
+
+
+def string_match_part(answer: str, references: Iterable[str]) -> float:
+  """1.0 when any reference is found in the answer, case-insensitive (RULER's string_match_part)."""
+  return float(any(r.lower() in answer.lower() for r in references))
+
+
+def check_lengths(lengths) -> tuple[int, ...]:
+  lengths = tuple(lengths)
+  if not lengths:
+    raise ValueError("RULER lengths must be a non-empty tuple of token counts")
+  for i, length in enumerate(lengths):
+    check_positive_int(length, f"RULER lengths[{i}]")
+  return lengths
+
+
+def build(
+  tokenizer: TextTokenizer,
+  tasks: Iterable[str],
+  lengths: Iterable[int],
+  samples: int,
+  *,
+  seed: int = 0,
+  template: str = "auto",
+  max_len: int | None = None,
+) -> list[dict]:
+  """`samples` samples of every task at every length (ruler_tasks.make_sample). With max_len (the
+  positions the model holds): a length whose prompt and answer budget exceed it is refused first."""
+  tasks, lengths = check_tasks(tasks), check_lengths(lengths)
+  check_positive_int(samples, "RULER samples")
+  if template not in TEMPLATES:
+    raise ValueError(f"RULER template must be one of {TEMPLATES}, got {template!r}")
+  if max_len is not None:
+    for length in lengths:
+      if length > max_len:
+        raise ValueError(f"RULER length {length} is more than the model's max_len={max_len} positions")
+  out = []
+  for length in lengths:
+    for task in tasks:
+      for index in range(samples):
+        s = make_sample(tokenizer, task, length, index, seed=seed, template=template)
+        if max_len is not None and length + s["answer_tokens"] > max_len:
+          raise ValueError(
+            f"RULER length {length} and task {task}'s {s['answer_tokens']} answer tokens need "
+            f"{length + s['answer_tokens']} positions, more than the model's max_len={max_len}"
+          )
+        out.append(s)
+  return out
+
+
+def method_name(cache_config: CacheConfig) -> str:
+  """ "full" for a cache that keeps every token, else "<press>@<compression ratio>"."""
+  press = cache_config.press
+  return "full" if press is None else f"{press.name}@{press.compression_ratio:g}"
+
+
+def answer(
+  model: Transformer,
+  params,
+  tokenizer: TextTokenizer,
+  samples: list[dict],
+  cache_config: CacheConfig = CacheConfig(),
+  *,
+  protocol: str = "query_agnostic",
+  batch_size: int = 8,
+  progress: Callable[[str], None] = lambda message: None,
+) -> list[dict]:
+  """Greedy answers of every sample through caches of cache_config -> one result per sample
+  (id, task, length, method, answer, score, and the sample's depth / distance)."""
+  if protocol not in PROTOCOLS:
+    raise ValueError(f"RULER protocol must be one of {PROTOCOLS}, got {protocol!r}")
+  method = method_name(cache_config)
+  groups: dict[tuple, list[dict]] = {}
+  for s in samples:
+    groups.setdefault((s["task"], s["length"]), []).append(s)
+  results = {}
+  for (task, length), group in groups.items():
+    progress(f"ruler: {task} at {length} tokens, {len(group)} samples, {method}")
+    budget = max(s["answer_tokens"] for s in group)
+    for start in range(0, len(group), batch_size):
+      batch = group[start : start + batch_size]
+      if protocol == "query_aware":
+        prompts, lengths = padded([s["context_ids"] + s["question_ids"] for s in batch])
+        question = asked = None
+      else:
+        prompts, lengths = padded([s["context_ids"] for s in batch])
+        question, asked = padded([s["question_ids"] for s in batch])
+      got = measure.answers(
+        model,
+        params,
+        prompts,
+        lengths,
+        budget,
+        cache_config,
+        stop_ids=tokenizer.stop_ids,
+        question=question,
+        question_lengths=asked,
+      )
+      for s, ids in zip(batch, got):
+        text = tokenizer.decode(np.asarray(ids)[: s["answer_tokens"]], skip_special_tokens=True)
+        results[s["id"]] = {
+          "id": s["id"],
+          "task": s["task"],
+          "length": s["length"],
+          "method": method,
+          "answer": text,
+          "score": string_match_all(text, s["references"]),
+          **{k: s[k] for k in FACTS if k in s},
+        }
+  return [results[s["id"]] for s in samples]
+
+
+def padded(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+  """Token lists -> (int32 [n, longest] right-padded with 0, lengths int32 [n])."""
+  lengths = np.array([len(r) for r in rows], np.int32)
+  out = np.zeros((len(rows), lengths.max()), np.int32)
+  for i, row in enumerate(rows):
+    out[i, : len(row)] = row
+  return out, lengths
+
+
+def summary(results: list[dict]) -> dict:
+  """Scores in percent: {"tasks": {length: {task: score}}, "lengths": {length: the mean over tasks},
+  "overall": the mean over every (length, task)}."""
+  by: dict[int, dict[str, list[float]]] = {}
+  for r in results:
+    by.setdefault(r["length"], {}).setdefault(r["task"], []).append(r["score"])
+  tasks = {str(n): {t: round(100 * float(np.mean(v)), 2) for t, v in per.items()} for n, per in by.items()}
+  lengths = {n: round(float(np.mean(list(per.values()))), 2) for n, per in tasks.items()}
+  cells = [v for per in tasks.values() for v in per.values()]
+  return {"tasks": tasks, "lengths": lengths, "overall": round(float(np.mean(cells)), 2) if cells else None}
+
+
+def write_jsonl(path: Path, rows: Iterable[dict]) -> None:
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+@dataclasses.dataclass(frozen=True)
+class RulerStudy:
+  """source: the model (a name kvjax import knows, a GGUF file, a Hugging Face directory or a
+  kvjax workdir holding an imported checkpoint). `samples` per task and length; each press of
+  `presses` at each of `ratios`, after the full cache; `template` "auto" (the chat template when
+  the tokenizer has one), "chat" or "base"."""
+
+  source: str = "smollm2-135m"
+  lengths: tuple[int, ...] = (1024, 2048)
+  tasks: tuple[str, ...] = tuple(TASKS)
+  samples: int = 8
+  presses: tuple[str, ...] = ()
+  ratios: tuple[float, ...] = (0.5,)
+  protocol: str = "query_agnostic"
+  template: str = "auto"
+  batch_size: int = 8
+  seed: int = 0
+  job: str = "ruler"
+
+  def __post_init__(self):
+    if self.job != "ruler":
+      raise ValueError(f"RulerStudy.job must be 'ruler', got {self.job!r}")
+    check_positive(self, "samples", "batch_size")
+    check_nonnegative(self, "seed")
+    check_tasks(self.tasks)
+    check_lengths(self.lengths)
+    if self.protocol not in PROTOCOLS:
+      raise ValueError(f"RulerStudy.protocol must be one of {PROTOCOLS}, got {self.protocol!r}")
+    if self.template not in TEMPLATES:
+      raise ValueError(f"RulerStudy.template must be one of {TEMPLATES}, got {self.template!r}")
+    for press in self.presses:
+      for ratio in self.ratios:
+        cache(press=press, ratio=ratio)  # an unknown press or a ratio outside [0, 1) is refused, named
+
+
+def checkpoint(workdir: Path):
+  """(model, params, tokenizer) of a workdir's latest checkpoint; ValueError naming the workdir
+  when it has none, or no tokenizer."""
+  model, params, _ = load_model(workdir)
+  tokenizer = TextTokenizer.load(workdir, model.config.vocab_size)
+  if tokenizer is None:
+    raise ValueError(f"{workdir} has no tokenizer: the RULER suite is for tokenized models (an imported one)")
+  return model, params, tokenizer
+
+
+def load(source: str):
+  """(model, params, tokenizer, a name for reports) of a named model, a file, a directory or a
+  kvjax workdir with a checkpoint; ValueError when it has no tokenizer."""
+  path = Path(source)
+  if path.is_dir() and latest_step(path) is not None:
+    return (*checkpoint(path), path.name)
+  params, config, tokenizer, resolved = read_model(source)
+  if tokenizer is None:
+    raise ValueError(f"RULER source {source!r} has no tokenizer; the suite's prompts need one")
+  return Transformer(config), params, tokenizer, resolved.name
+
+
+def run(study: RulerStudy, workdir: Path, progress: Callable[[str], None]) -> list[dict]:
+  """Every cache of the study on the suite -> rows {method, length, task, score, samples, seconds};
+  writes samples.jsonl, answers.jsonl and ruler.{csv,json,md} to workdir."""
+  workdir = Path(workdir)
+  model, params, tokenizer, name = load(study.source)
+  samples = build(
+    tokenizer,
+    study.tasks,
+    study.lengths,
+    study.samples,
+    seed=study.seed,
+    template=study.template,
+    max_len=model.config.max_len,
+  )
+  write_jsonl(workdir / "samples.jsonl", samples)
+  rows, results = [], []
+  for press, ratio in [(None, 0.0)] + [(p, r) for p in study.presses for r in study.ratios]:
+    cache_config = cache(press=press, ratio=ratio)
+    start = time.perf_counter()
+    found = answer(
+      model,
+      params,
+      tokenizer,
+      samples,
+      cache_config,
+      protocol=study.protocol,
+      batch_size=study.batch_size,
+      progress=progress,
+    )
+    seconds = time.perf_counter() - start
+    results += found
+    scores = summary(found)
+    for length, per in scores["tasks"].items():
+      for task, score in per.items():
+        rows.append({"method": method_name(cache_config), "length": int(length), "task": task, "score": score})
+      rows.append(
+        {"method": method_name(cache_config), "length": int(length), "task": "mean", "score": scores["lengths"][length]}
+      )
+    rows[-1]["seconds"] = round(seconds, 1)
+  write_jsonl(workdir / "answers.jsonl", results)
+  columns = [("method", "cache", ""), ("length", "tokens", ""), ("task", "task", ""), ("score", "score %", ".1f")]
+  table = report.write_table(rows, workdir / "ruler", columns)
+  (workdir / "ruler.md").write_text(
+    f"RULER-style suite: {name}, {study.samples} samples per task and length, {study.protocol}, "
+    f"template {study.template}, seed {study.seed}\n\n{table}\n"
+  )
+  return rows
+
+
+def ruler_checkpoint(
+  workdir: str | Path,
+  lengths: tuple[int, ...],
+  *,
+  tasks: tuple[str, ...] = tuple(TASKS),
+  samples: int = 8,
+  seed: int = 0,
+  cache_config: CacheConfig | None = None,
+  protocol: str = "query_agnostic",
+  out: str | Path | None = None,
+  progress: Callable[[str], None] = lambda message: None,
+) -> dict:
+  """The suite on a workdir's latest checkpoint (an imported model) through caches of
+  cache_config; writes samples.jsonl and answers.jsonl to `out` (default WORKDIR/ruler) ->
+  {"method", "protocol", "samples", "seconds", "out", **summary}."""
+  cache_config = cache_config or CacheConfig()
+  model, params, tokenizer = checkpoint(Path(workdir))
+  items = build(tokenizer, tasks, lengths, samples, seed=seed, max_len=model.config.max_len)
+  out = Path(out) if out is not None else Path(workdir) / "ruler"
+  write_jsonl(out / "samples.jsonl", items)
+  start = time.perf_counter()
+  results = answer(model, params, tokenizer, items, cache_config, protocol=protocol, progress=progress)
+  seconds = time.perf_counter() - start
+  write_jsonl(out / "answers.jsonl", results)
+  return {
+    "method": method_name(cache_config),
+    "protocol": protocol,
+    "samples": samples,
+    "seconds": round(seconds, 1),
+    "out": str(out),
+    **summary(results),
+  }
