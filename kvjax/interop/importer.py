@@ -72,6 +72,10 @@ class NamedModel:
     return path
 
   def _assembled(self, name: str) -> pathlib.Path:
+    """assemble()'s file, checked (its sha256 over every chunk and the file) once per process."""
+    done = _ASSEMBLED.get(self.assembler)
+    if done is not None and done.is_file():
+      return done
     try:
       module = importlib.import_module(self.assembler)
       path = pathlib.Path(module.assemble())
@@ -82,7 +86,11 @@ class NamedModel:
       ) from None
     if not path.is_file():
       raise ValueError(f"model {name!r}: {self.assembler}.assemble() returned {path}, which is not a file")
+    _ASSEMBLED[self.assembler] = path
     return path
+
+
+_ASSEMBLED: dict[str, pathlib.Path] = {}  # assembler module -> the file it assembled in this process
 
 
 NAMED_MODELS = {
@@ -240,25 +248,31 @@ def read_gguf(path: str | pathlib.Path, *, dtype: str | None = None) -> tuple[di
   dtypes). Raises ValueError naming the missing or contradictory key, the unsupported
   architecture, tensor type or feature, the misshapen tensor, or the damaged file.
   """
-  params, cfg = from_gguf(path, dtype=dtype)
-  f = GGUFFile(path)
+  f, family, cfg = _open_gguf(path, dtype)
+  # The tokenizer first: it is quick to build and to refuse, the weights are not.
   tokenizer = TextTokenizer.from_gguf_metadata(f.metadata, source=str(f.path))
   if tokenizer.vocab_size > cfg.vocab_size:
     raise ValueError(
       f"{f.path}: its tokenizer has ids up to {tokenizer.vocab_size - 1}, past the model's vocab_size={cfg.vocab_size}"
     )
-  return params, cfg, tokenizer
+  return read_params(family, cfg, GGUF, f), cfg, tokenizer
 
 
 def from_gguf(path: str | pathlib.Path, *, dtype: str | None = None) -> tuple[dict, ModelConfig]:
   """`read_gguf` without the tokenizer -> (params, config): the weights and config alone, which
   need nothing of the tokenizer."""
+  f, family, cfg = _open_gguf(path, dtype)
+  return read_params(family, cfg, GGUF, f), cfg
+
+
+def _open_gguf(path: str | pathlib.Path, dtype: str | None) -> tuple[GGUFFile, Family, ModelConfig]:
+  """The file, its family and config (compute dtype `dtype`, default float32), checked to fit in host memory."""
   _check_dtype(dtype)
   f = GGUFFile(path)
   family = _gguf_family(f)
   cfg = family.config_from_gguf(f, dtype or "float32")
   _check_host_memory(f.path, cfg)
-  return read_params(family, cfg, GGUF, f), cfg
+  return f, family, cfg
 
 
 def read_config(source: str | pathlib.Path) -> ModelConfig:

@@ -98,7 +98,8 @@ def test_planner_keeps_512_positions_on_five_layers_of_six(gemma3):
   named = resolve("gemma3-270m")  # the GGUF's metadata alone
   assert named.config == config and named.params == 268_098_176
   preset = PRESETS["Gemma-3-270M"]
-  assert preset.config.replace(max_len=config.max_len) == config and preset.params == named.params
+  assert preset.config.replace(max_len=config.max_len, norm_eps=config.norm_eps) == config
+  assert preset.params == named.params
   row = plan(named, context=context, batch=1, dtype="float32")
   assert row["cache_bytes"] == pytest.approx(want * context, rel=1e-3)
 
