@@ -4,12 +4,9 @@ kind applies (kvjax.model.attention's K/V heads, kvjax.model.mla's shared rotary
 Rotate-half convention (Llama, GPT-NeoX, and so every Hugging Face checkpoint kvjax reads): a head
 of W rotary dims is W/2 pairs, dims j and j + W/2, and pair j turns by position x freq[j] radians.
 
-Frequencies are computed on the host and end in float32: they are constants of the config, so jit
-folds them in, and every path that rotates (training, prefill, decode, MLA's absorbed read, a
-converted model's kept pairs) turns by the same numbers. They are rounded where transformers'
-float32 `inv_freq` rounds them (the power, then its reciprocal): at positions in the thousands a
-one-ulp difference in a frequency moves the angle by more than a float32 logit's worth (Gemma 3
-at 4,096 tokens: 1.5e-5 of the largest logit with the frequencies rounded once, 3e-6 so).
+Frequencies are computed on the host in float64 and rounded once to float32: they are constants of
+the config, so jit folds them in, and every path that rotates (training, prefill, decode, MLA's
+absorbed read, a converted model's kept pairs) turns by the same numbers.
 """
 
 from __future__ import annotations
@@ -55,8 +52,7 @@ def frequencies(theta: float, dims: int, scaling: RopeScaling | None = None) -> 
   """The frequency of each rotate-half pair of a RoPE head `dims` wide.
 
   Pair j turns by theta^(-2j / dims) radians per position (ModelConfig.rope_theta), rescaled by
-  `scaling` (ModelConfig.rope_scaling) when given: 1 / float32(theta ** float32(2j / dims)),
-  rounded to float32, as transformers computes it.
+  `scaling` (ModelConfig.rope_scaling) when given.
 
   Args:
     theta: the RoPE base, > 0.
@@ -67,9 +63,8 @@ def frequencies(theta: float, dims: int, scaling: RopeScaling | None = None) -> 
   """
   if isinstance(dims, bool) or not isinstance(dims, (int, np.integer)) or dims < 2 or dims % 2:
     raise ValueError(f"RoPE frequencies need a positive even number of dims (rotate-half pairs), got dims={dims!r}")
-  exponent = (np.arange(0, dims, 2, dtype=np.float32) / np.float32(dims)).astype(np.float64)  # 2j / dims
-  power = np.power(np.float64(np.float32(theta)), exponent).astype(np.float32)
-  freq = 1.0 / power.astype(np.float64)
+  half = dims // 2
+  freq = float(theta) ** (-np.arange(half, dtype=np.float64) / half)
   if scaling is not None:
     freq = SCALINGS[scaling.kind](freq, scaling)
   freq = freq.astype(np.float32)
