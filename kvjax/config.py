@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from kvjax.fields import INT32_MAX, check_choice, check_nonnegative, check_positive, check_real, to_dict
 
-ACTIVATIONS = ("swiglu", "gelu")
+ACTIVATIONS = ("swiglu", "gelu", "geglu")
 NORMS = ("rmsnorm", "layernorm")
 POSITIONS = ("rope", "learned")
 ROPE_SCALINGS = ("llama3",)  # RopeScaling.kind; each one's rule is in kvjax.model.rope.SCALINGS
@@ -65,7 +65,15 @@ class ModelConfig:
   """A decoder-only transformer. MHA when num_kv_heads == num_heads, MQA when it is 1.
 
   head_dim defaults to d_model // num_heads; mlp_dim to 4 * d_model (GELU) or the
-  Llama rule 8/3 * d_model rounded up to a multiple of 64 (SwiGLU).
+  Llama rule 8/3 * d_model rounded up to a multiple of 64 (SwiGLU, GeGLU). activation "swiglu"
+  is silu(gate) * up, "geglu" (Gemma) tanh-gelu(gate) * up, "gelu" tanh-gelu(up) (GPT-2).
+
+  Gemma 3's additions, each off by default: qk_norm normalises every query and key head over
+  head_dim (the model's norm, its own scale per projection) before RoPE; post_norms normalises
+  the attention output and the MLP output before each residual add (the block then holds four
+  norms); scale_embeddings multiplies the embedding lookup by sqrt(d_model), rounded to the
+  compute dtype, while a tied logits projection reads the unscaled table; rope_local_theta is the
+  RoPE base of the windowed (local) layers, None: rope_theta for every layer.
   rope_scaling (RoPE models only) rescales the rotary frequencies (RopeScaling, Llama 3.1's rule);
   None keeps plain RoPE at base rope_theta.
 
@@ -107,6 +115,10 @@ class ModelConfig:
   rope_dims: int = 0
   rope_pairs: tuple[tuple[int, ...], ...] | None = None
   rope_scaling: RopeScaling | None = None
+  qk_norm: bool = False
+  post_norms: bool = False
+  scale_embeddings: bool = False
+  rope_local_theta: float | None = None
 
   def __post_init__(self):
     check_positive(self, "vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "max_len", most=INT32_MAX)
@@ -141,6 +153,31 @@ class ModelConfig:
         )
     self._check_window()
     self._check_latent()
+    self._check_gemma()
+
+  def _check_gemma(self) -> None:
+    for name in ("qk_norm", "post_norms", "scale_embeddings"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"ModelConfig.{name} must be True or False, got {getattr(self, name)!r}")
+    if self.qk_norm and self.is_latent:
+      raise ValueError(
+        f"ModelConfig.qk_norm=True with kv_latent_rank={self.kv_latent_rank}: MLA's absorbed keys have no "
+        "per-head key to normalise; use qk_norm=False"
+      )
+    if self.rope_local_theta is None:
+      return
+    check_real(self, "rope_local_theta", 0.0, math.inf, open_low=True, open_high=True)
+    object.__setattr__(self, "rope_local_theta", float(self.rope_local_theta))
+    if self.positions != "rope" or self.is_latent:
+      raise ValueError(
+        f"ModelConfig.rope_local_theta={self.rope_local_theta} needs RoPE keys and queries (positions='rope', "
+        f"no MLA), got positions={self.positions!r}, kv_latent_rank={self.kv_latent_rank}; use None"
+      )
+    if not any(self.window):
+      raise ValueError(
+        f"ModelConfig.rope_local_theta={self.rope_local_theta} is the RoPE base of windowed layers, but "
+        f"window={self.window} keeps every layer global; use None"
+      )
 
   def _check_window(self):
     if not isinstance(self.window, (tuple, list)):
@@ -215,6 +252,12 @@ class ModelConfig:
   def layer_window(self, layer: int) -> int:
     """Layer `layer`'s sliding-window width, 0 when it attends globally."""
     return self.window[layer % len(self.window)] if self.window else 0
+
+  def layer_rope_theta(self, layer: int) -> float:
+    """Layer `layer`'s RoPE base: rope_local_theta on a windowed layer when it is set, else rope_theta."""
+    if self.rope_local_theta is not None and self.layer_window(layer):
+      return self.rope_local_theta
+    return self.rope_theta
 
   def cached_positions(self, layer: int, length: int) -> int:
     """Positions layer `layer`'s cache keeps for a sequence of `length` (`cached_positions`)."""

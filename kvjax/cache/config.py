@@ -127,6 +127,11 @@ class CacheConfig:
     sinks = config.sink_tokens if self.sink_tokens is None else self.sink_tokens
     if (window, sinks) == (config.window, config.sink_tokens):
       return config
+    if window != config.window and config.rope_local_theta is not None:
+      raise ValueError(
+        f"CacheConfig.window={self.window}: the model's windowed layers turn RoPE at their own base "
+        f"(ModelConfig.rope_local_theta={config.rope_local_theta}), so its window pattern {config.window} stays; use window=None"
+      )
     try:
       return config.replace(window=window, sink_tokens=sinks)
     except ValueError as e:

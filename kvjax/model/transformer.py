@@ -1,4 +1,4 @@
-"""Decoder-only transformer (Llama / Qwen2 / GPT-2 families): the one layer loop.
+"""Decoder-only transformer (Llama / Qwen2 / GPT-2 / Gemma 3 families): the one layer loop.
 
 Training, evaluation, prefill of ragged prompts, appending a chunk to a cache and one-token
 decoding all run `Transformer.__call__`; what differs is the cache kind handed in (none,
@@ -7,7 +7,8 @@ contiguous, paged, ...; see kvjax.cache) and which columns' logits are asked for
 Parameter tree (kernels in float32, computation in config.dtype):
   embed/embedding [V, D]; pos_embed/embedding [max_len, D] (learned positions)
   layers_{i}/attn_norm, attn/{q,k,v,out} (MLA: attn/{q,kv_down,k_rope,k_up,v_up,out},
-  kvjax.model.mla), mlp_norm, mlp/{gate,up,down}
+  kvjax.model.mla), mlp_norm, mlp/{gate,up,down}; with qk_norm attn/{q_norm,k_norm}/scale [H],
+  with post_norms post_attn_norm and post_mlp_norm (Gemma 3)
   final_norm; lm_head/kernel [D, V] unless tie_embeddings.
 The 'cache' collection mirrors it: layers_{i}/attn/{name: array} as the cache kind lays it out
 (`cache_collection`).
@@ -25,13 +26,7 @@ from kvjax.config import ModelConfig
 from kvjax.model.attention import NO_CACHE, Attention, Field, Span, kv_payload, take_rows
 from kvjax.model.backend import XLA, Backend
 from kvjax.model.mla import LatentAttention, latent_payload
-from kvjax.model.weights import Dense, Embed
-
-
-def make_norm(cfg: ModelConfig, name: str) -> nn.Module:
-  if cfg.norm == "rmsnorm":
-    return nn.RMSNorm(epsilon=cfg.norm_eps, dtype=cfg.compute_dtype, name=name)
-  return nn.LayerNorm(epsilon=cfg.norm_eps, dtype=cfg.compute_dtype, name=name)
+from kvjax.model.weights import Dense, Embed, make_norm
 
 
 def cache_payload(config: ModelConfig) -> dict[str, Field]:
@@ -68,8 +63,10 @@ class Mlp(nn.Module):
       )
 
     in_std = cfg.d_model**-0.5
-    if cfg.activation == "swiglu":
-      h = nn.silu(dense(cfg.mlp_dim, "gate", in_std)(x)) * dense(cfg.mlp_dim, "up", in_std)(x)
+    if cfg.activation in ("swiglu", "geglu"):
+      gate = dense(cfg.mlp_dim, "gate", in_std)(x)
+      gate = nn.silu(gate) if cfg.activation == "swiglu" else nn.gelu(gate, approximate=True)
+      h = gate * dense(cfg.mlp_dim, "up", in_std)(x)
     else:
       h = nn.gelu(dense(cfg.mlp_dim, "up", in_std)(x), approximate=True)
     # Residual-branch outputs are scaled down with depth (GPT-2 init).
@@ -77,7 +74,9 @@ class Mlp(nn.Module):
 
 
 class Block(nn.Module):
-  """Pre-norm residual block; `layer` is its index (its attention's sliding window)."""
+  """Pre-norm residual block; `layer` is its index (its attention's sliding window and RoPE
+  base). With config.post_norms the attention and MLP outputs are normalised too, before each
+  residual add (Gemma 2 / 3: post_attn_norm, post_mlp_norm)."""
 
   config: ModelConfig
   backend: Backend = XLA
@@ -92,14 +91,21 @@ class Block(nn.Module):
     )
     self.mlp_norm = make_norm(self.config, "mlp_norm")
     self.mlp = Mlp(self.config, self.backend)
+    if self.config.post_norms:
+      self.post_attn_norm = make_norm(self.config, "post_attn_norm")
+      self.post_mlp_norm = make_norm(self.config, "post_mlp_norm")
 
   def __call__(self, x, span: Span, cache=NO_CACHE, outputs_at=None):
     """x [B, T, D] -> [B, T, D], or [B, T', D] at the columns outputs_at int[B, T']."""
     attn_out = self.attn(self.attn_norm(x), span, cache, outputs_at)
     if outputs_at is not None:
       x = take_rows(x, outputs_at)
+    mlp = lambda h: self.mlp(self.mlp_norm(h))
+    if self.config.post_norms:
+      x = x + self.post_attn_norm(attn_out)
+      return x + self.post_mlp_norm(mlp(x))
     x = x + attn_out
-    return x + self.mlp(self.mlp_norm(x))
+    return x + mlp(x)
 
 
 class Transformer(nn.Module):
@@ -162,6 +168,9 @@ class Transformer(nn.Module):
     )
     cache = NO_CACHE if cache is None else cache
     x = self.embed(tokens)
+    if self.config.scale_embeddings:
+      # Rounded to the compute dtype first, as Gemma does; a tied lm_head reads the unscaled table.
+      x = x * jnp.asarray(self.config.d_model**0.5, x.dtype)
     if self.config.positions == "learned":
       x = x + self.pos_embed(span.positions)
     last = len(self.layers) - 1

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.config import ModelConfig
 from kvjax.model.backend import XLA, Backend
 
 FORMATS = ("float32", "bfloat16", "int8")
@@ -90,6 +91,13 @@ class Embed(nn.Module):
     """x [..., features] -> [..., num_embeddings]: x times each row."""
     y = self.backend.matmul(x.reshape(-1, self.features).astype(self.dtype), self.embedding, self.scale, True)
     return y.reshape(x.shape[:-1] + (self.num_embeddings,))
+
+
+def make_norm(cfg: ModelConfig, name: str) -> nn.Module:
+  """The model's norm (ModelConfig.norm) over the last axis, its scale (and bias) float32."""
+  if cfg.norm == "rmsnorm":
+    return nn.RMSNorm(epsilon=cfg.norm_eps, dtype=cfg.compute_dtype, name=name)
+  return nn.LayerNorm(epsilon=cfg.norm_eps, dtype=cfg.compute_dtype, name=name)
 
 
 def check_format(name: str) -> str:

@@ -1,6 +1,6 @@
 """Oracles for sliding-window layers with sink tokens: the mask against its definition, cached
 decode (contiguous ring, paged) == the full forward under the same mask past the ring's wrap,
-for K/V and MLA's latents, float and int8; CacheConfig.window on a global model == the model of
+for K/V (plain and Gemma 3 shaped) and MLA's latents, float and int8; CacheConfig.window on a global model == the model of
 that window; constant cache bytes, and an all-window model generating 4x its max_len."""
 
 from __future__ import annotations
@@ -24,7 +24,12 @@ from oracles import StoredForward, forward
 PAGE_SIZE, MAX_PAGES, NUM_PAGES = 4, 10, 34
 # Layer 0 windowed (6 wide, 2 sinks: a ring of 8 slots), layer 1 global.
 LOCAL_GLOBAL = dict(window=(6, 0), sink_tokens=2, max_len=40)
-PAYLOADS = {"kv": {}, "latent": dict(kv_latent_rank=12, rope_dims=8)}  # ModelConfig changes
+# ModelConfig changes; "gemma" is a Gemma 3 shaped K/V model (GeGLU, q/k norms, post-norms, scaled
+# embeddings, its own RoPE base on the windowed layer).
+GEMMA = dict(
+  activation="geglu", qk_norm=True, post_norms=True, scale_embeddings=True, rope_local_theta=100.0, tie_embeddings=True
+)
+PAYLOADS = {"kv": {}, "latent": dict(kv_latent_rank=12, rope_dims=8), "gemma": GEMMA}
 
 
 def random_tokens(shape, seed):
@@ -110,7 +115,7 @@ def test_cached_decode_matches_windowed_forward_and_paged_matches_contiguous(pay
   to the windowed model's full forward."""
   model, params = init_params(tiny_config(2, **LOCAL_GLOBAL, **PAYLOADS[payload]))
   ring = kvjax.ContiguousCache.create(model.config, 3, 40).layers
-  name = "v" if payload == "kv" else "latent"
+  name = "latent" if payload == "latent" else "v"
   assert ring["layers_0"]["attn"][name].shape[2] == 8 and ring["layers_1"]["attn"][name].shape[2] == 40
   seqs = random_tokens((3, 40), seed=1)  # rows reach 27, 21, 26 positions: the 8-slot ring wraps
   contiguous = decode_against_forward(model, params, "contiguous", seqs)
