@@ -3,9 +3,10 @@ kvjax.studies.ruler_tasks at each context length, answered greedily through the 
 CacheConfig and scored as RULER scores them.
 
 Scoring (RULER's scripts/eval/synthetic/constants.py): string_match_all, the fraction of a
-sample's references found in its answer (case-insensitive), for every task here;
-string_match_part (1 when any reference is found) for question-answering tasks. A task's score
-is the mean over its samples, in percent; the suite's is the mean over tasks.
+sample's references found in its answer (case-insensitive; kvjax.studies.scoring.score, which
+the pass-key test shares), for every task here (RULER's string_match_part is for its
+question-answering tasks, which need datasets kvjax does not download). A task's score is the
+mean over its samples, in percent; the suite's is the mean over tasks.
 
 Protocols (kvjax.studies.eviction.PROTOCOLS):
   query_agnostic  kvpress's: context_ids are prefilled (and pressed) first, question_ids read
@@ -24,7 +25,6 @@ Run: kvjax run configs/ruler/small.py --workdir runs/ruler
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from pathlib import Path
 from typing import Callable, Iterable
@@ -40,23 +40,11 @@ from kvjax.studies import measure, report
 from kvjax.studies.eviction import PROTOCOLS
 from kvjax.studies.ruler_prompts import TEMPLATES
 from kvjax.studies.ruler_tasks import TASKS, check_tasks, make_sample
+from kvjax.studies.scoring import score, write_jsonl
 from kvjax.studies.variants import cache
 from kvjax.training.checkpoint import latest_step, load_model
 
 FACTS = ("depth", "distance")
-
-
-def string_match_all(answer: str, references: Iterable[str]) -> float:
-  """The fraction of references found in the answer, case-insensitive (RULER's string_match_all
-  for one sample, as a fraction)."""
-  references = list(references)
-  found = sum(r.lower() in answer.lower() for r in references)
-  return found / len(references)
-
-
-def string_match_part(answer: str, references: Iterable[str]) -> float:
-  """1.0 when any reference is found in the answer, case-insensitive (RULER's string_match_part)."""
-  return float(any(r.lower() in answer.lower() for r in references))
 
 
 def check_lengths(lengths) -> tuple[int, ...]:
@@ -103,9 +91,13 @@ def build(
 
 
 def method_name(cache_config: CacheConfig) -> str:
-  """ "full" for a cache that keeps every token, else "<press>@<compression ratio>"."""
+  """ "full" for a cache that keeps every token, else "<press>@<compression ratio>", the press
+  "<name>:adaptive" under AdaKV's head-adaptive budgets (experiments/kvpress_reference.py's names)."""
   press = cache_config.press
-  return "full" if press is None else f"{press.name}@{press.compression_ratio:g}"
+  if press is None:
+    return "full"
+  heads = ":adaptive" if press.heads == "adaptive" else ""
+  return f"{press.name}{heads}@{press.compression_ratio:g}"
 
 
 def answer(
@@ -158,7 +150,7 @@ def answer(
           "length": s["length"],
           "method": method,
           "answer": text,
-          "score": string_match_all(text, s["references"]),
+          "score": score(text, s["references"]),
           **{k: s[k] for k in FACTS if k in s},
         }
   return [results[s["id"]] for s in samples]
@@ -183,11 +175,6 @@ def summary(results: list[dict]) -> dict:
   lengths = {n: round(float(np.mean(list(per.values()))), 2) for n, per in tasks.items()}
   cells = [v for per in tasks.values() for v in per.values()]
   return {"tasks": tasks, "lengths": lengths, "overall": round(float(np.mean(cells)), 2) if cells else None}
-
-
-def write_jsonl(path: Path, rows: Iterable[dict]) -> None:
-  path.parent.mkdir(parents=True, exist_ok=True)
-  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,8 +267,8 @@ def run(study: RulerStudy, workdir: Path, progress: Callable[[str], None]) -> li
     results += found
     scores = summary(found)
     for length, per in scores["tasks"].items():
-      for task, score in per.items():
-        rows.append({"method": method_name(cache_config), "length": int(length), "task": task, "score": score})
+      for task, value in per.items():
+        rows.append({"method": method_name(cache_config), "length": int(length), "task": task, "score": value})
       rows.append(
         {"method": method_name(cache_config), "length": int(length), "task": "mean", "score": scores["lengths"][length]}
       )

@@ -1,0 +1,90 @@
+"""The presses table (kvjax.studies.press_table): its cells, the bytes beside each score, a rerun
+that reads finished cells back, and the per-sample agreement with a peer's answers."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvjax.cache.config import CacheConfig
+from kvjax.interop.tokenizer import TextTokenizer
+from kvjax.studies import measure
+from kvjax.studies.press_table import PressTableStudy, press_cache, run
+from kvjax.studies.scoring import read_jsonl, write_jsonl
+from kvjax.training.checkpoint import load_model
+
+
+@pytest.fixture(scope="module")
+def table(smollm2, tmp_path_factory):
+  study = PressTableStudy(
+    sources=(str(smollm2),),
+    lengths=(256,),
+    tasks=("niah_single_1",),
+    samples=2,
+    presses=("snapkv",),
+    ratios=(0.5,),
+    protocols=("query_agnostic",),
+    batch_size=2,
+  )
+  workdir = tmp_path_factory.mktemp("press_table")
+  return study, workdir, run(study, workdir, lambda line: None)
+
+
+def test_rows_hold_every_cell_with_its_bytes(table, smollm2):
+  study, workdir, rows = table
+  assert [(r["press"], r["ratio"], r["protocol"]) for r in rows] == [
+    ("full", 0.0, "either"),
+    ("snapkv", 0.5, "query_agnostic"),
+  ]
+  model, _, _ = load_model(smollm2)
+  full = measure.kv_bytes_per_token(model.config, CacheConfig(), 256)
+  assert rows[0]["kv_bytes_per_token"] == full
+  assert rows[1]["kv_bytes_per_token"] == measure.kv_bytes_per_token(model.config, press_cache("snapkv", 0.5), 256)
+  assert rows[1]["kv_bytes_per_token"] < 0.6 * full
+  answers = read_jsonl(workdir / smollm2.name / "answers.jsonl")
+  assert len(answers) == 4 and {a["method"] for a in answers} == {"full", "snapkv@0.5"}
+  for row in rows:
+    mine = [a["score"] for a in answers if a["method"] == ("full" if row["press"] == "full" else "snapkv@0.5")]
+    assert row["score"] == pytest.approx(100 * sum(mine) / len(mine))
+    assert row["kvpress_same_score"] is None  # no peer answers yet
+
+
+def test_a_rerun_reads_finished_cells_and_scores_a_peer_sample_by_sample(table, smollm2):
+  study, workdir, rows = table
+  folder = workdir / smollm2.name
+  cells = sorted((folder / "cells").iterdir())
+  stamps = [c.stat().st_mtime_ns for c in cells]
+  samples = read_jsonl(folder / "samples.jsonl")
+  ours = {(a["id"], a["method"]): a for a in read_jsonl(folder / "answers.jsonl")}
+  tokenizer = TextTokenizer.load(smollm2)
+  assert all(s["stop_ids"] == list(tokenizer.stop_ids) for s in samples)
+  # A peer that answers the reference for the first sample and nothing useful for the second.
+  peer = []
+  for method in ("full", "snapkv@0.5"):
+    for i, s in enumerate(samples):
+      ids = tokenizer.encode(" " + s["references"][0]).tolist() if i == 0 else tokenizer.encode(" no").tolist()
+      peer.append({"id": s["id"], "method": method, "protocol": "query_agnostic", "answer_ids": ids})
+  write_jsonl(folder / "kvpress.jsonl", peer)
+  again = run(study, workdir, lambda line: None)
+  assert [c.stat().st_mtime_ns for c in cells] == stamps  # read back, not answered again
+  for row, method in zip(again, ("full", "snapkv@0.5")):
+    same = [ours[(s["id"], method)]["score"] == (1.0 if i == 0 else 0.0) for i, s in enumerate(samples)]
+    assert row["kvpress_same_score"] == pytest.approx(sum(same) / len(same))
+    texts = [" " + samples[0]["references"][0], " no"]
+    same_text = [ours[(s["id"], method)]["answer"] == texts[i] for i, s in enumerate(samples)]
+    assert row["kvpress_same_answer"] == pytest.approx(sum(same_text) / len(same_text))
+
+
+@pytest.mark.parametrize(
+  "changes, field",
+  [
+    ({"presses": ("snapkv:per_head",)}, "suffix"),
+    ({"presses": ("nope",)}, "nope"),
+    ({"ratios": (1.0,)}, "ratios"),
+    ({"protocols": ("both",)}, "protocols"),
+    ({"sources": ()}, "sources"),
+    ({"tasks": ("niah_single_9",)}, "niah_single_9"),
+  ],
+)
+def test_bad_settings_are_refused_by_name(changes, field):
+  with pytest.raises(ValueError, match=field):
+    PressTableStudy(**changes)
