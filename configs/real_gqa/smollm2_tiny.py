@@ -29,8 +29,6 @@ def get_config() -> RealGqaStudy:
       distill_steps=2,
       distill_eval_every=2,
     ),
-    measure=Measure(
-      contexts=(128,), windows=1, recall=PasskeyConfig(lengths=(128,), needles=2, batch_size=2)
-    ),
+    measure=Measure(contexts=(128,), windows=1, recall=PasskeyConfig(lengths=(128,), needles=2, batch_size=2)),
     timing=TimingConfig(batch=2, prompt=64, new_tokens=4, repeats=1),
   )
