@@ -15,8 +15,9 @@ from kvjax.interop.tokenizer import TextTokenizer
 from kvjax.model.transformer import Transformer
 from kvjax.model.weights import check_format, store
 from kvjax.studies import measure, scoring
+from kvjax.studies.models import tokenized_checkpoint
 from kvjax.studies.passkey import PasskeyConfig, Prose, answer_budget, judge, samples
-from kvjax.training.checkpoint import latest_step, load_model
+from kvjax.training.checkpoint import latest_step
 
 
 def all_samples(tokenizer: TextTokenizer, config: PasskeyConfig) -> list[dict]:
@@ -93,14 +94,12 @@ def passkey_checkpoint(
   the samples and answers are written to the workdir (write_records) and left out of the result."""
   check_format(weights)
   step = latest_step(workdir) if step is None else step
-  model, params, _ = load_model(workdir, step)
+  model, params, tokenizer = tokenized_checkpoint(
+    workdir,
+    step,
+    needs="the pass-key test is for tokenized models (the byte-level recall test serves models trained here)",
+  )
   params = store(params, weights)
-  tokenizer = TextTokenizer.load(workdir, model.config.vocab_size)
-  if tokenizer is None:
-    raise ValueError(
-      f"{workdir} has no tokenizer: the pass-key test is for tokenized models (the byte-level "
-      "recall test serves models trained here)"
-    )
   cache_config = cache_config or CacheConfig()
   inputs = all_samples(tokenizer, config)
   found = passkey(

@@ -41,10 +41,10 @@ from kvjax.conversion.import_model import import_model
 from kvjax.conversion.uptrain import uptrain
 from kvjax.config import ModelConfig
 from kvjax.fields import check_choice, check_nonnegative, check_positive, check_real, from_dict, to_dict
-from kvjax.interop.tokenizer import TextTokenizer
 from kvjax.model.weights import check_format, store
 from kvjax.studies import measure, stages
 from kvjax.studies.variants import Variant
+from kvjax.studies.models import tokenized_checkpoint
 from kvjax.studies.passkey import PasskeyConfig
 from kvjax.studies.passkey_run import passkey
 from kvjax.training import checkpoint
@@ -217,8 +217,7 @@ def stored_config(path: Path) -> ModelConfig:
 
 def load(path: Path):
   """(model, params, tokenizer) of a workdir's latest checkpoint."""
-  model, params, _ = checkpoint.load_model(path)
-  return model, params, TextTokenizer.load(path, model.config.vocab_size)
+  return tokenized_checkpoint(path)
 
 
 def prose_windows(tokenizer, length: int, count: int) -> list[tuple[np.ndarray, np.ndarray]]:

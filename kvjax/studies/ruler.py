@@ -33,16 +33,15 @@ import numpy as np
 
 from kvjax.cache.config import CacheConfig
 from kvjax.fields import check_nonnegative, check_positive, check_positive_int
-from kvjax.interop.importer import read_model
 from kvjax.interop.tokenizer import TextTokenizer
 from kvjax.model.transformer import Transformer
 from kvjax.studies import measure, report
 from kvjax.studies.eviction import PROTOCOLS
+from kvjax.studies.models import tokenized_checkpoint, tokenized_model
 from kvjax.studies.ruler_prompts import TEMPLATES
 from kvjax.studies.ruler_tasks import TASKS, check_tasks, make_sample
 from kvjax.studies.scoring import score, write_jsonl
 from kvjax.studies.variants import cache
-from kvjax.training.checkpoint import latest_step, load_model
 
 FACTS = ("depth", "distance")
 
@@ -212,26 +211,13 @@ class RulerStudy:
         cache(press=press, ratio=ratio)  # an unknown press or a ratio outside [0, 1) is refused, named
 
 
-def checkpoint(workdir: Path):
-  """(model, params, tokenizer) of a workdir's latest checkpoint; ValueError naming the workdir
-  when it has none, or no tokenizer."""
-  model, params, _ = load_model(workdir)
-  tokenizer = TextTokenizer.load(workdir, model.config.vocab_size)
-  if tokenizer is None:
-    raise ValueError(f"{workdir} has no tokenizer: the RULER suite is for tokenized models (an imported one)")
-  return model, params, tokenizer
+NEEDS = "the RULER suite is for tokenized models (an imported one)"
 
 
 def load(source: str):
   """(model, params, tokenizer, a name for reports) of a named model, a file, a directory or a
   kvjax workdir with a checkpoint; ValueError when it has no tokenizer."""
-  path = Path(source)
-  if path.is_dir() and latest_step(path) is not None:
-    return (*checkpoint(path), path.name)
-  params, config, tokenizer, resolved = read_model(source)
-  if tokenizer is None:
-    raise ValueError(f"RULER source {source!r} has no tokenizer; the suite's prompts need one")
-  return Transformer(config), params, tokenizer, resolved.name
+  return tokenized_model(source, needs=NEEDS)
 
 
 def run(study: RulerStudy, workdir: Path, progress: Callable[[str], None]) -> list[dict]:
@@ -299,7 +285,7 @@ def ruler_checkpoint(
   cache_config; writes samples.jsonl and answers.jsonl to `out` (default WORKDIR/ruler) ->
   {"method", "protocol", "samples", "seconds", "out", **summary}."""
   cache_config = cache_config or CacheConfig()
-  model, params, tokenizer = checkpoint(Path(workdir))
+  model, params, tokenizer = tokenized_checkpoint(workdir, needs=NEEDS)
   items = build(tokenizer, tasks, lengths, samples, seed=seed, max_len=model.config.max_len)
   out = Path(out) if out is not None else Path(workdir) / "ruler"
   write_jsonl(out / "samples.jsonl", items)
