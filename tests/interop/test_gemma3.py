@@ -19,7 +19,7 @@ from kvjax.model.params import param_count
 from kvjax.studies.measure import kv_bytes_per_token
 
 BOS, WINDOW = 2, 512
-PROMPT = 600  # past the 512-token window: the local layers' masks and rings both bind
+PROMPT = 520  # just past the 512-token window: the local layers' masks and rings both bind
 
 
 def prompt_ids(length: int, vocab: int, seed: int = 0) -> np.ndarray:
