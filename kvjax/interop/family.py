@@ -165,3 +165,19 @@ def gguf_int(f: GGUFFile, key: str, default: int | None = None) -> int:
   if isinstance(value, bool) or not isinstance(value, int) or value < 1:
     raise ValueError(f"{f.path}: metadata {key}={value!r} is not a positive integer")
   return value
+
+
+def gguf_rope_fields(f: GGUFFile, dtype: str) -> dict:
+  """The ModelConfig fields every llama-like GGUF gives the same way (kv heads, MLP width, RMSNorm
+  epsilon, RoPE positions, tied embeddings, context length, dtype); a family adds the rest."""
+  key = lambda name: f"{f.architecture}.{name}"
+  return dict(
+    num_kv_heads=gguf_int(f, key("attention.head_count_kv"), gguf_int(f, key("attention.head_count"))),
+    mlp_dim=gguf_int(f, key("feed_forward_length")),
+    norm="rmsnorm",
+    norm_eps=float(f.require(key("attention.layer_norm_rms_epsilon"), (float, int))),
+    positions="rope",
+    tie_embeddings="output.weight" not in f.names(),
+    max_len=gguf_int(f, key("context_length")),
+    dtype=dtype,
+  )

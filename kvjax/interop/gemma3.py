@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvjax.config import ModelConfig
-from kvjax.interop.family import Family, Tensor, gguf_int
+from kvjax.interop.family import Family, Tensor, gguf_int, gguf_rope_fields
 from kvjax.interop.gguf_file import GGUFFile
 
 # Five local layers, then one global, over the depth (transformers' Gemma3TextConfig
@@ -71,22 +71,15 @@ def config_from_gguf(f: GGUFFile, dtype: str) -> ModelConfig:
     d_model=d_model,
     num_layers=layers,
     num_heads=heads,
-    num_kv_heads=gguf_int(f, key("attention.head_count_kv"), heads),
     head_dim=head_dim,
-    mlp_dim=gguf_int(f, key("feed_forward_length")),
     activation="geglu",
-    norm="rmsnorm",
-    norm_eps=float(f.require(key("attention.layer_norm_rms_epsilon"), (float, int))),
-    positions="rope",
     rope_theta=float(f.metadata.get(key("rope.freq_base"), 1_000_000.0)),
     rope_local_theta=float(f.metadata.get(key("rope.freq_base_swa"), ROPE_LOCAL_BASE)),
-    tie_embeddings="output.weight" not in f.names(),
-    max_len=gguf_int(f, key("context_length")),
-    dtype=dtype,
     window=(window,) * (SLIDING_WINDOW_PATTERN - 1) + (0,),
     qk_norm=True,
     post_norms=True,
     scale_embeddings=True,
+    **gguf_rope_fields(f, dtype),
   )
 
 

@@ -19,7 +19,7 @@ from typing import Callable
 import numpy as np
 
 from kvjax.config import ModelConfig, RopeScaling
-from kvjax.interop.family import Family, Tensor, gguf_int, nonzero, require
+from kvjax.interop.family import Family, Tensor, gguf_int, gguf_rope_fields, nonzero, require
 from kvjax.interop.gguf_file import GGUFFile
 
 LLAMA3_FIELDS = ("factor", "low_freq_factor", "high_freq_factor")  # RopeScaling's, as config.json names them
@@ -163,19 +163,12 @@ def gguf_config(f: GGUFFile, dtype: str, biases: Callable[[GGUFFile], tuple[bool
     d_model=d_model,
     num_layers=gguf_int(f, key("block_count")),
     num_heads=heads,
-    num_kv_heads=gguf_int(f, key("attention.head_count_kv"), heads),
     head_dim=head_dim,
-    mlp_dim=gguf_int(f, key("feed_forward_length")),
     activation="swiglu",
-    norm="rmsnorm",
-    norm_eps=float(f.require(key("attention.layer_norm_rms_epsilon"), (float, int))),
-    positions="rope",
     rope_theta=float(f.metadata.get(key("rope.freq_base"), 10_000.0)),
     qkv_bias=qkv_bias,
     use_bias=use_bias,
-    tie_embeddings="output.weight" not in f.names(),
-    max_len=gguf_int(f, key("context_length")),
-    dtype=dtype,
+    **gguf_rope_fields(f, dtype),
   )
 
 
