@@ -53,7 +53,7 @@ from kvjax.interop.tokenizer import TextTokenizer
 from kvjax.model.weights import check_format, store
 from kvjax.studies import measure, stages, suite
 from kvjax.studies.variants import Variant
-from kvjax.studies.passkey import PasskeyConfig
+from kvjax.studies.passkey import TASK as PASSKEY, PasskeyConfig
 from kvjax.studies.passkey_run import all_samples, passkey
 from kvjax.studies.suite import SuiteConfig
 from kvjax.training import checkpoint
@@ -290,15 +290,16 @@ def recall_row(model, params, tokenizer, cache_config: CacheConfig, settings: Me
   """The recall columns of one model through one cache (inputs: recall_inputs) -> (suite_L and
   suite_mean, and passkey_L and passkey_mean when measured, in %; one result per sample, marked
   `method`)."""
-  ruler_inputs = [s for s in inputs if s["task"] != "passkey"]
+  ruler_inputs = [s for s in inputs if s["task"] != PASSKEY]
   row, records = suite.scores(model, params, tokenizer, cache_config, settings.suite, ruler_inputs, method)
   if settings.passkey is not None:
-    keys = [s for s in inputs if s["task"] == "passkey"]
+    keys = [s for s in inputs if s["task"] == PASSKEY]
     found = passkey(model, params, tokenizer, settings.passkey, cache_config=cache_config, inputs=keys, method=method)
     for length, result in found.items():
       row[f"passkey_{length}"] = 100.0 * result["recall"]
     row["passkey_mean"] = statistics.mean(row[f"passkey_{n}"] for n in settings.passkey.lengths)
-    records += [r for result in found.values() for r in result["samples"]]
+    marked = {"model": keys[0]["model"]} if "model" in keys[0] else {}  # one model's samples, all marked or none
+    records += [{**r, **marked} for result in found.values() for r in result["samples"]]
   return row, records
 
 
