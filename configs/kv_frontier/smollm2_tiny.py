@@ -7,10 +7,10 @@ models_from may point at its workdir. The numbers only show the pipeline works.
   kvjax run configs/kv_frontier/smollm2_tiny.py --workdir runs/kv_frontier_smollm2_tiny
 """
 
-from kvjax.studies.passkey import PasskeyConfig
 from kvjax.studies.kv_frontier import KVFrontierStudy
 from kvjax.studies.variants import pretrained_variants
 from kvjax.studies.real_kv import Measure, Recovery
+from kvjax.studies.suite import SuiteConfig
 
 
 def get_config() -> KVFrontierStudy:
@@ -47,7 +47,8 @@ def get_config() -> KVFrontierStudy:
     measure=Measure(
       contexts=(128,),
       windows=1,
-      recall=PasskeyConfig(lengths=(128,), needles=2, batch_size=2),
+      # The cheapest suite: one task, one length (the shortest its chat template fits), 2 samples.
+      suite=SuiteConfig(tasks=("niah_single_1",), lengths=(160,), samples=2, batch_size=2),
       batch=2,
       context=128,
       repeats=1,

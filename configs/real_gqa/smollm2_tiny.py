@@ -10,6 +10,7 @@ from kvjax.conversion.conversions import KVHeads, ToMLA
 from kvjax.studies.passkey import PasskeyConfig
 from kvjax.studies.real_gqa import RealGqaStudy
 from kvjax.studies.real_kv import Measure, Recovery
+from kvjax.studies.suite import SuiteConfig
 from kvjax.studies.stages import TimingConfig
 
 
@@ -29,6 +30,12 @@ def get_config() -> RealGqaStudy:
       distill_steps=2,
       distill_eval_every=2,
     ),
-    measure=Measure(contexts=(128,), windows=1, recall=PasskeyConfig(lengths=(128,), needles=2, batch_size=2)),
+    measure=Measure(
+      contexts=(128,),
+      windows=1,
+      # The cheapest suite (one task, one length, 2 samples) and the pass key beside it.
+      suite=SuiteConfig(tasks=("niah_single_1",), lengths=(160,), samples=2, batch_size=2),
+      passkey=PasskeyConfig(lengths=(128,), needles=2, batch_size=2),
+    ),
     timing=TimingConfig(batch=2, prompt=64, new_tokens=4, repeats=1),
   )

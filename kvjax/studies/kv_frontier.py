@@ -8,9 +8,12 @@ is checked against the model it runs before anything trains: one error names it.
 
 Every variant is measured alike by kvjax.studies.measure (toy_kv.measure_row, real_kv.measure_row):
 KV bytes per token, quality through the cache (bits per byte of a toy model, perplexity of a
-pretrained one), needle recall (per-sample records kept under each row's "samples"; a pretrained model's
-pass-key samples and answers also as WORKDIR/samples.jsonl and answers.jsonl) and the decode step. `pareto` marks the front of quality (and of a pretrained model's recall) against KV
-bytes per token. The report (kvjax.studies.kv_frontier_report): kv_frontier.{md,csv,json} and its
+pretrained one), recall (a toy model's needles; a pretrained model's RULER-style suite,
+kvjax.studies.suite, and the pass key when asked; per-sample records kept under each row's
+"samples", a pretrained model's also as WORKDIR/samples.jsonl and answers.jsonl) and the decode
+step. A pretrained frontier may add peers: other models measured as trained, through the full
+cache (Gemma 3 270M is MQA as trained). `pareto` marks the front of quality (and of a pretrained
+model's suite score) against KV bytes per token. The report (kvjax.studies.kv_frontier_report): kv_frontier.{md,csv,json} and its
 figures in the workdir.
 """
 
@@ -21,9 +24,10 @@ import statistics
 from pathlib import Path
 from typing import Callable
 
+from kvjax.cache.config import CacheConfig
 from kvjax.studies import gqa as gs
 from kvjax.studies import kv_frontier_report, real_kv, toy_kv
-from kvjax.studies.passkey_run import all_samples, write_records
+from kvjax.studies.passkey_run import write_records
 from kvjax.studies.real_kv import Measure, Recovery
 from kvjax.studies.stages import time_per_sample
 from kvjax.studies.toy_kv import ToyMeasure
@@ -31,6 +35,8 @@ from kvjax.studies.variants import Variant, check_distinct, pareto
 from kvjax.training import checkpoint
 from kvjax.training.data import load_dataset
 from kvjax.training.evaluate import evaluate
+
+RECALL = "suite_mean"  # a pretrained model's recall axis: the suite's mean score over its lengths, in %
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +49,9 @@ class KVFrontierStudy:
   models_from: another study's workdir whose finished models to read (a GQA study's for a toy
     frontier, a real-model study's with the same source and recovery otherwise); '' makes them here.
   measure: a ToyMeasure (toy) or a real_kv.Measure (pretrained); None takes the defaults.
+  peers: pretrained models measured as trained beside the variants (a pretrained frontier only):
+    a name `kvjax import` knows, a file, a folder or a kvjax workdir holding an imported checkpoint;
+    e.g. ("gemma3-270m",), the MQA row as trained.
   """
 
   job: str = "kv_frontier"
@@ -53,6 +62,7 @@ class KVFrontierStudy:
   models_from: str = ""
   variants: tuple[Variant, ...] = ()
   measure: ToyMeasure | Measure | None = None
+  peers: tuple[str, ...] = ()
 
   def __post_init__(self):
     if self.job != "kv_frontier":
@@ -69,6 +79,11 @@ class KVFrontierStudy:
     if not isinstance(self.models_from, str):
       raise ValueError(f"KVFrontierStudy.models_from must be a path or '', got {self.models_from!r}")
     check_distinct(self.variants, "KVFrontierStudy.variants")
+    real_kv.check_peers(self.peers, "KVFrontierStudy.peers")
+    if self.peers and self.gqa is not None:
+      raise ValueError(f"KVFrontierStudy.peers are pretrained models: a toy frontier has none, got {self.peers!r}")
+    if set(map(real_kv.peer_name, self.peers)) & {v.name for v in self.variants}:
+      raise ValueError(f"KVFrontierStudy.peers {self.peers!r} share a name with a variant")
     kind = ToyMeasure if self.toy else Measure
     measure = kind() if self.measure is None else self.measure
     if not isinstance(measure, kind):
@@ -157,11 +172,20 @@ def toy_rows(study: KVFrontierStudy, workdir: Path, progress: Callable[[str], No
 
 
 def pretrained_rows(study: KVFrontierStudy, workdir: Path, progress: Callable[[str], None]) -> list[dict]:
-  """The pretrained rows (kvjax.studies.real_kv.measure_row), one model in memory at a time;
-  pareto_perplexity and pareto_recall: the fronts of perplexity at the longest context and of
-  mean recall."""
+  """The pretrained rows (kvjax.studies.real_kv.measure_row), one model in memory at a time: the
+  variants', then one per peer (its own import through the full cache, family "<MQA|GQA-K|MHA>
+  as trained", its recall samples made by its own tokenizer); pareto_perplexity and pareto_recall:
+  the fronts of perplexity at the longest context and of the suite's mean score."""
+  m = study.measure
   paths = real_kv.prepare(
-    study.source, study.source_layers, study.recovery, list(study.variants), workdir, study.models_from, progress
+    study.source,
+    study.source_layers,
+    study.recovery,
+    list(study.variants),
+    workdir,
+    study.models_from,
+    progress,
+    peers=study.peers,
   )
   for variant in study.variants:  # every cache fits its model before anything is measured
     check_cache(real_kv.stored_config(paths[study.folder(variant)]), variant)
@@ -173,8 +197,8 @@ def pretrained_rows(study: KVFrontierStudy, workdir: Path, progress: Callable[[s
       loaded[folder] = real_kv.load(paths[folder])
     model, params, tokenizer = loaded[folder]
     if windows is None:
-      windows = {c: real_kv.prose_windows(tokenizer, c, study.measure.windows) for c in study.measure.contexts}
-      inputs = all_samples(tokenizer, study.measure.recall)
+      windows = {c: real_kv.prose_windows(tokenizer, c, m.windows) for c in m.contexts}
+      inputs = real_kv.recall_inputs(tokenizer, m, model.config.max_len)
     progress(f"kv_frontier: measuring {variant.name}")
     rows.append(
       {
@@ -182,14 +206,31 @@ def pretrained_rows(study: KVFrontierStudy, workdir: Path, progress: Callable[[s
         "family": variant.family,
         "params": folder,
         "cache": variant.describe(),
-        **real_kv.measure_row(model, params, tokenizer, variant.cache, study.measure, windows, inputs, variant.name),
+        **real_kv.measure_row(model, params, tokenizer, variant.cache, m, windows, inputs, variant.name),
       }
     )
-  longest = f"perplexity_{max(study.measure.contexts)}"
+  loaded.clear()
+  for peer in study.peers:
+    name, folder = real_kv.peer_name(peer), real_kv.peer_folder(peer)
+    model, params, tokenizer = real_kv.load(paths[folder])
+    own = real_kv.recall_inputs(tokenizer, m, model.config.max_len, model=name)
+    progress(f"kv_frontier: measuring {name}, as trained")
+    own_windows = {c: real_kv.prose_windows(tokenizer, c, m.windows) for c in m.contexts}
+    rows.append(
+      {
+        "variant": name,
+        "family": f"{real_kv.attention_kind(model.config)} as trained",
+        "params": folder,
+        "cache": "full cache",
+        **real_kv.measure_row(model, params, tokenizer, CacheConfig(), m, own_windows, own, name),
+      }
+    )
+    inputs += own
+  longest = f"perplexity_{max(m.contexts)}"
   for row, quality, recall in zip(
     rows,
     pareto(rows, "kv_bytes_per_token", longest),
-    pareto(rows, "kv_bytes_per_token", "recall_mean", lower=False),
+    pareto(rows, "kv_bytes_per_token", RECALL, lower=False),
   ):
     row["pareto_perplexity"], row["pareto_recall"] = quality, recall
   write_records(workdir, inputs, [r for row in rows for r in row["samples"]])

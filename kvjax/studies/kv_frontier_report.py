@@ -26,7 +26,7 @@ def write(study: KVFrontierStudy, rows: list[dict], workdir: Path) -> str:
     text = report_text(study, rows)
     plot(study, rows, Path(f"{stem}.png"))
   else:
-    text = f"# The KV frontier on {study.source}\n\n{report.write_table(rows, stem, pretrained_columns(study))}\n"
+    text = f"# The KV frontier on {study.source}\n\n{report.write_table(rows, stem, pretrained_columns(study))}\n\n{suite_note(study)}\n"
     plot_pretrained(study, rows, stem)
   Path(f"{stem}.md").write_text(text)
   return text
@@ -138,27 +138,45 @@ def pretrained_columns(study: KVFrontierStudy) -> list[report.Column]:
     ("family", "family", ""),
     ("kv_bytes_per_token", f"KV bytes / token @{m.context}", ",.0f"),
     *[(f"perplexity_{c}", f"perplexity @{c}", ".3f") for c in m.contexts],
-    *[(f"recall_{n}", f"recall % @{n}", ".0f") for n in m.recall.lengths],
-    ("recall_mean", "recall % mean", ".1f"),
+    *[(f"suite_{n}", f"suite % @{n}", ".1f") for n in m.suite.lengths],
+    ("suite_mean", "suite % mean", ".1f"),
+    *[(f"passkey_{n}", f"pass key % @{n}", ".0f") for n in (m.passkey.lengths if m.passkey else ())],
     ("decode_step_ms", f"decode step ms (batch {m.batch})", ".1f"),
     ("pareto_perplexity", "front (ppl)", ""),
     ("pareto_recall", "front (recall)", ""),
   ]
 
 
+def suite_note(study: KVFrontierStudy) -> str:
+  """The protocol of a pretrained frontier's recall axis, and its peers."""
+  c = study.measure.suite
+  peers = (
+    f" Peers measured as trained, through the full cache: {', '.join(study.peers)}; each with its own tokenizer's "
+    "prompts and prose (its perplexity is per token of its own vocabulary)."
+    if study.peers
+    else ""
+  )
+  return (
+    f"Recall: the RULER-style suite (kvjax.studies.suite), tasks {', '.join(c.tasks)}, {c.samples} samples per "
+    f"task and length, {c.protocol}, template {c.template}, seed {c.seed}; a length's score is the mean over "
+    "its tasks of the share of references found in the answers; front (recall) is on its mean." + peers
+  )
+
+
 def plot_pretrained(study: KVFrontierStudy, rows: list[dict], stem: Path) -> list[Path]:
-  """STEM_perplexity.png and STEM_recall.png: perplexity at the longest context and mean recall
-  against KV bytes per token (log scale), a marker per variant coloured by family, the Pareto
-  front as a dashed line."""
+  """STEM_perplexity.png and STEM_recall.png: perplexity at the longest context and the suite's
+  mean score against KV bytes per token (log scale), a marker per variant coloured by family (a
+  peer's "... as trained" in grey), the Pareto front as a dashed line."""
   longest = max(study.measure.contexts)
   paths = []
   for key, front, label, suffix in (
     (f"perplexity_{longest}", "pareto_perplexity", f"perplexity @{longest} tokens (log; better: down)", "perplexity"),
-    ("recall_mean", "pareto_recall", "pass-key recall %, mean over prompt lengths (better: up)", "recall"),
+    ("suite_mean", "pareto_recall", "RULER-style suite %, mean over context lengths (better: up)", "recall"),
   ):
     path = Path(f"{stem}_{suffix}.png")
     with report.figure(path, size=(9, 6)) as (ax,):
-      report.scatter_by_family(ax, rows, "kv_bytes_per_token", key, FAMILY_COLOURS, fontsize=6)
+      colours = FAMILY_COLOURS | {r["family"]: "tab:gray" for r in rows if r["family"] not in FAMILY_COLOURS}
+      report.scatter_by_family(ax, rows, "kv_bytes_per_token", key, colours, fontsize=6)
       line = sorted((r for r in rows if r[front]), key=lambda r: r["kv_bytes_per_token"])
       ax.plot([r["kv_bytes_per_token"] for r in line], [r[key] for r in line], "k--", linewidth=1, label="Pareto front")
       ax.set(xscale="log", xlabel=f"KV bytes per token at {study.measure.context} positions", ylabel=label)

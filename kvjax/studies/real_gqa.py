@@ -8,11 +8,16 @@ uptraining with distillation from the model as shipped, started from the layer-l
 (kvjax uptrain --init), whose held-out loss against its steps is drawn as the gap it closes
 (gap_closed_vs_steps.{png,md,csv,json}; kvjax.conversion.curve).
 
+Peers (`peers`): other pretrained models as trained, through the full cache, as rows after the
+table's (Gemma 3 270M: MQA as trained, its KV bytes counting its 512-token window on five of six
+layers).
+
 Columns: KV bytes per token (kvjax.studies.measure); time per sample (one jitted `generate` of
 timing.batch rows of timing.prompt tokens + timing.new_tokens greedy tokens, over the batch;
 models timed round-robin, kvjax.studies.stages.time_per_sample, weights stored as
-measure.weights); held-out perplexity and pass-key recall (per-sample records under "samples", and as
-WORKDIR/samples.jsonl and answers.jsonl);
+measure.weights); held-out perplexity; the RULER-style suite per length and its mean (kvjax.studies.suite), and the
+pass key when asked (per-sample records under "samples", and as WORKDIR/samples.jsonl and
+answers.jsonl);
 and the gap each row closes in loss per token at the longest context, ln perplexity: 0% at
 mean-pooling at alpha = 0, 100% at the model as shipped.
 """
@@ -25,12 +30,26 @@ import math
 from pathlib import Path
 from typing import Callable
 
+from kvjax.cache.config import CacheConfig
 from kvjax.conversion.conversions import KVHeads, ToMLA
 from kvjax.conversion.curve import gap_closed
 from kvjax.model.weights import store
 from kvjax.studies import measure, report
-from kvjax.studies.passkey_run import all_samples, passkey, write_records
-from kvjax.studies.real_kv import Measure, Recovery, folder, load, prepare, prose_windows
+from kvjax.studies.passkey_run import write_records
+from kvjax.studies.real_kv import (
+  Measure,
+  Recovery,
+  attention_kind,
+  check_peers,
+  folder,
+  load,
+  peer_folder,
+  peer_name,
+  prepare,
+  prose_windows,
+  recall_inputs,
+  recall_row,
+)
 from kvjax.studies.stages import TimingConfig, time_per_sample
 from kvjax.studies.variants import Variant
 
@@ -38,8 +57,9 @@ PROTOCOL = """Protocol: {source} imported from its file (float32). MQA rows conv
 one: "mean" mean-pools them (Ainslie et al. 2023), the best conversion is {best}; MLA is
 kvjax.conversion.mla at the KV bytes of MQA ({mla}). Recovery: {recovery}. Perplexity: {windows}
 held-out prose windows (pydoc_data, unseen in recovery) per context, the first half prefilled
-through the cache and the second half scored. Recall: pass-key, the key found in the
-answer, {needles} needles at a random depth per prompt length. Time per sample: batch {batch}, {prompt}-token prompts + {new} greedy tokens,
+through the cache and the second half scored. Recall: the RULER-style suite (kvjax.studies.suite),
+tasks {tasks}, {samples} samples per task and length, {protocol}, template {template}: the share of
+references found in the answer, the mean over tasks per length.{passkey}{peers} Time per sample: batch {batch}, {prompt}-token prompts + {new} greedy tokens,
 weights stored as {weights}, median of {repeats} round-robin rounds over the batch. Gap closed:
 (ln ppl(MQA mean, alpha 0) - ln ppl(row)) / (ln ppl(MQA mean, alpha 0) - ln ppl(as shipped)) at
 {longest} tokens."""
@@ -47,7 +67,8 @@ weights stored as {weights}, median of {repeats} round-robin rounds over the bat
 
 @dataclasses.dataclass(frozen=True)
 class RealGqaStudy:
-  """The study `kvjax run` runs for job "real_gqa"; models_from as KVFrontierStudy's."""
+  """The study `kvjax run` runs for job "real_gqa"; models_from and peers (rows of other models as
+  trained, e.g. ("gemma3-270m",), MQA as trained) as KVFrontierStudy's."""
 
   job: str = "real_gqa"
   source: str = "smollm2-135m"
@@ -60,10 +81,12 @@ class RealGqaStudy:
     default_factory=lambda: TimingConfig(batch=8, prompt=2048, new_tokens=256, repeats=2)
   )
   models_from: str = ""
+  peers: tuple[str, ...] = ()
 
   def __post_init__(self):
     if self.job != "real_gqa":
       raise ValueError(f"RealGqaStudy.job must be 'real_gqa', got {self.job!r}")
+    check_peers(self.peers, "RealGqaStudy.peers")
     if not isinstance(self.best, KVHeads) or self.best.num_kv_heads != 1:
       raise ValueError(f"RealGqaStudy.best must be a KVHeads conversion to one kv head (MQA), got {self.best!r}")
     if not isinstance(self.mla, ToMLA):
@@ -93,10 +116,12 @@ class RealGqaStudy:
 
 
 def run(study: RealGqaStudy, workdir: Path, progress: Callable[[str], None]) -> list[dict]:
-  """The table's rows; writes real_gqa.{csv,json,md,png} to workdir."""
+  """The table's rows, then one per peer; writes real_gqa.{csv,json,md,png} to workdir."""
   workdir = Path(workdir)
   wanted = study.variants(0)
-  paths = prepare(study.source, study.source_layers, study.recovery, wanted, workdir, study.models_from, progress)
+  paths = prepare(
+    study.source, study.source_layers, study.recovery, wanted, workdir, study.models_from, progress, peers=study.peers
+  )
   rows, timed, windows, inputs = [], {}, None, []
   m = study.measure
   longest = max(m.contexts)
@@ -105,32 +130,31 @@ def run(study: RealGqaStudy, workdir: Path, progress: Callable[[str], None]) -> 
     if i == 0:
       wanted = study.variants(model.config.num_kv_heads)
       windows = {c: prose_windows(tokenizer, c, m.windows) for c in m.contexts}
-      inputs = all_samples(tokenizer, m.recall)
+      inputs = recall_inputs(tokenizer, m, model.config.max_len)
     variant = wanted[i]
     progress(f"real_gqa: measuring {variant.name}")
-    row = {
-      "model": variant.name,
-      "params": folder(variant, study.recovery),
-      "kv_heads": model.config.num_kv_heads,
-      "kv_latent_rank": model.config.kv_latent_rank,
-      "kv_bytes_per_token": measure.kv_bytes_per_token(model.config, variant.cache, m.context),
-    }
-    for c, ws in windows.items():
-      row[f"perplexity_{c}"] = measure.perplexity(model, params, ws, variant.cache, c // 2)
-    found = passkey(model, params, tokenizer, m.recall, cache_config=variant.cache, inputs=inputs, method=variant.name)
-    for length, result in found.items():
-      row[f"recall_{length}"] = 100.0 * result["recall"]
-    row["samples"] = [r for result in found.values() for r in result["samples"]]
-    rows.append(row)
+    rows.append(measured(model, params, tokenizer, variant.cache, m, windows, inputs, variant.name))
+    rows[-1]["params"] = folder(variant, study.recovery)
     timed[variant.name] = (model, store(params, m.weights))
+  for peer in study.peers:
+    model, params, tokenizer = load(paths[peer_folder(peer)])
+    name = f"{peer_name(peer)} ({attention_kind(model.config)} as trained)"
+    progress(f"real_gqa: measuring {name}")
+    own = recall_inputs(tokenizer, m, model.config.max_len, model=peer_name(peer))
+    own_windows = {c: prose_windows(tokenizer, c, m.windows) for c in m.contexts}
+    rows.append(measured(model, params, tokenizer, CacheConfig(), m, own_windows, own, name))
+    rows[-1]["params"] = peer_folder(peer)
+    inputs += own
+    timed[name] = (model, store(params, m.weights))
   progress("real_gqa: timing every model")
   times = time_per_sample(timed, study.timing)
   ln = lambda r: math.log(r[f"perplexity_{longest}"])
   start, goal = ln(rows[1]), ln(rows[0])
-  for row in rows:
+  for i, row in enumerate(rows):
     row["time_per_sample_s"] = times[row["model"]]["time_per_sample_s"]
     row["times_s"] = times[row["model"]]["times_s"]
-    row["gap_closed"] = gap_closed(ln(row), start, goal)
+    # A peer is another model, its perplexity per token of another vocabulary: no gap to close.
+    row["gap_closed"] = gap_closed(ln(row), start, goal) if i < len(wanted) else None
   write(study, rows, workdir / "real_gqa")
   write_records(workdir, inputs, [r for row in rows for r in row["samples"]])
   curves = {
@@ -141,6 +165,21 @@ def run(study: RealGqaStudy, workdir: Path, progress: Callable[[str], None]) -> 
   if curves:
     write_curves(study, curves, workdir / "gap_closed_vs_steps")
   return rows
+
+
+def measured(model, params, tokenizer, cache_config, m: Measure, windows: dict, inputs: list[dict], name: str) -> dict:
+  """One row's measurements through caches of cache_config: KV bytes per token, perplexity per
+  context, the suite (and the pass key when measured), the per-sample results under "samples"."""
+  row = {
+    "model": name,
+    "kv_heads": model.config.num_kv_heads,
+    "kv_latent_rank": model.config.kv_latent_rank,
+    "kv_bytes_per_token": measure.kv_bytes_per_token(model.config, cache_config, m.context),
+  }
+  for c, ws in windows.items():
+    row[f"perplexity_{c}"] = measure.perplexity(model, params, ws, cache_config, c // 2)
+  recall, row["samples"] = recall_row(model, params, tokenizer, cache_config, m, inputs, name)
+  return row | recall
 
 
 def write_curves(study: RealGqaStudy, curves: dict[str, list[dict]], stem: Path) -> str:
@@ -182,7 +221,9 @@ def write(study: RealGqaStudy, rows: list[dict], stem: Path) -> str:
     ("kv_bytes_per_token", "KV bytes / token", ",.0f"),
     ("time_per_sample_s", f"time per sample s ({t.prompt}+{t.new_tokens})", ".3f"),
     *[(f"perplexity_{c}", f"perplexity @{c}", ".3f") for c in m.contexts],
-    *[(f"recall_{n}", f"recall % @{n}", ".0f") for n in m.recall.lengths],
+    *[(f"suite_{n}", f"suite % @{n}", ".1f") for n in m.suite.lengths],
+    ("suite_mean", "suite % mean", ".1f"),
+    *[(f"passkey_{n}", f"pass key % @{n}", ".0f") for n in (m.passkey.lengths if m.passkey else ())],
     ("gap_closed", f"gap closed (ln ppl @{longest})", ".1%"),
   ]
   table = report.write_table(rows, stem, columns)
@@ -204,7 +245,17 @@ def write(study: RealGqaStudy, rows: list[dict], stem: Path) -> str:
     mla=study.mla.label,
     recovery=recovery,
     windows=m.windows,
-    needles=m.recall.needles,
+    tasks=", ".join(m.suite.tasks),
+    samples=m.suite.samples,
+    protocol=m.suite.protocol,
+    template=m.suite.template,
+    passkey=f" Pass key: the key found in the answer, {m.passkey.needles} needles at a random depth per prompt length."
+    if m.passkey
+    else "",
+    peers=f" Peers, measured as trained through the full cache with their own tokenizers (no gap closed): "
+    f"{', '.join(study.peers)}."
+    if study.peers
+    else "",
     batch=t.batch,
     prompt=t.prompt,
     new=t.new_tokens,

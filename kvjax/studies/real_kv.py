@@ -17,13 +17,21 @@ Measurements (measure_row), each through the cache a variant names, by kvjax.stu
                       trains on): the first C/2 prefilled through the cache (a press compresses
                       them, a window drops what leaves it), the last C/2 extended into it and
                       scored; the same tokens for every variant;
-  recall              pass-key recall per prompt length, in % (kvjax.studies.passkey: the needle at
-                      a random depth, the key found in the answer; generate from the whole prompt,
-                      so a press sees the question: the query-aware protocol); the samples drawn
-                      once per study and written to WORKDIR/samples.jsonl, every variant's
-                      answers to WORKDIR/answers.jsonl (kvjax.studies.passkey_run.write_records);
+  suite               the recall axis: the RULER-style suite's score per context length and
+                      their mean, in % (kvjax.studies.suite, Measure.suite: by default the
+                      single-needle and multi-key tasks, query-aware);
+  passkey             when Measure.passkey is set, pass-key recall per prompt length, in %
+                      (kvjax.studies.passkey: the needle at a random depth, the key found in the
+                      answer; the whole prompt in one generate, so a press sees the question);
+                      every sample of both drawn once per study and written to
+                      WORKDIR/samples.jsonl, every variant's answers to WORKDIR/answers.jsonl
+                      (kvjax.studies.passkey_run.write_records), "method" the variant's name;
   decode step         one decode step of `batch` rows holding `context` positions, weights stored
                       as Measure.weights (measure.decode_step_ms).
+
+Peers: other pretrained models measured as trained (their own import, the full cache, no
+conversion) beside a study's variants, e.g. Gemma 3 270M, MQA as trained with a 512-token window
+on five of six layers (prepare's peers, peer_folder, peer_name, attention_kind).
 """
 
 from __future__ import annotations
@@ -42,11 +50,12 @@ from kvjax.conversion.uptrain import uptrain
 from kvjax.config import ModelConfig
 from kvjax.fields import check_choice, check_nonnegative, check_positive, check_real, from_dict, to_dict
 from kvjax.model.weights import check_format, store
-from kvjax.studies import measure, stages
+from kvjax.studies import measure, stages, suite
 from kvjax.studies.variants import Variant
 from kvjax.studies.models import tokenized_checkpoint
-from kvjax.studies.passkey import PasskeyConfig
-from kvjax.studies.passkey_run import passkey
+from kvjax.studies.passkey import TASK as PASSKEY, PasskeyConfig
+from kvjax.studies.passkey_run import all_samples, passkey
+from kvjax.studies.suite import SuiteConfig
 from kvjax.training import checkpoint
 from kvjax.training.config import DataConfig
 from kvjax.training.data import PROSE, eval_batches, load_dataset
@@ -156,13 +165,23 @@ def prepare(
   workdir: Path,
   models_from: str = "",
   progress: Callable[[str], None] = lambda line: None,
+  peers: tuple[str, ...] = (),
 ) -> dict[str, Path]:
   """{folder: path} of the params of every variant in `wanted`: imported (its first `layers` layers when
   given) and converted (and recovered) here as stages. With models_from (the workdir of a study
   with the same settings), the models it finished are only read from there, the import among
-  them, and the rest are made here from its import."""
+  them, and the rest are made here from its import.
+
+  peers: models measured as trained, each under peer_folder(peer): a kvjax workdir holding a
+  checkpoint is read as it is; anything else (a name `kvjax import` knows, a GGUF file, a
+  Hugging Face folder) is imported whole, once (a stage), or read from models_from's."""
   settings = stage_settings(source, layers, recovery)
   folders = {folder(v, recovery): v for v in wanted}
+  given = {}
+  for peer in peers:
+    path = Path(peer)
+    if path.is_dir() and checkpoint.latest_step(path) is not None:
+      given[peer_folder(peer)] = path
   paths, base = {}, workdir / SOURCE
   if models_from:
     root = Path(models_from)
@@ -177,7 +196,7 @@ def prepare(
       raise ValueError(
         f"models_from={root} has not imported its model yet: run that study first, or set models_from=''"
       )
-    paths = {f: root / f for f in [SOURCE, *folders] if f in done}
+    paths = {f: root / f for f in [SOURCE, *folders, *map(peer_folder, peers)] if f in done}
     base = root / SOURCE
   for p in folders.values():
     if p.distill and not (recovery.mode == "local" and recovery.distill_steps):
@@ -207,7 +226,11 @@ def prepare(
 
   for name, p in folders.items():
     make(name, p)
-  return {f: paths.get(f, workdir / f) for f in folders}
+  for peer in peers:
+    name = peer_folder(peer)
+    if name not in given and name not in paths:
+      run.run(name, lambda: import_model(peer, workdir / name))
+  return {f: given.get(f) or paths.get(f, workdir / f) for f in [*folders, *map(peer_folder, peers)]}
 
 
 def stored_config(path: Path) -> ModelConfig:
@@ -229,14 +252,14 @@ def prose_windows(tokenizer, length: int, count: int) -> list[tuple[np.ndarray, 
 @dataclasses.dataclass(frozen=True)
 class Measure:
   """The shared measurement settings: perplexity on `windows` prose windows of each of `contexts`
-  tokens, pass-key `recall`, the decode step at `batch` x `context` positions over `repeats`
-  steps with weights stored as `weights`."""
+  tokens, the `suite` (the recall axis), pass-key recall when `passkey` is set (None: not
+  measured), the decode step at `batch` x `context` positions over `repeats` steps with weights
+  stored as `weights`."""
 
   contexts: tuple[int, ...] = (1024, 2048)
   windows: int = 2
-  recall: PasskeyConfig = dataclasses.field(
-    default_factory=lambda: PasskeyConfig(lengths=(512, 1024, 2048), needles=24, batch_size=4)
-  )
+  suite: SuiteConfig = dataclasses.field(default_factory=SuiteConfig)
+  passkey: PasskeyConfig | None = None
   batch: int = 8
   context: int = 2048
   repeats: int = 3
@@ -246,27 +269,78 @@ class Measure:
     check_positive(self, "windows", "batch", "context", "repeats")
     if not self.contexts or any(not isinstance(c, int) or c < 4 or c % 2 for c in self.contexts):
       raise ValueError(f"Measure.contexts must be even token counts of at least 4, got {self.contexts!r}")
-    if not isinstance(self.recall, PasskeyConfig):
-      raise ValueError(f"Measure.recall must be a PasskeyConfig, got {self.recall!r}")
+    if not isinstance(self.suite, SuiteConfig):
+      raise ValueError(f"Measure.suite must be a SuiteConfig, got {self.suite!r}")
+    if self.passkey is not None and not isinstance(self.passkey, PasskeyConfig):
+      raise ValueError(f"Measure.passkey must be a PasskeyConfig or None, got {self.passkey!r}")
     check_format(self.weights)
+
+
+def recall_inputs(tokenizer, settings: Measure, max_len: int, model: str = "") -> list[dict]:
+  """Every recall sample of a model's tokenizer: the suite's (marked `model` when given), then
+  the pass key's when measured (passkey_run.all_samples)."""
+  inputs = suite.samples(tokenizer, settings.suite, max_len, model)
+  if settings.passkey is not None:
+    inputs += [{**s, "model": model} if model else s for s in all_samples(tokenizer, settings.passkey)]
+  return inputs
+
+
+def recall_row(model, params, tokenizer, cache_config: CacheConfig, settings: Measure, inputs: list[dict], method: str):
+  """The recall columns of one model through one cache (inputs: recall_inputs) -> (suite_L and
+  suite_mean, and passkey_L and passkey_mean when measured, in %; one result per sample, marked
+  `method`)."""
+  ruler_inputs = [s for s in inputs if s["task"] != PASSKEY]
+  row, records = suite.scores(model, params, tokenizer, cache_config, settings.suite, ruler_inputs, method)
+  if settings.passkey is not None:
+    keys = [s for s in inputs if s["task"] == PASSKEY]
+    found = passkey(model, params, tokenizer, settings.passkey, cache_config=cache_config, inputs=keys, method=method)
+    for length, result in found.items():
+      row[f"passkey_{length}"] = 100.0 * result["recall"]
+    row["passkey_mean"] = statistics.mean(row[f"passkey_{n}"] for n in settings.passkey.lengths)
+    marked = {"model": keys[0]["model"]} if "model" in keys[0] else {}  # one model's samples, all marked or none
+    records += [{**r, **marked} for result in found.values() for r in result["samples"]]
+  return row, records
 
 
 def measure_row(
   model, params, tokenizer, cache_config: CacheConfig, settings: Measure, windows: dict, inputs: list[dict], method: str
 ) -> dict:
-  """Every measurement of one model through one cache (windows: {C: prose_windows(C)}; inputs: the
-  pass-key samples, passkey_run.all_samples); the pass-key results under "samples" (one per
-  example, with its length, depth and distance, marked `method`)."""
+  """Every measurement of one model through one cache (windows: {C: prose_windows(C)}; inputs:
+  recall_inputs); the per-sample results under "samples" (marked `method`)."""
   row = {"kv_bytes_per_token": measure.kv_bytes_per_token(model.config, cache_config, settings.context)}
   for length, ws in windows.items():
     row[f"perplexity_{length}"] = measure.perplexity(model, params, ws, cache_config, length // 2)
-  found = passkey(model, params, tokenizer, settings.recall, cache_config=cache_config, inputs=inputs, method=method)
-  for length, result in found.items():
-    row[f"recall_{length}"] = 100.0 * result["recall"]
-  row["recall_mean"] = statistics.mean(row[f"recall_{n}"] for n in settings.recall.lengths)
+  recall, records = recall_row(model, params, tokenizer, cache_config, settings, inputs, method)
+  row |= recall
   steps = measure.decode_step_ms(
     model, store(params, settings.weights), cache_config, settings.batch, settings.context, settings.repeats
   )
   row["decode_step_ms"] = statistics.median(steps)
-  row["samples"] = [r for result in found.values() for r in result["samples"]]
+  row["samples"] = records
   return row
+
+
+def peer_name(peer: str) -> str:
+  """A peer's name in rows: a named model's name, a file's or folder's stem."""
+  return Path(peer).stem if ("/" in peer or Path(peer).suffix) else peer
+
+
+def attention_kind(config: ModelConfig) -> str:
+  """ "MHA", "MQA" or "GQA-K" for a model of K kv heads."""
+  if config.num_kv_heads == 1:
+    return "MQA"
+  return "MHA" if config.num_kv_heads == config.num_heads else f"GQA-{config.num_kv_heads}"
+
+
+def peer_folder(peer: str) -> str:
+  """The folder prepare imports a peer into: peer_<its name>."""
+  return f"peer_{peer_name(peer)}"
+
+
+def check_peers(peers, where: str) -> None:
+  """ValueError naming `where` unless peers is a tuple of distinct non-empty strings."""
+  if not isinstance(peers, tuple) or not all(isinstance(p, str) and p for p in peers):
+    raise ValueError(f"{where} must be a tuple of model names or paths, got {peers!r}")
+  names = [peer_name(p) for p in peers]
+  if len(set(names)) != len(names):
+    raise ValueError(f"{where} must name distinct models, got {peers!r}")

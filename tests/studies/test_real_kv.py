@@ -15,10 +15,12 @@ import pytest
 
 from kvjax.cache.config import CacheConfig
 from kvjax.cli.run import load_config
-from kvjax.studies import kv_frontier, real_gqa, real_kv
+from kvjax.config import ModelConfig
+from kvjax.studies import kv_frontier, real_gqa, real_kv, scoring
 from kvjax.studies.kv_frontier import KVFrontierStudy
 from kvjax.studies.real_kv import Recovery
 from kvjax.studies.scoring import read_jsonl
+from kvjax.studies.suite import SuiteConfig
 from kvjax.studies.variants import Variant
 from kvjax.training.workdir import claim_study
 
@@ -34,7 +36,12 @@ def run(module, study, workdir: Path) -> list[dict]:
 def runs(tmp_path_factory):
   root = tmp_path_factory.mktemp("real")
   table = run(real_gqa, load_config(CONFIGS / "real_gqa" / "smollm2_tiny.py"), root / "gqa")
-  study = dataclasses.replace(load_config(CONFIGS / "kv_frontier" / "smollm2_tiny.py"), models_from=str(root / "gqa"))
+  # The peer path with a cheap stand-in for Gemma 3: the GQA table's own import, read as it is.
+  study = dataclasses.replace(
+    load_config(CONFIGS / "kv_frontier" / "smollm2_tiny.py"),
+    models_from=str(root / "gqa"),
+    peers=(str(root / "gqa" / "source"),),
+  )
   rows = run(kv_frontier, study, root / "frontier")
   assert json.loads((root / "gqa" / "real_gqa.json").read_text()) == table
   assert json.loads((root / "frontier" / "kv_frontier.json").read_text()) == rows
@@ -70,18 +77,33 @@ def test_the_gqa_table_rows_and_files(runs):
   assert [r["kv_bytes_per_token"] for r in table] == [3072 + 4 / 2048] + [1024 + 4 / 2048] * 7
   for row in table:
     assert row["time_per_sample_s"] > 0 and math.isfinite(row["perplexity_128"])
-    assert [s["length"] for s in row["samples"]] == [128, 128] and all(
+    assert [s["length"] for s in row["samples"]] == [160, 160, 128, 128] and all(
       s["method"] == row["model"] for s in row["samples"]
     )
-    assert all(0 < s["distance"] < 128 and 0 <= s["depth"] <= 1 for s in row["samples"])
+    suite, keys = row["samples"][:2], row["samples"][2:]
+    assert all(0 < s["distance"] < 128 and 0 <= s["depth"] <= 1 for s in keys)
+    # The suite's columns from its per-sample scores, the pass key's from its hits.
+    assert row["suite_160"] == row["suite_mean"] == pytest.approx(100 * (suite[0]["score"] + suite[1]["score"]) / 2)
+    assert row["passkey_128"] == row["passkey_mean"] == 100 * (keys[0]["hit"] + keys[1]["hit"]) / 2
   # Per-sample records as JSON lines: the inputs once, every row's answers.
   inputs = read_jsonl(root / "gqa" / "samples.jsonl")
-  assert [s["id"] for s in inputs] == ["passkey/128/0", "passkey/128/1"]
-  assert all(len(s["context_ids"]) + len(s["question_ids"]) == 128 for s in inputs)
-  assert read_jsonl(root / "gqa" / "answers.jsonl") == [s for row in table for s in row["samples"]]
+  assert [s["id"] for s in inputs] == [
+    "niah_single_1/160/0",
+    "niah_single_1/160/1",
+    "passkey/128/0",
+    "passkey/128/1",
+  ]
+  assert [len(s["context_ids"]) + len(s["question_ids"]) for s in inputs] == [160, 160, 128, 128]
+  answers = read_jsonl(root / "gqa" / "answers.jsonl")
+  assert answers == [s for row in table for s in row["samples"]]
+  for a in answers[:2]:
+    truth = next(s for s in inputs if s["id"] == a["id"])
+    assert a["score"] == scoring.score(a["answer"], truth["references"])
+  text = (root / "gqa" / "real_gqa.md").read_text()
+  assert "suite % @160" in text and "pass key % @128" in text and "niah_single_1" in text
   for name in ("real_gqa.md", "real_gqa.csv", "real_gqa.png"):
     assert (root / "gqa" / name).stat().st_size > 0
-  assert "Gap closed" in (root / "gqa" / "real_gqa.md").read_text()
+  assert "Gap closed" in text
   for folder in ("kv1_mean_local", "kv1_pca_local", "mla_r104_rope24_local"):
     record = json.loads((root / "gqa" / folder / "uptrain.json").read_text())
     assert record["recovery"] == "local" and len(record["layers"]) == 2
@@ -118,7 +140,15 @@ def continuation_perplexity(model, params, windows) -> float:
 def test_the_frontier_rows_against_oracles(runs):
   root, table, rows = runs
   study = load_config(CONFIGS / "kv_frontier" / "smollm2_tiny.py")
-  assert list(rows) == [v.name for v in study.variants]
+  assert list(rows) == [v.name for v in study.variants] + ["source"]
+  # The peer, measured as trained: the very model of "full cache", so the very numbers, its own
+  # family and (its own import) no conversion; its records marked with its name.
+  peer, full = rows.pop("source"), rows["full cache"]
+  assert peer["family"] == "GQA-3 as trained" and peer["params"] == "peer_source"
+  for key in ("kv_bytes_per_token", "perplexity_128", "suite_160", "suite_mean"):
+    assert peer[key] == full[key], key
+  assert [s["answer"] for s in peer["samples"]] == [s["answer"] for s in full["samples"]]
+  assert all(s["method"] == "source" and s["model"] == "source" for s in peer["samples"])
   # Models the GQA table made are read from its workdir; the frontier made the one it lacked.
   assert not (root / "frontier" / "source").exists() and not (root / "frontier" / "kv1_pca_local").exists()
   assert json.loads((root / "frontier" / "kv1_pca_alpha0" / "uptrain.json").read_text())["source"] == str(
@@ -149,11 +179,20 @@ def test_the_frontier_rows_against_oracles(runs):
   assert rows["int8 + snapkv 0.5"]["pareto_perplexity"] and rows["int8 + snapkv 0.5"]["pareto_recall"]
   for name in ("kv_frontier.md", "kv_frontier.csv", "kv_frontier_perplexity.png", "kv_frontier_recall.png"):
     assert (root / "frontier" / name).stat().st_size > 0
-  # The same samples as the GQA table's (one tokenizer, one seed); every variant's answers.
-  assert read_jsonl(root / "frontier" / "samples.jsonl") == read_jsonl(root / "gqa" / "samples.jsonl")
+  assert "suite % @160" in (root / "frontier" / "kv_frontier.md").read_text()
+  # The GQA table's suite samples (one tokenizer, one seed), then the peer's marked with its name;
+  # every variant's answers, then the peer's.
+  inputs = read_jsonl(root / "frontier" / "samples.jsonl")
+  assert inputs[:2] == read_jsonl(root / "gqa" / "samples.jsonl")[:2]
+  assert inputs[2:] == [{**s, "model": "source"} for s in inputs[:2]]
   answers = read_jsonl(root / "frontier" / "answers.jsonl")
-  assert [a["method"] for a in answers] == [name for name in rows for _ in range(2)]
+  assert [a["method"] for a in answers] == [name for name in [*rows, "source"] for _ in range(2)]
   assert [a for a in answers if a["method"] == "full cache"] == rows["full cache"]["samples"]
+  for row in rows.values():
+    assert row["suite_mean"] == pytest.approx(100 * sum(s["score"] for s in row["samples"]) / 2)
+  # The front of recall is on the suite's mean: a row that scores more at no more bytes beats it.
+  best = max(rows.values(), key=lambda r: (r["suite_mean"], -r["kv_bytes_per_token"]))
+  assert best["pareto_recall"]
 
 
 def test_models_from_a_study_with_other_settings_is_refused(runs, tmp_path):
@@ -199,3 +238,37 @@ def test_settings_recorded_before_distillation_read_back():
   assert real_kv.read_back(old) == real_kv.stage_settings("smollm2-135m", 2, recovery)
   distilled = real_kv.stage_settings("smollm2-135m", 2, dataclasses.replace(recovery, distill_steps=2))
   assert real_kv.read_back(old) != distilled
+
+
+def test_bad_suite_and_peer_settings_name_the_field():
+  with pytest.raises(ValueError, match="SuiteConfig.protocol must be one of"):
+    SuiteConfig(protocol="both")
+  with pytest.raises(ValueError, match="SuiteConfig: .*niah_single_9"):
+    SuiteConfig(tasks=("niah_single_9",))
+  with pytest.raises(ValueError, match="SuiteConfig.samples"):
+    SuiteConfig(samples=0)
+  with pytest.raises(ValueError, match="Measure.suite must be a SuiteConfig"):
+    real_kv.Measure(suite=(1024,))
+  with pytest.raises(ValueError, match="Measure.passkey must be a PasskeyConfig or None"):
+    real_kv.Measure(passkey=512)
+  full = (Variant("full", "full"),)
+  with pytest.raises(ValueError, match="KVFrontierStudy.peers must name distinct models"):
+    KVFrontierStudy(source="x", variants=full, peers=("gemma3-270m", "runs/a/gemma3-270m"))
+  with pytest.raises(ValueError, match="KVFrontierStudy.peers must be a tuple"):
+    KVFrontierStudy(source="x", variants=full, peers="gemma3-270m")
+  with pytest.raises(ValueError, match="share a name with a variant"):
+    KVFrontierStudy(source="x", variants=full, peers=("runs/full",))
+  with pytest.raises(ValueError, match="RealGqaStudy.peers must be a tuple"):
+    real_gqa.RealGqaStudy(peers=("",))
+
+
+def test_a_peer_is_named_for_its_attention():
+  config = ModelConfig(d_model=64, num_layers=1, num_heads=4, num_kv_heads=1, head_dim=16, vocab_size=8, max_len=8)
+  assert real_kv.attention_kind(config) == "MQA"
+  assert real_kv.attention_kind(dataclasses.replace(config, num_kv_heads=2)) == "GQA-2"
+  assert real_kv.attention_kind(dataclasses.replace(config, num_kv_heads=4)) == "MHA"
+  assert [real_kv.peer_name(p) for p in ("gemma3-270m", "models/gemma-3.gguf", "runs/x/source")] == [
+    "gemma3-270m",
+    "gemma-3",
+    "source",
+  ]
