@@ -53,9 +53,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   `kvjax`'s (a command with subcommands of its own, `kvjax bench NAME`, names the one that refused
   them in `subcommand_parser`)."""
   args, extra = build_parser().parse_known_args(argv)
+  parser = getattr(args, "subcommand_parser", None) or args.commands[args.command]
   if extra:
-    parser = getattr(args, "subcommand_parser", None) or args.commands[args.command]
     parser.error(f"unrecognized arguments: {' '.join(extra)}")
+  # argparse reads `--option=--` as an empty list, without calling the option's type.
+  for token in sys.argv[1:] if argv is None else argv:
+    if token.startswith("--") and token.endswith("=--"):
+      parser.error(f"argument {token[:-3]}: expected a value, got '--'")
   return args
 
 

@@ -43,3 +43,13 @@ def test_a_press_field_the_press_lacks_is_one_error_line(handed, capsys):
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and err[0].startswith("kvjax generate: error: unknown config key 'cache.press.window'")
   assert "cache.press.compression_ratio" in err[0] and not handed
+
+
+@pytest.mark.parametrize("flag", ["--temperature=--", "--top-p=--", "--max-new-tokens=--"])
+def test_an_option_given_only_dashes_is_refused(handed, capsys, flag):
+  # argparse alone reads `--option=--` as an empty list and calls no type check on it.
+  with pytest.raises(SystemExit) as stopped:
+    run(flag)
+  assert stopped.value.code == 2 and not handed
+  err = capsys.readouterr().err.strip().splitlines()
+  assert err[-1] == f"kvjax generate: error: argument {flag[:-3]}: expected a value, got '--'"
