@@ -24,9 +24,12 @@ grid.
   kvjax run configs/kv_frontier/smollm2.py --workdir runs/kv_frontier_smollm2 --set "models_from='runs/real_gqa'"
 """
 
+import pathlib
+
+from kvjax.cli.run import load_config
 from kvjax.studies.kv_frontier import KVFrontierStudy
 from kvjax.studies.variants import pretrained_variants
-from kvjax.studies.real_kv import Measure, Recovery
+from kvjax.studies.real_kv import Measure
 from kvjax.studies.suite import SuiteConfig
 
 
@@ -41,17 +44,7 @@ def get_config() -> KVFrontierStudy:
     source="smollm2-135m",
     variants=tuple(v for v in pretrained_variants(mla_recovered=(False, True)) if keep(v)),
     # The GQA table's recovery (configs/real_gqa/smollm2.py), so that models_from may read its models.
-    recovery=Recovery(
-      mode="local",
-      steps=60,
-      batch_size=8,
-      lr=1e-3,
-      seq_len=256,
-      windows=128,
-      distill_steps=40,
-      distill_lr=1e-4,
-      distill_eval_every=8,
-    ),
+    recovery=load_config(pathlib.Path(__file__).parents[1] / "real_gqa" / "smollm2.py").recovery,
     peers=("gemma3-270m",),
     measure=Measure(
       contexts=(1024, 2048),

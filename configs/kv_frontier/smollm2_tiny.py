@@ -7,9 +7,12 @@ models_from may point at its workdir. The numbers only show the pipeline works.
   kvjax run configs/kv_frontier/smollm2_tiny.py --workdir runs/kv_frontier_smollm2_tiny
 """
 
+import pathlib
+
+from kvjax.cli.run import load_config
 from kvjax.studies.kv_frontier import KVFrontierStudy
 from kvjax.studies.variants import pretrained_variants
-from kvjax.studies.real_kv import Measure, Recovery
+from kvjax.studies.real_kv import Measure
 from kvjax.studies.suite import SuiteConfig
 
 
@@ -33,17 +36,8 @@ def get_config() -> KVFrontierStudy:
     variants=tuple(
       v for v in variants if v.name in keep or v.name.startswith(("MLA 104", "int8 +", "MQA mean + recovery +"))
     ),
-    # The tiny GQA table's recovery, so that models_from may read its models.
-    recovery=Recovery(
-      mode="local",
-      steps=3,
-      batch_size=2,
-      seq_len=32,
-      data_bytes=200_000,
-      windows=32,
-      distill_steps=2,
-      distill_eval_every=2,
-    ),
+    # The GQA table's recovery (configs/real_gqa/smollm2_tiny.py), so that models_from may read its models.
+    recovery=load_config(pathlib.Path(__file__).parents[1] / "real_gqa" / "smollm2_tiny.py").recovery,
     measure=Measure(
       contexts=(128,),
       windows=1,
