@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from kvjax.training.config import DataConfig, TrainConfig, TrainRun
+
 import kvjax
 
 VARIANTS = {"mha": 4, "gqa": 2, "mqa": 1}
@@ -29,6 +31,26 @@ def word_corpus(path: Path, seed: int = 0) -> Path:
   rng = random.Random(seed)
   path.write_text("\n".join(" ".join(rng.choice(["ab", "cd", "efg", "h"]) for _ in range(12)) for _ in range(300)))
   return path
+
+
+def tiny_run(model: kvjax.ModelConfig, corpus: Path, steps: int, **train) -> TrainRun:
+  """A TrainRun of `model` on `corpus` (word_corpus) that trains in seconds: batch 4 of 32 tokens,
+  one eval batch and one checkpoint at the end; `train` overrides TrainConfig's fields."""
+  defaults = dict(
+    steps=steps,
+    batch_size=4,
+    warmup_steps=1,
+    log_every=max(1, steps // 2),
+    eval_every=steps,
+    eval_batches=1,
+    checkpoint_every=steps,
+    keep_checkpoints=1,
+  )
+  return TrainRun(
+    model=model,
+    data=DataConfig(source=str(corpus), seq_len=32, val_fraction=0.1),
+    train=TrainConfig(**{**defaults, **train}),
+  )
 
 
 def load_module(path: Path):

@@ -16,28 +16,9 @@ from kvjax.conversion.conversions import KVHeads
 from kvjax.conversion.uptrain import uptrain
 from kvjax.training import checkpoint, train
 from kvjax.training import workdir as workdirs
-from kvjax.training.config import DataConfig, TrainConfig, TrainRun
-from conftest import word_corpus
+from conftest import tiny_run, word_corpus
 
 MODEL = ModelConfig(d_model=32, num_layers=1, num_heads=2, num_kv_heads=2, mlp_dim=64, max_len=64)
-
-
-def tiny_run(corpus: Path, seed: int) -> TrainRun:
-  return TrainRun(
-    model=MODEL,
-    data=DataConfig(source=str(corpus), seq_len=32, val_fraction=0.1),
-    train=TrainConfig(
-      steps=4,
-      batch_size=4,
-      warmup_steps=1,
-      log_every=2,
-      eval_every=4,
-      eval_batches=1,
-      checkpoint_every=4,
-      keep_checkpoints=1,
-      seed=seed,
-    ),
-  )
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +27,7 @@ def sources(tmp_path_factory) -> tuple[Path, Path]:
   root = tmp_path_factory.mktemp("sources")
   corpus = word_corpus(root / "words.txt", 0)
   for seed, name in enumerate("ab"):
-    train.run(tiny_run(corpus, seed), root / name)
+    train.run(tiny_run(MODEL, corpus, 4, seed=seed), root / name)
   return root / "a", root / "b"
 
 

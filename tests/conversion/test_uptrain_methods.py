@@ -11,8 +11,7 @@ from kvjax.config import ModelConfig
 from kvjax.conversion.conversions import KVHeads
 from kvjax.conversion.uptrain import uptrain
 from kvjax.training import train
-from kvjax.training.config import DataConfig, TrainConfig, TrainRun
-from conftest import word_corpus
+from conftest import tiny_run, word_corpus
 
 MODEL = ModelConfig(d_model=32, num_layers=1, num_heads=4, num_kv_heads=4, mlp_dim=64, max_len=64)
 
@@ -21,21 +20,7 @@ MODEL = ModelConfig(d_model=32, num_layers=1, num_heads=4, num_kv_heads=4, mlp_d
 def source(tmp_path_factory) -> Path:
   root = tmp_path_factory.mktemp("source")
   corpus = word_corpus(root / "words.txt", 1)
-  run = TrainRun(
-    model=MODEL,
-    data=DataConfig(source=str(corpus), seq_len=32, val_fraction=0.1),
-    train=TrainConfig(
-      steps=8,
-      batch_size=4,
-      warmup_steps=1,
-      log_every=4,
-      eval_every=8,
-      eval_batches=1,
-      checkpoint_every=8,
-      keep_checkpoints=1,
-    ),
-  )
-  train.run(run, root / "mha")
+  train.run(tiny_run(MODEL, corpus, 8), root / "mha")
   return root / "mha"
 
 
