@@ -121,7 +121,13 @@ BENCHMARK = Benchmark(
   summary="the decode step over each cache codec against float32's, beside the bytes each reads",
   run=run,
   options=(
-    Option("codecs", ["bfloat16", "float16", "int8", "float8_e4m3fn", "int4"], "cache codecs beside float32", Kind.NAMES, NAMES),
+    Option(
+      "codecs",
+      ["bfloat16", "float16", "int8", "float8_e4m3fn", "int4"],
+      "cache codecs beside float32",
+      Kind.NAMES,
+      NAMES,
+    ),
     Option("batch", 8, "sequences (rows) per step"),
     Option("context", 2048, "positions cached per row"),
     Option("repeats", 5, "alternated timed rounds after a warm-up (median)"),

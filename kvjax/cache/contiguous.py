@@ -17,7 +17,7 @@ whose every layer is windowed holds more positions per row than any buffer, past
 ModelConfig.max_len with RoPE (ModelConfig.max_positions).
 
 A one-token read of a K/V payload goes to the backend's decode route ("contiguous", codec):
-kvjax's CPU kernel for float32 and int8, XLA's `attend_one` otherwise.
+kvjax's CPU kernel for every codec on one CPU device, XLA's `attend_one` otherwise.
 """
 
 from __future__ import annotations

@@ -45,7 +45,14 @@ CODECS = {
   "float8_e4m3fn": (jnp.float8_e4m3fn, 1, "vector"),
   "int4": (jnp.uint8, 2, "grouped"),
 }
-SUFFIXES = {"float32": "", "bfloat16": "_bf16", "float16": "_f16", "int8": "_int8", "float8_e4m3fn": "_fp8", "int4": "_int4"}
+SUFFIXES = {
+  "float32": "",
+  "bfloat16": "_bf16",
+  "float16": "_f16",
+  "int8": "_int8",
+  "float8_e4m3fn": "_fp8",
+  "int4": "_int4",
+}
 # The cache kinds' routes (layout, codec) -> the kernel's FFI target.
 TARGETS = {
   (layout, codec): f"kvjax_{'decode' if layout == 'contiguous' else 'paged'}_attention{SUFFIXES[codec]}"

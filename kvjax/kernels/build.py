@@ -36,7 +36,14 @@ KERNELS = {
   "attention": {
     f"kvjax_{layout.lower()}_attention{suffix}": f"Kvjax{layout}Attention{symbol}"
     for layout in ("Decode", "Paged")
-    for suffix, symbol in (("", ""), ("_bf16", "Bf16"), ("_f16", "F16"), ("_int8", "Int8"), ("_fp8", "Fp8"), ("_int4", "Int4"))
+    for suffix, symbol in (
+      ("", ""),
+      ("_bf16", "Bf16"),
+      ("_f16", "F16"),
+      ("_int8", "Int8"),
+      ("_fp8", "Fp8"),
+      ("_int4", "Int4"),
+    )
   },
 }
 

@@ -128,9 +128,11 @@ def test_decode_through_each_codec_matches_kernels_off(name, layout, num_kv_head
   logits_k, cache_k = decode.prefill(model, params, tokens, lengths, 20, logits="last", cache_config=config)
   logits_x, cache_x = decode.prefill(model, params, tokens, lengths, 20, logits="last", cache_config=config)
   lowered = xla_step.lower(decode.for_decoding(model), params, cache_k, jnp.zeros((3, 1), jnp.int32), ones, last=True)
-  assert f"@{target}(" in lowered.as_text() and f"@{target}(" not in xla_step.lower(
-    model, params, cache_x, jnp.zeros((3, 1), jnp.int32), ones, last=True
-  ).as_text()
+  assert (
+    f"@{target}(" in lowered.as_text()
+    and f"@{target}("
+    not in xla_step.lower(model, params, cache_x, jnp.zeros((3, 1), jnp.int32), ones, last=True).as_text()
+  )
   for _ in range(4):
     token = np.asarray(jnp.argmax(logits_x, -1), np.int32)
     logits_k, cache_k = decode.decode_step(model, params, cache_k, token)
