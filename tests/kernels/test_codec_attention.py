@@ -96,7 +96,7 @@ def test_route_matches_xla(name, paged, batch, kv_heads, groups, head_dim, page_
 def test_fp8_reads_every_code():
   # The 254 finite e4m3fn codes (subnormals, both zeros, the largest) as the values of one row, its
   # keys equal, so that the output is the mean of the values read: the kernel's widening against
-  # numpy's. A NaN code (0x7F) among a row's positions makes its output NaN, as in XLA.
+  # numpy's. The codec writes a NaN code (0x7F) only beside a NaN scale: the row's output is NaN.
   finite = np.arange(256, dtype=np.uint8)[(np.arange(256) & 0x7F) != 0x7F].view(jnp.float8_e4m3fn)
   v = np.stack([finite, finite[::-1]], -1)[None, None].repeat(2, 0)  # [B, K, S, H] = [2, 1, 254, 2]
   k = np.zeros((2, 1, 2, 254), jnp.float8_e4m3fn)
@@ -108,6 +108,7 @@ def test_fp8_reads_every_code():
   expected = [v[b, 0, : lengths[b] + 1].astype(np.float64).mean(0) for b in range(2)]
   np.testing.assert_allclose(out[:, 0, 0], expected, rtol=1e-5, atol=1e-7)
   v[0, 0, 7, 0] = np.uint8(0x7F).view(jnp.float8_e4m3fn)
+  scale[0, 0, 7] = np.nan
   out = np.asarray(attention_kernel.cache_attention(route, q, k, v, lengths, xla, k_scale=scale, v_scale=scale))
   assert np.isnan(out[0, 0, 0, 0]) and np.isfinite(out[1]).all()
 

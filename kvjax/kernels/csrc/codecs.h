@@ -4,6 +4,7 @@
 //   float, BFloat16, Float16   the value itself, widened to float as it is loaded
 //   int8_t, Float8E4M3         value * scale, one float32 scale per stored vector: the kernel
 //                              applies it to a position's score (keys) and softmax weight (values)
+//                              (fp8's scaled by kUnit, as its loads are)
 //   uint8_t (int4)             two codes a byte (element 2j in the low nibble of byte j), and per
 //                              vector G groups of H / G elements with a step and a zero point
 //                              (float32 [2G]: the G steps, then the G zero points):
@@ -25,6 +26,9 @@ struct Storage {
   static constexpr bool kScaled = std::is_same_v<T, int8_t> || std::is_same_v<T, Float8E4M3>;
   static constexpr bool kGrouped = std::is_same_v<T, uint8_t>;
   static constexpr int64_t kPerEntry = kGrouped ? 2 : 1;  // elements per stored entry
+  // What a scale is multiplied by: fp8 loads as its value x 2^-8 (simd.h), one instruction fewer
+  // per vector, and the power of two leaves every product's rounding as it was.
+  static constexpr float kUnit = std::is_same_v<T, Float8E4M3> ? 256.0f : 1.0f;
 };
 
 // out[0:head_dim] = an int4 vector decoded: codes [head_dim / 2] bytes, scale [2 * groups].

@@ -452,7 +452,7 @@ void Problem<T, kPaged>::RunTask(int64_t task, Scratch& scratch) const {
   for (int64_t g = 0; g < groups; ++g) {
     float* sg = scores + g * stride;
     if constexpr (kScaled)
-      for (int64_t s = 0; s < len; ++s) sg[s] *= k_scales[s];
+      for (int64_t s = 0; s < len; ++s) sg[s] *= k_scales[s] * Storage<T>::kUnit;
     float m = -std::numeric_limits<float>::infinity();
     Vec mv = Vec{} + m;
     for (int64_t s = 0; s < full; s += kLanes) { const Vec x = Load(sg + s); mv = x > mv ? x : mv; }
@@ -465,7 +465,7 @@ void Problem<T, kPaged>::RunTask(int64_t task, Scratch& scratch) const {
     out[g * (head_dim + 2) + head_dim] = m;
     out[g * (head_dim + 2) + head_dim + 1] = l;
     if constexpr (kScaled)
-      for (int64_t s = 0; s < len; ++s) sg[s] *= v_scales[s];
+      for (int64_t s = 0; s < len; ++s) sg[s] *= v_scales[s] * Storage<T>::kUnit;
   }
 
   auto values = [&](auto rows) {

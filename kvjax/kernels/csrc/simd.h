@@ -123,33 +123,32 @@ inline Vec LoadAs(const Float16* p) {
 #endif
 }
 
-// float8_e4m3fn (1 sign, 4 exponent bits of bias 7, 3 mantissa bits; no infinity, 0x7F and 0xFF
-// are NaN) to float: every one of the 256 codes, for the portable path.
-struct Fp8Table {
+// float8_e4m3fn (1 sign, 4 exponent bits of bias 7, 3 mantissa bits, no infinity) as its value
+// x 2^-8: with F16C, the byte's bits are moved into a half's (the sign to bit 15, exponent and
+// mantissa under it, so the half holds the value x 2^-8, subnormals included) and widened by the
+// hardware; a caller multiplies its per-vector scale by 256 (Storage<Float8E4M3>::kUnit). The
+// NaN codes 0x7F and 0xFF, which kvjax's codec writes only beside a NaN scale, read as +-480 x 2^-8.
+struct Fp8Table {  // the portable path: every code
   float value[256];
   Fp8Table() {
     for (int code = 0; code < 256; ++code) {
       const int exponent = (code >> 3) & 0xF, mantissa = code & 7;
-      float magnitude = exponent ? std::ldexp(1.0f + mantissa / 8.0f, exponent - 7) : std::ldexp(float(mantissa), -9);
-      if ((code & 0x7F) == 0x7F) magnitude = std::numeric_limits<float>::quiet_NaN();
+      const float magnitude = exponent ? std::ldexp(1.0f + mantissa / 8.0f, exponent - 15) : std::ldexp(float(mantissa), -17);
       value[code] = code & 0x80 ? -magnitude : magnitude;
     }
   }
 };
 inline const Fp8Table kFp8;
 
-// With AVX-512, e4m3's bits are moved into a half's (the sign to bit 15, exponent and mantissa
-// under it, so the half holds the value x 2^-8, subnormals included), widened by the hardware
-// and scaled back; the NaN codes are set apart.
 inline Vec LoadAs(const Float8E4M3* p) {
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-  const __m256i code = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256i magnitude = _mm256_and_si256(code, _mm256_set1_epi16(0x7F));
-  const __m256i half = _mm256_or_si256(_mm256_slli_epi16(magnitude, 7),
-                                       _mm256_slli_epi16(_mm256_and_si256(code, _mm256_set1_epi16(0x80)), 8));
-  const __m512 value = _mm512_mul_ps(_mm512_cvtph_ps(half), _mm512_set1_ps(256.0f));
-  const __mmask16 nan = _mm256_cmpeq_epi16_mask(magnitude, _mm256_set1_epi16(0x7F));
-  return (Vec)_mm512_mask_mov_ps(value, nan, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+  // A code sign-extended to 16 bits and shifted left by 7 has the sign in bit 15 and the code's
+  // other bits in 13..7; bit 14 (a copy of the sign) is cleared.
+#if defined(__AVX512F__)
+  const __m256i words = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return (Vec)_mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(words, 7), _mm256_set1_epi16(int16_t(0xBF80))));
+#elif defined(__AVX2__) && defined(__F16C__)
+  const __m128i words = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return (Vec)_mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(words, 7), _mm_set1_epi16(int16_t(0xBF80))));
 #else
   Vec v;
   for (int i = 0; i < kLanes; ++i) v[i] = kFp8.value[p[i].bits];
