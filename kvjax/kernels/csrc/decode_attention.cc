@@ -20,8 +20,10 @@
 // Paged: entry j of row b's page table is the page holding its positions [j*Z, (j+1)*Z); pages
 // are read in place. Every element is widened to float as it is read; one scale per vector
 // (int8, fp8) is applied to the scores (keys) and to the softmax weights (values), so a step
-// reads the stored bytes and nothing else; int4's groups are decoded element by element, a key
-// tile or a block of value rows at a time for rows of codes.
+// reads the stored bytes and nothing else. int4 takes each group's step and zero point once per
+// group: q . ((c - z) * step) = step * (q . c - z * sum(q)) for transposed keys, and for values
+// whose groups are whole vectors of bytes sum_s w c - sum_s w z with w = p * step; paged keys (and
+// values of other group sizes) are decoded, (c - z) * step, a tile of rows at a time.
 //
 // Each (row, kv head) pair is cut into chunks of positions; a task reads a chunk's keys once for
 // up to 8 query heads (contiguous keys, transposed: scores as [G, H] x [H, chunk] with positions in
@@ -38,6 +40,7 @@
 #include <initializer_list>
 #include <limits>
 #include <memory>
+#include <numeric>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -140,32 +143,50 @@ struct TransposedKeys {
   }
 };
 
-// Transposed int4 keys [H / 2, S]: byte row h / 2 holds element h of each position (the high
-// nibbles for odd h), scales [2G, S] the steps and zero points of each position's groups.
-template <int NV, bool kEdge>
-struct TransposedInt4Keys {
-  const uint8_t* keys;
-  const float* scales;
-  int64_t max_len, s, group_size, groups;
-  void Load(int64_t h, Vec* kv) const {
-    const uint8_t* row = keys + h / 2 * max_len + s;
-    const float* step = scales + h / group_size * max_len + s;
-    const float* zero = step + groups * max_len;
-    if (h % 2 == 0)
+// Transposed int4 keys [H / 2, S] (byte row h / 2 holds elements h and h + 1 of each position,
+// in its low and high nibbles) with scales [2G, S] (each position's steps, then its zero points):
+// scores[g, 0:NV*kLanes] for GB query heads, a group of elements at a time, as
+// q . ((c - z) * step) = step * (q . c - z * sum(q)) over the group: each byte row is widened once
+// for two elements and every query head, the step and zero point once per group. q_sums[g * G + i]:
+// query head g's sum over group i. kEdge: the tile reaches past max_len (zeros there).
+template <int GB, int NV, bool kEdge>
+void Int4ScoreTile(const float* q, const float* q_sums, const uint8_t* keys, const float* scales, float* scores,
+                   int64_t head_dim, int64_t groups, int64_t max_len, int64_t s, int64_t scores_stride) {
+  const int64_t size = head_dim / groups;
+  auto lanes = [&](int j) { return kEdge ? std::min<int64_t>(kLanes, std::max<int64_t>(0, max_len - s - kLanes * j)) : kLanes; };
+  Vec acc[GB][NV] = {};
+  for (int64_t group = 0; group < groups; ++group) {
+    Vec part[GB][NV] = {};
+    for (int64_t h = group * size; h < (group + 1) * size; h += 2) {
+      const uint8_t* row = keys + h / 2 * max_len + s;
       for (int j = 0; j < NV; ++j) __builtin_prefetch(row + kLanes * j + kKeyPrefetch);
+      Vec low[NV], high[NV];
+      for (int j = 0; j < NV; ++j) {
+        const int64_t n = lanes(j);
+        low[j] = n == kLanes ? kvjax::LoadNibbleLanes(row + kLanes * j, false)
+                 : n > 0     ? kvjax::LoadPartNibbleLanes(row + kLanes * j, false, n)
+                             : Vec{};
+        high[j] = n == kLanes ? kvjax::LoadNibbleLanes(row + kLanes * j, true)
+                  : n > 0     ? kvjax::LoadPartNibbleLanes(row + kLanes * j, true, n)
+                              : Vec{};
+      }
+      for (int g = 0; g < GB; ++g) {
+        const float q_low = q[g * head_dim + h], q_high = q[g * head_dim + h + 1];
+        for (int j = 0; j < NV; ++j) part[g][j] += q_low * low[j] + q_high * high[j];
+      }
+    }
+    const float* step = scales + group * max_len + s;
+    const float* zero = step + groups * max_len;
     for (int j = 0; j < NV; ++j) {
-      const int64_t left = max_len - s - kLanes * j;
-      if (!kEdge || left >= kLanes)
-        kv[j] = (kvjax::LoadNibbleLanes(row + kLanes * j, h % 2) - kvjax::Load(zero + kLanes * j)) *
-                kvjax::Load(step + kLanes * j);
-      else if (left > 0)
-        kv[j] = (kvjax::LoadPartNibbleLanes(row + kLanes * j, h % 2, left) - kvjax::LoadPart(zero + kLanes * j, left)) *
-                kvjax::LoadPart(step + kLanes * j, left);
-      else
-        kv[j] = Vec{};
+      const int64_t n = lanes(j);
+      const Vec st = n == kLanes ? kvjax::Load(step + kLanes * j) : n > 0 ? kvjax::LoadPart(step + kLanes * j, n) : Vec{};
+      const Vec z = n == kLanes ? kvjax::Load(zero + kLanes * j) : n > 0 ? kvjax::LoadPart(zero + kLanes * j, n) : Vec{};
+      for (int g = 0; g < GB; ++g) acc[g][j] += st * (part[g][j] - z * q_sums[g * groups + group]);
     }
   }
-};
+  for (int g = 0; g < GB; ++g)
+    for (int j = 0; j < NV; ++j) Store(scores + g * scores_stride + kLanes * j, acc[g][j]);
+}
 
 // scores[g, 0:NV*kLanes] = q[g] . (the tile's keys) for GB query heads.
 template <int GB, int NV, typename Keys>
@@ -297,6 +318,62 @@ void ValueBlock(const float* probs, const Rows& rows, float* out, int64_t len, i
   }
 }
 
+// int4 value rows (kvjax.cache.codec.Int4) and their scales: Codes(s) position s's H / 2 bytes,
+// Scales(s) its G steps then G zero points; contiguous from the chunk's first row, or paged
+// through the task's offsets (in bytes, padded past the chunk).
+struct Int4Rows {
+  const uint8_t* codes;
+  const float* scales;
+  const int32_t* offsets;  // paged, else null
+  int64_t row_width, scale_width;
+  const uint8_t* Codes(int64_t s) const { return codes + (offsets ? offsets[s] : s * row_width); }
+  const float* Scales(int64_t s) const { return scales + (offsets ? offsets[s] / row_width : s) * scale_width; }
+};
+
+// out[g, 0:H] += sum over s < len of probs[g, s] * (c[s] - z[s]) * step[s] for GB query heads,
+// where each vector of kLanes bytes lies in one group (group size a multiple of 2 * kLanes), as
+// sum_s w c[s] - sum_s w z[s] with w = probs[g, s] * step[s] of the vector's group: a byte vector
+// holds 2 * kLanes elements, its low nibbles the even ones and its high nibbles the odd ones,
+// which accumulate apart (each byte widened once for both) and are interleaved at the end. HV
+// byte vectors from byte h0 of each row; out has row stride head_dim + 2.
+template <int GB, int HV>
+void Int4ValueTile(const float* probs, const Int4Rows& rows, int64_t h0, float* out, int64_t len, int64_t head_dim,
+                   int64_t groups, int64_t probs_stride) {
+  const int64_t size = head_dim / groups;
+  int64_t group[HV];
+  for (int j = 0; j < HV; ++j) group[j] = 2 * (h0 + kLanes * j) / size;
+  Vec even[GB][HV] = {}, odd[GB][HV] = {};
+  float zeros[GB][HV] = {};
+  for (int64_t s = 0; s < len; ++s) {
+    const uint8_t* row = rows.Codes(s) + h0;
+    const float* scale = rows.Scales(s);
+    __builtin_prefetch(rows.Codes(s + kRowsAhead) + h0);
+    __builtin_prefetch(rows.Scales(s + kRowsAhead));
+    Vec low[HV], high[HV];
+    for (int j = 0; j < HV; ++j) {
+      low[j] = kvjax::LoadNibbleLanes(row + kLanes * j, false);
+      high[j] = kvjax::LoadNibbleLanes(row + kLanes * j, true);
+    }
+    for (int g = 0; g < GB; ++g) {
+      const float p = probs[g * probs_stride + s];
+      for (int j = 0; j < HV; ++j) {
+        const float w = p * scale[group[j]];
+        even[g][j] += w * low[j];
+        odd[g][j] += w * high[j];
+        zeros[g][j] += w * scale[groups + group[j]];
+      }
+    }
+  }
+  for (int g = 0; g < GB; ++g)
+    for (int j = 0; j < HV; ++j) {
+      float* o = out + g * (head_dim + 2) + 2 * (h0 + kLanes * j);
+      for (int i = 0; i < kLanes; ++i) {
+        o[2 * i] += even[g][j][i] - zeros[g][j];
+        o[2 * i + 1] += odd[g][j][i] - zeros[g][j];
+      }
+    }
+}
+
 // A worker's buffers, reused over its tasks.
 struct Scratch {
   std::vector<float> scores;     // groups rows of score_stride()
@@ -305,6 +382,7 @@ struct Scratch {
   std::vector<float> rows;       // int4: decoded key rows (paged) or value rows, kValueBlock of H
   std::vector<float> block_out;  // int4: one block of value rows' outputs, laid out as a task's
   std::vector<int32_t> tile;     // int4 paged: the decoded key rows' offsets
+  std::vector<float> q_sums;     // int4 contiguous: each query head's sum over each group
 };
 
 // T: the stored type (codecs.h); kPaged: page pools read through page tables.
@@ -347,6 +425,7 @@ struct Problem {
       scratch.rows.resize(std::max(kValueBlock, kLanes) * head_dim);
       scratch.block_out.resize(partial_stride());
       scratch.tile.resize(kLanes);
+      scratch.q_sums.resize(groups * scale_groups);
       for (int64_t i = 0; i < kLanes; ++i) scratch.tile[i] = static_cast<int32_t>(i * head_dim);
     }
   }
@@ -414,23 +493,29 @@ void Problem<T, kPaged>::RunTask(int64_t task, Scratch& scratch) const {
   } else {  // up to 8 query heads per pass over the chunk's keys
     const T* keys = k + pair * row_width * max_len;
     const float* key_scales = kGrouped ? k_scale + pair * scale_width * max_len : nullptr;
+    float* q_sums = scratch.q_sums.data();
+    if constexpr (kGrouped)
+      for (int64_t g = 0; g < groups; ++g)
+        for (int64_t i = 0; i < scale_groups; ++i) {
+          const int64_t size = head_dim / scale_groups;
+          q_sums[g * scale_groups + i] = std::accumulate(qp + g * head_dim + i * size, qp + g * head_dim + (i + 1) * size, 0.0f);
+        }
     for (int64_t g = 0; g < groups; g += kScoreGroups) {
       const float* qg = qp + g * head_dim;
       float* sg = scores + g * stride;
       WithConstant<kScoreGroups>(std::min(kScoreGroups, groups - g), [&](auto block) {
         constexpr int GB = decltype(block)::value;
-        constexpr int NV = GB > 4 ? kScoreVectors / 2 : kScoreVectors;  // GB x NV accumulators
+        // GB x NV accumulators (int4: twice, and two vectors of codes)
+        constexpr int NV = (GB > 4 ? kScoreVectors / 2 : kScoreVectors) / (kGrouped ? 2 : 1);
         auto tile = [&](auto vectors, int64_t s) {  // the tile of `vectors` vectors from chunk position s
           constexpr int W = decltype(vectors)::value;
           const bool inside = s0 + s + W * kLanes <= max_len;
           if constexpr (kGrouped) {
-            const int64_t size = head_dim / scale_groups;
+            const float* sums = q_sums + g * scale_groups;
             if (inside)
-              ScoreTile<GB, W>(qg, TransposedInt4Keys<W, false>{keys, key_scales, max_len, s0 + s, size, scale_groups},
-                               sg + s, head_dim, stride);
+              Int4ScoreTile<GB, W, false>(qg, sums, keys, key_scales, sg + s, head_dim, scale_groups, max_len, s0 + s, stride);
             else
-              ScoreTile<GB, W>(qg, TransposedInt4Keys<W, true>{keys, key_scales, max_len, s0 + s, size, scale_groups},
-                               sg + s, head_dim, stride);
+              Int4ScoreTile<GB, W, true>(qg, sums, keys, key_scales, sg + s, head_dim, scale_groups, max_len, s0 + s, stride);
           } else if (inside) {
             ScoreTile<GB, W>(qg, TransposedKeys<T, W, false>{keys, max_len, s0 + s}, sg + s, head_dim, stride);
           } else {
@@ -474,10 +559,30 @@ void Problem<T, kPaged>::RunTask(int64_t task, Scratch& scratch) const {
         ValueBlock<decltype(block)::value>(scores + g * stride, rows, out + g * (head_dim + 2), len, head_dim, stride);
       });
   };
-  if constexpr (kGrouped) {  // blocks of value rows decoded, their outputs added up
+  if constexpr (kGrouped) {
+    for (int64_t g = 0; g < groups; ++g) std::fill(out + g * (head_dim + 2), out + g * (head_dim + 2) + head_dim, 0.0f);
+  }
+  if constexpr (kGrouped) {
+    if ((head_dim / scale_groups) % (2 * kLanes) == 0) {  // whole byte vectors per group: read in place
+      const Int4Rows rows = kPaged ? Int4Rows{v, v_scale, offsets, row_width, scale_width}
+                                   : Int4Rows{v + (pair * max_len + s0) * row_width, v_scale + (pair * max_len + s0) * scale_width,
+                                              nullptr, row_width, scale_width};
+      for (int64_t g = 0; g < groups; g += kValueGroups)
+        WithConstant<kValueGroups>(std::min(kValueGroups, groups - g), [&](auto block) {
+          constexpr int GB = decltype(block)::value, HV = GB > 4 ? 1 : 2;
+          for (int64_t h = 0; h < row_width; h += HV * kLanes) {
+            if (row_width - h >= HV * kLanes)
+              Int4ValueTile<GB, HV>(scores + g * stride, rows, h, out + g * (head_dim + 2), len, head_dim, scale_groups, stride);
+            else
+              Int4ValueTile<GB, 1>(scores + g * stride, rows, h, out + g * (head_dim + 2), len, head_dim, scale_groups, stride);
+          }
+        });
+      return;
+    }
+  }
+  if constexpr (kGrouped) {  // other group sizes: blocks of value rows decoded, their outputs added up
     float* rows = scratch.rows.data();
     float* block_out = scratch.block_out.data();
-    for (int64_t g = 0; g < groups; ++g) std::fill(out + g * (head_dim + 2), out + g * (head_dim + 2) + head_dim, 0.0f);
     for (int64_t first = 0; first < len; first += kValueBlock) {
       const int64_t n = std::min(kValueBlock, len - first);
       for (int64_t i = 0; i < n; ++i) {
