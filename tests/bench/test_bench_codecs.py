@@ -8,13 +8,13 @@ from kvjax.bench import codecs
 
 
 def test_bench_codecs_counts_each_codecs_bytes(bench_model):
-  result = codecs.bench_codecs(bench_model, codecs=("bfloat16", "int4"), batch=2, context=16, repeats=1)
+  result = codecs.bench_codecs(bench_model, codecs=("int4",), batch=2, context=16, repeats=1)
   rows = result["codecs"]
-  assert list(rows) == ["float32", "bfloat16", "int4"]
+  assert list(rows) == ["float32", "int4"]
   layers, kv, h = bench_model.num_layers, bench_model.num_kv_heads, bench_model.head_dim
-  # K and V per layer and kv head: float32 4 H bytes, bfloat16 2 H, int4 H / 2 and a float32 step
-  # and zero point per group of min(H, 32) elements.
-  per_vector = {"float32": 4 * h, "bfloat16": 2 * h, "int4": h // 2 + 8 * (h // min(h, 32))}
+  # K and V per layer and kv head: float32 4 H bytes, int4 H / 2 and a float32 step and zero point
+  # per group of min(H, 32) elements.
+  per_vector = {"float32": 4 * h, "int4": h // 2 + 8 * (h // min(h, 32))}
   for name, row in rows.items():
     assert row["bytes_per_position"] == 2 * layers * kv * per_vector[name]
     assert row["bytes_ratio"] == pytest.approx(per_vector[name] / per_vector["float32"])

@@ -18,6 +18,7 @@ from kvjax.cache.contiguous import attend_one
 from kvjax.cache.paged import attend_pages
 from kvjax.decoding import decode
 from kvjax.kernels import attention as attention_kernel
+from kvjax.model.backend import XLA
 
 pytestmark = pytest.mark.skipif(
   jax.default_backend() != "cpu" or shutil.which("g++") is None and shutil.which("c++") is None,
@@ -113,8 +114,11 @@ def test_fp8_reads_every_code():
   assert np.isnan(out[0, 0, 0, 0]) and np.isfinite(out[1]).all()
 
 
-@pytest.mark.parametrize("layout,num_kv_heads", [("contiguous", 2), ("paged", 1)], ids=["contiguous-gqa", "paged-mqa"])
-@pytest.mark.parametrize("name", CODECS)
+@pytest.mark.parametrize(
+  "name,layout,num_kv_heads",
+  [("bfloat16", "contiguous", 2), ("float16", "paged", 1), ("float8_e4m3fn", "paged", 2), ("int4", "contiguous", 1)],
+  ids=["bfloat16-contiguous-gqa", "float16-paged-mqa", "fp8-paged-gqa", "int4-contiguous-mqa"],
+)
 def test_decode_through_each_codec_matches_kernels_off(name, layout, num_kv_heads):
   """Prefill ragged prompts into a cache of the codec, then decode greedily: the decode steps with
   the CPU kernels (decode.decode_step) give the logits of the same steps computed by XLA alone
@@ -129,12 +133,8 @@ def test_decode_through_each_codec_matches_kernels_off(name, layout, num_kv_head
   logits_k, cache_k = decode.prefill(model, params, tokens, lengths, 20, logits="last", cache_config=config)
   logits_x, cache_x = decode.prefill(model, params, tokens, lengths, 20, logits="last", cache_config=config)
   lowered = xla_step.lower(decode.for_decoding(model), params, cache_k, jnp.zeros((3, 1), jnp.int32), ones, last=True)
-  assert (
-    f"@{target}(" in lowered.as_text()
-    and f"@{target}("
-    not in xla_step.lower(model, params, cache_x, jnp.zeros((3, 1), jnp.int32), ones, last=True).as_text()
-  )
-  for _ in range(4):
+  assert f"@{target}(" in lowered.as_text() and model.backend is XLA  # the reference is XLA alone
+  for _ in range(3):
     token = np.asarray(jnp.argmax(logits_x, -1), np.int32)
     logits_k, cache_k = decode.decode_step(model, params, cache_k, token)
     logits_x, cache_x = xla_step(model, params, cache_x, jnp.asarray(token)[:, None], ones, last=True)
