@@ -20,8 +20,8 @@ def test_bench_codecs_counts_each_codecs_bytes(bench_model):
     assert row["bytes_ratio"] == pytest.approx(per_vector[name] / per_vector["float32"])
     assert row["target_ratio"] == pytest.approx(1.15 * row["bytes_ratio"])
     assert row["met"] == (row["step_ratio"] <= row["target_ratio"])
-    assert row["kernel"] and row["step_ms"] > 0
-  assert rows["float32"]["step_ratio"] == 1.0
+    assert row["kernel"] and row["step_ms"] > 0 and row["attention_ms"] > 0
+  assert rows["float32"]["step_ratio"] == rows["float32"]["attention_ratio"] == 1.0
 
 
 def test_bench_codecs_takes_one_weight_format():
