@@ -7,7 +7,8 @@ decode scores are a plain [G, H] x [H, S] product with S contiguous (the sequenc
 [B, S, K, H] makes XLA's CPU dot transpose the whole cache every step). A quantized codec's
 scales sit beside them with the same sequence axis: [B, heads, S] (one per vector), or
 [B, heads, S, G] ([B, heads, G, S] transposed) for grouped scales. New vectors are scattered
-into place (`scatter_rows`), in place since the cache is donated.
+into place (`scatter_rows`; a bfloat16 or fp8 buffer on its bits, `set_bits`), in place since the
+cache is donated.
 
 A global layer keeps S = max_len positions. A sliding-window layer (the cache's window) keeps a
 ring of S = window + sinks slots (max_len when that is fewer): the sinks in the first slots, then
@@ -17,7 +18,7 @@ whose every layer is windowed holds more positions per row than any buffer, past
 ModelConfig.max_len with RoPE (ModelConfig.max_positions).
 
 A one-token read of a K/V payload goes to the backend's decode route ("contiguous", codec):
-kvjax's CPU kernel for float32 and int8, XLA's `attend_one` otherwise.
+kvjax's CPU kernel for every codec on one CPU device, XLA's `attend_one` otherwise.
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import memory
-from kvjax.cache.base import encode, size_bucket
+from kvjax.cache.base import encode, set_bits, size_bucket
 from kvjax.cache.config import CacheConfig, register
 from kvjax.cache.contiguous import ContiguousCache, attend_one, layer_spec as contiguous_spec
 from kvjax.cache.presses import Press
@@ -112,7 +112,7 @@ def scatter_heads(buffer: jax.Array, update: jax.Array, slots: jax.Array, axis: 
   index[0] = jnp.arange(buffer.shape[0])[:, None, None]
   index[1] = jnp.arange(buffer.shape[1])[None, :, None]
   index[axis] = slots
-  return buffer.at[tuple(index)].set(update.astype(buffer.dtype), mode="drop")
+  return set_bits(buffer, tuple(index), update.astype(buffer.dtype))
 
 
 def head_budgets(scores: jax.Array, keep: jax.Array, safeguard: float) -> jax.Array:

@@ -5,17 +5,25 @@ the whole buffer (and over pages, a gathered copy of it). `cache_attention` is t
 backend plugs in (kvjax.model.backend); the cache kind names its storage by a route
 (layout, codec) and passes it as it is, with its addressing arrays:
 
-  route                k_cache, v_cache                                   addressing
-  contiguous float32   [B, K, H, S], [B, K, S, H]                          none
-  contiguous int8      the same in int8                                    k_scale, v_scale float32[B, K, S]
-  paged float32        page pools [K, P, Z, H]                             page_table int32[B, M]
-  paged int8           int8 page pools [K, P, Z, H]                        k_scale, v_scale float32[K, P, Z], page_table
+  layout       k_cache, v_cache                     addressing
+  contiguous   [B, K, H', S], [B, K, S, H']          scales (below)
+  paged        page pools [K, P, Z, H'] each         scales (below), page_table int32[B, M]
 
-(int8: a stored value is int8 * scale, one scale per (position, kv head); the kernel reads the
-int8 data, a quarter of float32's bytes.) Float32 queries over these, on a single CPU device, go
-to the kernel; everything else (other dtypes, addressing or scale shapes, such as a kind's
-grouped scales, accelerators, meshes) to the XLA computation it is given. The choice between the two is made when lowering, so a function traced
-here may still be compiled for an accelerator. Gradients are XLA's: the kernel only runs forward.
+  codec          stored as         H'      k_scale, v_scale (float32; contiguous / paged)
+  float32        float32           H       none
+  bfloat16       bfloat16          H       none
+  float16        float16           H       none
+  int8           int8              H       one per (position, kv head): [B, K, S] / [K, P, Z]
+  float8_e4m3fn  float8_e4m3fn     H       as int8
+  int4           uint8, 2 codes    H / 2   G groups' steps then zero points: k [B, K, 2G, S] and
+                                           v [B, K, S, 2G] / both [K, P, Z, 2G]
+
+(kvjax.cache.codec: a stored value is value * scale, or (code - zero) * step for int4; the
+kernel widens each element as it reads it, so a step reads the codec's bytes.) Float32 queries
+over these, on a single CPU device, go to the kernel; everything else (other dtypes, addressing
+or scale shapes, accelerators, meshes) to the XLA computation it is given. The choice between
+the two is made when lowering, so a function traced here may still be compiled for an
+accelerator. Gradients are XLA's: the kernel only runs forward.
 """
 
 from __future__ import annotations
@@ -27,12 +35,29 @@ import jax.numpy as jnp
 
 from kvjax.kernels import build
 
+# The codecs the kernel reads: name -> (stored dtype, elements per stored entry, scales), scales
+# being None, "vector" (one per stored vector) or "grouped" (int4's steps and zero points).
+CODECS = {
+  "float32": (jnp.float32, 1, None),
+  "bfloat16": (jnp.bfloat16, 1, None),
+  "float16": (jnp.float16, 1, None),
+  "int8": (jnp.int8, 1, "vector"),
+  "float8_e4m3fn": (jnp.float8_e4m3fn, 1, "vector"),
+  "int4": (jnp.uint8, 2, "grouped"),
+}
+SUFFIXES = {
+  "float32": "",
+  "bfloat16": "_bf16",
+  "float16": "_f16",
+  "int8": "_int8",
+  "float8_e4m3fn": "_fp8",
+  "int4": "_int4",
+}
 # The cache kinds' routes (layout, codec) -> the kernel's FFI target.
 TARGETS = {
-  ("contiguous", "float32"): "kvjax_decode_attention",
-  ("contiguous", "int8"): "kvjax_decode_attention_int8",
-  ("paged", "float32"): "kvjax_paged_attention",
-  ("paged", "int8"): "kvjax_paged_attention_int8",
+  (layout, codec): f"kvjax_{'decode' if layout == 'contiguous' else 'paged'}_attention{SUFFIXES[codec]}"
+  for layout in ("contiguous", "paged")
+  for codec in CODECS
 }
 TARGET = TARGETS["contiguous", "float32"]
 # The kernel addresses a page pool with int32 offsets: pools of this many entries or more stay with XLA.
@@ -43,52 +68,70 @@ ADDRESSING = ("k_scale", "v_scale", "page_table")
 
 def uses_kernel(compute_dtype, route: tuple[str, str]) -> bool:
   """Whether `cache_attention` of `compute_dtype` queries over a cache kind's `route` (KVCache.route)
-  runs in the CPU kernel: float32 queries over a float32 or int8 cache on a single CPU device."""
+  runs in the CPU kernel: float32 queries over a cache of any codec in CODECS, on a single CPU device."""
   return (
     jnp.dtype(compute_dtype) == jnp.float32 and route in TARGETS and build.single_cpu() and build.available("attention")
   )
 
 
-def kernel_layout(route, q, k_cache, v_cache, addressing: dict) -> tuple[bool, bool] | None:
-  """(paged, int8) when `route` is one of the kernel's and the operands are as the module
+def scale_shapes(paged: bool, scales: str | None, k_shape: tuple, v_shape: tuple, groups: int) -> dict:
+  """{name: shape} of the scales that a codec's storage of k_shape and v_shape carries (module
+  docstring); `groups`: int4's groups per vector."""
+  if scales is None:
+    return {}
+  if scales == "vector":
+    k_seq = 2 if paged else 3  # the keys' sequence axis: pools [K, P, Z, H'], contiguous [B, K, H', S]
+    return {"k_scale": (*k_shape[:2], k_shape[k_seq]), "v_scale": v_shape[:3]}
+  k_scale = list(k_shape)
+  k_scale[3 if paged else 2] = 2 * groups  # the keys' width axis
+  return {"k_scale": tuple(k_scale), "v_scale": (*v_shape[:3], 2 * groups)}
+
+
+def kernel_layout(route, q, k_cache, v_cache, addressing: dict) -> tuple[bool, str] | None:
+  """(paged, codec) when `route` is one of the kernel's and the operands are as the module
   docstring says it stores them (names, dtypes and shapes), else None."""
   if route not in TARGETS:
     return None
-  paged, int8 = route[0] == "paged", route[1] == "int8"
-  want = ({"k_scale", "v_scale"} if int8 else set()) | ({"page_table"} if paged else set())
+  paged, codec = route[0] == "paged", route[1]
+  stored, per_entry, scales = CODECS[codec]
+  want = ({"k_scale", "v_scale"} if scales else set()) | ({"page_table"} if paged else set())
   if set(addressing) != want:
     return None
-  stored = jnp.int8 if int8 else jnp.float32
   if q.dtype != jnp.float32 or k_cache.dtype != stored or v_cache.dtype != stored or q.ndim != 4 or k_cache.ndim != 4:
     return None
   b, _, n, h = q.shape
+  if h % per_entry:
+    return None
+  width = h // per_entry
   if paged:
     kv, pages, size, _ = k_cache.shape
     table = addressing["page_table"]
     if (
-      k_cache.shape != (kv, pages, size, h)
+      k_cache.shape != (kv, pages, size, width)
       or v_cache.shape != k_cache.shape
       or table.dtype != jnp.int32
       or table.ndim != 2
       or table.shape[0] != b
-      or k_cache.size >= MAX_POOL_ENTRIES
+      or k_cache.size * per_entry >= MAX_POOL_ENTRIES
     ):
       return None
-    scale_shape = (kv, pages, size)
   else:
     kv, s = k_cache.shape[1], k_cache.shape[3]
-    if k_cache.shape != (b, kv, h, s) or v_cache.shape != (b, kv, s, h):
+    if k_cache.shape != (b, kv, width, s) or v_cache.shape != (b, kv, s, width):
       return None
-    scale_shape = (b, kv, s)
-  if (
-    n % kv
-    or int8
-    and any(
-      addressing[name].dtype != jnp.float32 or addressing[name].shape != scale_shape for name in ("k_scale", "v_scale")
-    )
-  ):
+  if n % kv:
     return None
-  return paged, int8
+  groups = 0
+  if scales == "grouped":  # the group count is the scales' own; each group an even number of elements
+    v_scale = addressing["v_scale"]
+    groups = v_scale.shape[-1] // 2 if v_scale.ndim == 4 else 0
+    if not groups or v_scale.shape[-1] % 2 or h % groups or (h // groups) % 2:
+      return None
+  shapes = scale_shapes(paged, scales, k_cache.shape, v_cache.shape, groups)
+  for name, shape in shapes.items():
+    if addressing[name].dtype != jnp.float32 or tuple(addressing[name].shape) != tuple(shape):
+      return None
+  return paged, codec
 
 
 def kernel_target(route, q, k_cache, v_cache, addressing: dict) -> str | None:

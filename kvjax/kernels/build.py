@@ -34,10 +34,16 @@ COMPILE_FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-s
 KERNELS = {
   "matmul": {"kvjax_small_matmul": "KvjaxSmallMatmul"},
   "attention": {
-    "kvjax_decode_attention": "KvjaxDecodeAttention",
-    "kvjax_decode_attention_int8": "KvjaxDecodeAttentionInt8",
-    "kvjax_paged_attention": "KvjaxPagedAttention",
-    "kvjax_paged_attention_int8": "KvjaxPagedAttentionInt8",
+    f"kvjax_{layout.lower()}_attention{suffix}": f"Kvjax{layout}Attention{symbol}"
+    for layout in ("Decode", "Paged")
+    for suffix, symbol in (
+      ("", ""),
+      ("_bf16", "Bf16"),
+      ("_f16", "F16"),
+      ("_int8", "Int8"),
+      ("_fp8", "Fp8"),
+      ("_int4", "Int4"),
+    )
   },
 }
 

@@ -100,27 +100,28 @@ def test_kernel_propagates_nan():
 
 
 def test_routing():
-  """A float32 cache's route goes to the kernel; a bfloat16 cache (its own route, or operands
-  that are not what the float32 route names) stays with XLA, and gives XLA's result."""
+  """A float32 cache's route goes to the kernel; operands that are not what the route names (a
+  bfloat16 storage under the float32 route, bfloat16 queries) stay with XLA, and give XLA's result."""
   q, k, v, lengths = inputs(2, 2, 2, 8, 32, [3, 31])
   lowered = lambda *a, route=ROUTE: jax.jit(attend_cache, static_argnames="route").lower(*a, route=route).as_text()
   target = attention_kernel.TARGET
   assert target == attention_kernel.TARGETS[ROUTE] and target in lowered(q, k, v, lengths)
   k16, v16 = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
-  assert target not in lowered(q, k16, v16, lengths)
-  assert "kvjax_" not in lowered(q, k16, v16, lengths, route=("contiguous", "bfloat16"))
+  assert "kvjax_" not in lowered(q, k16, v16, lengths)
   np.testing.assert_allclose(
-    attend_cache(q, k16, v16, lengths, route=("contiguous", "bfloat16")),
+    attend_cache(q, k16, v16, lengths),
     reference(q, k16.astype(np.float32), v16.astype(np.float32), lengths),
     rtol=1e-5,
     atol=2e-6,
   )
+  assert "kvjax_" not in lowered(q.astype(jnp.bfloat16), k16, v16, lengths, route=("contiguous", "bfloat16"))
   assert attention_kernel.uses_kernel(jnp.float32, ROUTE)
   assert not attention_kernel.uses_kernel(jnp.bfloat16, ROUTE)
-  assert not any(
+  assert all(
     attention_kernel.uses_kernel(jnp.float32, ("contiguous", name))
     for name in ("bfloat16", "float16", "int4", "float8_e4m3fn")
   )
+  assert not attention_kernel.uses_kernel(jnp.float32, ("ring", "float32"))
 
 
 def test_gradients_are_xla():

@@ -6,7 +6,9 @@
 #define KVJAX_CSRC_SIMD_H_
 
 #include <cstdint>
+#include <cmath>
 #include <cstring>
+#include <limits>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -50,7 +52,7 @@ inline void StorePart(float* p, Vec v, int64_t n) {
 #endif
 }
 
-// kLanes elements of float, int8 or bfloat16 data as floats (LoadAs), or the first n < kLanes of them,
+// kLanes elements of float, int8, bfloat16, float16 or float8_e4m3fn data as floats (LoadAs), or the first n < kLanes of them,
 // zeros after (LoadPartAs, never touching memory past p + n).
 inline Vec LoadAs(const float* p) { return Load(p); }
 inline Vec LoadPartAs(const float* p, int64_t n) { return LoadPart(p, n); }
@@ -83,6 +85,124 @@ inline Vec LoadAs(const uint16_t* p) {
   return v;
 #endif
 }
+
+// Cache element types stored as bits: distinct types, so that a loader is chosen by what the
+// bits mean (kvjax.cache.codec's bfloat16, float16 and float8_e4m3fn).
+struct BFloat16 { uint16_t bits; };
+struct Float16 { uint16_t bits; };
+struct Float8E4M3 { uint8_t bits; };
+
+inline Vec LoadAs(const BFloat16* p) { return LoadAs(reinterpret_cast<const uint16_t*>(p)); }
+
+// IEEE half to float, exactly (subnormals, infinities and NaN included): the portable path.
+inline float HalfToFloat(uint16_t h) {
+  const uint32_t sign = uint32_t{h & 0x8000u} << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
+  float magnitude;
+  if (exponent == 0) magnitude = mantissa * 0x1p-24f;
+  else if (exponent == 31) magnitude = mantissa ? std::numeric_limits<float>::quiet_NaN() : std::numeric_limits<float>::infinity();
+  else {
+    const uint32_t bits = ((exponent + 112) << 23) | (mantissa << 13);
+    std::memcpy(&magnitude, &bits, sizeof(float));
+  }
+  uint32_t bits;
+  std::memcpy(&bits, &magnitude, sizeof(float));
+  bits |= sign;
+  std::memcpy(&magnitude, &bits, sizeof(float));
+  return magnitude;
+}
+
+inline Vec LoadAs(const Float16* p) {
+#if defined(__AVX512F__)
+  return (Vec)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__AVX2__) && defined(__F16C__)
+  return (Vec)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  Vec v;
+  for (int i = 0; i < kLanes; ++i) v[i] = HalfToFloat(p[i].bits);
+  return v;
+#endif
+}
+
+// float8_e4m3fn (1 sign, 4 exponent bits of bias 7, 3 mantissa bits, no infinity) as its value
+// x 2^-8: with F16C, the byte's bits are moved into a half's (the sign to bit 15, exponent and
+// mantissa under it, so the half holds the value x 2^-8, subnormals included) and widened by the
+// hardware; a caller multiplies its per-vector scale by 256 (Storage<Float8E4M3>::kUnit). The
+// NaN codes 0x7F and 0xFF, which kvjax's codec writes only beside a NaN scale, read as +-480 x 2^-8.
+struct Fp8Table {  // the portable path: every code
+  float value[256];
+  Fp8Table() {
+    for (int code = 0; code < 256; ++code) {
+      const int exponent = (code >> 3) & 0xF, mantissa = code & 7;
+      const float magnitude = exponent ? std::ldexp(1.0f + mantissa / 8.0f, exponent - 15) : std::ldexp(float(mantissa), -17);
+      value[code] = code & 0x80 ? -magnitude : magnitude;
+    }
+  }
+};
+inline const Fp8Table kFp8;
+
+inline Vec LoadAs(const Float8E4M3* p) {
+  // A code sign-extended to 16 bits and shifted left by 7 has the sign in bit 15 and the code's
+  // other bits in 13..7; bit 14 (a copy of the sign) is cleared.
+#if defined(__AVX512F__)
+  const __m256i words = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return (Vec)_mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(words, 7), _mm256_set1_epi16(int16_t(0xBF80))));
+#elif defined(__AVX2__) && defined(__F16C__)
+  const __m128i words = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return (Vec)_mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(words, 7), _mm_set1_epi16(int16_t(0xBF80))));
+#else
+  Vec v;
+  for (int i = 0; i < kLanes; ++i) v[i] = kFp8.value[p[i].bits];
+  return v;
+#endif
+}
+
+// int4 codes (kvjax.cache.codec.Int4: element 2j in the low nibble of byte j, 2j + 1 in the high
+// one) as floats. LoadNibbles: kLanes consecutive elements from kLanes / 2 bytes.
+inline Vec LoadNibbles(const uint8_t* p) {
+#if defined(__AVX512F__)
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+#elif defined(__AVX2__)
+  int32_t four;
+  std::memcpy(&four, p, sizeof(four));
+  const __m128i bytes = _mm_cvtsi32_si128(four);
+#endif
+#if defined(__AVX512F__) || defined(__AVX2__)
+  const __m128i low = _mm_and_si128(bytes, _mm_set1_epi8(0x0F));
+  const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F));
+  const __m128i codes = _mm_unpacklo_epi8(low, high);  // element order
+#endif
+#if defined(__AVX512F__)
+  return (Vec)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes));
+#elif defined(__AVX2__)
+  return (Vec)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes));
+#else
+  Vec v;
+  for (int i = 0; i < kLanes; ++i) v[i] = (p[i / 2] >> (4 * (i % 2))) & 0xF;
+  return v;
+#endif
+}
+
+// One nibble (the high one if `high`) of each of kLanes bytes, or of the first n < kLanes
+// (zeros after, never touching memory past p + n): a transposed int4 key row, positions in lanes.
+inline Vec LoadNibbleLanes(const uint8_t* p, bool high) {
+#if defined(__AVX512F__)
+  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return (Vec)_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(bytes, high ? 4 : 0), _mm512_set1_epi32(0xF)));
+#elif defined(__AVX2__)
+  const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return (Vec)_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(bytes, high ? 4 : 0), _mm256_set1_epi32(0xF)));
+#else
+  Vec v;
+  for (int i = 0; i < kLanes; ++i) v[i] = (p[i] >> (high ? 4 : 0)) & 0xF;
+  return v;
+#endif
+}
+inline Vec LoadPartNibbleLanes(const uint8_t* p, bool high, int64_t n) {
+  uint8_t part[kLanes] = {};
+  std::memcpy(part, p, n);
+  return LoadNibbleLanes(part, high);
+}
+
 template <typename T>
 inline Vec LoadPartAs(const T* p, int64_t n) {
   T part[kLanes] = {};
