@@ -183,11 +183,16 @@ struct Problem {
       int64_t r = k0;  // even: bands start at multiples of kPanel
 #ifdef KVJAX_BF16_PAIRS
       if constexpr (kPairs) {
-        const __m512i interleave = kvjax::InterleaveWords();
-        const uint32_t* xp = reinterpret_cast<const uint32_t*>(xb);
-        for (; r + kPanel <= k1; r += kPanel)
-          PairPanel<kPanel / 2>(xp, w, out, m, xk / 2, n, r, c0, c1, !first || r != k0, r + 2 * kPanel <= k1, interleave);
-        for (; r + 2 <= k1; r += 2) PairPanel<1>(xp, w, out, m, xk / 2, n, r, c0, c1, !first || r != k0, false, interleave);
+        // One row of x times int8 weights widens more cheaply to float32 than to bfloat16 pairs.
+        if (m > 1 || !std::is_same_v<W, int8_t>) {
+          const __m512i interleave = kvjax::InterleaveWords();
+          const uint32_t* xp = reinterpret_cast<const uint32_t*>(xb);
+          for (; r + kPanel <= k1; r += kPanel)
+            PairPanel<kPanel / 2>(xp, w, out, m, xk / 2, n, r, c0, c1, !first || r != k0, r + 2 * kPanel <= k1,
+                                  interleave);
+          for (; r + 2 <= k1; r += 2)
+            PairPanel<1>(xp, w, out, m, xk / 2, n, r, c0, c1, !first || r != k0, false, interleave);
+        }
       }
 #endif
       for (; r + kPanel <= k1; r += kPanel)
@@ -219,16 +224,17 @@ struct Problem {
   }
 };
 
-// Rows of w (of `row_bytes` each) per band, and the bands and workers to share `rows` among.
 struct Split {
   int64_t band_rows, bands, workers;
 };
 
-Split Share(const ffi::ThreadPool& pool, int64_t rows, int64_t row_bytes, int64_t align) {
+// Rows of w (of `row_bytes` each) per band, and the bands and workers to share `rows` among.
+// `alone`: the product stays on the calling thread.
+Split Share(const ffi::ThreadPool& pool, bool alone, int64_t rows, int64_t row_bytes, int64_t align) {
   // Waking a pool thread costs more than streaming a small slice of w: only weights of
   // kMinBytesPerThread or more per thread are worth sharing.
-  const int64_t threads = std::clamp<int64_t>(rows * row_bytes / kMinBytesPerThread, 1,
-                                              std::max<int64_t>(1, pool.num_threads()));
+  const int64_t most = alone ? 1 : std::max<int64_t>(1, pool.num_threads());
+  const int64_t threads = std::clamp<int64_t>(rows * row_bytes / kMinBytesPerThread, 1, most);
   const int64_t units = std::max<int64_t>(1, (rows + align - 1) / align);
   const int64_t bands = std::min(threads * kBandsPerThread, units);
   const int64_t band_rows = (units + bands - 1) / bands * align;
@@ -239,15 +245,20 @@ template <typename W>
 void Multiply(ffi::ThreadPool& pool, const float* x, const uint16_t* xb, const W* w, float* y, int64_t m, int64_t k,
               int64_t n, bool transposed) {
   const int64_t xk = (k + 1) / 2 * 2;
+  // A float32 matrix times one row is a multiply per weight read: one core reads memory at the
+  // machine's full rate doing that (a second adds nothing on the development machine), so a pool
+  // thread would only add its wake-up to each of a decode step's 200-odd products. The stored
+  // formats' widening needs both cores' arithmetic.
+  const bool alone = m == 1 && std::is_same_v<W, float>;
   if (transposed) {
     // Each band writes its own columns of y: no partial sums to add.
-    const Split split = Share(pool, n, k * int64_t{sizeof(W)}, kDotRows);
+    const Split split = Share(pool, alone, n, k * int64_t{sizeof(W)}, kDotRows);
     const Problem<W> problem{x, w, y, m, k, n, split.band_rows, nullptr, xb, xk};
     kvjax::ParallelFor(pool, split.bands, split.workers,
                        [&](int64_t band, int64_t) { problem.RunTransposedBand(band); });
     return;
   }
-  const Split split = Share(pool, k, n * int64_t{sizeof(W)}, kPanel);
+  const Split split = Share(pool, alone, k, n * int64_t{sizeof(W)}, kPanel);
   std::vector<float> partial((split.workers - 1) * m * n);
   const Problem<W> problem{x, w, y, m, k, n, split.band_rows, partial.data(), xb, xk};
   // Each worker sums its bands in its own buffer (worker 0's is y); the buffers are added at the end.
