@@ -5,9 +5,11 @@ bound by how fast the weights stream from memory. XLA's CPU dot runs these shape
 the machine's bandwidth. The kernel in csrc/small_matmul.cc reads the row-major weights in
 order: each thread takes bands of consecutive rows, walks them 8 rows at a time across column
 chunks whose slice of y stays in L1, and prefetches the next 8 rows into L2; the threads' sums
-are added at the end. It beats XLA's dot on 2 to 16 rows (`kvjax bench matmul`; the figures are
-in docs/results.md): from 17 rows on, products stay with XLA's blocked GEMM, and so does one row
-(a matrix-vector product).
+are added at the end. It beats XLA's dot on 1 to 16 rows (`kvjax bench matmul`; the figures are
+in docs/results.md): from 17 rows on, products stay with XLA's blocked GEMM. Weights stored in
+bfloat16 or int8 are multiplied by activations rounded to bfloat16 in pairs (vdpbf16ps, where the
+CPU has AVX512_BF16): half the multiplies of widening them to float32, which at batch 8 had made
+the stored formats as slow as float32.
 
 `matmul` is the CPU backend's product for kvjax's Dense and Embed layers (kvjax.model.weights):
 float32 activations times weights stored in float32, bfloat16 or int8 (a scale per output column),
@@ -33,8 +35,9 @@ from kvjax.kernels import build as cpu_kernels
 
 TARGET = "kvjax_small_matmul"
 # The rows for which the kernel beats XLA's dot on the development machine (`kvjax bench
-# matmul`, see above).
-MIN_ROWS, MAX_ROWS = 2, 16
+# matmul`, see above; one row too, since its matrix-vector product keeps both weights and thread
+# pool overhead below XLA's inside a decode step).
+MIN_ROWS, MAX_ROWS = 1, 16
 
 
 def kernel_available() -> bool:
@@ -93,11 +96,10 @@ def small_matmul(x: jax.Array, w: jax.Array, scale: jax.Array | None = None, *, 
 
 def uses_kernel(rows: int, x_dtype, w_dtype=jnp.float32) -> bool:
   """Whether a product of `rows` rows of x_dtype by weights stored as w_dtype goes to the kernel:
-  float32 weights from MIN_ROWS rows (XLA's matrix-vector product is as fast), weights stored in
-  bfloat16 or int8 from one row (XLA would widen the whole matrix first), up to MAX_ROWS."""
-  least = MIN_ROWS if w_dtype == jnp.float32 else 1
+  MIN_ROWS to MAX_ROWS rows of float32 activations (XLA would also widen a stored matrix whole
+  before its product)."""
   return (
-    least <= rows <= MAX_ROWS
+    MIN_ROWS <= rows <= MAX_ROWS
     and x_dtype == jnp.float32
     and w_dtype in WEIGHT_DTYPES
     and cpu_kernels.single_cpu()

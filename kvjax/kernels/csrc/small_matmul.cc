@@ -16,8 +16,10 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
+#include "bf16_pairs.h"
 #include "parallel.h"
 #include "simd.h"
 #include "xla/ffi/api/ffi.h"
@@ -63,6 +65,53 @@ void Panel(const float* x, const W* w, float* y, int64_t m, int64_t k_dim, int64
   if (c < c1) Column<P, true>(x, w, y, m, k_dim, n, k, c, c1 - c, add, prefetch);
 }
 
+#ifdef KVJAX_BF16_PAIRS
+// The stored formats' form of Panel (bf16_pairs.h): rows k:k+2P of w, as P interleaved pairs,
+// across columns c0:c1, 16 at a time. xp holds x's bfloat16 pairs, row stride half_k.
+template <int P, typename W>
+void PairPanel(const uint32_t* xp, const W* w, float* y, int64_t m, int64_t half_k, int64_t n, int64_t k,
+               int64_t c0, int64_t c1, bool add, bool prefetch, __m512i interleave) {
+  for (int64_t c = c0; c < c1; c += 16) {
+    const int64_t width = std::min<int64_t>(16, c1 - c);
+    const __mmask16 mask = kvjax::Mask16(width);
+    __m512bh wv[P];
+    for (int i = 0; i < P; ++i) wv[i] = kvjax::PairsOf(w + (k + 2 * i) * n + c, w + (k + 2 * i + 1) * n + c, width, interleave);
+    if (prefetch)
+      for (int i = 0; i < 2 * P; ++i) __builtin_prefetch(w + (k + 2 * P + i) * n + c, 0, 2);
+    for (int64_t r = 0; r < m; ++r) {
+      __m512 acc = add ? _mm512_maskz_loadu_ps(mask, y + r * n + c) : _mm512_setzero_ps();
+      const uint32_t* xr = xp + r * half_k + k / 2;
+      for (int i = 0; i < P; ++i) acc = _mm512_dpbf16_ps(acc, wv[i], (__m512bh)_mm512_set1_epi32(xr[i]));
+      _mm512_mask_storeu_ps(y + r * n + c, mask, acc);
+    }
+  }
+}
+
+// The transposed form for J rows j0:j0+J of w [N, K] and R rows r0:r0+R of x (bfloat16 bits,
+// row stride xk): each 32 values of the J rows of w are widened once for the R rows of x.
+template <int J, int R, typename W>
+void PairDots(const uint16_t* xb, const W* w, float* y, int64_t r0, int64_t xk, int64_t k_dim, int64_t n,
+              int64_t j0) {
+  __m512 acc[J][R];
+  for (int j = 0; j < J; ++j)
+    for (int r = 0; r < R; ++r) acc[j][r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < k_dim; k += 32) {
+    const int64_t width = std::min<int64_t>(32, k_dim - k);
+    __m512bh wv[J];
+    for (int j = 0; j < J; ++j) {
+      wv[j] = kvjax::RowOf(w + (j0 + j) * k_dim + k, width);
+      __builtin_prefetch(w + (j0 + j + 4 * J) * k_dim + k, 0, 2);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = kvjax::RowOf(xb + (r0 + r) * xk + k, width);
+      for (int j = 0; j < J; ++j) acc[j][r] = _mm512_dpbf16_ps(acc[j][r], wv[j], xv);
+    }
+  }
+  for (int j = 0; j < J; ++j)
+    for (int r = 0; r < R; ++r) y[(r0 + r) * n + j0 + j] = _mm512_reduce_add_ps(acc[j][r]);
+}
+#endif
+
 inline float LaneSum(Vec v) {
 #if defined(__AVX512F__)
   return _mm512_reduce_add_ps((__m512)v);
@@ -73,28 +122,32 @@ inline float LaneSum(Vec v) {
 #endif
 }
 
-// The transposed form, y[r, j] = x[r, :] . w[j, :] for R rows r0:r0+R of x and the rows j0:j1
-// of w [N, K]: each row of w is read once, in order, per group of R rows of x, and stays in L1
-// for the next group.
-template <int R, typename W>
-void DotRows(const float* x, const W* w, float* y, int64_t r0, int64_t k_dim, int64_t n, int64_t j0,
-             int64_t j1) {
-  const int64_t full = k_dim / kLanes * kLanes;
-  for (int64_t j = j0; j < j1; ++j) {
-    const W* row = w + j * k_dim;
-    __builtin_prefetch(row + 4 * k_dim, 0, 2);
-    Vec acc[R] = {};
-    for (int64_t k = 0; k < full; k += kLanes) {
-      const Vec wv = kvjax::LoadAs(row + k);
-      for (int r = 0; r < R; ++r) acc[r] += kvjax::Load(x + (r0 + r) * k_dim + k) * wv;
+// The transposed form, y[r, j] = x[r, :] . w[j, :] for R rows r0:r0+R of x and J rows j0:j0+J of
+// w [N, K]: each vector of the J rows of w is widened once and used for the R rows of x, each
+// vector of x for the J rows of w (J x R sums in registers, J + R loads per J x R products).
+template <int J, int R, typename W>
+void DotRows(const float* x, const W* w, float* y, int64_t r0, int64_t k_dim, int64_t n, int64_t j0) {
+  Vec acc[J][R] = {};
+  for (int64_t k = 0; k < k_dim; k += kLanes) {
+    const int64_t width = std::min<int64_t>(kLanes, k_dim - k);
+    const bool full = width == kLanes;
+    Vec wv[J];
+    for (int j = 0; j < J; ++j) {
+      const W* row = w + (j0 + j) * k_dim + k;
+      wv[j] = full ? kvjax::LoadAs(row) : kvjax::LoadPartAs(row, width);
+      __builtin_prefetch(row + 4 * J * k_dim, 0, 2);
     }
-    if (full < k_dim) {
-      const Vec wv = kvjax::LoadPartAs(row + full, k_dim - full);
-      for (int r = 0; r < R; ++r) acc[r] += kvjax::LoadPart(x + (r0 + r) * k_dim + full, k_dim - full) * wv;
+    for (int r = 0; r < R; ++r) {
+      const float* xr = x + (r0 + r) * k_dim + k;
+      const Vec xv = full ? kvjax::Load(xr) : kvjax::LoadPart(xr, width);
+      for (int j = 0; j < J; ++j) acc[j][r] += xv * wv[j];
     }
-    for (int r = 0; r < R; ++r) y[(r0 + r) * n + j] = LaneSum(acc[r]);
   }
+  for (int j = 0; j < J; ++j)
+    for (int r = 0; r < R; ++r) y[(r0 + r) * n + j0 + j] = LaneSum(acc[j][r]);
 }
+
+constexpr int64_t kDotRows = 4;  // rows of w [N, K] per block of the transposed form
 
 template <typename W>
 struct Problem {
@@ -104,6 +157,16 @@ struct Problem {
   int64_t m, k, n;
   int64_t band_rows;  // rows of w per band, one task each
   float* partial;     // [workers - 1, m, n]: the sums of the bands of workers 1, 2, ...
+  const uint16_t* xb;  // x as bfloat16 bits [m, xk], xk = k rounded up to even; null for float32 w
+  int64_t xk;
+
+  // Whether the products go by bfloat16 pairs (bf16_pairs.h): stored formats, where the CPU has them.
+  static constexpr bool kPairs =
+#ifdef KVJAX_BF16_PAIRS
+    !std::is_same_v<W, float>;
+#else
+    false;
+#endif
 
   // Adds x[:, band] @ w[band, :] for band `t` into worker `i`'s sum (or writes it, when first),
   // a column chunk at a time.
@@ -117,7 +180,21 @@ struct Problem {
     const int64_t chunk = std::max(kLanes, kChunkBytes / int64_t{sizeof(float)} / m / kLanes * kLanes);
     for (int64_t c0 = 0; c0 < n; c0 += chunk) {
       const int64_t c1 = std::min(n, c0 + chunk);
-      int64_t r = k0;
+      int64_t r = k0;  // even: bands start at multiples of kPanel
+#ifdef KVJAX_BF16_PAIRS
+      if constexpr (kPairs) {
+        // One row of x times int8 weights widens more cheaply to float32 than to bfloat16 pairs.
+        if (m > 1 || !std::is_same_v<W, int8_t>) {
+          const __m512i interleave = kvjax::InterleaveWords();
+          const uint32_t* xp = reinterpret_cast<const uint32_t*>(xb);
+          for (; r + kPanel <= k1; r += kPanel)
+            PairPanel<kPanel / 2>(xp, w, out, m, xk / 2, n, r, c0, c1, !first || r != k0, r + 2 * kPanel <= k1,
+                                  interleave);
+          for (; r + 2 <= k1; r += 2)
+            PairPanel<1>(xp, w, out, m, xk / 2, n, r, c0, c1, !first || r != k0, false, interleave);
+        }
+      }
+#endif
       for (; r + kPanel <= k1; r += kPanel)
         Panel<kPanel>(x, w, out, m, k, n, r, c0, c1, !first || r != k0, r + 2 * kPanel <= k1);
       for (; r < k1; ++r) Panel<1>(x, w, out, m, k, n, r, c0, c1, !first || r != k0, false);
@@ -127,22 +204,37 @@ struct Problem {
   // The transposed form: rows [t * band_rows, ...) of w [N, K] give those columns of y, whole.
   void RunTransposedBand(int64_t t) const {
     const int64_t j0 = std::min(n, t * band_rows), j1 = std::min(n, j0 + band_rows);
+    int64_t j = j0;
+    for (; j + kDotRows <= j1; j += kDotRows) Dots<kDotRows>(j);
+    for (; j < j1; ++j) Dots<1>(j);
+  }
+
+  template <int J>
+  void Dots(int64_t j) const {
     int64_t r = 0;
-    for (; r + 4 <= m; r += 4) DotRows<4>(x, w, y, r, k, n, j0, j1);
-    for (; r < m; ++r) DotRows<1>(x, w, y, r, k, n, j0, j1);
+#ifdef KVJAX_BF16_PAIRS
+    if constexpr (kPairs) {
+      for (; r + 4 <= m; r += 4) PairDots<J, 4>(xb, w, y, r, xk, k, n, j);
+      for (; r < m; ++r) PairDots<J, 1>(xb, w, y, r, xk, k, n, j);
+      return;
+    }
+#endif
+    for (; r + 4 <= m; r += 4) DotRows<J, 4>(x, w, y, r, k, n, j);
+    for (; r < m; ++r) DotRows<J, 1>(x, w, y, r, k, n, j);
   }
 };
 
-// Rows of w (of `row_bytes` each) per band, and the bands and workers to share `rows` among.
 struct Split {
   int64_t band_rows, bands, workers;
 };
 
-Split Share(const ffi::ThreadPool& pool, int64_t rows, int64_t row_bytes, int64_t align) {
+// Rows of w (of `row_bytes` each) per band, and the bands and workers to share `rows` among.
+// `alone`: the product stays on the calling thread.
+Split Share(const ffi::ThreadPool& pool, bool alone, int64_t rows, int64_t row_bytes, int64_t align) {
   // Waking a pool thread costs more than streaming a small slice of w: only weights of
   // kMinBytesPerThread or more per thread are worth sharing.
-  const int64_t threads = std::clamp<int64_t>(rows * row_bytes / kMinBytesPerThread, 1,
-                                              std::max<int64_t>(1, pool.num_threads()));
+  const int64_t most = alone ? 1 : std::max<int64_t>(1, pool.num_threads());
+  const int64_t threads = std::clamp<int64_t>(rows * row_bytes / kMinBytesPerThread, 1, most);
   const int64_t units = std::max<int64_t>(1, (rows + align - 1) / align);
   const int64_t bands = std::min(threads * kBandsPerThread, units);
   const int64_t band_rows = (units + bands - 1) / bands * align;
@@ -150,19 +242,25 @@ Split Share(const ffi::ThreadPool& pool, int64_t rows, int64_t row_bytes, int64_
 }
 
 template <typename W>
-void Multiply(ffi::ThreadPool& pool, const float* x, const W* w, float* y, int64_t m, int64_t k, int64_t n,
-              bool transposed) {
+void Multiply(ffi::ThreadPool& pool, const float* x, const uint16_t* xb, const W* w, float* y, int64_t m, int64_t k,
+              int64_t n, bool transposed) {
+  const int64_t xk = (k + 1) / 2 * 2;
+  // A float32 matrix times one row is a multiply per weight read: one core reads memory at the
+  // machine's full rate doing that (a second adds nothing on the development machine), so a pool
+  // thread would only add its wake-up to each of a decode step's 200-odd products. The stored
+  // formats' widening needs both cores' arithmetic.
+  const bool alone = m == 1 && std::is_same_v<W, float>;
   if (transposed) {
     // Each band writes its own columns of y: no partial sums to add.
-    const Split split = Share(pool, n, k * int64_t{sizeof(W)}, 1);
-    const Problem<W> problem{x, w, y, m, k, n, split.band_rows, nullptr};
+    const Split split = Share(pool, alone, n, k * int64_t{sizeof(W)}, kDotRows);
+    const Problem<W> problem{x, w, y, m, k, n, split.band_rows, nullptr, xb, xk};
     kvjax::ParallelFor(pool, split.bands, split.workers,
                        [&](int64_t band, int64_t) { problem.RunTransposedBand(band); });
     return;
   }
-  const Split split = Share(pool, k, n * int64_t{sizeof(W)}, kPanel);
+  const Split split = Share(pool, alone, k, n * int64_t{sizeof(W)}, kPanel);
   std::vector<float> partial((split.workers - 1) * m * n);
-  const Problem<W> problem{x, w, y, m, k, n, split.band_rows, partial.data()};
+  const Problem<W> problem{x, w, y, m, k, n, split.band_rows, partial.data(), xb, xk};
   // Each worker sums its bands in its own buffer (worker 0's is y); the buffers are added at the end.
   std::vector<char> used(split.workers, 0);  // per worker: whether its buffer holds a sum
   kvjax::ParallelFor(pool, split.bands, split.workers, [&](int64_t band, int64_t worker) {
@@ -197,10 +295,22 @@ ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
   if (m * n == 0) return ffi::Error::Success();
   float* out = y->typed_data();
   const float* xs = x.typed_data();
+  // With a stored format: x rounded to bfloat16, as floats and as bits [m, xk] (a zero appended
+  // to rows of odd length, so each pair is one uint32).
+  const int64_t xk = (k + 1) / 2 * 2;
   std::vector<float> rounded;
+  std::vector<uint16_t> bits;
   if (w.element_type() != ffi::DataType::F32) {
     rounded.resize(m * k);
-    for (int64_t i = 0; i < m * k; ++i) rounded[i] = RoundToBfloat16(xs[i]);
+    bits.assign(m * xk, 0);
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t i = 0; i < k; ++i) {
+        const float value = RoundToBfloat16(xs[r * k + i]);
+        uint32_t word;
+        std::memcpy(&word, &value, sizeof(word));
+        rounded[r * k + i] = value;
+        bits[r * xk + i] = static_cast<uint16_t>(word >> 16);
+      }
     xs = rounded.data();
   }
   if (k == 0) {
@@ -209,13 +319,13 @@ ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
   }
   switch (w.element_type()) {
     case ffi::DataType::F32:
-      Multiply(pool, xs, static_cast<const float*>(w.untyped_data()), out, m, k, n, transposed);
+      Multiply(pool, xs, bits.data(), static_cast<const float*>(w.untyped_data()), out, m, k, n, transposed);
       break;
     case ffi::DataType::BF16:
-      Multiply(pool, xs, static_cast<const uint16_t*>(w.untyped_data()), out, m, k, n, transposed);
+      Multiply(pool, xs, bits.data(), static_cast<const uint16_t*>(w.untyped_data()), out, m, k, n, transposed);
       break;
     case ffi::DataType::S8:
-      Multiply(pool, xs, static_cast<const int8_t*>(w.untyped_data()), out, m, k, n, transposed);
+      Multiply(pool, xs, bits.data(), static_cast<const int8_t*>(w.untyped_data()), out, m, k, n, transposed);
       break;
     default:
       return ffi::Error::InvalidArgument("kvjax_small_matmul takes weights in float32, bfloat16 or int8");
