@@ -2,16 +2,26 @@
 the jobs its speed is judged by, every figure from one run on one machine.
 
   bandwidth   the machine's memory read rate (GB/s): a jitted sum over 1 GiB of float32.
-  decode      greedy generation, 128-token prompts + 128 new tokens at batch 1 and 8, with the
-              weights stored in each format (kvjax.model.weights) against transformers' float32
-              and bfloat16 models (static cache); at batch 1, the weight bytes read per second
-              and their fraction of the bandwidth.
+  decode      greedy generation, 128-token prompts + 128 new tokens at batch 1 and 8, format for
+              format (kvjax.bench.real_formats): rows kvjax_{float32,bfloat16,int8} beside
+              hf_{float32,bfloat16,int8} (transformers' model, its bfloat16 copy, its
+              quantize_dynamic int8 copy; static cache) and, at batch 1 with --llamacpp-python,
+              llamacpp_{f32,q8_0} (else `llamacpp_skipped` says why); all in alternating
+              rounds. Each row: tokens_per_s (whole generate call), seconds (the rounds);
+              agreement_with_float32 / agreement_with_kvjax_float32 ({prompts_agree,
+              first_divergence}); kvjax rows: weight_gb_per_s, bandwidth_fraction,
+              over_hf_same_format, over_hf_best, over_llamacpp_{f32,q8_0} (float32, int8);
+              llamacpp rows: own_prefill_s, own_decode_tokens_per_s, gguf.
   perplexity  held-out prose perplexity of each weight format against float32 (kvjax's plain
               forward pass, `windows` windows of 1,024 tokens).
   perplexity  also of each cache codec, read through the cache as a decode reads it.
-  prefill     batch x 2,048-token prompts: tokens/s and the process's peak resident memory,
-              kvjax's prefill (blocked attention) with each weight format against transformers'
-              float32 forward pass (SDPA).
+  prefill     batch x 2,048-token prompts, the same kvjax and hf rows in alternating rounds
+              (--prefill-repeats): seconds (median), rounds_s, tokens_per_s, peak_gib (the
+              process's peak resident memory), next_token_agrees_with_float32, and for kvjax
+              over_hf_same_format, over_hf_best. kvjax's prefill is blocked attention,
+              transformers' its forward pass (SDPA).
+  hf_int8     what transformers' int8 copy holds: Linear layers quantized (the lm_head among
+              them), the qscheme, the parameters left float32.
   long        the decode phase after that prefill: seconds per step with each kvjax cache codec
               (int8 weights) against transformers' dynamic and static caches, and the whole
               request (prefill + 256 steps) from those figures.
