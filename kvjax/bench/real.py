@@ -178,10 +178,7 @@ def bench_real(
   if "decode" in parts or "prefill" in parts or "long" in parts:
     hf_models, result["hf_int8"] = hf_formats(hf_model)
   if "decode" in parts:
-    llamacpp = {"skipped": check_python(llamacpp_python)} if check_python(llamacpp_python) else {}
-    if not llamacpp and not is_gguf(Path(versions["source"])):
-      llamacpp = {"skipped": f"{versions['source']} is not a GGUF file, the only input llama.cpp reads"}
-    llamacpp = llamacpp or {"python": llamacpp_python, "gguf": Path(versions["source"])}
+    llamacpp = _llamacpp_peer(llamacpp_python, Path(versions["source"]))
     result["decode"] = bench_decode(
       model,
       params,
@@ -230,6 +227,14 @@ def bench_real(
   if "engine" in parts:
     result["engine"] = bench_engine(model, params, tokenizer, hf_model, workload)
   return result
+
+
+def _llamacpp_peer(python: str | None, source: Path) -> dict:
+  """bench_decode's `llamacpp`: {"python", "gguf"} to run llama.cpp's rows, or {"skipped": why}."""
+  why = check_python(python)
+  if why is None and not is_gguf(source):
+    why = f"{source} is not a GGUF file, the only input llama.cpp reads"
+  return {"skipped": why} if why else {"python": python, "gguf": source}
 
 
 def _report(progress, part: str, result: dict) -> None:
