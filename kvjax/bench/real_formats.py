@@ -109,9 +109,16 @@ def bench_decode(model, params, tokenizer, hf_models, bandwidth, *, batches, pro
     fns |= {f"hf_{f}": _hf_generate(torch, m, prompts, new_tokens) for f, m in hf_models.items()}
     peers = {}
     if batch == 1 and "python" in llamacpp:
-      for fmt in LLAMACPP_FORMATS:
-        peers[fmt] = LlamaCppPeer(llamacpp["python"], llamacpp["gguf"], fmt, prompts[0], new_tokens)
-        fns[f"llamacpp_{fmt}"] = peers[fmt]
+      try:
+        for fmt in LLAMACPP_FORMATS:
+          peers[fmt] = LlamaCppPeer(llamacpp["python"], llamacpp["gguf"], fmt, prompts[0], new_tokens)
+          fns[f"llamacpp_{fmt}"] = peers[fmt]
+      except RuntimeError as err:  # its environment cannot load the model: the other rows still run
+        llamacpp = {"skipped": str(err)}
+        for fmt, peer in peers.items():
+          peer.close()
+          del fns[f"llamacpp_{fmt}"]
+        peers = {}
     answers = {}
     try:
       times = timed_alternating({n: _keeping(fn, answers, n) for n, fn in fns.items()}, repeats)
