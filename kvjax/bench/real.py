@@ -2,16 +2,26 @@
 the jobs its speed is judged by, every figure from one run on one machine.
 
   bandwidth   the machine's memory read rate (GB/s): a jitted sum over 1 GiB of float32.
-  decode      greedy generation, 128-token prompts + 128 new tokens at batch 1 and 8, with the
-              weights stored in each format (kvjax.model.weights) against transformers' float32
-              and bfloat16 models (static cache); at batch 1, the weight bytes read per second
-              and their fraction of the bandwidth.
+  decode      greedy generation, 128-token prompts + 128 new tokens at batch 1 and 8, format for
+              format (kvjax.bench.real_formats): rows kvjax_{float32,bfloat16,int8} beside
+              hf_{float32,bfloat16,int8} (transformers' model, its bfloat16 copy, its
+              quantize_dynamic int8 copy; static cache) and, at batch 1 with --llamacpp-python,
+              llamacpp_{f32,q8_0} (else `llamacpp_skipped` says why); all in alternating
+              rounds. Each row: tokens_per_s (whole generate call), seconds (the rounds);
+              agreement_with_float32 / agreement_with_kvjax_float32 ({prompts_agree,
+              first_divergence}); kvjax rows: weight_gb_per_s, bandwidth_fraction,
+              over_hf_same_format, over_hf_best, over_llamacpp_{f32,q8_0} (float32, int8);
+              llamacpp rows: own_prefill_s, own_decode_tokens_per_s, gguf.
   perplexity  held-out prose perplexity of each weight format against float32 (kvjax's plain
               forward pass, `windows` windows of 1,024 tokens).
   perplexity  also of each cache codec, read through the cache as a decode reads it.
-  prefill     batch x 2,048-token prompts: tokens/s and the process's peak resident memory,
-              kvjax's prefill (blocked attention) with each weight format against transformers'
-              float32 forward pass (SDPA).
+  prefill     batch x 2,048-token prompts, the same kvjax and hf rows in alternating rounds
+              (--prefill-repeats): seconds (median), rounds_s, tokens_per_s, peak_gib (the
+              process's peak resident memory), next_token_agrees_with_float32, and for kvjax
+              over_hf_same_format, over_hf_best. kvjax's prefill is blocked attention,
+              transformers' its forward pass (SDPA).
+  hf_int8     what transformers' int8 copy holds: Linear layers quantized (the lm_head among
+              them), the qscheme, the parameters left float32.
   long        the decode phase after that prefill: seconds per step with each kvjax cache codec
               (int8 weights) against transformers' dynamic and static caches, and the whole
               request (prefill + 256 steps) from those figures.
@@ -23,24 +33,25 @@ the jobs its speed is judged by, every figure from one run on one machine.
 
 from __future__ import annotations
 
-import copy
 import json
 import math
-import statistics
 import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from kvjax.bench.engine_workload import Workload, bench_engine
-from kvjax.bench.real_model import check_source, hf_greedy_kwargs, import_torch, load_both, prose_prompts
+from kvjax.bench.llamacpp_peer import check_python
+from kvjax.bench.real_formats import bench_decode, bench_prefill, hf_formats
+from kvjax.bench.real_model import check_source, import_torch, load_both, prose_prompts
 from kvjax.bench.registry import PRETRAINED_MODEL, Benchmark, Kind, Option
 from kvjax.cache.config import CacheConfig
 from kvjax.decoding import decode
-from kvjax.model.weights import FORMATS, store, weight_bytes
-from kvjax.timing import timed_alternating
+from kvjax.interop.gguf_file import is_gguf
+from kvjax.model.weights import FORMATS, store
 from kvjax.training.config import DataConfig
 from kvjax.training.data import PROSE, load_dataset
 from kvjax.training.evaluate import evaluate
@@ -74,73 +85,6 @@ def _rate(fn, args, nbytes: int, repeats: int) -> float:
   return nbytes / best / 1e9
 
 
-def reset_peak_memory() -> None:
-  """Resets the process's peak resident memory (Linux: VmHWM), so the next reading is one phase's."""
-  try:
-    with open("/proc/self/clear_refs", "w") as f:
-      f.write("5")
-  except OSError:
-    pass
-
-
-def peak_memory_gib() -> float | None:
-  """The process's peak resident memory since the last reset, GiB (None where /proc has none)."""
-  try:
-    with open("/proc/self/status") as f:
-      for line in f:
-        if line.startswith("VmHWM:"):
-          return int(line.split()[1]) / 2**20
-  except OSError:
-    pass
-  return None
-
-
-def _hf_generate(torch, hf_model, prompts: np.ndarray, new_tokens: int):
-  input_ids = torch.from_numpy(prompts.astype(np.int64))
-  kwargs = hf_greedy_kwargs(torch, input_ids, new_tokens)
-
-  def run():
-    with torch.inference_mode():
-      return hf_model.generate(input_ids, **kwargs)[:, prompts.shape[1] :].numpy()
-
-  return run
-
-
-def bench_decode_formats(model, params, tokenizer, hf_models, bandwidth, *, batches, prompt, new_tokens, repeats):
-  torch, _ = import_torch()
-  stored = {fmt: store(params, fmt) for fmt in FORMATS}
-  rows = []
-  for batch in batches:
-    prompts = prose_prompts(tokenizer, batch, prompt)
-    lengths = np.full((batch,), prompt, np.int32)
-    fns = {
-      f"kvjax_{fmt}": (lambda p=p: decode.generate(model, p, prompts, lengths, new_tokens)) for fmt, p in stored.items()
-    }
-    fns |= {f"hf_{name}": _hf_generate(torch, m, prompts, new_tokens) for name, m in hf_models.items()}
-    reference = np.asarray(fns["hf_float32"]())
-    times = timed_alternating(fns, repeats)
-    row = {"batch": batch}
-    for name, fn in fns.items():
-      seconds = statistics.median(times[name])
-      row[name] = {"tokens_per_s": batch * new_tokens / seconds, "seconds": times[name]}
-      if name.startswith("kvjax_"):
-        fmt = name.removeprefix("kvjax_")
-        row[name]["greedy_tokens_agree_with_hf_float32"] = float((np.asarray(fn()) == reference).mean())
-        row[name]["weight_gb_per_s"] = weight_bytes(stored[fmt]) * new_tokens / seconds / 1e9
-        row[name]["bandwidth_fraction"] = row[name]["weight_gb_per_s"] / bandwidth
-    best_hf = max(row[f"hf_{n}"]["tokens_per_s"] for n in hf_models)
-    for fmt in FORMATS:
-      row[f"kvjax_{fmt}"]["over_hf_float32"] = row[f"kvjax_{fmt}"]["tokens_per_s"] / row["hf_float32"]["tokens_per_s"]
-      row[f"kvjax_{fmt}"]["over_hf_best"] = row[f"kvjax_{fmt}"]["tokens_per_s"] / best_hf
-    rows.append(row)
-  return {
-    "prompt": prompt,
-    "new_tokens": new_tokens,
-    "weight_bytes": {f: weight_bytes(p) for f, p in stored.items()},
-    "rows": rows,
-  }
-
-
 def bench_perplexity_formats(model, params, tokenizer, *, seq_len, windows):
   """Held-out perplexity of each weight format (float32 cache) and of each cache codec (float32
   weights, read through the cache as a decode does) against float32."""
@@ -154,36 +98,6 @@ def bench_perplexity_formats(model, params, tokenizer, *, seq_len, windows):
     out["cache"][codec] = run(params, CacheConfig(dtype=codec))["perplexity"]
   for group in ("weights", "cache"):
     out[f"{group}_relative"] = {name: value / base - 1 for name, value in out[group].items()}
-  return out
-
-
-def bench_prefill(model, params, tokenizer, hf_model, *, batch, prompt, max_len):
-  """kvjax prefill (last logits) with the weights in each format vs transformers' float32
-  forward (dynamic cache, last logits): one timed run each after a warm-up, the process's peak
-  resident memory during it."""
-  torch, _ = import_torch()
-  prompts = prose_prompts(tokenizer, batch, prompt)
-  lengths = np.full((batch,), prompt, np.int32)
-  ids = torch.from_numpy(prompts.astype(np.int64))
-
-  def ours(p):
-    return lambda: decode.prefill(model, p, prompts, lengths, max_len, logits="last")[0]
-
-  def theirs():
-    with torch.inference_mode():
-      return hf_model(ids, use_cache=True, logits_to_keep=1).logits
-
-  fns = {f"kvjax_{fmt}": ours(store(params, fmt)) for fmt in FORMATS} | {"hf_float32": theirs}
-  out = {"batch": batch, "prompt": prompt}
-  for name, fn in fns.items():
-    jax.block_until_ready(fn())
-    reset_peak_memory()
-    start = time.perf_counter()
-    jax.block_until_ready(fn())
-    seconds = time.perf_counter() - start
-    out[name] = {"seconds": seconds, "tokens_per_s": batch * prompt / seconds, "peak_gib": peak_memory_gib()}
-  for name in fns:
-    out[name]["over_hf"] = out[name]["tokens_per_s"] / out["hf_float32"]["tokens_per_s"]
   return out
 
 
@@ -251,18 +165,21 @@ def bench_real(
   windows: int = 4,
   seq_len: int = 1024,
   workload: Workload = Workload(),
+  prefill_repeats: int = 1,
+  llamacpp_python: str | None = None,
   progress=None,
 ) -> dict:
   """The parts named in `parts` (PARTS), as one JSON-able dict; progress(part, result), when
   given, is called as each part ends, with the result so far."""
-  torch, _ = import_torch()
   model, params, tokenizer, hf_model, versions = load_both(source)
   result = {"benchmark": "real", "model": model.config.to_dict(), **versions, "parts": list(parts)}
   result["bandwidth"] = memory_bandwidth()
   bandwidth = result["bandwidth"]["gb_per_s"]
+  if "decode" in parts or "prefill" in parts or "long" in parts:
+    hf_models, result["hf_int8"] = hf_formats(hf_model)
   if "decode" in parts:
-    hf_models = {"float32": hf_model, "bfloat16": _bf16_copy(torch, hf_model)}
-    result["decode"] = bench_decode_formats(
+    llamacpp = _llamacpp_peer(llamacpp_python, Path(versions["source"]))
+    result["decode"] = bench_decode(
       model,
       params,
       tokenizer,
@@ -272,8 +189,8 @@ def bench_real(
       prompt=prompt,
       new_tokens=new_tokens,
       repeats=repeats,
+      llamacpp=llamacpp,
     )
-    del hf_models["bfloat16"]
     _report(progress, "decode", result)
   if "perplexity" in parts:
     result["perplexity"] = bench_perplexity_formats(model, params, tokenizer, seq_len=seq_len, windows=windows)
@@ -283,12 +200,14 @@ def bench_real(
       model,
       params,
       tokenizer,
-      hf_model,
+      hf_models,
       batch=long_batch,
       prompt=long_prompt,
       max_len=long_prompt + long_new,
+      repeats=prefill_repeats,
     )
     _report(progress, "prefill", result)
+  hf_models = None  # the bfloat16 and int8 copies go before the long and engine parts
   if "long" in parts:
     prefill = result["prefill"]
     prefill_s = {"kvjax": prefill[f"kvjax_{long_weights}"]["seconds"], "hf": prefill["hf_float32"]["seconds"]}
@@ -310,13 +229,17 @@ def bench_real(
   return result
 
 
+def _llamacpp_peer(python: str | None, source: Path) -> dict:
+  """bench_decode's `llamacpp`: {"python", "gguf"} to run llama.cpp's rows, or {"skipped": why}."""
+  why = check_python(python)
+  if why is None and not is_gguf(source):
+    why = f"{source} is not a GGUF file, the only input llama.cpp reads"
+  return {"skipped": why} if why else {"python": python, "gguf": source}
+
+
 def _report(progress, part: str, result: dict) -> None:
   if progress is not None:
     progress(part, result)
-
-
-def _bf16_copy(torch, hf_model):
-  return copy.deepcopy(hf_model).to(torch.bfloat16)
 
 
 def print_progress(part: str, result: dict) -> None:
@@ -324,9 +247,17 @@ def print_progress(part: str, result: dict) -> None:
   print(f"kvjax bench real: {part} done: {json.dumps(result)}", file=sys.stderr, flush=True)
 
 
-def run(*, model: str, parts: list[str], repeats: int) -> dict:
+def run(*, model: str, parts: list[str], repeats: int, prefill_repeats: int, llamacpp_python: str | None) -> dict:
   check_source(model)
-  return bench_real(model, parts=parts, repeats=repeats, progress=print_progress)
+  check_python(llamacpp_python)
+  return bench_real(
+    model,
+    parts=parts,
+    repeats=repeats,
+    prefill_repeats=prefill_repeats,
+    llamacpp_python=llamacpp_python,
+    progress=print_progress,
+  )
 
 
 BENCHMARK = Benchmark(
@@ -337,6 +268,13 @@ BENCHMARK = Benchmark(
     PRETRAINED_MODEL,
     Option("parts", list(PARTS), "comma-separated parts to run", Kind.NAMES, choices=PARTS),
     Option("repeats", 3, "alternating timed rounds of the decode part (median)"),
+    Option("prefill_repeats", 1, "alternating timed rounds of the prefill part (median)"),
+    Option(
+      "llamacpp_python",
+      None,
+      "the Python of an environment with llama-cpp-python: adds llama.cpp's f32 and q8_0 rows at batch 1",
+      Kind.PROGRAM,
+    ),
   ),
   description=__doc__,
 )

@@ -78,3 +78,24 @@ def prose_prompts(tokenizer, batch: int, prompt: int) -> np.ndarray:
   """int32 [batch, prompt]: windows of held-out prose, so decoding runs on text it could meet."""
   data = load_dataset(DataConfig(source=PROSE, seq_len=prompt), tokenizer)
   return next(eval_batches(data.val, prompt, batch, 1))[0]
+
+
+def reset_peak_memory() -> None:
+  """Resets the process's peak resident memory (Linux: VmHWM), so the next reading is one phase's."""
+  try:
+    with open("/proc/self/clear_refs", "w") as f:
+      f.write("5")
+  except OSError:
+    pass
+
+
+def peak_memory_gib() -> float | None:
+  """The process's peak resident memory since the last reset, GiB (None where /proc has none)."""
+  try:
+    with open("/proc/self/status") as f:
+      for line in f:
+        if line.startswith("VmHWM:"):
+          return int(line.split()[1]) / 2**20
+  except OSError:
+    pass
+  return None

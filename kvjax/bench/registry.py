@@ -24,6 +24,7 @@ class Kind(enum.Enum):
   COUNTS = "counts"  # comma-separated integers >= 1, as a list
   NAMES = "names"  # comma-separated names of Option.choices, as a list
   SOURCE = "source"  # a pretrained model: a name kvjax knows, a .gguf, a Hugging Face folder
+  PROGRAM = "program"  # an executable file (another environment's Python)
 
 
 @dataclasses.dataclass(frozen=True)

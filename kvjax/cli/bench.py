@@ -41,6 +41,7 @@ TYPES = {
   Kind.NONNEGATIVE: options.nonnegative_int,
   Kind.COUNTS: counts,
   Kind.SOURCE: options.path_text,
+  Kind.PROGRAM: options.program_path,
 }
 
 

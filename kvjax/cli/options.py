@@ -134,6 +134,14 @@ def path_text(text: str) -> str:
   return _path(text)
 
 
+def program_path(text: str) -> str:
+  """The argparse type of an argument naming a program to run: an existing executable file."""
+  path = path_text(text)
+  if not (os.path.isfile(path) and os.access(path, os.X_OK)):
+    raise argparse.ArgumentTypeError(f"{path} is not an executable file")
+  return path
+
+
 def nonempty_text(text: str) -> str:
   """The argparse type of a name (a dtype, a method): not empty, which would read as the default."""
   if not text.strip():

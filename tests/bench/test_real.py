@@ -1,10 +1,12 @@
 """The pieces of `kvjax bench real` that decide what is measured: the chat workload (seeded, in
-range, in the chat template) and the latency figures taken from token times."""
+range, in the chat template), the latency figures taken from token times, the greedy agreement of
+whole answers, and what transformers' int8 peer quantizes."""
 
 import numpy as np
 import pytest
 
 from kvjax.bench.engine_workload import Workload, latency_summary
+from kvjax.bench.real_formats import agreement, hf_formats
 from kvjax.interop.tokenizer import TextTokenizer
 from kvjax.training.checkpoint import load_model
 
@@ -29,3 +31,37 @@ def test_workload_is_seeded_chat_in_range(smollm2):
   for _, prompt, new in requests:
     assert 8 <= new <= 16 and len(prompt) <= 96 and prompt[:2] == start
     assert np.asarray(prompt).max() < model.config.vocab_size
+
+
+def test_agreement_is_whole_answers_prompt_by_prompt():
+  reference = np.array([[5, 6, 7, 8], [1, 2, 3, 4], [9, 9, 9, 9]])
+  answers = np.array([[5, 6, 7, 8], [1, 2, 0, 4], [0, 9, 9, 0]])
+  # Prompt 1 differs at position 2 only, prompt 2 at 0 (and 3): one of three agrees whole.
+  assert agreement(answers, reference) == {"prompts_agree": 1 / 3, "first_divergence": [None, 2, 0]}
+
+
+def test_transformers_int8_quantizes_every_linear_and_keeps_the_embedding_float():
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  config = transformers.LlamaConfig(
+    vocab_size=64,
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    tie_word_embeddings=True,
+  )
+  torch.manual_seed(0)
+  model = transformers.LlamaForCausalLM(config).eval()
+  models, notes = hf_formats(model)
+  assert models["float32"] is model and models["bfloat16"].model.embed_tokens.weight.dtype == torch.bfloat16
+  assert model.lm_head.weight.dtype == torch.float32  # the copies leave the float32 model as it was
+  # 7 projections per layer (q, k, v, o, gate, up, down) and the lm_head, which is tied to the embedding.
+  assert notes["quantized_linears"] == 2 * 7 + 1 and notes["lm_head_quantized"]
+  assert notes["float32_parameters"] == {
+    "model.embed_tokens.weight": 64 * 16,
+    "model.layers.N.input_layernorm.weight": 2 * 16,
+    "model.layers.N.post_attention_layernorm.weight": 2 * 16,
+    "model.norm.weight": 16,
+  }

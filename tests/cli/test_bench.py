@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 
 import pytest
 
@@ -100,7 +101,19 @@ def test_defaults_are_the_ones_documented_runs_used(monkeypatch, capsys):
   calls = record(monkeypatch, real, "bench_real")
   monkeypatch.setattr(real, "check_source", lambda source: None)
   assert kvjax(["bench", "real", "--model", "m", "--parts", "decode,long"], capsys)[0] == 0
-  assert calls[0] == (("m",), {"parts": ["decode", "long"], "repeats": 3, "progress": real.print_progress})
+  assert calls[0] == (
+    ("m",),
+    {
+      "parts": ["decode", "long"],
+      "repeats": 3,
+      "prefill_repeats": 1,
+      "llamacpp_python": None,
+      "progress": real.print_progress,
+    },
+  )
+  python = sys.executable  # an executable file
+  assert kvjax(["bench", "real", "--model", "m", "--llamacpp-python", python], capsys)[0] == 0
+  assert calls[1][1]["llamacpp_python"] == python
 
 
 def test_hf_with_a_model_runs_it_at_batch_1_and_8(monkeypatch, capsys):
@@ -122,6 +135,10 @@ def test_hf_with_a_model_runs_it_at_batch_1_and_8(monkeypatch, capsys):
     ),
     (["bench", "evict"], "kvjax bench evict: error: the following arguments are required: --model"),
     (["bench", "real", "--model", "m", "--parts", "decode,x"], "argument --parts: must name some of decode,"),
+    (
+      ["bench", "real", "--model", "m", "--llamacpp-python", "/no/such/python"],
+      "argument --llamacpp-python: /no/such/python is not an executable file",
+    ),
     (["bench", "paged", "--set", "cache.dtype='int8'"], "kvjax bench: error: unknown config key 'cache.dtype'"),
     (["bench", "hf", "--model", "m", "--set", "model.num_layers=2"], "with --model the pretrained model is used"),
     (

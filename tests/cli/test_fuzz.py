@@ -622,6 +622,7 @@ def bench_pieces(files: dict[str, str], name: str) -> list:
     Kind.COUNTS: st.one_of(not_a(int), st.sampled_from(("0", "1,-1", "64,", ",", str(10**30), "1e400"))),
     Kind.NAMES: st.sampled_from(("", ",", "decode,bogus", "engines", "decode;prefill")),
     Kind.SOURCE: paths(files, "notes", "empty", "model.gguf", "hf_garbage", "hf_partial", "missing"),
+    Kind.PROGRAM: paths(files, "notes", "empty", "config.py", "missing"),
   }
   pieces = [option(o.flag, hostile[o.kind]) for o in benchmark.options]
   if benchmark.config is not None:
