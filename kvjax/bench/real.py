@@ -13,7 +13,7 @@ the jobs its speed is judged by, every figure from one run on one machine.
               kvjax's prefill (blocked attention) with each weight format against transformers'
               float32 forward pass (SDPA).
   long        whole requests of batch x (2,048 + 256) tokens, each side in its own process
-              (kvjax.bench.real_long, `kvjax bench long` for every shape): prefill, decode and
+              (kvjax.bench.real_long, `kvjax bench real_long` for every shape): prefill, decode and
               request seconds, peak resident memory and KV bytes, kvjax's float32 and int8
               caches against transformers' static and dynamic caches, float32 weights.
   engine      a seeded workload of chat requests (prose in the chat template, 32-512 prompt

@@ -1,4 +1,4 @@
-"""`kvjax bench long --model NAME`: whole long requests, kvjax beside `transformers`, each side in
+"""`kvjax bench real_long --model NAME`: whole long requests, kvjax beside `transformers`, each side in
 its own process.
 
 A cell is one request shape (batch x prompt tokens + new tokens), one weight format and one side:
@@ -156,12 +156,12 @@ def bench_long_requests(source: str, *, repeats: int = 1, progress=None, **cells
       row["greedy_agreement"] = agreement(ids[cell], ids[reference])
     rows.append(row)
   compare(rows)
-  return {"benchmark": "long", "source": str(path), "repeats": repeats, "rows": rows}
+  return {"benchmark": "real_long", "source": str(path), "repeats": repeats, "rows": rows}
 
 
 def print_progress(cell: Cell, result: dict) -> None:
   """Each cell's figures on stderr as it ends: a long run's figures survive an interruption."""
-  print(f"kvjax bench long: {cell.name} done: {json.dumps(result)}", file=sys.stderr, flush=True)
+  print(f"kvjax bench real_long: {cell.name} done: {json.dumps(result)}", file=sys.stderr, flush=True)
 
 
 def run(*, model, prompts, batches, new_tokens, weights, codecs, hf_caches, sides, repeats) -> dict:
@@ -180,7 +180,7 @@ def run(*, model, prompts, batches, new_tokens, weights, codecs, hf_caches, side
 
 
 BENCHMARK = Benchmark(
-  name="long",
+  name="real_long",
   summary="whole long requests (prefill + decode) in kvjax and transformers, each side in its own process",
   run=run,
   options=(

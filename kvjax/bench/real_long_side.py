@@ -1,4 +1,4 @@
-"""One cell of `kvjax bench long`: one side runs whole greedy requests in this process.
+"""One cell of `kvjax bench real_long`: one side runs whole greedy requests in this process.
 
 kvjax: `decode.prefill` (last logits) into a cache of the cell's codec, then `decode.decode_step`
 once per further token. `transformers`: its model in the same weight format (float32, bfloat16,
