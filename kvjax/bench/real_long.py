@@ -165,8 +165,8 @@ def print_progress(cell: Cell, result: dict) -> None:
 
 
 def run(*, model, prompts, batches, new_tokens, weights, codecs, hf_caches, sides, repeats) -> dict:
-  return bench_long_requests(
-    model,
+  check_source(model)
+  cells = dict(
     prompts=prompts,
     batches=batches,
     new_tokens=new_tokens,
@@ -174,9 +174,9 @@ def run(*, model, prompts, batches, new_tokens, weights, codecs, hf_caches, side
     codecs=codecs,
     hf_caches=hf_caches,
     sides=sides,
-    repeats=repeats,
-    progress=print_progress,
   )
+  plan(model, **cells)  # refuses a request the model cannot take before any process starts
+  return bench_long_requests(model, repeats=repeats, progress=print_progress, **cells)
 
 
 BENCHMARK = Benchmark(

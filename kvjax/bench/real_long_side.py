@@ -124,12 +124,12 @@ def hf_side(source: str, cell: Cell):
         past = transformers.StaticCache(config=model.config, max_cache_len=prompt + new_tokens)
       else:
         past = transformers.DynamicCache(config=model.config)
-      out = model(ids, past_key_values=past, use_cache=True, logits_to_keep=1)
+      out = model(ids, cache=past, use_cache=True, logits_to_keep=1)
       tokens = [out.logits[:, -1].argmax(-1)]
       prefilled = time.perf_counter()
       for step in range(new_tokens - 1):
         position = torch.tensor([prompt + step])
-        out = model(tokens[-1][:, None], past_key_values=past, use_cache=True, cache_position=position)
+        out = model(tokens[-1][:, None], cache=past, use_cache=True, cache_position=position)
         tokens.append(out.logits[:, -1].argmax(-1))
       end = time.perf_counter()
     kv_bytes = sum(t.nbytes for layer in past.layers for t in (layer.keys, layer.values))
