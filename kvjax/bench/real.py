@@ -22,9 +22,10 @@ the jobs its speed is judged by, every figure from one run on one machine.
               transformers' its forward pass (SDPA).
   hf_int8     what transformers' int8 copy holds: Linear layers quantized (the lm_head among
               them), the qscheme, the parameters left float32.
-  long        the decode phase after that prefill: seconds per step with each kvjax cache codec
-              (int8 weights) against transformers' dynamic and static caches, and the whole
-              request (prefill + 256 steps) from those figures.
+  long        whole requests of batch x (2,048 + 256) tokens, each side in its own process
+              (kvjax.bench.real_long, `kvjax bench real_long` for every shape): prefill, decode and
+              request seconds, peak resident memory and KV bytes, kvjax's float32 and int8
+              caches against transformers' static and dynamic caches, float32 weights.
   engine      a seeded workload of chat requests (prose in the chat template, 32-512 prompt
               tokens, 32-256 new tokens, Poisson arrivals) through kvjax.Engine and through
               transformers' continuous batching: requests and tokens per second, time to first
@@ -41,15 +42,14 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from kvjax.bench.engine_workload import Workload, bench_engine
 from kvjax.bench.llamacpp_peer import check_python
 from kvjax.bench.real_formats import bench_decode, bench_prefill, hf_formats
-from kvjax.bench.real_model import check_source, import_torch, load_both, prose_prompts
+from kvjax.bench.real_long import bench_long_requests
+from kvjax.bench.real_model import check_source, load_both
 from kvjax.bench.registry import PRETRAINED_MODEL, Benchmark, Kind, Option
 from kvjax.cache.config import CacheConfig
-from kvjax.decoding import decode
 from kvjax.interop.gguf_file import is_gguf
 from kvjax.model.weights import FORMATS, store
 from kvjax.training.config import DataConfig
@@ -100,53 +100,6 @@ def bench_perplexity_formats(model, params, tokenizer, *, seq_len, windows):
     out[f"{group}_relative"] = {name: value / base - 1 for name, value in out[group].items()}
   return out
 
-
-def bench_long(model, params, tokenizer, hf_model, prefill_s, *, batch, prompt, new_tokens, steps):
-  """Seconds per decode step after a `prompt`-token prefill, per cache (kvjax with the weights
-  `params` as stored), timed over `steps` steps."""
-  torch, transformers = import_torch()
-  prompts = prose_prompts(tokenizer, batch, prompt)
-  lengths = np.full((batch,), prompt, np.int32)
-  rows = {}
-  for codec in CACHE_CODECS:
-    cache_config = CacheConfig(dtype=codec)
-    logits, cache = decode.prefill(
-      model, params, prompts, lengths, prompt + new_tokens, logits="last", cache_config=cache_config
-    )
-    token = np.asarray(jnp.argmax(logits, -1))
-    logits, cache = decode.decode_step(model, params, cache, token)  # compiles
-    token = np.asarray(jnp.argmax(logits, -1))
-    start = time.perf_counter()
-    for _ in range(steps):
-      logits, cache = decode.decode_step(model, params, cache, token)
-      token = np.asarray(jnp.argmax(logits, -1))
-    rows[f"kvjax_{codec}"] = (time.perf_counter() - start) / steps
-    del cache
-  ids = torch.from_numpy(prompts.astype(np.int64))
-  for name in ("dynamic", "static"):
-    with torch.inference_mode():
-      if name == "static":
-        past = transformers.StaticCache(config=hf_model.config, max_cache_len=prompt + new_tokens)
-      else:
-        past = transformers.DynamicCache()
-      out = hf_model(ids, past_key_values=past, use_cache=True, logits_to_keep=1)
-      token = out.logits[:, -1].argmax(-1, keepdim=True)
-      positions = torch.arange(prompt, prompt + steps + 1)
-      for i in range(steps + 1):
-        if i == 1:
-          start = time.perf_counter()
-        out = hf_model(token, past_key_values=out.past_key_values, use_cache=True, cache_position=positions[i : i + 1])
-        token = out.logits[:, -1].argmax(-1, keepdim=True)
-      rows[f"hf_{name}"] = (time.perf_counter() - start) / steps
-  best_hf = min(rows["hf_dynamic"], rows["hf_static"])
-  out = {"batch": batch, "prompt": prompt, "new_tokens": new_tokens, "timed_steps": steps, "step_s": rows}
-  out["decode_tokens_per_s"] = {name: batch / s for name, s in rows.items()}
-  out["decode_over_hf_best"] = {name: best_hf / s for name, s in rows.items() if name.startswith("kvjax")}
-  request = {n: prefill_s.get("kvjax" if n.startswith("kvjax") else "hf") + new_tokens * s for n, s in rows.items()}
-  out["request_s"] = request
-  out["request_over_hf_best"] = {
-    n: min(request["hf_dynamic"], request["hf_static"]) / s for n, s in request.items() if n.startswith("kvjax")
-  }
   return out
 
 
@@ -160,8 +113,7 @@ def bench_real(
   long_batch: int = 8,
   long_prompt: int = 2048,
   long_new: int = 256,
-  long_steps: int = 32,
-  long_weights: str = "int8",
+  long_weights: str = "float32",
   windows: int = 4,
   seq_len: int = 1024,
   workload: Workload = Workload(),
@@ -195,7 +147,7 @@ def bench_real(
   if "perplexity" in parts:
     result["perplexity"] = bench_perplexity_formats(model, params, tokenizer, seq_len=seq_len, windows=windows)
     _report(progress, "perplexity", result)
-  if "prefill" in parts or "long" in parts:
+  if "prefill" in parts:
     result["prefill"] = bench_prefill(
       model,
       params,
@@ -209,20 +161,9 @@ def bench_real(
     _report(progress, "prefill", result)
   hf_models = None  # the bfloat16 and int8 copies go before the long and engine parts
   if "long" in parts:
-    prefill = result["prefill"]
-    prefill_s = {"kvjax": prefill[f"kvjax_{long_weights}"]["seconds"], "hf": prefill["hf_float32"]["seconds"]}
-    result["long"] = bench_long(
-      model,
-      store(params, long_weights),
-      tokenizer,
-      hf_model,
-      prefill_s,
-      batch=long_batch,
-      prompt=long_prompt,
-      new_tokens=long_new,
-      steps=long_steps,
+    result["long"] = bench_long_requests(
+      source, prompts=(long_prompt,), batches=(long_batch,), new_tokens=long_new, weights=(long_weights,)
     )
-    result["long"]["weights"] = long_weights
     _report(progress, "long", result)
   if "engine" in parts:
     result["engine"] = bench_engine(model, params, tokenizer, hf_model, workload)

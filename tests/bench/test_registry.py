@@ -11,7 +11,20 @@ import pytest
 import kvjax.bench
 from kvjax.bench.registry import Benchmark, Kind, Option, benchmarks
 
-NAMES = {"codecs", "decode", "evict", "hf", "matmul", "mla", "nocache", "paged", "perplexity", "quant", "real"}
+NAMES = {
+  "codecs",
+  "decode",
+  "evict",
+  "hf",
+  "matmul",
+  "mla",
+  "nocache",
+  "paged",
+  "perplexity",
+  "quant",
+  "real",
+  "real_long",
+}
 
 
 def test_every_benchmark_is_found_in_its_own_module():

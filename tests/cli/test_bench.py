@@ -15,7 +15,20 @@ from kvjax.cache.config import CacheConfig
 from kvjax.cli import bench
 from kvjax.cli import main as cli
 
-NAMES = ["codecs", "decode", "evict", "hf", "matmul", "mla", "nocache", "paged", "perplexity", "quant", "real"]
+NAMES = [
+  "codecs",
+  "decode",
+  "evict",
+  "hf",
+  "matmul",
+  "mla",
+  "nocache",
+  "paged",
+  "perplexity",
+  "quant",
+  "real",
+  "real_long",
+]
 
 
 def kvjax(argv: list[str], capsys) -> tuple[int, str, str]:
@@ -53,6 +66,12 @@ def test_help_lists_every_benchmark_on_one_line(capsys):
       "(default: 64,128,256,512)",
     ),
     ("real", ["--model", "--parts", "--repeats", "--json"], ["--set", "--batch", "--context"], "(default: 3)"),
+    (
+      "real_long",
+      ["--model", "--prompts", "--batches", "--new-tokens", "--weights", "--codecs", "--hf-caches", "--sides"],
+      ["--set", "--parts", "--context"],
+      "(default: 2048,8192)",
+    ),
   ],
 )
 def test_help_of_a_benchmark_shows_its_options_only(name, own, others, default, capsys):
