@@ -56,7 +56,6 @@ def bench_prefill(source: str, *, batch: int = 8, prompt: int = 2048, formats=FO
       row[side] = {"seconds": median, "tokens_per_s": tokens / median, "rounds": seconds}
     row["over_hf"] = row["hf"]["seconds"] / row["kvjax"]["seconds"]
     result["formats"][fmt] = row
-    del theirs, stored
     jax.clear_caches()
   return result
 

@@ -14,7 +14,7 @@ from kvjax.cache.config import CacheConfig
 from kvjax.cli import bench
 from kvjax.cli import main as cli
 
-NAMES = ["decode", "evict", "hf", "matmul", "mla", "nocache", "paged", "perplexity", "quant", "real"]
+NAMES = ["decode", "evict", "hf", "matmul", "mla", "nocache", "paged", "perplexity", "prefill", "quant", "real"]
 
 
 def kvjax(argv: list[str], capsys) -> tuple[int, str, str]:
