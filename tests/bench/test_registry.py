@@ -14,6 +14,7 @@ from kvjax.bench.registry import Benchmark, Kind, Option, benchmarks
 NAMES = {
   "codecs",
   "decode",
+  "engine",
   "evict",
   "hf",
   "matmul",
@@ -21,6 +22,7 @@ NAMES = {
   "nocache",
   "paged",
   "perplexity",
+  "prefill",
   "quant",
   "real",
   "real_long",

@@ -18,6 +18,7 @@ from kvjax.cli import main as cli
 NAMES = [
   "codecs",
   "decode",
+  "engine",
   "evict",
   "hf",
   "matmul",
@@ -25,6 +26,7 @@ NAMES = [
   "nocache",
   "paged",
   "perplexity",
+  "prefill",
   "quant",
   "real",
   "real_long",
