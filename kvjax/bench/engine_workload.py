@@ -1,4 +1,4 @@
-"""`kvjax bench engine --model smollm2-135m` (and the engine part of `kvjax bench real`): a seeded
+"""The engine workload of `kvjax bench engine` and of the engine part of `kvjax bench real`: a seeded
 workload of chat requests arriving over time, served by kvjax.Engine and by transformers
 (kvjax.bench.engine_peer: continuous batching, or padded static batching where that cannot finish
 within the time limit), both with the weights in the same format. Every request makes exactly its
@@ -10,16 +10,12 @@ answers, request by request."""
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 
 import numpy as np
 
 from kvjax.bench.engine_peer import peer_model, run_continuous, run_static
-from kvjax.bench.real_model import check_source, import_torch, load_both
-from kvjax.bench.registry import PRETRAINED_MODEL, Benchmark, Kind, Option
 from kvjax.cache.config import CacheConfig
-from kvjax.model.weights import FORMATS
 from kvjax.serving.engine import Engine, EngineConfig
 from kvjax.training.config import DataConfig
 from kvjax.training.data import PROSE, load_dataset
@@ -168,42 +164,3 @@ def bench_engine(
   result["requests_per_s_over_hf"] = result["kvjax"]["requests_per_s"] / result["hf"]["requests_per_s"]
   result["latency_p99_over_hf"] = result["kvjax"]["latency_p99_s"] / result["hf"]["latency_p99_s"]
   return result
-
-
-def run(*, model: str, requests: int, weights: list[str], time_limit: int, peer: list[str]) -> dict:
-  torch, _ = import_torch()
-  torch.set_num_threads(os.cpu_count() or 1)  # every core, as XLA uses them
-  check_source(model)
-  if len(peer) != 1:
-    raise ValueError(f"--peer takes one of continuous, static, got {','.join(peer)}")
-  kvjax_model, params, tokenizer, hf_model, versions = load_both(model)
-  workload = Workload(requests=requests)
-  out = {"benchmark": "engine", **versions}
-  for name in weights:
-    out[name] = bench_engine(
-      kvjax_model, params, tokenizer, hf_model, workload, weights=name, time_limit=time_limit, peer=peer[0]
-    )
-  return out
-
-
-BENCHMARK = Benchmark(
-  name="engine",
-  summary="a seeded chat workload (Poisson arrivals) through kvjax.Engine and transformers, format for format",
-  run=run,
-  options=(
-    PRETRAINED_MODEL,
-    Option("requests", 64, "requests in the workload (4 per second on average)"),
-    Option(
-      "weights", ["float32"], "comma-separated weight formats, each run on both sides", Kind.NAMES, choices=FORMATS
-    ),
-    Option("time_limit", 1800, "seconds the peer's continuous batching may take before static batching replaces it"),
-    Option(
-      "peer",
-      ["continuous"],
-      "transformers' continuous or static batching",
-      Kind.NAMES,
-      choices=("continuous", "static"),
-    ),
-  ),
-  description=__doc__,
-)

@@ -11,7 +11,7 @@ import pytest
 import kvjax.bench
 from kvjax.bench.registry import Benchmark, Kind, Option, benchmarks
 
-NAMES = {"decode", "evict", "hf", "matmul", "mla", "nocache", "paged", "perplexity", "quant", "real"}
+NAMES = {"decode", "engine", "evict", "hf", "matmul", "mla", "nocache", "paged", "perplexity", "quant", "real"}
 
 
 def test_every_benchmark_is_found_in_its_own_module():

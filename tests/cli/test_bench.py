@@ -14,7 +14,7 @@ from kvjax.cache.config import CacheConfig
 from kvjax.cli import bench
 from kvjax.cli import main as cli
 
-NAMES = ["decode", "evict", "hf", "matmul", "mla", "nocache", "paged", "perplexity", "quant", "real"]
+NAMES = ["decode", "engine", "evict", "hf", "matmul", "mla", "nocache", "paged", "perplexity", "quant", "real"]
 
 
 def kvjax(argv: list[str], capsys) -> tuple[int, str, str]:
@@ -52,6 +52,12 @@ def test_help_lists_every_benchmark_on_one_line(capsys):
       "(default: 64,128,256,512)",
     ),
     ("real", ["--model", "--parts", "--repeats", "--json"], ["--set", "--batch", "--context"], "(default: 3)"),
+    (
+      "engine",
+      ["--model", "--requests", "--weights", "--time-limit", "--peer", "--json"],
+      ["--set", "--parts", "--repeats"],
+      "(default: 1800)",
+    ),
   ],
 )
 def test_help_of_a_benchmark_shows_its_options_only(name, own, others, default, capsys):
