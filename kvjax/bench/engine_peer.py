@@ -2,10 +2,12 @@
 weight format as kvjax's engine, under a time limit.
 
 First transformers' continuous batching (`init_continuous_batching`, its paged cache and FIFO
-scheduler in a background thread). Its defaults are sized for a GPU: on CPU the cache is sized
-from a share of the free memory, so it is given here a cache that holds the workload's
-concurrent requests and nothing more, SDPA attention (flash attention runs only in half precision
-on a GPU) and torch's threads set by the caller. Where it cannot serve every request within the
+scheduler in a background thread). Its defaults are sized for a GPU: the cache takes a share of
+the free memory (60% of the host's on CPU), and without flash attention every step builds a dense
+additive mask of [max_batch_tokens, every cached token the pool can hold] and attends over it,
+so a step's cost follows the pool's size, not the requests'. Here the pool holds the workload's
+concurrent requests and nothing more, with SDPA attention (flash attention runs only in half
+precision on a GPU; float32 and int8 have no other choice) and torch's threads set by the caller. Where it cannot serve every request within the
 time limit, the same requests go through padded static batching: the requests that have arrived
 when the previous batch ends form the next batch (at most `max_batch`), padded on the left, and
 one `generate` with a static cache makes the longest request's count of tokens for all of them.
@@ -57,7 +59,7 @@ def cb_settings(requests, max_concurrent: int) -> dict:
 def run_continuous(hf_model, requests, time_limit: float, max_concurrent: int) -> dict:
   """The requests through transformers' continuous batching, each added at its arrival time.
   Returns {"start": perf_counter at time 0, "stamps": [[token times]], "tokens": [[ids]],
-  "settings"} or {"timed_out": reason} when the limit passes first."""
+  "settings"} or {"timed_out": reason} when the limit passes first or a request fails."""
   torch, transformers = import_torch()
   settings = cb_settings(requests, max_concurrent)
   generation = transformers.GenerationConfig(
@@ -80,6 +82,8 @@ def run_continuous(hf_model, requests, time_limit: float, max_concurrent: int) -
       result = manager.get_result(request_id=request_id, timeout=max(0.0, deadline - time.perf_counter()))
       if result is None:
         return {"timed_out": f"{len(results)} of {len(ids)} requests done after the {time_limit:.0f} s limit"}
+      if result.error is not None:
+        return {"timed_out": f"request {request_id} failed: {result.error}"}
       results[request_id] = result
   finally:
     manager.stop(block=True, timeout=60, hard_stop=len(results) < len(requests))
