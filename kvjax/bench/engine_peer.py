@@ -6,8 +6,8 @@ scheduler in a background thread). Its defaults are sized for a GPU: on CPU the 
 of the free host memory, and without flash attention the dense mask buffer
 [max_batch_tokens, pool tokens + max_batch_tokens] and the read indices grow with it. Here the
 pool holds the workload's concurrent requests and nothing more, with SDPA attention (flash
-attention runs only in half precision on a GPU; float32 and int8 have no other choice) and torch's threads set by the caller. Where it cannot serve every request within the
-time limit, the same requests go through padded static batching: the requests that have arrived
+attention runs only in half precision on a GPU; float32 and int8 have no other choice) and
+torch's threads set by the caller. Where it cannot serve every request within the time limit, the same requests go through padded static batching: the requests that have arrived
 when the previous batch ends form the next batch (at most `max_batch`), padded on the left, and
 one `generate` with a static cache makes the longest request's count of tokens for all of them.
 The result says which peer ran and why.
