@@ -2,15 +2,15 @@
 weight format as kvjax's engine, under a time limit.
 
 First transformers' continuous batching (`init_continuous_batching`, its paged cache and FIFO
-scheduler in a background thread). Its defaults are sized for a GPU: on CPU the pool takes 60%
-of the free host memory, and without flash attention the dense mask buffer
-[max_batch_tokens, pool tokens + max_batch_tokens] and the read indices grow with it. Here the
-pool holds the workload's concurrent requests and nothing more, with SDPA attention (flash
-attention runs only in half precision on a GPU; float32 and int8 have no other choice) and
-torch's threads set by the caller. Where it cannot serve every request within the time limit, the same requests go through padded static batching: the requests that have arrived
-when the previous batch ends form the next batch (at most `max_batch`), padded on the left, and
-one `generate` with a static cache makes the longest request's count of tokens for all of them.
-The result says which peer ran and why.
+scheduler in a background thread). Its defaults are sized for a GPU: on CPU the pool takes 60% of
+the free host memory, and without flash attention the dense mask buffer [max_batch_tokens, pool
+tokens + max_batch_tokens] and the read indices grow with it. Here the pool holds the workload's
+concurrent requests and nothing more, with SDPA attention (flash attention runs only in half
+precision on a GPU; float32 and int8 have no other choice) and torch's threads set by the caller.
+Where it cannot serve every request within the time limit, the same requests go through padded
+static batching: the requests that have arrived when the previous batch ends form the next batch (at
+most `max_batch`), padded on the left, and one `generate` with a static cache makes the longest
+request's count of tokens for all of them. The result says which peer ran and why.
 
 Both peers produce exactly each request's count of new tokens, greedy, no stop token, and
 record the time of every token, so kvjax.bench.engine_workload.latency_summary reads both sides
