@@ -1,6 +1,11 @@
-"""The engine part of `kvjax bench real`: a seeded workload of chat requests arriving over time,
-run by kvjax.Engine and by transformers' continuous batching, with requests and tokens per second,
-time to first token and per-token latency taken from each request's token times."""
+"""The engine workload of `kvjax bench engine` and of the engine part of `kvjax bench real`: a seeded
+workload of chat requests arriving over time, served by kvjax.Engine and by transformers
+(kvjax.bench.engine_peer: continuous batching, or padded static batching where that cannot finish
+within the time limit), both with the weights in the same format. Every request makes exactly its
+count of new tokens, greedy, on both sides. Reported for each side: requests and tokens per second,
+time to first token, per-request latency (arrival to last token) and per-token latency (p50 / p99),
+all from the times each request's tokens appeared; and the greedy agreement of the two sides'
+answers, request by request."""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ import time
 
 import numpy as np
 
-from kvjax.bench.real_model import import_torch
+from kvjax.bench.engine_peer import peer_model, run_continuous, run_static
 from kvjax.cache.config import CacheConfig
 from kvjax.serving.engine import Engine, EngineConfig
 from kvjax.training.config import DataConfig
@@ -44,23 +49,23 @@ class Workload:
 
 
 def latency_summary(arrivals, stamps, total_s, new_counts) -> dict:
-  """Requests/s, tokens/s, time to first token and per-token latency (p50, p95) from each
-  request's arrival and the times its tokens appeared."""
+  """Requests/s, tokens/s, time to first token, per-request latency (arrival to last token) and
+  per-token latency (p50, p99), from each request's arrival and the times its tokens appeared
+  (seconds from the workload's start)."""
   ttft = [s[0] - a for a, s in zip(arrivals, stamps)]
+  latency = [s[-1] - a for a, s in zip(arrivals, stamps)]
   per_token = [(s[-1] - s[0]) / (len(s) - 1) for s in stamps if len(s) > 1]
-  pct = lambda xs, q: float(np.percentile(xs, q))
-  return {
-    "requests_per_s": len(stamps) / total_s,
-    "tokens_per_s": sum(new_counts) / total_s,
-    "seconds": total_s,
-    "ttft_p50_s": pct(ttft, 50),
-    "ttft_p95_s": pct(ttft, 95),
-    "per_token_p50_s": pct(per_token, 50),
-    "per_token_p95_s": pct(per_token, 95),
-  }
+  out = {"requests": len(stamps), "requests_per_s": len(stamps) / total_s, "tokens_per_s": sum(new_counts) / total_s}
+  out["seconds"] = total_s
+  for name, values in (("ttft", ttft), ("latency", latency), ("per_token", per_token)):
+    for q in (50, 99):
+      out[f"{name}_p{q}_s"] = float(np.percentile(values, q))
+  return out
 
 
 def run_kvjax_engine(model, params, requests, engine_config: EngineConfig) -> dict:
+  """The requests through kvjax.Engine, each submitted at its arrival time -> {"stamps": [[token
+  times, s from the start]], "tokens": [[ids]]} in request order."""
   engine = Engine(model, params, engine_config)
   engine.warmup()
   start = time.perf_counter()
@@ -80,47 +85,82 @@ def run_kvjax_engine(model, params, requests, engine_config: EngineConfig) -> di
     for request in [*engine.running, *engine.finished.values()]:
       times = stamps.setdefault(ids[request.id], [])
       times.extend([now] * (len(request.generated) - len(times)))
-  total = time.perf_counter() - start
-  order = sorted(stamps)
-  return latency_summary(
-    [requests[i][0] for i in order], [stamps[i] for i in order], total, [requests[i][2] for i in order]
-  )
+  tokens = {ids[i]: [int(t) for t in r.generated] for i, r in engine.finished.items()}
+  return {"stamps": [stamps[i] for i in range(len(requests))], "tokens": [tokens[i] for i in range(len(requests))]}
 
 
-def run_hf_engine(hf_model, requests) -> dict:
-  _, transformers = import_torch()
-  generation = transformers.GenerationConfig(
-    do_sample=False, max_new_tokens=max(r[2] for r in requests), eos_token_id=None
-  )
-  manager = hf_model.init_continuous_batching(generation_config=generation)
-  manager.start()
-  try:
-    start = time.perf_counter()
-    ids = []
-    for arrival, prompt, new in requests:
-      time.sleep(max(0.0, arrival - (time.perf_counter() - start)))
-      ids.append(manager.add_request(prompt, max_new_tokens=new, record_timestamps=True))
-    results = {}
-    for request_id in ids:
-      results[request_id] = manager.get_result(request_id=request_id, timeout=3600)
-    total = time.perf_counter() - start
-  finally:
-    manager.stop(block=True)
-  stamps = [[t - start for t in results[i].timestamps] for i in ids]
-  return latency_summary([r[0] for r in requests], stamps, total, [len(results[i].generated_tokens) for i in ids])
-
-
-def bench_engine(model, params, tokenizer, hf_model, workload: Workload) -> dict:
-  requests = workload.build(tokenizer)
-  config = EngineConfig(
-    num_slots=16, num_pages=16 * 48 + 1, max_len=768, cache=CacheConfig(layout="paged", page_size=16), weights="int8"
-  )
-  ours = run_kvjax_engine(model, params, requests, config)
-  theirs = run_hf_engine(hf_model, requests)
+def request_agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict:
+  """Greedy agreement over the requests both sides served: the fraction whose whole answers are
+  equal, and the mean fraction of each answer before the first differing token."""
+  pairs = list(zip(ours, theirs))
+  prefix = []
+  for a, b in pairs:
+    same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    prefix.append(same / max(len(a), len(b)))
   return {
-    "workload": dataclasses.asdict(workload),
-    "engine": dataclasses.asdict(config),
-    "kvjax": ours,
-    "hf": theirs,
-    "requests_per_s_over_hf": ours["requests_per_s"] / theirs["requests_per_s"],
+    "requests": len(pairs),
+    "equal_answers": sum(a == b for a, b in pairs) / len(pairs),
+    "mean_prefix_fraction": float(np.mean(prefix)),
   }
+
+
+def engine_config(weights: str) -> EngineConfig:
+  """16 rows, pages for 16 requests of the workload's longest context (768 tokens)."""
+  return EngineConfig(
+    num_slots=16, num_pages=16 * 48 + 1, max_len=768, cache=CacheConfig(layout="paged", page_size=16), weights=weights
+  )
+
+
+def run_peer(hf_model, requests, weights: str, time_limit: float, peer: str) -> dict:
+  """transformers on the requests in `weights`: continuous batching unless peer == "static" or it
+  times out, then padded static batching; "peer" and "reason" say which ran and why."""
+  model = peer_model(hf_model, weights)
+  reason = "asked for static batching"
+  if peer == "continuous":
+    out = run_continuous(model, requests, time_limit, max_concurrent=16)
+    if "timed_out" not in out:
+      return {**out, "peer": "continuous batching"}
+    reason = f"continuous batching did not finish: {out['timed_out']}"
+  out = run_static(model, requests, time_limit, max_batch=16)
+  return {**out, "peer": "padded static batching", "reason": reason}
+
+
+def summary(requests, stamps, start: float = 0.0) -> dict:
+  stamps = [[t - start for t in s] for s in stamps]
+  total = max(s[-1] for s in stamps)
+  return latency_summary([r[0] for r in requests], stamps, total, [len(s) for s in stamps])
+
+
+def bench_engine(
+  model,
+  params,
+  tokenizer,
+  hf_model,
+  workload: Workload,
+  *,
+  weights: str = "float32",
+  time_limit: float = 1800.0,
+  peer: str = "continuous",
+) -> dict:
+  """kvjax.Engine and its peer on the workload, the weights in `weights` on both sides."""
+  requests = workload.build(tokenizer)
+  config = engine_config(weights)
+  ours = run_kvjax_engine(model, params, requests, config)
+  theirs = run_peer(hf_model, requests, weights, time_limit, peer)
+  served = len(theirs["stamps"])
+  result = {
+    "workload": dataclasses.asdict(workload),
+    "weights": weights,
+    "engine": dataclasses.asdict(config),
+    "kvjax": summary(requests, ours["stamps"]),
+    "hf": {
+      "peer": theirs["peer"],
+      **{k: theirs[k] for k in ("reason", "timed_out") if k in theirs},
+      "settings": theirs["settings"],
+      **summary(requests[:served], theirs["stamps"], theirs["start"]),
+    },
+    "agreement": request_agreement(ours["tokens"][:served], theirs["tokens"]),
+  }
+  result["requests_per_s_over_hf"] = result["kvjax"]["requests_per_s"] / result["hf"]["requests_per_s"]
+  result["latency_p99_over_hf"] = result["kvjax"]["latency_p99_s"] / result["hf"]["latency_p99_s"]
+  return result

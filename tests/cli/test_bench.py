@@ -74,6 +74,12 @@ def test_help_lists_every_benchmark_on_one_line(capsys):
       ["--set", "--parts", "--context"],
       "(default: 2048,8192)",
     ),
+    (
+      "engine",
+      ["--model", "--requests", "--weights", "--time-limit", "--peer", "--json"],
+      ["--set", "--parts", "--repeats"],
+      "(default: 1800)",
+    ),
   ],
 )
 def test_help_of_a_benchmark_shows_its_options_only(name, own, others, default, capsys):
