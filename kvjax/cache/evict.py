@@ -21,7 +21,11 @@ most the slots each) and every read goes by positions, in XLA.
 
 A cache for max_len positions whose first call is `prompt` tokens long has
 S = max_len - (prompt - int(prompt * (1 - ratio))) slots: room for the kept prompt and every
-later token, as kvpress's pipeline keeps them.
+later token, as kvpress's pipeline keeps them. With per-layer budgets (the press's
+layers="pyramid") layer l keeps press.layer_kept(n, l, L) of a row's n prompt tokens, and every
+global layer's storage is the first (largest) layer's S: the deeper layers' spare slots hold
+later tokens, so the cache takes the bytes of its largest layer (row_bytes counts them so), not
+the smaller average of the pyramid.
 
 Sliding-window layers (ModelConfig.window, e.g. Gemma 3's five local layers of every six) are
 not pressed, as kvpress presses only Gemma 3's global ones: the press and its slots serve the
@@ -59,6 +63,7 @@ from kvjax.config import ModelConfig
 from kvjax.fields import check_positive_int
 from kvjax.model.attention import Span, Visibility, new_keys
 from kvjax.model.backend import Backend
+from kvjax.model.rope import Rope
 from kvjax.model.transformer import cache_collection, cache_payload
 
 BOOKKEEPING = {"positions": jnp.dtype(jnp.int32), "scores": jnp.dtype(jnp.float32)}  # per slot and kv head
@@ -71,9 +76,10 @@ def kept(lengths, ratio: float):
 
 def slots_for(cache_config: CacheConfig, max_len: int, prompt: int | None) -> int:
   """Slots per row and kv head of each global layer of a cache of max_len positions whose prompt
-  is `prompt` tokens (default max_len): max_len less the tokens the press drops of the prompt."""
+  is `prompt` tokens (default max_len): max_len less the tokens the press drops of the prompt (at
+  the layer that keeps most, with pyramid budgets)."""
   prompt = max_len if prompt is None else min(prompt, max_len)
-  return int(max_len - (prompt - kept(prompt, cache_config.press.compression_ratio)))
+  return int(max_len - (prompt - cache_config.press.layer_kept(prompt, 0, 1)))  # the first layer keeps most
 
 
 def check_model(config: ModelConfig, cache_config: CacheConfig) -> None:
@@ -142,6 +148,7 @@ class EvictedCache(ContiguousCache):
   budget: jax.Array | None = None
   slots: int = flax.struct.field(pytree_node=False, default=0)
   press: Press | None = flax.struct.field(pytree_node=False, default=None)
+  num_layers: int = flax.struct.field(pytree_node=False, default=1)  # the model's, for per-layer budgets
 
   @property
   def adaptive(self) -> bool:
@@ -205,6 +212,7 @@ class EvictedCache(ContiguousCache):
       max_len=max_len,
       slots=slots,
       press=press,
+      num_layers=config.num_layers,
       **statics,
     )
 
@@ -272,12 +280,14 @@ class EvictedCache(ContiguousCache):
 
   # Device side.
 
-  def compress(self, new: dict, q: jax.Array, span: Span) -> dict:
+  def compress(self, new: dict, q: jax.Array, span: Span, rope: Rope | None = None) -> dict:
     """A layer's arrays holding the tokens the press keeps of a prompt: new {k, v} [B, K, T, H]
-    at positions 0..T-1, q [B, T, N, H] every column's queries."""
+    at positions 0..T-1, q [B, T, N, H] every column's queries, rope the layer's (a press may
+    un-rotate q); layer span.layer keeps press.layer_kept of each row's tokens."""
     t = new["k"].shape[2]
-    keep = jnp.asarray(kept(np.arange(t + 1), self.press.compression_ratio), jnp.int32)[span.lengths]  # [B]
-    scores = self.press.scores(q, new["k"], span.lengths).astype(jnp.float32)
+    table = self.press.layer_kept(np.arange(t + 1), span.layer, self.num_layers)  # kept of n tokens, n = 0..T
+    keep = jnp.asarray(table, jnp.int32)[span.lengths]  # [B]
+    scores = self.press.prompt_scores(q, new["k"], new["v"], span.lengths, rope).astype(jnp.float32)
     scores = jnp.where(span.valid[:, None], scores, -jnp.inf)
     order = jnp.argsort(-scores, axis=-1, stable=True)[..., : self.slots]  # [B, K, S]: best first, ties earliest
     if order.shape[-1] < self.slots:  # a prompt shorter than the slots: the rest stay empty
@@ -341,7 +351,7 @@ class EvictedCache(ContiguousCache):
       return self.ring.attend(stored, query, q_positions, new, span, backend)
     if span.from_empty:
       out = query.attend(self.as_stored(new), new_keys(q_positions, span))
-      return self.compress(new, query.every_q, span), out
+      return self.compress(new, query.every_q, span, query.rope), out
     stored = self.write(stored, new, span)
     return stored, self.read(stored, query, q_positions, span, backend)
 

@@ -12,10 +12,19 @@ Every press has, beside its own settings (the base class `Press`):
   heads              "uniform" (every kv head keeps as many tokens) or "adaptive" (AdaKV, Feng et
                      al. 2024: a row's budget goes to its heads' best tokens together, each head
                      first keeping `safeguard` of its share; kvjax.cache.evict.head_budgets);
-  safeguard          that share, in [0, 1] (read with heads="adaptive" only).
+  safeguard          that share, in [0, 1] (read with heads="adaptive" only);
+  layers             "uniform" (every layer keeps int(n * (1 - compression_ratio)) of a prompt's n
+                     tokens) or "pyramid" (PyramidKV, Cai et al. 2024: budgets that shrink
+                     linearly with depth, the same total over the layers; `layer_kept`, after
+                     kvpress's PyramidKVPress, whose window is the press's min_slots: SnapKV's
+                     window, 0 for a press that always keeps nothing);
+  beta               the pyramid's steepness, an int >= 1 (the shallowest layer keeps about
+                     2 - 1 / beta times the uniform budget, the deepest 1 / beta of it).
 A press class sets `name`, and its definition enters it in PRESSES (kvjax.fields.Named): adding a
 press is one class here. The command line chooses one by name and sets its fields:
-`--set cache.press=snapkv cache.press.window=32 cache.press.compression_ratio=0.5`.
+`--set cache.press=snapkv cache.press.window=32 cache.press.compression_ratio=0.5`; a budget
+composes with any scorer: `--set cache.press=snapkv cache.press.layers=pyramid` is kvpress's
+PyramidKVPress, `cache.press.heads=adaptive` AdaKV's.
 
 The presses, after their published definitions (and kvpress's reading of them):
   streaming_llm  the first `sinks` tokens and the most recent ones (Xiao et al. 2023). Arrivals
@@ -32,6 +41,16 @@ The presses, after their published definitions (and kvpress's reading of them):
   knorm          minus the key's L2 norm: keys of low norm are kept (Devoto et al. 2024).
                  Arrivals score alike.
   random         uniform noise from `seed` and the position, a baseline.
+  keydiff        minus the cosine similarity of each key with the anchor, the mean of the row's
+                 unit keys per kv head: distinctive keys are kept (Park et al. 2025, KeyDiff).
+  expected_attention  the attention future queries are expected to pay each key (kvpress's
+                 ExpectedAttentionPress): the mean mu and covariance C of the prompt's queries
+                 before RoPE (its first `n_sink` left out) are carried by the rotation averaged
+                 over the next `n_future_positions` positions, R; a key k scores
+                 softmax_k(k.R mu / sqrt(H) + k.R C R^T k / (2 H)), the mean over the group,
+                 times (that + epsilon) * |v| (use_vnorm); the first n_sink tokens are kept.
+                 It reads the values and un-rotates the queries by the layer's RoPE
+                 (`prompt_scores`).
 The attention presses (snapkv, tova, observed) score arrivals above any attention weight, in
 order of position: after the prefill's least attended tokens, the oldest arrivals go first.
 
@@ -45,9 +64,11 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kvjax.fields import INT32_MAX, Named, check_choice, check_nonnegative, check_positive, check_real
 from kvjax.model.attention import NEG_INF, group_queries, take_rows
+from kvjax.model.rope import Rope
 
 # Arrivals of an attention press score RECENT + position: above every attention weight (at most 1,
 # 2 for the always-kept tokens) and exact in float32 for positions below 2**22.
@@ -74,6 +95,7 @@ def attention_weights(q: jax.Array, k: jax.Array, columns: jax.Array, lengths: j
 
 
 HEADS = ("uniform", "adaptive")
+LAYERS = ("uniform", "pyramid")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +105,8 @@ class Press(Named):
   compression_ratio: float = 0.0
   heads: str = "uniform"
   safeguard: float = 0.2
+  layers: str = "uniform"
+  beta: int = 20
   kinds: ClassVar[dict[str, type[Press]]] = {}
 
   def __post_init__(self):
@@ -91,6 +115,8 @@ class Press(Named):
     check_choice(self, "heads", HEADS)
     check_real(self, "safeguard", 0, 1)
     object.__setattr__(self, "safeguard", float(self.safeguard))
+    check_choice(self, "layers", LAYERS)
+    check_positive(self, "beta", most=INT32_MAX)
 
   @property
   def min_slots(self) -> int:
@@ -106,6 +132,32 @@ class Press(Named):
   def arrival_scores(self, k: jax.Array, positions: jax.Array) -> jax.Array:
     """Scores of tokens written after the prompt: k [B, K, T, H] at positions int[B, T] -> [B, K, T]."""
     return jnp.broadcast_to(RECENT + positions[:, None, :].astype(jnp.float32), k.shape[:3])
+
+  def prompt_scores(self, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, rope: Rope | None) -> jax.Array:
+    """What the evicting cache calls: `scores`, with the values v [B, K, T, H] and the layer's
+    RoPE (None: learned positions) beside, for a press that reads them."""
+    return self.scores(q, k, lengths)
+
+  def layer_kept(self, lengths, layer: int, num_layers: int) -> np.ndarray:
+    """Host side: the tokens layer `layer` of `num_layers` keeps of prompts of `lengths` (ints)
+    -> int64 numpy, at most the length. "uniform": int(n * (1 - ratio)); "pyramid": kvpress's
+    PyramidKVPress.get_layer_budget, in float64 as Python computes it (ratio 0 keeps all)."""
+    n = np.asarray(lengths, np.int64)
+    if self.layers == "uniform" or self.compression_ratio == 0:
+      return (n.astype(np.float64) * (1 - self.compression_ratio)).astype(np.int64)
+    return np.minimum(np.vectorize(lambda m: self._pyramid(int(m), layer, num_layers), otypes=[np.int64])(n), n)
+
+  def _pyramid(self, n: int, layer: int, num_layers: int) -> int:
+    window, share = self.min_slots, n * (1 - self.compression_ratio)
+    low = share / self.beta
+    high = share * 2 - low
+    if high >= n - window:
+      high = n - window
+      low = share * 2 - high
+    if not (n >= high >= low >= window):  # too short for a pyramid: the uniform budget, at least 1
+      return max(1, round(n * (1 - self.compression_ratio)))
+    steps = (high - low) / (num_layers - 1) if num_layers > 1 else 0.0
+    return round(high - layer * steps)
 
 
 def _last_columns(lengths: jax.Array, window: int) -> jax.Array:
@@ -228,6 +280,81 @@ class Random(Press):
     keys = jax.vmap(jax.random.fold_in, (None, 0))(jax.random.key(self.seed), positions.reshape(-1))
     noise = jax.vmap(lambda key: jax.random.uniform(key, (k.shape[1],)))(keys)  # [B * T, K]
     return noise.reshape(positions.shape + (k.shape[1],)).transpose(0, 2, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyDiff(Press):
+  name: ClassVar[str] = "keydiff"
+
+  def scores(self, q, k, lengths):
+    k = k.astype(jnp.float32)
+    valid = (jnp.arange(k.shape[2])[None, :] < lengths[:, None])[:, None, :, None]  # [B, 1, T, 1]
+    norm = jnp.linalg.norm(k, axis=-1, keepdims=True)
+    unit = k / jnp.maximum(norm, 1e-12)  # torch's F.normalize
+    anchor = jnp.where(valid, unit, 0).sum(axis=2, keepdims=True) / jnp.maximum(lengths, 1)[:, None, None, None]
+    cosine = (k * anchor).sum(-1) / jnp.maximum(norm[..., 0] * jnp.linalg.norm(anchor, axis=-1), 1e-8)
+    return -cosine  # [B, K, T]
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpectedAttention(Press):
+  n_future_positions: int = 512
+  n_sink: int = 4
+  use_covariance: bool = True
+  use_vnorm: bool = True
+  epsilon: float = 0.0
+  name: ClassVar[str] = "expected_attention"
+
+  def __post_init__(self):
+    super().__post_init__()
+    check_positive(self, "n_future_positions", most=INT32_MAX)
+    check_nonnegative(self, "n_sink", most=INT32_MAX)
+    for field in ("use_covariance", "use_vnorm"):
+      if not isinstance(getattr(self, field), bool):
+        raise ValueError(f"ExpectedAttention.{field} must be True or False, got {getattr(self, field)!r}")
+    check_real(self, "epsilon", 0, float("inf"))
+    object.__setattr__(self, "epsilon", float(self.epsilon))
+
+  def scores(self, q, k, lengths):
+    raise ValueError("expected_attention scores with the values and the layer's RoPE: call prompt_scores")
+
+  def prompt_scores(self, q, k, v, lengths, rope):
+    b, t, _, h = q.shape
+    column = jnp.arange(t)[None, :]
+    q = q.astype(jnp.float32)
+    if rope is not None:  # the queries before RoPE: turned back from positions 0..T-1
+      q = rope.rotate(q, jnp.broadcast_to(-column, (b, t)))
+    counted = (column >= self.n_sink) & (column < lengths[:, None])  # [B, T]: the statistics' queries
+    count = jnp.maximum(lengths - self.n_sink, 1).astype(jnp.float32)[:, None, None]
+    mean = jnp.where(counted[..., None, None], q, 0).sum(axis=1) / count  # [B, N, H]
+    centred = jnp.where(counted[..., None, None], q - mean[:, None], 0)
+    cov = jnp.einsum("btni,btnj->bnij", centred, centred) / count[..., None] if self.use_covariance else None
+    if rope is not None:  # the rotation averaged over positions n .. n + n_future_positions - 1
+      ahead = (lengths[:, None] + jnp.arange(self.n_future_positions)[None, :]).astype(jnp.float32)  # [B, F]
+      angle = ahead[..., None] * jnp.asarray(rope.freq)  # [B, F, H/2]
+      cos, sin = jnp.cos(angle).mean(axis=1), jnp.sin(angle).mean(axis=1)  # [B, H/2]
+      turn = jnp.block([[_diag(cos), -_diag(sin)], [_diag(sin), _diag(cos)]])  # [B, H, H]
+      mean = jnp.einsum("bij,bnj->bni", turn, mean)
+      if cov is not None:
+        cov = jnp.einsum("bij,bnjl,bml->bnim", turn, cov, turn)
+    kv = k.shape[1]
+    keys = k.astype(jnp.float32)
+    mean = mean.reshape(b, kv, -1, h)  # [B, K, G, H]
+    logits = jnp.einsum("bkgh,bkth->bkgt", mean, keys) / h**0.5
+    if cov is not None:
+      cov = cov.reshape(b, kv, -1, h, h)  # [B, K, G, H, H]
+      logits = logits + jnp.einsum("bkti,bkgij,bktj->bkgt", keys, cov, keys) / h / 2
+    scored = (column >= self.n_sink) & (column < lengths[:, None])  # [B, T]: keys past the sinks
+    weights = jax.nn.softmax(jnp.where(scored[:, None, None], logits, NEG_INF), axis=-1).mean(axis=2)  # [B, K, T]
+    if self.use_vnorm:
+      weights = (weights + self.epsilon) * jnp.linalg.norm(v.astype(jnp.float32), axis=-1)
+    sinks = (column < self.n_sink) & (column < lengths[:, None])
+    return _kept_above(jnp.where(scored[:, None], weights, -jnp.inf), sinks)
+
+
+def _diag(x: jax.Array) -> jax.Array:
+  """[B, W] -> [B, W, W] diagonal matrices."""
+  return x[..., None] * jnp.eye(x.shape[-1], dtype=x.dtype)
 
 
 PRESSES = Press.kinds  # {name: press class}, filled by the class definitions above

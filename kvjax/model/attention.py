@@ -32,7 +32,7 @@ from jax import lax
 
 from kvjax.config import ModelConfig
 from kvjax.model.backend import XLA, Backend
-from kvjax.model.rope import apply_rope, frequencies
+from kvjax.model.rope import Rope
 from kvjax.model.weights import Dense, make_norm
 
 NEG_INF = -1e30
@@ -106,10 +106,12 @@ class KVQuery:
   """Queries q [B, Tq, N, H] (rotated) of an Attention layer, as its cache kind reads them.
   call_q: the queries of every column of the call [B, T, N, H] when the call asked for some
   columns' outputs only (q is then those columns'); what an evicting cache's press scores keys
-  by (kvjax.cache.presses). Unused, it is never computed (XLA drops it)."""
+  by (kvjax.cache.presses). Unused, it is never computed (XLA drops it). rope: the layer's RoPE
+  (None with learned positions), static: what a press that reads un-rotated queries turns them by."""
 
   q: jax.Array
   call_q: jax.Array | None = None
+  rope: Rope | None = flax.struct.field(pytree_node=False, default=None)
 
   @property
   def every_q(self) -> jax.Array:
@@ -272,12 +274,15 @@ class Span:
     there is to read (attention need not touch the cache's storage).
   window: static; the Window of the layer being run (each Attention sets its own), which a cache
     kind masks by (`visible`) and may lay its storage out by (a ring of window + sinks slots).
+  layer: static; the index of that layer (each Attention sets its own): what a per-layer budget
+    of an evicting cache is read by (kvjax.cache.presses, Press.layers).
   """
 
   positions: jax.Array
   lengths: jax.Array
   from_empty: bool = flax.struct.field(pytree_node=False, default=False)
   window: Window = flax.struct.field(pytree_node=False, default=GLOBAL)
+  layer: int = flax.struct.field(pytree_node=False, default=0)
 
   @property
   def valid(self) -> jax.Array:
@@ -344,13 +349,16 @@ class Attention(nn.Module):
       kernel_init=nn.initializers.normal((cfg.num_heads * cfg.head_dim) ** -0.5 / (2 * cfg.num_layers) ** 0.5),
     )
 
+  @property
+  def rope(self) -> Rope | None:
+    """The layer's RoPE (ModelConfig.layer_rope_theta); None with learned positions."""
+    cfg = self.config
+    return Rope(cfg.layer_rope_theta(self.layer), cfg.head_dim, cfg.rope_scaling) if cfg.positions == "rope" else None
+
   def rotate(self, x: jax.Array, positions: jax.Array) -> jax.Array:
     """x [B, T, heads, H] at positions int[B, T] -> RoPE-rotated at the layer's base
-    (ModelConfig.layer_rope_theta; unchanged with learned positions)."""
-    cfg = self.config
-    if cfg.positions != "rope":
-      return x
-    return apply_rope(x, positions, frequencies(cfg.layer_rope_theta(self.layer), cfg.head_dim, cfg.rope_scaling))
+    (unchanged with learned positions)."""
+    return x if self.rope is None else self.rope.rotate(x, positions)
 
   def query(self, x: jax.Array, positions: jax.Array) -> jax.Array:
     """x [B, T, D], positions int[B, T] -> q [B, T, N, H] (normalised per head with qk_norm, then rotated)."""
@@ -366,13 +374,13 @@ class Attention(nn.Module):
   def __call__(self, x: jax.Array, span: Span, cache=NO_CACHE, outputs_at: jax.Array | None = None) -> jax.Array:
     """x [B, T, D] -> [B, T, D]; with outputs_at int[B, T'] only those columns' queries attend
     (every column's K/V are still stored) -> [B, T', D]."""
-    span = span.replace(window=cache.layer_window(self.config, self.layer))
+    span = span.replace(window=cache.layer_window(self.config, self.layer), layer=self.layer)
     k, v = self.key_value(x, span.positions)
-    query = KVQuery(self.query(x, span.positions))
+    query = KVQuery(self.query(x, span.positions), rope=self.rope)
     positions = span.positions
     if outputs_at is not None:
       positions = take_rows(positions, outputs_at)
-      query = KVQuery(self.query(take_rows(x, outputs_at), positions), call_q=query.q)
+      query = KVQuery(self.query(take_rows(x, outputs_at), positions), call_q=query.q, rope=self.rope)
     return self.out(cached_attention(self, cache, query, positions, {"k": k, "v": v}, span))
 
 

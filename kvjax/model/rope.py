@@ -11,6 +11,7 @@ absorbed read, a converted model's kept pairs) turns by the same numbers.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 from typing import Callable
@@ -87,3 +88,23 @@ def apply_rope(x: jax.Array, positions: jax.Array, freq: np.ndarray | jax.Array)
   sin, cos = jnp.sin(angle), jnp.cos(angle)
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rope:
+  """One layer's RoPE as a value (its base, rotary dims and scaling), handed with the layer's
+  queries to whatever needs to turn vectors as the layer does: a press that undoes the rotation of
+  the prompt's queries or carries them to future positions (kvjax.cache.presses)."""
+
+  theta: float
+  dims: int
+  scaling: RopeScaling | None = None
+
+  @property
+  def freq(self) -> np.ndarray:
+    """float32 [dims / 2]: each rotate-half pair's radians per position."""
+    return frequencies(self.theta, self.dims, self.scaling)
+
+  def rotate(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    """x [B, T, heads, dims] turned to positions int[B, T] (negative positions undo a turn)."""
+    return apply_rope(x, positions, self.freq)

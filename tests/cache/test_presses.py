@@ -15,7 +15,7 @@ from kvjax.cache.config import CacheConfig
 from kvjax.cache.presses import PRESSES, TOVA, ObservedAttention, Press, Random, SnapKV, StreamingLLM, make_press
 from kvjax.fields import apply_overrides, config_keys, from_dict, to_dict
 
-NAMES = "streaming_llm, snapkv, tova, observed, knorm, random"
+NAMES = "streaming_llm, snapkv, tova, observed, knorm, random, keydiff, expected_attention"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +46,8 @@ def test_the_keys_of_a_press_are_listed_as_config_keys():
     "press.compression_ratio",
     "press.heads",
     "press.safeguard",
+    "press.layers",
+    "press.beta",
     "press.sinks",
   ]
   assert "press" in config_keys(CacheConfig())
@@ -115,6 +117,8 @@ def test_the_dict_of_a_press_names_it_beside_its_fields():
     "compression_ratio": 0.5,
     "heads": "uniform",
     "safeguard": 0.2,
+    "layers": "uniform",
+    "beta": 20,
     "window": 64,
     "kernel": 5,
   }
