@@ -42,7 +42,10 @@ PROTOCOLS = ("query_agnostic", "query_aware")
 
 def make_press(name: str, ratio: float):
   """kvpress's press for kvjax's press name (kvjax.cache.presses), with kvjax's default fields;
-  `name:adaptive` wraps it in AdaKV's head-adaptive budgets."""
+  `name:adaptive` wraps it in AdaKV's head-adaptive budgets; `snapkv:pyramid` is PyramidKVPress
+  (SnapKV under PyramidKV's per-layer budgets, the only pyramid kvpress has)."""
+  if name == "snapkv:pyramid":
+    return kvpress.PyramidKVPress(compression_ratio=ratio, window_size=64, kernel_size=5, beta=20)
   base, _, heads = name.partition(":")
   scorers = {
     "streaming_llm": lambda: kvpress.StreamingLLMPress(compression_ratio=ratio, n_sink=4),
@@ -51,6 +54,10 @@ def make_press(name: str, ratio: float):
     "observed": lambda: kvpress.ObservedAttentionPress(compression_ratio=ratio),
     "knorm": lambda: kvpress.KnormPress(compression_ratio=ratio),
     "random": lambda: kvpress.RandomPress(compression_ratio=ratio, seed=0),
+    "keydiff": lambda: kvpress.KeyDiffPress(compression_ratio=ratio),
+    "expected_attention": lambda: kvpress.ExpectedAttentionPress(
+      compression_ratio=ratio, n_future_positions=512, n_sink=4, use_covariance=True, use_vnorm=True, epsilon=0.0
+    ),
   }
   if base not in scorers:
     raise SystemExit(f"--presses: unknown press {base!r}; choose from {sorted(scorers)}")

@@ -5,7 +5,8 @@ the ceiling and the KV bytes per token each cache holds.
 Cells: for each source model, the suite's samples at each length (written once to
 WORKDIR/<model>/samples.jsonl, with the tokenizer's stop ids so that a peer can answer the same
 ids); the full cache once (its answers do not depend on the protocol), then each press of
-`presses` ("snapkv", or "snapkv:adaptive" for AdaKV's head-adaptive budgets) at each ratio under
+`presses` ("snapkv", "snapkv:adaptive" for AdaKV's head-adaptive budgets, "snapkv:pyramid" for
+PyramidKV's per-layer ones, which is kvpress's PyramidKVPress) at each ratio under
 each protocol (kvjax.studies.eviction.PROTOCOLS). Every cell's per-sample answers are a file of
 WORKDIR/<model>/cells/, written when the cell is done, so a rerun skips finished cells and an
 interrupted table resumes.
@@ -40,12 +41,18 @@ FULL = "full"
 
 
 def press_cache(spec: str, ratio: float) -> CacheConfig:
-  """The cache of a press spec ("snapkv", "snapkv:adaptive") at a compression ratio; ValueError
-  naming an unknown press, suffix or ratio."""
-  name, _, heads = spec.partition(":")
-  if heads not in ("", "adaptive"):
-    raise ValueError(f"PressTableStudy.presses: {spec!r}: the only suffix is ':adaptive' (AdaKV's budgets)")
-  return CacheConfig(press=make_press(name, compression_ratio=ratio, heads=heads or "uniform"))
+  """The cache of a press spec ("snapkv", "snapkv:adaptive" for AdaKV's per-head budgets,
+  "snapkv:pyramid" for PyramidKV's per-layer ones, "snapkv:adaptive:pyramid") at a compression
+  ratio; ValueError naming an unknown press, suffix or ratio."""
+  name, *suffixes = spec.split(":")
+  if suffixes not in ([], ["adaptive"], ["pyramid"], ["adaptive", "pyramid"]):
+    raise ValueError(
+      f"PressTableStudy.presses: {spec!r}: the suffixes are ':adaptive' (AdaKV's budgets) and then "
+      "':pyramid' (PyramidKV's)"
+    )
+  heads = "adaptive" if "adaptive" in suffixes else "uniform"
+  layers = "pyramid" if "pyramid" in suffixes else "uniform"
+  return CacheConfig(press=make_press(name, compression_ratio=ratio, heads=heads, layers=layers))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +64,17 @@ class PressTableStudy:
   lengths: tuple[int, ...] = (1024, 2048)
   tasks: tuple[str, ...] = tuple(TASKS)
   samples: int = 4
-  presses: tuple[str, ...] = ("streaming_llm", "snapkv", "tova", "observed", "knorm", "snapkv:adaptive")
+  presses: tuple[str, ...] = (
+    "streaming_llm",
+    "snapkv",
+    "tova",
+    "observed",
+    "knorm",
+    "snapkv:adaptive",
+    "snapkv:pyramid",
+    "keydiff",
+    "expected_attention",
+  )
   ratios: tuple[float, ...] = (0.25, 0.5, 0.75, 0.875)
   protocols: tuple[str, ...] = PROTOCOLS
   batch_size: int = 8

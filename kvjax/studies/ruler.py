@@ -91,12 +91,14 @@ def build(
 
 def method_name(cache_config: CacheConfig) -> str:
   """ "full" for a cache that keeps every token, else "<press>@<compression ratio>", the press
-  "<name>:adaptive" under AdaKV's head-adaptive budgets (experiments/kvpress_reference.py's names)."""
+  "<name>:adaptive" under AdaKV's head-adaptive budgets, "<name>:pyramid" under PyramidKV's
+  per-layer ones, "<name>:adaptive:pyramid" under both (experiments/kvpress_reference.py's names)."""
   press = cache_config.press
   if press is None:
     return "full"
   heads = ":adaptive" if press.heads == "adaptive" else ""
-  return f"{press.name}{heads}@{press.compression_ratio:g}"
+  layers = ":pyramid" if press.layers == "pyramid" else ""
+  return f"{press.name}{heads}{layers}@{press.compression_ratio:g}"
 
 
 def answer(
