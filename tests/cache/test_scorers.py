@@ -152,4 +152,3 @@ def test_decoding_through_a_scorer_is_the_forward_masked_to_the_kept_tokens(gqa,
   reference = forward(model, params, tokens, KeptForward(masks_of(history, 23)))
   for got, position in zip(calls, range(prompt - 1, 23)):
     np.testing.assert_allclose(got, reference[:, position], atol=1e-4, err_msg=f"position {position}")
-
