@@ -152,3 +152,12 @@ def test_decoding_through_a_scorer_is_the_forward_masked_to_the_kept_tokens(gqa,
   reference = forward(model, params, tokens, KeptForward(masks_of(history, 23)))
   for got, position in zip(calls, range(prompt - 1, 23)):
     np.testing.assert_allclose(got, reference[:, position], atol=1e-4, err_msg=f"position {position}")
+
+
+def test_a_pyramid_stores_its_first_layers_budget_and_counts_it():
+  """Every layer's storage is the first layer's slots (20 of a 24-token prompt kept, 16 later
+  positions): the bytes counted are the bytes held."""
+  config, cache_config = tiny_config(2), CacheConfig(press=SnapKV(compression_ratio=0.5, window=4, layers="pyramid"))
+  cache = kinds.create(config, cache_config, 3, 40, prompt=24)
+  assert cache.slots == 40 - 24 + 20 and cache.num_layers == 2
+  assert cache.nbytes + 4 * 3 == kinds.cache_bytes(config, cache_config, 3, 40, prompt=24)
