@@ -14,7 +14,7 @@ from kvjax.cache.presses import KNorm, SnapKV, StreamingLLM
 from kvjax.serving.engine import Engine, EngineConfig
 from conftest import init_params, tiny_config
 
-MAX_LEN = 64
+MAX_LEN = 48
 PAGE = 4
 PRESSES = {
   "snapkv": SnapKV(compression_ratio=0.75, window=4),
@@ -38,17 +38,21 @@ def workload(seed: int, count: int = 7):
   rng = np.random.default_rng(seed)
   requests = []
   for _ in range(count):
-    prompt = rng.integers(0, 64, int(rng.integers(12, 41)), dtype=np.int32)
-    requests.append((prompt, int(rng.integers(4, 20))))
+    prompt = rng.integers(0, 64, int(rng.integers(12, 31)), dtype=np.int32)
+    requests.append((prompt, int(rng.integers(4, 17))))
   return requests
 
 
-def generate_alone(model, params, prompt, max_new_tokens, press):
-  """`generate` on one request through the evicting layout, greedy."""
-  out = kvjax.generate(
-    model, params, prompt[None], np.array([prompt.size]), max_new_tokens, cache_config=CacheConfig(press=press)
-  )
-  return np.asarray(out[0])
+def generate_each(model, params, requests, press):
+  """`generate` through the evicting layout, greedy: every request's tokens, its ragged prompt a
+  row of one batch (each row is pressed by its own length)."""
+  prompts = np.zeros((len(requests), max(p.size for p, _ in requests)), np.int32)
+  for row, (prompt, _) in enumerate(requests):
+    prompts[row, : prompt.size] = prompt
+  lengths = np.array([p.size for p, _ in requests])
+  longest = max(n for _, n in requests)
+  out = np.asarray(kvjax.generate(model, params, prompts, lengths, longest, cache_config=CacheConfig(press=press)))
+  return [out[row, :n] for row, (_, n) in enumerate(requests)]
 
 
 def serve(model, params, requests, config):
@@ -60,7 +64,7 @@ def serve(model, params, requests, config):
   return [outputs[i] for i in ids], engine
 
 
-@pytest.mark.parametrize("name", list(PRESSES))
+@pytest.mark.parametrize("name", ["snapkv", "streaming_llm"])
 def test_engine_with_a_press_is_generate_with_the_press(model_params, name):
   model, params = model_params
   press = PRESSES[name]
@@ -68,8 +72,8 @@ def test_engine_with_a_press_is_generate_with_the_press(model_params, name):
   got, engine = serve(model, params, requests, pressed(press))
   assert engine.stats.preemptions > 0  # recompute (press the prompt, append the generated) is exercised
   assert max(engine.stats.running) > 1
-  for (prompt, n), tokens in zip(requests, got):
-    np.testing.assert_array_equal(tokens, generate_alone(model, params, prompt, n, press))
+  for tokens, want in zip(got, generate_each(model, params, requests, press)):
+    np.testing.assert_array_equal(tokens, want)
 
 
 def test_a_request_holds_the_pages_of_its_kept_tokens(model_params):
@@ -93,7 +97,7 @@ def test_a_request_holds_the_pages_of_its_kept_tokens(model_params):
 
 def test_ratio_zero_is_the_engine_without_a_press(model_params):
   model, params = model_params
-  requests = workload(seed=2, count=5)
+  requests = workload(seed=2, count=4)
   plain_config = EngineConfig(
     num_slots=4, num_pages=13, max_len=MAX_LEN, cache=CacheConfig(layout="paged", page_size=PAGE)
   )
@@ -105,15 +109,16 @@ def test_ratio_zero_is_the_engine_without_a_press(model_params):
 
 
 def test_a_pressed_pool_runs_more_long_prompts_at_once(model_params):
-  """Prompts of 40 tokens (10 pages each unpressed, 3 at ratio 0.75) in 24 usable pages."""
+  """Prompts of 28 tokens in 24 usable pages: unpressed, 8 pages each with the next token's;
+  at ratio 0.75, 7 kept tokens in 2 pages, 3 pages as they generate."""
   model, params = model_params
-  requests = [(np.arange(40, dtype=np.int32) % 64, 4) for _ in range(8)]
+  requests = [(np.arange(28, dtype=np.int32), 4) for _ in range(8)]
   counts = {}
   for press in (None, PRESSES["knorm"]):
     cache = CacheConfig(layout="paged" if press is None else "paged_evict", page_size=PAGE, press=press)
     _, engine = serve(model, params, requests, EngineConfig(num_slots=8, num_pages=25, max_len=MAX_LEN, cache=cache))
     counts[press] = max(engine.stats.running)
-  assert counts[None] == 2 and counts[PRESSES["knorm"]] >= 6
+  assert counts[None] == 3 and counts[PRESSES["knorm"]] == 8
 
 
 def test_combinations_that_cannot_work_are_refused(model_params):
