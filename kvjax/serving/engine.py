@@ -239,11 +239,15 @@ class Engine:
     return {i: np.asarray(r.generated, np.int32) for i, r in sorted(self.finished.items())}
 
   def warmup(self) -> None:
-    """Compiles every prompt bucket and page-table width on idle rows (writes land in the null page)."""
+    """Compiles every prompt bucket (and with a press, every extend bucket) and page-table width on
+    idle rows (writes land in the null page)."""
     n = MIN_PROMPT_BUCKET
     while True:
       bucket = size_bucket(n, self.max_len, MIN_PROMPT_BUCKET)
-      self._run_prefill(np.zeros((1, bucket), np.int32), 1, np.zeros((1, self.max_pages), np.int32))
+      idle = np.zeros((1, self.max_pages), np.int32)
+      self._run_prefill(np.zeros((1, bucket), np.int32), 1, idle)
+      if self.press is not None:  # a pressed request recomputes its generated tokens by extending
+        self._run_extend(np.zeros((1, bucket), np.int32), 1, idle, 1, 0)
       if bucket >= self.max_len:
         break
       n = bucket + 1
