@@ -83,17 +83,17 @@ def run(
   chosen = make_press(press[0], compression_ratio=ratio_percent / 100)
   params, config, tokenizer, path = read_model(model)
   transformer = Transformer(config)
-  prompts = prose_prompts(tokenizer, requests, prompt)
   workload = Workload(requests=max(1, chat_requests))
   chat_requests_built = workload.build(tokenizer)
   out = {"benchmark": "engine_press", "source": str(path), "press": repr(chosen), "page_size": PAGE}
   out["capacity"] = {"prompt_tokens": prompt, "requests": requests, "pool_pages": pool_pages}
   out["chat"] = {"workload": dataclasses.asdict(workload), "pool_pages": chat_pool_pages}
-  for name, value in (("full", None), ("pressed", chosen)):
-    out["capacity"][name] = capacity(transformer, params, prompts, pool_pages, value)
-  out["capacity"]["running_over_full"] = (
-    out["capacity"]["pressed"]["max_running"] / out["capacity"]["full"]["max_running"]
-  )
+  if requests:
+    prompts = prose_prompts(tokenizer, requests, prompt)
+    for name, value in (("full", None), ("pressed", chosen)):
+      out["capacity"][name] = capacity(transformer, params, prompts, pool_pages, value)
+    full, pressed = out["capacity"]["full"], out["capacity"]["pressed"]
+    out["capacity"]["running_over_full"] = pressed["max_running"] / full["max_running"]
   if not chat_requests:
     return out
   for name, value in (("full", None), ("pressed", chosen)):
@@ -113,7 +113,7 @@ BENCHMARK = Benchmark(
     Option("press", ["snapkv"], "the press", Kind.NAMES, choices=tuple(PRESSES)),
     Option("ratio_percent", 75, "the press's compression ratio, in percent"),
     Option("prompt", 2048, "prompt tokens of each capacity request"),
-    Option("requests", 16, "capacity requests, submitted at once"),
+    Option("requests", 16, "capacity requests, submitted at once (0: no capacity part)", Kind.NONNEGATIVE),
     Option("pool_pages", 513, "pages of 16 tokens of the capacity engine (the null page included)"),
     Option(
       "chat_requests", 24, "requests of the chat workload (4 per second on average; 0: no chat part)", Kind.NONNEGATIVE
