@@ -142,3 +142,35 @@ def test_combinations_that_cannot_work_are_refused(model_params):
   cache = PagedEvictCache.create(model.config, 5, PAGE, 1, 4, pressed(PRESSES["knorm"]).cache)
   with pytest.raises(ValueError, match="row 0 needs 3 slots, 1 pages of 4, but its page table holds 0"):
     cache.with_rows(np.zeros((1, 4)), np.array([10]), np.array([2])).check_room(np.array([1]))
+
+
+def test_a_forked_pressed_prompt_decodes_as_the_evicting_layout(model_params):
+  """Two sequences share a pressed prompt's pages (PageAllocator.fork); the first token each
+  writes copies the shared page (copy on write) and each reads what the evicting layout reads."""
+  model, params = model_params
+  press = PRESSES["snapkv"]
+  prompt = (np.arange(14, dtype=np.int32) * 5) % 64
+  held = int(evict.kept(prompt.size, press.compression_ratio))  # 3 slots: one page, shared and not full
+  alloc = kvjax.PageAllocator(num_pages=9, page_size=PAGE)
+  alloc.allocate("a", held)
+  cache = PagedEvictCache.create(model.config, 9, PAGE, 1, 4, pressed(press).cache)
+  cache = cache.with_rows(alloc.page_table(["a"], 4), np.zeros(1), np.zeros(1))
+  logits, cache = kvjax.extend(model, params, cache, prompt[None], np.array([prompt.size]), logits="last")
+  want, _ = kvjax.prefill(
+    model, params, prompt[None], np.array([prompt.size]), 16, cache_config=CacheConfig(press=press)
+  )
+  np.testing.assert_allclose(np.asarray(logits[0]), np.asarray(want[0, -1]), atol=1e-5)
+  alloc.fork("a", "b")
+  for seq, token in (("a", 7), ("b", 9)):
+    copies = alloc.append(seq, 1)
+    assert len(copies) == (1 if seq == "a" else 0)  # "a" copies the shared page; "b" then owns it alone
+    if copies:
+      cache = cache.copy_pages(*zip(*copies))
+    cache = cache.with_rows(alloc.page_table([seq], 4), np.array([prompt.size]), np.array([held]))
+    logits, cache = kvjax.decode_step(model, params, cache, np.array([token]))
+    _, reference = kvjax.prefill(
+      model, params, prompt[None], np.array([prompt.size]), 16, cache_config=CacheConfig(press=press)
+    )
+    expected, _ = kvjax.decode_step(model, params, reference, np.array([token]))
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(expected), atol=1e-5)
+  assert alloc.pages("a") != alloc.pages("b")
