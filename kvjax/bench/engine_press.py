@@ -87,7 +87,6 @@ def run(
   chat_requests_built = workload.build(tokenizer)
   out = {"benchmark": "engine_press", "source": str(path), "press": repr(chosen), "page_size": PAGE}
   out["capacity"] = {"prompt_tokens": prompt, "requests": requests, "pool_pages": pool_pages}
-  out["chat"] = {"workload": dataclasses.asdict(workload), "pool_pages": chat_pool_pages}
   if requests:
     prompts = prose_prompts(tokenizer, requests, prompt)
     for name, value in (("full", None), ("pressed", chosen)):
@@ -96,6 +95,7 @@ def run(
     out["capacity"]["running_over_full"] = pressed["max_running"] / full["max_running"]
   if not chat_requests:
     return out
+  out["chat"] = {"workload": dataclasses.asdict(workload), "pool_pages": chat_pool_pages}
   for name, value in (("full", None), ("pressed", chosen)):
     out["chat"][name] = chat(transformer, params, chat_requests_built, chat_pool_pages, value)
   full, pressed = out["chat"]["full"], out["chat"]["pressed"]
