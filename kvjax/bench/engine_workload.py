@@ -86,7 +86,11 @@ def run_kvjax_engine(model, params, requests, engine_config: EngineConfig) -> di
       times = stamps.setdefault(ids[request.id], [])
       times.extend([now] * (len(request.generated) - len(times)))
   tokens = {ids[i]: [int(t) for t in r.generated] for i, r in engine.finished.items()}
-  return {"stamps": [stamps[i] for i in range(len(requests))], "tokens": [tokens[i] for i in range(len(requests))]}
+  return {
+    "stamps": [stamps[i] for i in range(len(requests))],
+    "tokens": [tokens[i] for i in range(len(requests))],
+    "max_running": max(engine.stats.running),
+  }
 
 
 def request_agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict:

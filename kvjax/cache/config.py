@@ -18,6 +18,7 @@ from kvjax.model.transformer import cache_payload
 # is one module; kvjax.cache.kinds imports them all.
 LAYOUTS: dict[str, type] = {}
 PAGED_READS = ("gather", "pallas", "pallas_interpret")
+EVICTING = ("evict", "paged_evict")  # the layouts that take a press
 
 
 def register(name: str):
@@ -37,7 +38,8 @@ class CacheConfig:
 
   layout: "contiguous" (each row preallocates its positions; a sliding-window layer keeps a ring
     of window + sinks slots), "paged" (page pools shared by the rows, kvjax.cache.paged) or
-    "evict" (a press's budget of slots, kvjax.cache.evict). Left None it is derived, here and
+    "evict" (a press's budget of slots, kvjax.cache.evict) or "paged_evict" (a press's kept tokens
+    in the engine's pages, kvjax.cache.paged_evict). Left None it is derived, here and
     nowhere else: "evict" with a press, "contiguous" without. A stated layout must agree with
     the press: "evict" needs one, and the other layouts keep every token.
   dtype: the codec (kvjax.cache.codec): a float dtype, "int8", "int4" or "float8_e4m3fn"; None
@@ -103,14 +105,14 @@ class CacheConfig:
       check_nonnegative(self, "sink_tokens", most=INT32_MAX)
     if not isinstance(self.absorb, bool):
       raise ValueError(f"CacheConfig.absorb must be True or False, got {self.absorb!r}")
-    if self.layout == "evict" and self.press is None:
+    if self.layout in EVICTING and self.press is None:
       raise ValueError(
-        f"CacheConfig.layout='evict' needs a press, CacheConfig.press (cache.press=NAME): one of {tuple(PRESSES)}"
+        f"CacheConfig.layout={self.layout!r} needs a press, CacheConfig.press (cache.press=NAME): one of {tuple(PRESSES)}"
       )
-    if self.layout != "evict" and self.press is not None:
+    if self.layout not in EVICTING and self.press is not None:
       raise ValueError(
         f"CacheConfig.press={self.press!r} evicts tokens, which layout={self.layout!r} does not (it keeps every "
-        "token); leave the layout unset (a press makes it 'evict') or set it to 'evict'"
+        "token); leave the layout unset (a press makes it 'evict') or set it to 'evict' (or 'paged_evict', the engine's)"
       )
 
   def codec(self, config: ModelConfig) -> codecs.Codec:

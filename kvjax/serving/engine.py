@@ -15,6 +15,14 @@ memory baselines of the KV-memory study:
   paged:     pages for exactly the tokens cached (PagedAttention);
   doubling:  a buffer of the next power of two >= the context, doubled when full;
   max_len:   max_len positions reserved at admission (contiguous preallocation).
+
+With a press (EngineConfig.cache = CacheConfig(layout="paged_evict", press=...)), a request's
+prompt is pressed as it is prefilled and only its kept tokens stay, in as many pages as they need
+(kvjax.cache.paged_evict): the allocator counts slots, not positions, so the same pool holds
+about 1 / (1 - compression_ratio) times as many long prompts. Decoding appends to the request's
+pages, and a preempted request recomputes by pressing its prompt again and appending its
+generated tokens after it: the tokens of `generate` with the same press, which keeps every token
+generated after the pressed prompt.
 """
 
 from __future__ import annotations
@@ -27,8 +35,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache.paged import PagedCache
+from kvjax.cache import kinds
 from kvjax.cache.config import CacheConfig
+from kvjax.cache.paged_evict import kept_slots
 from kvjax.fields import check_choice, check_positive, check_positive_int
 from kvjax.decoding.decode import for_decoding, forward, size_bucket
 from kvjax.decoding.sampling import Sampling, sample
@@ -45,7 +54,8 @@ GREEDY = (0.0, 0, 1.0)
 class EngineConfig:
   """num_pages counts the null page, so num_pages - 1 pages of cache.page_size tokens hold KV.
   max_len (longest context, prompt + generated) defaults to ModelConfig.max_len. cache is the
-  paged cache's codec, page size and read (kvjax.cache.config; its layout must be "paged")."""
+  paged cache's codec, page size and read (kvjax.cache.config; its layout must be "paged", or
+  "paged_evict" with a press, whose allocation must then be "paged")."""
 
   num_slots: int = 8
   num_pages: int = 257
@@ -58,9 +68,15 @@ class EngineConfig:
 
   def __post_init__(self):
     check_positive(self, "num_slots", "num_pages")
-    if not isinstance(self.cache, CacheConfig) or self.cache.layout != "paged":
+    if not isinstance(self.cache, CacheConfig) or self.cache.layout not in ("paged", "paged_evict"):
       raise ValueError(
-        f"EngineConfig.cache must be a CacheConfig with layout='paged' (the engine allocates pages), got {self.cache!r}"
+        f"EngineConfig.cache must be a CacheConfig with layout='paged' (the engine allocates pages), or "
+        f"'paged_evict' with a press, got {self.cache!r}"
+      )
+    if self.cache.press is not None and self.allocation != "paged":
+      raise ValueError(
+        f"EngineConfig.allocation={self.allocation!r} reserves positions ahead, which a pressed prompt "
+        "does not keep; with CacheConfig.press the engine allocates 'paged'"
       )
     if self.max_len is not None:
       check_positive(self, "max_len")
@@ -125,6 +141,12 @@ def _prefill(model, params, cache, tokens, lengths):
 
 
 @functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("cache",))
+def _extend(model, params, cache, tokens, lengths):
+  """More of one request's context after what its pages hold -> (next-token logits [1, V], cache)."""
+  return forward(model, params, cache, tokens, lengths, last=True)
+
+
+@functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("cache",))
 def _decode(model, params, cache, tokens):
   """One token for every row -> (logits [B, V], cache)."""
   logits, cache = forward(model, params, cache, tokens[:, None], jnp.ones_like(tokens))
@@ -148,7 +170,8 @@ class Engine:
       raise ValueError(f"EngineConfig.max_len={self.max_len} exceeds ModelConfig.max_len={cfg.max_len}")
     self.allocator = PageAllocator(config.num_pages, config.cache.page_size)
     self.max_pages = self.allocator.pages_for(self.max_len)
-    self.cache = PagedCache.create(
+    self.press = config.cache.press
+    self.cache = kinds.kind(config.cache).create(
       cfg, config.num_pages, config.cache.page_size, config.num_slots, self.max_pages, config.cache
     )
     self.waiting: list[Request] = []  # by id: preempted requests go back in arrival order
@@ -175,7 +198,7 @@ class Engine:
         f"prompt of {prompt.size} tokens + max_new_tokens={max_new_tokens} needs {longest} "
         f"cache positions, more than max_len={self.max_len}"
       )
-    peak = self.allocator.pages_for(self._target(longest, 0))
+    peak = self.allocator.pages_for(self._target(self._held(prompt.size, longest - prompt.size), 0))
     if peak > self.allocator.num_usable:
       raise ValueError(
         f"the request needs up to {peak} pages under allocation={self.config.allocation!r} "
@@ -216,13 +239,15 @@ class Engine:
     return {i: np.asarray(r.generated, np.int32) for i, r in sorted(self.finished.items())}
 
   def warmup(self) -> None:
-    """Compiles every prompt bucket and page-table width on idle rows (writes land in the null page)."""
+    """Compiles every prompt bucket (and with a press, every extend bucket) and page-table width on
+    idle rows (writes land in the null page)."""
     n = MIN_PROMPT_BUCKET
     while True:
       bucket = size_bucket(n, self.max_len, MIN_PROMPT_BUCKET)
-      self._run_prefill(
-        np.zeros((1, bucket), np.int32), np.ones(1, np.int32), np.zeros((1, self.max_pages), np.int32), GREEDY, 0, 0
-      )
+      idle = np.zeros((1, self.max_pages), np.int32)
+      self._run_prefill(np.zeros((1, bucket), np.int32), 1, idle)
+      if self.press is not None:  # a pressed request recomputes its generated tokens by extending
+        self._run_extend(np.zeros((1, bucket), np.int32), 1, idle, 1, 0)
       if bucket >= self.max_len:
         break
       n = bucket + 1
@@ -234,6 +259,11 @@ class Engine:
       width = self._width(width * self.config.cache.page_size + 1)
 
   # Memory policy.
+
+  def _held(self, prompt: int, generated: int) -> int:
+    """Tokens (slots) a request of a `prompt`-token prompt and `generated` tokens holds in its
+    pages: every one, or with a press the prompt's kept ones and every generated one."""
+    return (prompt if self.press is None else kept_slots(prompt, self.press)) + generated
 
   def _target(self, tokens: int, capacity: int) -> int:
     """Token capacity the allocation policy holds for `tokens` cached, given `capacity` now."""
@@ -263,30 +293,29 @@ class Engine:
     while self.waiting and None in self.slots:
       request = self.waiting[0]
       context = request.context
-      pages = alloc.pages_for(self._target(context.size, 0))
+      held = self._held(request.prompt.size, len(request.generated))
+      pages = alloc.pages_for(self._target(held, 0))
       # Admit only if the next decode step can still grow every running request (this one too,
       # unless its prefill yields its last token): otherwise the newcomer would be preempted
       # right after its prefill.
       if len(request.generated) + 1 < request.max_new_tokens:
-        pages = alloc.pages_for(self._target(context.size + 1, pages * alloc.page_size))
+        pages = alloc.pages_for(self._target(held + 1, pages * alloc.page_size))
       if pages + sum(map(self._growth, self.running)) > alloc.num_free:
         return
       self.waiting.pop(0)
-      alloc.allocate(request.id, context.size)
-      alloc.reserve(request.id, self._target(context.size, 0))
+      alloc.allocate(request.id, held)
+      alloc.reserve(request.id, self._target(held, 0))
       request.slot = self.slots.index(None)
       self.slots[request.slot] = request
-      bucket = size_bucket(context.size, self.max_len, MIN_PROMPT_BUCKET)
-      tokens = np.zeros((1, bucket), np.int32)
-      tokens[0, : context.size] = context
-      token = self._run_prefill(
-        tokens,
-        np.array([context.size], np.int32),
-        alloc.page_table([request.id], self.max_pages),
-        request.sampling,
-        request.id,
-        len(request.generated),
-      )
+      # A pressed prompt is pressed alone and the tokens generated before a preemption follow it,
+      # as generate keeps them; without a press the whole context is one prefill.
+      first = request.prompt.size if self.press is not None else context.size
+      table = alloc.page_table([request.id], self.max_pages)
+      logits = self._run_prefill(_padded(context[:first], self.max_len), first, table)
+      if first < context.size:
+        rest = context[first:]
+        logits = self._run_extend(_padded(rest, self.max_len), rest.size, table, first, self._held(first, 0))
+      token = self._sample(logits, request.sampling, request.id, len(request.generated))
       self.stats.prefills += 1
       self._emit(request, int(token[0]), finished)
 
@@ -332,10 +361,19 @@ class Engine:
 
   # Device calls.
 
-  def _run_prefill(self, tokens, lengths, page_table, sampling, request_id, index):
-    cache = self.cache.with_rows(page_table, np.zeros_like(lengths))
-    logits, cache = _prefill(self.model, self.params, cache, jnp.asarray(tokens), jnp.asarray(lengths))
-    self.cache = cache
+  def _run_prefill(self, tokens, length: int, page_table) -> jax.Array:
+    """One request's first `length` tokens (tokens int[1, bucket]) into its empty pages -> logits [1, V]."""
+    cache = self.cache.with_rows(page_table, np.zeros(1, np.int32), np.zeros(1, np.int32))
+    logits, self.cache = _prefill(self.model, self.params, cache, jnp.asarray(tokens), jnp.array([length], jnp.int32))
+    return logits
+
+  def _run_extend(self, tokens, length: int, page_table, position: int, filled: int) -> jax.Array:
+    """`length` more tokens after a request's `position` positions held in `filled` slots -> logits [1, V]."""
+    cache = self.cache.with_rows(page_table, np.array([position], np.int32), np.array([filled], np.int32))
+    logits, self.cache = _extend(self.model, self.params, cache, jnp.asarray(tokens), jnp.array([length], jnp.int32))
+    return logits
+
+  def _sample(self, logits, sampling, request_id: int, index: int) -> np.ndarray:
     return np.asarray(
       _pick(
         logits, _stack([sampling]), self.config.seed, jnp.array([request_id], jnp.int32), jnp.array([index], jnp.int32)
@@ -343,15 +381,17 @@ class Engine:
     )
 
   def _run_decode(self, slots: list[Request | None], width: int) -> np.ndarray:
-    """One decode step over all rows; a request's pages already hold the position it writes."""
+    """One decode step over all rows; a request's pages already hold the slot it writes."""
     alloc = self.allocator
     ids = [None if r is None else r.id for r in slots]
     table = alloc.page_table(ids, self.max_pages)[:, :width]
-    lengths = np.array([0 if r is None else alloc.length(r.id) - 1 for r in slots], np.int32)
+    lengths = np.array([0 if r is None else r.prompt.size + len(r.generated) - 1 for r in slots], np.int32)
+    filled = np.array([0 if r is None else alloc.length(r.id) - 1 for r in slots], np.int32)
     tokens = np.array([0 if r is None else r.generated[-1] for r in slots], np.int32)
     index = np.array([0 if r is None else len(r.generated) for r in slots], np.int32)
     sampling = _stack([GREEDY if r is None else r.sampling for r in slots])
-    logits, self.cache = _decode(self.model, self.params, self.cache.with_rows(table, lengths), jnp.asarray(tokens))
+    cache = self.cache.with_rows(table, lengths, filled)
+    logits, self.cache = _decode(self.model, self.params, cache, jnp.asarray(tokens))
     return np.asarray(
       _pick(
         logits,
@@ -361,3 +401,10 @@ class Engine:
         jnp.asarray(index),
       )
     )
+
+
+def _padded(tokens: np.ndarray, max_len: int) -> np.ndarray:
+  """tokens int[L] right-padded to their prompt bucket -> int32[1, bucket]."""
+  out = np.zeros((1, size_bucket(tokens.size, max_len, MIN_PROMPT_BUCKET)), np.int32)
+  out[0, : tokens.size] = tokens
+  return out

@@ -15,6 +15,7 @@ NAMES = {
   "codecs",
   "decode",
   "engine",
+  "engine_press",
   "evict",
   "hf",
   "matmul",

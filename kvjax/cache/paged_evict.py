@@ -1,0 +1,226 @@
+"""The paged evicting layout: a press's kept tokens in pages, their positions beside them.
+
+The continuous-batching engine (kvjax.serving.engine) keeps each request's pressed prompt in as
+many pages as the kept tokens need, so one page pool serves more long prompts at once. A row's
+pages hold its slots 0, 1, ... in order (slot j in page j // Z at offset j % Z, as the paged
+layout holds positions), and each slot carries the position of the token it holds, per kv head:
+a press keeps different tokens in different heads (kvjax.cache.evict's rule).
+
+Per layer, beside the paged layout's pools (kvjax.cache.paged: [K, P, Z, W'] and the codec's
+scales):
+  positions  int32[K, P, Z], the position the slot holds in that kv head.
+Per row, beside lengths (the positions seen, which place the next token and turn RoPE):
+  filled     int32[B], the slots the row holds (every head holds as many).
+
+The first call from an empty cache (the prompt) attends over all its tokens, then each layer's
+press keeps row b's int(n_b * (1 - ratio)) best tokens, best first, in slots [0, kept): the
+tokens, their order and so every later read are those of the evicting layout (kvjax.cache.evict)
+for the same press. Later tokens (decode, or the generated tokens a preempted request
+recomputes) take the next slots; nothing is evicted after the prompt, so the row grows by pages
+as a paged row does, and the evicting layout's cache of kept + generated slots keeps the same
+tokens. A one-token read goes through the paged decode route over slots [0, filled]; a longer
+one gathers the pages and masks by the per-head positions.
+
+Refused, in `check_model` (one ValueError each): MLA's latent (kvjax.cache.evict), sliding-window
+layers (a windowed layer would drop tokens as it decodes, which these pages do not) and AdaKV's
+head-adaptive budgets (heads of a row would fill different numbers of slots).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import memory
+from kvjax.cache import evict
+from kvjax.cache.base import encode, set_bits
+from kvjax.cache.config import CacheConfig, register
+from kvjax.cache.paged import PagedCache, attend_pages, check_pool, gather, layer_spec as paged_spec, write_addresses
+from kvjax.cache.presses import Press
+from kvjax.config import ModelConfig
+from kvjax.model.attention import Span, Visibility, new_keys
+from kvjax.model.backend import Backend
+from kvjax.model.transformer import cache_collection
+
+POSITIONS = "positions"
+
+
+def layer_spec(config: ModelConfig, codec, num_pages: int, page_size: int) -> dict:
+  """{name: (shape, dtype)} of one layer's pools: the paged layout's and the per-head positions."""
+  return paged_spec(config, codec, num_pages, page_size) | {
+    POSITIONS: ((config.num_kv_heads, num_pages, page_size), jnp.dtype(jnp.int32))
+  }
+
+
+def check_model(config: ModelConfig, cache_config: CacheConfig) -> None:
+  """Raises ValueError unless a model of `config` can decode through a paged evicting cache."""
+  evict.check_model(config, cache_config)
+  press = cache_config.press
+  if press.heads == "adaptive":
+    raise ValueError(
+      f"CacheConfig.press={press!r}: layout='paged_evict' keeps as many tokens in every kv head "
+      "(a row's pages are shared by its heads); use heads='uniform', or layout='evict' for AdaKV's budgets"
+    )
+  window = cache_config.model(config).window
+  if any(window):
+    raise ValueError(
+      f"layout='paged_evict' presses every layer, but the model's window={window} makes some layers "
+      "sliding-window ones, which it does not keep; use layout='evict' (generate) or the engine without a press"
+    )
+
+
+def kept_slots(prompt: int, press: Press) -> int:
+  """Slots a prompt of `prompt` tokens holds once pressed."""
+  return int(evict.kept(prompt, press.compression_ratio))
+
+
+@register("paged_evict")
+class PagedEvictCache(PagedCache):
+  """Page pools of a press's kept tokens with their per-head positions; see the module docstring.
+  filled: int32[B], the slots each row holds (lengths: the positions it has seen).
+  press (static): the press that chooses the prompt's kept tokens."""
+
+  filled: jax.Array | None = None
+  press: Press | None = flax.struct.field(pytree_node=False, default=None)
+
+  @classmethod
+  def create(
+    cls,
+    config: ModelConfig,
+    num_pages: int,
+    page_size: int,
+    batch: int,
+    max_pages: int,
+    cache_config: CacheConfig,
+  ) -> "PagedEvictCache":
+    """Empty pools of num_pages pages of page_size slots, `batch` rows of max_pages entries."""
+    check_pool(num_pages, page_size, batch, max_pages)
+    check_model(config, cache_config)
+    statics = cls.statics(config, cache_config)
+    memory.check_fits(
+      f"a paged evicting cache of {num_pages} pages x {page_size} tokens",
+      cls.pool_bytes(config, cache_config, num_pages, page_size, batch, max_pages),
+    )
+    spec = layer_spec(config, statics["codec"], num_pages, page_size)
+    return cls(
+      layers=cache_collection(config, lambda i: {n: jnp.zeros(s, d) for n, (s, d) in spec.items()}),
+      lengths=jnp.zeros((batch,), jnp.int32),
+      filled=jnp.zeros((batch,), jnp.int32),
+      page_table=jnp.zeros((batch, max_pages), jnp.int32),
+      press=cache_config.press,
+      **statics,
+    )
+
+  @classmethod
+  def rows(cls, config, batch, max_len, cache_config, prompt=None, bucket=False):
+    raise ValueError(
+      "layout='paged_evict' is the engine's (kvjax.serving.engine, which allocates its pages); "
+      "prefill, extend and generate press through layout='evict'"
+    )
+
+  @classmethod
+  def bytes_for(cls, config, cache_config, batch, max_len, prompt=None) -> int:
+    """Bytes of `batch` rows holding a `prompt`-token pressed prompt and the rest of max_len
+    positions, in whole pages."""
+    slots = evict.slots_for(cache_config, max_len, prompt)
+    width = -(-slots // cache_config.page_size)
+    return cls.pool_bytes(config, cache_config, 1 + batch * width, cache_config.page_size, batch, width)
+
+  @classmethod
+  def sequence_bytes(cls, config: ModelConfig, cache_config: CacheConfig, length: int) -> int:
+    """Bytes of one slot of every layer x `length` slots: K/V through the codec and the positions."""
+    return config.num_layers * length * (cls.position_bytes(config, cache_config) + 4 * config.num_kv_heads)
+
+  @property
+  def route(self) -> tuple[str, str]:
+    return ("paged", self.codec.name)  # a decode step reads slots [0, filled] as the paged layout reads positions
+
+  def layer_spec(self, config: ModelConfig, layer: int = 0):
+    return layer_spec(config, self.codec, self.num_pages, self.page_size)
+
+  def with_rows(self, page_table, lengths, filled=None) -> "PagedEvictCache":
+    """The same pools addressed by another batch of rows: page_table int[B', M'], lengths int[B']
+    (positions each row has seen), filled int[B'] (slots each row holds in its pages)."""
+    if filled is None:
+      raise ValueError("a paged evicting cache's rows need `filled`, the slots each row holds")
+    return self.replace(
+      page_table=jnp.asarray(page_table, jnp.int32),
+      lengths=jnp.asarray(lengths, jnp.int32),
+      filled=jnp.asarray(filled, jnp.int32),
+    )
+
+  def check_room(self, new_lengths: np.ndarray) -> None:
+    """Every slot a row will fill must be in one of its real pages (a prompt needs its kept ones)."""
+    held = np.asarray(self.filled)
+    empty = np.asarray(self.lengths) == 0
+    needed = held + np.where(empty, evict.kept(new_lengths, self.press.compression_ratio), new_lengths)
+    table = np.asarray(self.page_table)
+    pages = -(-needed // self.page_size)
+    owned = (table != 0).sum(axis=1)
+    if (pages > owned).any():
+      row = int(np.argmax(pages > owned))
+      raise ValueError(
+        f"row {row} needs {int(needed[row])} slots, {int(pages[row])} pages of {self.page_size}, "
+        f"but its page table holds {int(owned[row])}"
+      )
+
+  # Device side.
+
+  def store(self, stored: dict, new: dict, positions: jax.Array, lengths: jax.Array) -> dict:
+    """Writes new {k, v} [B, K, T, H] (per-head tokens, positions int[B, K, T]) to each row's
+    slots filled[b] + [0, lengths[b]); columns past lengths[b] land in the null page."""
+    t = positions.shape[-1]
+    slots = Span(positions=self.filled[:, None] + jnp.arange(t, dtype=jnp.int32), lengths=lengths)
+    pages, offsets = write_addresses(self.page_table, slots, stored["k"].shape[2])
+    out = dict(stored)
+    for name, x in (encode(self.codec, new) | {POSITIONS: positions}).items():  # [B, K, T, ...]
+      out[name] = set_bits(
+        stored[name], (slice(None), pages, offsets), jnp.swapaxes(x, 0, 1).astype(stored[name].dtype)
+      )
+    return out
+
+  def compress(self, stored: dict, new: dict, q: jax.Array, span: Span) -> dict:
+    """The prompt's kept tokens, best first (ties: earliest), in slots [0, kept): new {k, v}
+    [B, K, T, H] at span.positions, q [B, T, N, H] every column's queries."""
+    t = new["k"].shape[2]
+    keep = jnp.asarray(evict.kept(np.arange(t + 1), self.press.compression_ratio), jnp.int32)[span.lengths]  # [B]
+    scores = self.press.scores(q, new["k"], span.lengths).astype(jnp.float32)  # [B, K, T]
+    scores = jnp.where(span.valid[:, None], scores, -jnp.inf)
+    order = jnp.argsort(-scores, axis=-1, stable=True)  # [B, K, T]
+    chosen = {name: jnp.take_along_axis(x, order[..., None], axis=2) for name, x in new.items()}
+    positions = jnp.take_along_axis(jnp.broadcast_to(span.positions[:, None], scores.shape), order, axis=-1)
+    return self.store(stored, chosen, positions, keep)
+
+  def write(self, stored, new, span: Span):
+    positions = jnp.broadcast_to(span.positions[:, None], new["k"].shape[:3])  # [B, K, T]
+    return self.store(stored, new, positions, span.lengths)
+
+  def read(self, stored, query, q_positions, span: Span, backend: Backend):
+    last = self.filled + span.lengths - 1  # [B]: the last slot each row holds after this call
+    if q_positions.shape[1] == 1 and query.kernel_query is not None:
+      return backend.cache_attention(
+        self.route,
+        query.kernel_query,
+        stored["k"],
+        stored["v"],
+        last,
+        functools.partial(attend_pages, codec=self.codec),
+        page_table=self.page_table,
+        **self.scales(stored),
+      )
+    gathered = {name: gather(x, self.page_table) for name, x in stored.items()}  # [B, K, M*Z, ...]
+    arrays = self.decoded(gathered, dict.fromkeys(self.fields, -1))
+    held = jnp.arange(gathered[POSITIONS].shape[2])[None, None, :] <= last[:, None, None]
+    keys = Visibility(q_positions, jnp.where(held, gathered[POSITIONS], -1), span.window)  # per kv head
+    return query.attend(arrays, keys)
+
+  def attend(self, stored, query, q_positions, new, span: Span, backend: Backend):
+    if span.from_empty:  # the prompt reads all of itself, then keeps what the press chooses
+      out = query.attend(self.as_stored(new), new_keys(q_positions, span))
+      return self.compress(stored, new, query.every_q, span), out
+    stored = self.write(stored, new, span)
+    return stored, self.read(stored, query, q_positions, span, backend)

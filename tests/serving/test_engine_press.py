@@ -1,0 +1,176 @@
+"""The engine with a press (kvjax.cache.paged_evict): every request gets the tokens `generate`
+gives it alone with the same press, and holds only the pages its kept tokens need."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax.cache import evict
+from kvjax.cache.config import CacheConfig
+from kvjax.cache.paged_evict import PagedEvictCache
+from kvjax.cache.presses import KNorm, SnapKV, StreamingLLM
+from kvjax.serving.engine import Engine, EngineConfig
+from conftest import init_params, tiny_config
+
+MAX_LEN = 48
+PAGE = 4
+PRESSES = {
+  "snapkv": SnapKV(compression_ratio=0.75, window=4),
+  "streaming_llm": StreamingLLM(compression_ratio=0.75, sinks=2),
+  "knorm": KNorm(compression_ratio=0.75),
+}
+
+
+def pressed(press, **changes) -> EngineConfig:
+  """4 rows over 12 usable pages of 4 slots: the requests below cannot all run at once."""
+  cache = CacheConfig(layout="paged_evict", page_size=PAGE, press=press)
+  return EngineConfig(**{**dict(num_slots=4, num_pages=13, max_len=MAX_LEN, cache=cache), **changes})
+
+
+@pytest.fixture(scope="module")
+def model_params():
+  return init_params(tiny_config(2))
+
+
+def workload(seed: int, count: int = 7):
+  rng = np.random.default_rng(seed)
+  requests = []
+  for _ in range(count):
+    prompt = rng.integers(0, 64, int(rng.integers(12, 31)), dtype=np.int32)
+    requests.append((prompt, int(rng.integers(4, 17))))
+  return requests
+
+
+def generate_each(model, params, requests, press):
+  """`generate` through the evicting layout, greedy: every request's tokens, its ragged prompt a
+  row of one batch (each row is pressed by its own length)."""
+  prompts = np.zeros((len(requests), max(p.size for p, _ in requests)), np.int32)
+  for row, (prompt, _) in enumerate(requests):
+    prompts[row, : prompt.size] = prompt
+  lengths = np.array([p.size for p, _ in requests])
+  longest = max(n for _, n in requests)
+  out = np.asarray(kvjax.generate(model, params, prompts, lengths, longest, cache_config=CacheConfig(press=press)))
+  return [out[row, :n] for row, (_, n) in enumerate(requests)]
+
+
+def serve(model, params, requests, config):
+  engine = Engine(model, params, config)
+  ids = [engine.submit(prompt, n) for prompt, n in requests]
+  outputs = engine.run()
+  engine.allocator.check()
+  assert engine.allocator.num_free == engine.allocator.num_usable  # every page came back
+  return [outputs[i] for i in ids], engine
+
+
+@pytest.mark.parametrize("name", ["snapkv", "streaming_llm"])
+def test_engine_with_a_press_is_generate_with_the_press(model_params, name):
+  model, params = model_params
+  press = PRESSES[name]
+  requests = workload(seed=0)
+  got, engine = serve(model, params, requests, pressed(press))
+  assert engine.stats.preemptions > 0  # recompute (press the prompt, append the generated) is exercised
+  assert max(engine.stats.running) > 1
+  for tokens, want in zip(got, generate_each(model, params, requests, press)):
+    np.testing.assert_array_equal(tokens, want)
+
+
+def test_a_request_holds_the_pages_of_its_kept_tokens(model_params):
+  model, params = model_params
+  press = PRESSES["snapkv"]
+  engine = Engine(model, params, pressed(press, num_pages=40))
+  requests = workload(seed=1, count=4)
+  for prompt, n in requests:
+    engine.submit(prompt, n)
+  steps = 0
+  while engine.waiting or engine.running:
+    engine.step()
+    steps += 1
+    for r in engine.running:
+      # After a step the cache holds the kept prompt and every generated token but the newest.
+      held = int(evict.kept(r.prompt.size, press.compression_ratio)) + len(r.generated) - 1
+      assert engine.allocator.length(r.id) == held
+      assert len(engine.allocator.pages(r.id)) == -(-held // PAGE)
+  assert steps > 1 and engine.stats.preemptions == 0
+
+
+def test_ratio_zero_is_the_engine_without_a_press(model_params):
+  model, params = model_params
+  requests = workload(seed=2, count=4)
+  plain_config = EngineConfig(
+    num_slots=4, num_pages=13, max_len=MAX_LEN, cache=CacheConfig(layout="paged", page_size=PAGE)
+  )
+  plain, plain_engine = serve(model, params, requests, plain_config)
+  zero, zero_engine = serve(model, params, requests, pressed(SnapKV(compression_ratio=0.0, window=4)))
+  for a, b in zip(plain, zero):
+    np.testing.assert_array_equal(a, b)
+  assert zero_engine.stats.allocated == plain_engine.stats.allocated
+
+
+def test_a_pressed_pool_runs_more_long_prompts_at_once(model_params):
+  """Prompts of 28 tokens in 24 usable pages: unpressed, 8 pages each with the next token's;
+  at ratio 0.75, 7 kept tokens in 2 pages, 3 pages as they generate."""
+  model, params = model_params
+  requests = [(np.arange(28, dtype=np.int32), 4) for _ in range(8)]
+  counts = {}
+  for press in (None, PRESSES["knorm"]):
+    cache = CacheConfig(layout="paged" if press is None else "paged_evict", page_size=PAGE, press=press)
+    _, engine = serve(model, params, requests, EngineConfig(num_slots=8, num_pages=25, max_len=MAX_LEN, cache=cache))
+    counts[press] = max(engine.stats.running)
+  assert counts[None] == 3 and counts[PRESSES["knorm"]] == 8
+
+
+def test_combinations_that_cannot_work_are_refused(model_params):
+  model, params = model_params
+  adaptive = SnapKV(compression_ratio=0.5, window=4, heads="adaptive")
+  with pytest.raises(ValueError, match="layout='paged_evict' keeps as many tokens in every kv head"):
+    Engine(model, params, pressed(adaptive))
+  windowed = init_params(tiny_config(2, window=(8, 0)))
+  with pytest.raises(ValueError, match=r"layout='paged_evict' presses every layer, but the model's window=\(8, 0\)"):
+    Engine(*windowed, pressed(PRESSES["knorm"]))
+  with pytest.raises(ValueError, match="EngineConfig.allocation='doubling' reserves positions ahead"):
+    pressed(PRESSES["knorm"], allocation="doubling")
+  with pytest.raises(ValueError, match="layout='paged_evict' is the engine's"):
+    kvjax.generate(
+      model, params, np.ones((1, 8), np.int32), np.array([8]), 2, cache_config=pressed(PRESSES["knorm"]).cache
+    )
+  with pytest.raises(ValueError, match="CacheConfig.layout='paged_evict' needs a press"):
+    CacheConfig(layout="paged_evict")
+  with pytest.raises(ValueError, match=r"EngineConfig.cache must be a CacheConfig with layout='paged'"):
+    EngineConfig(cache=CacheConfig(press=PRESSES["knorm"]))
+  cache = PagedEvictCache.create(model.config, 5, PAGE, 1, 4, pressed(PRESSES["knorm"]).cache)
+  with pytest.raises(ValueError, match="row 0 needs 3 slots, 1 pages of 4, but its page table holds 0"):
+    cache.with_rows(np.zeros((1, 4)), np.array([10]), np.array([2])).check_room(np.array([1]))
+
+
+def test_a_forked_pressed_prompt_decodes_as_the_evicting_layout(model_params):
+  """Two sequences share a pressed prompt's pages (PageAllocator.fork); the first token each
+  writes copies the shared page (copy on write) and each reads what the evicting layout reads."""
+  model, params = model_params
+  press = PRESSES["snapkv"]
+  prompt = (np.arange(14, dtype=np.int32) * 5) % 64
+  held = int(evict.kept(prompt.size, press.compression_ratio))  # 3 slots: one page, shared and not full
+  alloc = kvjax.PageAllocator(num_pages=9, page_size=PAGE)
+  alloc.allocate("a", held)
+  cache = PagedEvictCache.create(model.config, 9, PAGE, 1, 4, pressed(press).cache)
+  cache = cache.with_rows(alloc.page_table(["a"], 4), np.zeros(1), np.zeros(1))
+  logits, cache = kvjax.extend(model, params, cache, prompt[None], np.array([prompt.size]), logits="last")
+  want, _ = kvjax.prefill(
+    model, params, prompt[None], np.array([prompt.size]), 16, cache_config=CacheConfig(press=press)
+  )
+  np.testing.assert_allclose(np.asarray(logits[0]), np.asarray(want[0, -1]), atol=1e-5)
+  alloc.fork("a", "b")
+  for seq, token in (("a", 7), ("b", 9)):
+    copies = alloc.append(seq, 1)
+    assert len(copies) == (1 if seq == "a" else 0)  # "a" copies the shared page; "b" then owns it alone
+    if copies:
+      cache = cache.copy_pages(*zip(*copies))
+    cache = cache.with_rows(alloc.page_table([seq], 4), np.array([prompt.size]), np.array([held]))
+    logits, cache = kvjax.decode_step(model, params, cache, np.array([token]))
+    _, reference = kvjax.prefill(
+      model, params, prompt[None], np.array([prompt.size]), 16, cache_config=CacheConfig(press=press)
+    )
+    expected, _ = kvjax.decode_step(model, params, reference, np.array([token]))
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(expected), atol=1e-5)
+  assert alloc.pages("a") != alloc.pages("b")
