@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvjax.cache import codec as codecs
+from kvjax.cache import codec as codecs, rotation as rotations
 from kvjax.cache.presses import PRESSES, Press
 from kvjax.fields import INT32_MAX, check_choice, check_nonnegative, check_positive
 from kvjax.config import ModelConfig
@@ -54,6 +54,10 @@ class CacheConfig:
     (kvjax.cache.presses: SnapKV(compression_ratio=0.75, window=64), StreamingLLM(sinks=4), ...;
     on the command line cache.press=snapkv cache.press.compression_ratio=0.75); None keeps
     every token.
+  rotation: "hadamard" stores keys and values rotated by a normalized Walsh-Hadamard matrix over
+    head_dim and reads them with rotated queries, the output turned back (kvjax.cache.rotation):
+    the same attention, with each vector's outliers spread before the codec quantizes it; any
+    codec and layout. None stores them as the model computes them.
   """
 
   layout: str | None = None
@@ -64,6 +68,7 @@ class CacheConfig:
   sink_tokens: int | None = None
   absorb: bool = True
   press: Press | None = None
+  rotation: str | None = None
 
   def __post_init__(self):
     if self.press is not None and not isinstance(self.press, Press):
@@ -81,6 +86,8 @@ class CacheConfig:
         object.__setattr__(self, "dtype", codecs.codec(self.dtype).name)
       except ValueError:
         raise ValueError(f"CacheConfig.dtype must be one of {codecs.NAMES} or None, got {self.dtype!r}") from None
+    if self.rotation is not None:
+      check_choice(self, "rotation", rotations.ROTATIONS)
     check_positive(self, "page_size", most=INT32_MAX)
     check_choice(self, "paged_read", PAGED_READS)
     if self.paged_read != "gather" and (self.layout != "paged" or codecs.codec(self.dtype or "float32").quantized):
@@ -118,6 +125,14 @@ class CacheConfig:
     codec = codecs.codec(self.dtype or config.dtype)
     for name, field in cache_payload(config).items():
       codec.check_width(field.width, f"the model's cached {name}")
+    if self.rotation is not None:
+      payload = cache_payload(config)
+      if set(payload) != {"k", "v"}:
+        raise ValueError(
+          f"CacheConfig.rotation={self.rotation!r} rotates keys and values with their queries; this model "
+          f"caches {sorted(payload)} (an MLA latent is read through absorbed projections), use rotation=None"
+        )
+      rotations.check_width(config.head_dim, "the model's head_dim")
     return codec
 
   def model(self, config: ModelConfig) -> ModelConfig:
