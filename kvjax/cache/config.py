@@ -41,7 +41,8 @@ class CacheConfig:
     nowhere else: "evict" with a press, "contiguous" without. A stated layout must agree with
     the press: "evict" needs one, and the other layouts keep every token.
   dtype: the codec (kvjax.cache.codec): a float dtype, "int8", "int4" or "float8_e4m3fn"; None
-    stores the model's compute dtype.
+    stores the model's compute dtype. "kivi2" / "kivi4" are KIVI's 2- and 4-bit layout
+    (kvjax.cache.kivi; layout "kivi", which an unset or "contiguous" layout becomes).
   page_size: tokens per page of a paged cache.
   paged_read: how a paged decode step reads its pages ("gather"; "pallas" is JAX's GPU kernel,
     "pallas_interpret" the same kernel interpreted on the CPU).
@@ -75,6 +76,16 @@ class CacheConfig:
       raise ValueError(
         f"CacheConfig.press must be a press (kvjax.cache.presses: {', '.join(PRESSES)}) or None, got {self.press!r}"
       )
+    if self.dtype in codecs.KIVI:
+      if self.layout not in (None, "contiguous", "kivi") or self.press is not None:
+        raise ValueError(
+          f"CacheConfig.dtype={self.dtype!r} is KIVI's own layout (per-channel keys, a float residual), which "
+          f"layout={self.layout!r} with press={self.press!r} cannot hold; leave the layout unset or 'contiguous', "
+          "without a press"
+        )
+      object.__setattr__(self, "layout", "kivi")
+    elif self.layout == "kivi":
+      raise ValueError(f"CacheConfig.layout='kivi' stores {tuple(codecs.KIVI)} codes; set dtype to one of them")
     if self.layout is None:
       object.__setattr__(self, "layout", "contiguous" if self.press is None else "evict")
     # LAYOUTS fills as kvjax imports its layout modules (kvjax/__init__ imports them all); only the
@@ -85,7 +96,9 @@ class CacheConfig:
       try:
         object.__setattr__(self, "dtype", codecs.codec(self.dtype).name)
       except ValueError:
-        raise ValueError(f"CacheConfig.dtype must be one of {codecs.NAMES} or None, got {self.dtype!r}") from None
+        raise ValueError(
+          f"CacheConfig.dtype must be one of {codecs.NAMES + tuple(codecs.KIVI)} or None, got {self.dtype!r}"
+        ) from None
     if self.rotation is not None:
       check_choice(self, "rotation", rotations.ROTATIONS)
     check_positive(self, "page_size", most=INT32_MAX)
