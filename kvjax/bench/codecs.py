@@ -115,9 +115,7 @@ def bench_codecs(
   params = store(params, weights)
   weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
   names = ("float32", *(c for c in codecs if c != "float32"))
-  caches = {
-    name: filled_cache(model, params, batch, context, context + repeats + 2, VARIANTS[name]) for name in names
-  }
+  caches = {name: filled_cache(model, params, batch, context, context + repeats + 2, VARIANTS[name]) for name in names}
   times, _ = alternate_decode_steps({name: (model, params) for name in names}, caches, batch, repeats)
   q = jax.random.normal(jax.random.key(1), (batch, 1, cfg.num_heads, cfg.head_dim))
   lengths = jnp.full((batch,), context - 1, jnp.int32)

@@ -112,7 +112,9 @@ class KiviCache(KVCache):
         f"window={model.window} and caches {sorted(cache_payload(config))}"
       )
     model.check_length(max_len, f"a cache of max_len={max_len} positions")
-    memory.check_fits(f"a KIVI cache of {batch} rows x {max_len} positions", cls.bytes_for(config, cache_config, batch, max_len))
+    memory.check_fits(
+      f"a KIVI cache of {batch} rows x {max_len} positions", cls.bytes_for(config, cache_config, batch, max_len)
+    )
     slots = -(-max_len // GROUP) * GROUP
     bits = statics["codec"].bits
     layers = cache_collection(config, lambda i: layer_arrays(layer_spec(config, bits, batch, slots)))

@@ -119,4 +119,6 @@ def test_what_kivi_cannot_hold_is_refused():
   with pytest.raises(ValueError, match="a kivi4 cache quantizes groups of 32 channels.* head_dim|cached k is 16 wide"):
     kinds.create(tiny_config(2, d_model=64), CacheConfig(dtype="kivi4"), 1, 8)
   with pytest.raises(ValueError, match=r"KIVI\) stores global K/V layers only; this model has window=\(4, 0\)"):
-    kinds.create(tiny_config(2, d_model=64, num_heads=2), CacheConfig(dtype="kivi4", window=(4, 0), sink_tokens=1), 1, 8)
+    kinds.create(
+      tiny_config(2, d_model=64, num_heads=2), CacheConfig(dtype="kivi4", window=(4, 0), sink_tokens=1), 1, 8
+    )

@@ -50,7 +50,9 @@ def test_the_hadamard_matrix_is_orthogonal_symmetric_and_blocked():
   np.testing.assert_allclose(blocked[8:16, 8:16], scipy.linalg.hadamard(8) / np.sqrt(8), atol=1e-7)
   assert not blocked[:8, 8:].any()
   np.testing.assert_allclose(blocked @ blocked, np.eye(24), atol=1e-6)
-  with pytest.raises(ValueError, match=r"rotation='hadamard' rotates blocks .* at least 8; the model's head_dim is 12 wide"):
+  with pytest.raises(
+    ValueError, match=r"rotation='hadamard' rotates blocks .* at least 8; the model's head_dim is 12 wide"
+  ):
     kinds.create(tiny_config(2, d_model=48), CacheConfig(rotation="hadamard"), 1, 8)
   with pytest.raises(ValueError, match=r"CacheConfig.rotation must be one of \('hadamard',\), got 'givens'"):
     CacheConfig(rotation="givens")
