@@ -1,6 +1,7 @@
 """The KV frontier on SmolLM2-135M-Instruct (float32, CPU): every family of KV compression on the
 pretrained model (kvjax.studies.variants.pretrained_variants), cut to what two CPU cores
-measure in under an hour: the full cache; fp8 / int8 / int4 caches (bf16 is float32's to 0.1%);
+measure in under an hour: the full cache; fp8 / int8 / int4 caches (bf16 is float32's to 0.1%),
+int4 behind a Hadamard rotation and KIVI's 2- and 4-bit layouts;
 a 256-token window on every layer without and with 4 sinks, at decode time; SnapKV at 0.75
 (every press at every ratio is the eviction study's, configs/eviction);
 its 3 kv heads mean-pooled and pca'd to one at alpha = 0 and pca after layer-local recovery (60

@@ -28,12 +28,14 @@ import jax.numpy as jnp
 from kvjax.bench.harness import alternate_decode_steps, filled_cache, init_model
 from kvjax.bench.registry import Benchmark, Kind, Option
 from kvjax.cache import kinds
-from kvjax.cache.codec import NAMES
+from kvjax.cache.codec import KIVI, NAMES
 from kvjax.cache.base import KVCache
 from kvjax.cache.config import CacheConfig
 from kvjax.cache.contiguous import attend_one
 from kvjax.config import ModelConfig
 from kvjax.kernels import attention as attention_kernel
+from kvjax.model.attention import KVQuery, Span
+from kvjax.model.backend import Backend
 from kvjax.model.transformer import cache_layers
 from kvjax.model.weights import FORMATS, store
 from kvjax.timing import timed_alternating
@@ -55,11 +57,29 @@ SMOLLM2_SHAPES = ModelConfig(
   max_len=8192,
 )
 TARGET_SLACK = 1.15  # a codec's step may take this much more than its share of float32's
+# The caches by name: each codec, the quantized ones also rotated (kvjax.cache.rotation), KIVI's.
+VARIANTS = {
+  **{name: CacheConfig(dtype=name) for name in NAMES},
+  **{f"{name}+hadamard": CacheConfig(dtype=name, rotation="hadamard") for name in ("int8", "int4")},
+  **{name: CacheConfig(dtype=name) for name in KIVI},
+}
 
 
 def attention_call(cache: KVCache, q: jax.Array, lengths: jax.Array):
   """A call of every layer's one-token attention over a contiguous K/V cache's arrays in turn,
-  q [B, 1, N, H] the first layer's query, each output the next layer's query."""
+  q [B, 1, N, H] the first layer's query, each output the next layer's query. KIVI's layout,
+  which no kernel takes, reads through its own XLA read."""
+  if cache.layout == "kivi":
+    span = Span(positions=lengths[:, None], lengths=jnp.ones_like(lengths))
+
+    @jax.jit
+    def read(q, layers):
+      for layer in layers:
+        q = cache.read(layer, KVQuery(q), lengths[:, None], span, Backend())
+      return q
+
+    stored = cache_layers(cache.layers)
+    return lambda: read(q, stored)
   xla = functools.partial(attend_one, codec=cache.codec)
   layers = [(layer["k"], layer["v"], cache.scales(layer)) for layer in cache_layers(cache.layers)]
 
@@ -95,14 +115,12 @@ def bench_codecs(
   params = store(params, weights)
   weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
   names = ("float32", *(c for c in codecs if c != "float32"))
-  caches = {
-    name: filled_cache(model, params, batch, context, context + repeats + 2, CacheConfig(dtype=name)) for name in names
-  }
+  caches = {name: filled_cache(model, params, batch, context, context + repeats + 2, VARIANTS[name]) for name in names}
   times, _ = alternate_decode_steps({name: (model, params) for name in names}, caches, batch, repeats)
   q = jax.random.normal(jax.random.key(1), (batch, 1, cfg.num_heads, cfg.head_dim))
   lengths = jnp.full((batch,), context - 1, jnp.int32)
   attention = timed_alternating({name: attention_call(caches[name], q, lengths) for name in names}, repeats)
-  position_bytes = {name: kinds.bytes_per_token(cfg, CacheConfig(dtype=name)) for name in names}
+  position_bytes = {name: kinds.bytes_per_token(cfg, VARIANTS[name]) for name in names}
   step_bytes = {name: weight_bytes + batch * context * position_bytes[name] for name in names}
   rows = {}
   for name in names:
@@ -155,9 +173,9 @@ BENCHMARK = Benchmark(
     Option(
       "codecs",
       ["bfloat16", "float16", "int8", "float8_e4m3fn", "int4"],
-      "cache codecs beside float32",
+      "cache codecs beside float32 (also int8+hadamard, int4+hadamard, kivi2, kivi4)",
       Kind.NAMES,
-      NAMES,
+      tuple(VARIANTS),
     ),
     Option("batch", 8, "sequences (rows) per step"),
     Option("context", 2048, "positions cached per row"),

@@ -14,7 +14,8 @@ the jobs its speed is judged by, every figure from one run on one machine.
               llamacpp rows: own_prefill_s, own_decode_tokens_per_s, gguf.
   perplexity  held-out prose perplexity of each weight format against float32 (kvjax's plain
               forward pass, `windows` windows of 1,024 tokens).
-  perplexity  also of each cache codec, read through the cache as a decode reads it.
+  perplexity  also of each cache codec (int4 also rotated, KIVI 2 and 4 bits: CACHE_CODECS), read
+              through the cache as a decode reads it.
   prefill     batch x 2,048-token prompts, the same kvjax and hf rows in alternating rounds
               (--prefill-repeats): seconds (median), rounds_s, tokens_per_s, peak_gib (the
               process's peak resident memory), next_token_agrees_with_float32, and for kvjax
@@ -43,13 +44,13 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from kvjax.bench.codecs import VARIANTS
 from kvjax.bench.engine_workload import Workload, bench_engine
 from kvjax.bench.llamacpp_peer import check_python
 from kvjax.bench.real_formats import bench_decode, bench_prefill, hf_formats
 from kvjax.bench.real_long import bench_long_requests
 from kvjax.bench.real_model import check_source, load_both
 from kvjax.bench.registry import PRETRAINED_MODEL, Benchmark, Kind, Option
-from kvjax.cache.config import CacheConfig
 from kvjax.interop.gguf_file import is_gguf
 from kvjax.model.weights import FORMATS, store
 from kvjax.training.config import DataConfig
@@ -57,7 +58,7 @@ from kvjax.training.data import PROSE, load_dataset
 from kvjax.training.evaluate import evaluate
 
 PARTS = ("decode", "perplexity", "prefill", "long", "engine")
-CACHE_CODECS = ("float32", "bfloat16", "int8", "int4")
+CACHE_CODECS = ("float32", "bfloat16", "int8", "int4", "int4+hadamard", "kivi2", "kivi4")  # kvjax.bench.codecs.VARIANTS
 
 
 def memory_bandwidth(gib: float = 1.0, repeats: int = 5) -> dict:
@@ -95,7 +96,7 @@ def bench_perplexity_formats(model, params, tokenizer, *, seq_len, windows):
   for fmt in FORMATS:
     out["weights"][fmt] = base if fmt == "float32" else run(store(params, fmt))["perplexity"]
   for codec in CACHE_CODECS:
-    out["cache"][codec] = run(params, CacheConfig(dtype=codec))["perplexity"]
+    out["cache"][codec] = run(params, VARIANTS[codec])["perplexity"]
   for group in ("weights", "cache"):
     out[f"{group}_relative"] = {name: value / base - 1 for name, value in out[group].items()}
   return out

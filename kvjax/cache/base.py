@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.cache import rotation as rotations
 from kvjax.cache.codec import Codec, codec as codec_named
 from kvjax.cache.config import CacheConfig
 from kvjax.config import ModelConfig
@@ -71,6 +72,9 @@ class KVCache(flax.struct.PyTreeNode, kw_only=True):
     otherwise they are the model's, and a model of other windows decodes with its own (a
     contiguous cache's rings then no longer fit it: `check_model` refuses it).
   absorb (static): read an MLA payload in the absorbed form (kvjax.model.mla).
+  rotation (static): the CacheConfig's rotation (kvjax.cache.rotation): keys and values are stored
+    rotated, queries rotated on their way in and outputs turned back on their way out
+    (`rotate_in`, `rotate_out`, which every attention module calls around `attend`).
   limit: int32 scalar, the positions a row may hold when the storage was made larger than asked
     (a bucket, `size_bucket`: prefill's caches); None, the storage's own. A leaf, not a static
     field, so caches of one bucket share a compiled function whatever their limits.
@@ -85,6 +89,7 @@ class KVCache(flax.struct.PyTreeNode, kw_only=True):
   sink_tokens: int = flax.struct.field(pytree_node=False, default=0)
   window_override: bool = flax.struct.field(pytree_node=False, default=False)
   absorb: bool = flax.struct.field(pytree_node=False, default=True)
+  rotation: str | None = flax.struct.field(pytree_node=False, default=None)
 
   layout = ""  # the CacheConfig.layout name a subclass registers (kvjax.cache.config.register)
 
@@ -98,6 +103,7 @@ class KVCache(flax.struct.PyTreeNode, kw_only=True):
       window=model.window,
       sink_tokens=model.sink_tokens,
       absorb=cache_config.absorb,
+      rotation=cache_config.rotation,
       window_override=cache_config.window is not None or cache_config.sink_tokens is not None,
     )
 
@@ -198,6 +204,20 @@ class KVCache(flax.struct.PyTreeNode, kw_only=True):
       )
 
   # Device side (traced): per layer, with that layer's arrays `stored` ({name: array}).
+
+  def rotate_in(self, query, new: dict):
+    """(query, new payload) as this cache stores and reads them: rotated by the cache's rotation
+    (a KVQuery's q and call_q [B, T, N, H], new k and v [B, K, T, H]), unchanged without one."""
+    if self.rotation is None:
+      return query, new
+    call_q = None if query.call_q is None else rotations.rotate(query.call_q)
+    return query.replace(q=rotations.rotate(query.q), call_q=call_q), {
+      name: rotations.rotate(x) for name, x in new.items()
+    }
+
+  def rotate_out(self, out: jax.Array) -> jax.Array:
+    """The attention output [B, Tq, N, H] of rotated values turned back (R is its own inverse)."""
+    return out if self.rotation is None else rotations.rotate(out)
 
   def write(self, stored: dict, new: dict, span: Span) -> dict:
     """Stores the valid columns of the payload new {name: [B, heads, T, width]} at

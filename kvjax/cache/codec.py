@@ -162,6 +162,41 @@ class Int4(Codec):
     return jnp.moveaxis((q * step[..., None]).reshape(*values.shape[:-1], -1), -1, axis)
 
 
+KIVI_GROUP = 32  # tokens per key group and channels per value group of KIVI's layout (kvjax.cache.kivi)
+
+
+@dataclasses.dataclass(frozen=True)
+class Kivi(Codec):
+  """KIVI's codes at `bits` (kvjax.cache.kivi): the layout, not this class, quantizes (keys per
+  channel over token groups, values per token), so it only names the storage and its bytes.
+  Widths must be a multiple of KIVI_GROUP."""
+
+  name: str = "kivi4"
+  bits: int = 4
+  quantized = True
+
+  @property
+  def stored_dtype(self) -> np.dtype:
+    return np.dtype(np.uint8)
+
+  def check_width(self, width, what):
+    if width % KIVI_GROUP:
+      raise ValueError(
+        f"a {self.name} cache quantizes groups of {KIVI_GROUP} channels, which needs a width that is a multiple "
+        f"of {KIVI_GROUP}; {what} is {width} wide"
+      )
+
+  def stored_width(self, width):
+    return width * self.bits // 8
+
+  def vector_bytes(self, width):
+    """Codes plus the float32 step and zero point a vector carries: a key's share of its token
+    group's per-channel pair (2 x width / KIVI_GROUP), a value's per-group pair (the same count)."""
+    return self.stored_width(width) + SCALE_BYTES * 2 * width // KIVI_GROUP
+
+
+KIVI = {"kivi2": Kivi("kivi2", 2), "kivi4": Kivi("kivi4", 4)}
+
 CODECS = {**{name: Codec(name) for name in DTYPES}, "int8": Int8(), "int4": Int4(), "float8_e4m3fn": Fp8()}
 NAMES = tuple(CODECS)
 QUANTIZED = tuple(name for name, codec in CODECS.items() if codec.quantized)
@@ -170,8 +205,9 @@ ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "flo
 
 
 def codec(name: str) -> Codec:
-  """The codec called `name` (or one of its ALIASES); ValueError listing the codecs otherwise."""
-  codec_ = CODECS.get(ALIASES.get(name, name)) if isinstance(name, str) else None
+  """The codec called `name` (or one of its ALIASES, or KIVI's, which only its own layout
+  takes); ValueError listing the codecs otherwise."""
+  codec_ = {**CODECS, **KIVI}.get(ALIASES.get(name, name)) if isinstance(name, str) else None
   if codec_ is None:
-    raise ValueError(f"cache dtype must be one of {NAMES}, got {name!r}")
+    raise ValueError(f"cache dtype must be one of {NAMES + tuple(KIVI)}, got {name!r}")
   return codec_

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvjax.cache import codec as codecs
+from kvjax.cache import codec as codecs, rotation as rotations
 from kvjax.cache.presses import PRESSES, Press
 from kvjax.fields import INT32_MAX, check_choice, check_nonnegative, check_positive
 from kvjax.config import ModelConfig
@@ -43,7 +43,8 @@ class CacheConfig:
     nowhere else: "evict" with a press, "contiguous" without. A stated layout must agree with
     the press: "evict" needs one, and the other layouts keep every token.
   dtype: the codec (kvjax.cache.codec): a float dtype, "int8", "int4" or "float8_e4m3fn"; None
-    stores the model's compute dtype.
+    stores the model's compute dtype. "kivi2" / "kivi4" are KIVI's 2- and 4-bit layout
+    (kvjax.cache.kivi; layout "kivi", which an unset or "contiguous" layout becomes).
   page_size: tokens per page of a paged cache.
   paged_read: how a paged decode step reads its pages ("gather"; "pallas" is JAX's GPU kernel,
     "pallas_interpret" the same kernel interpreted on the CPU).
@@ -56,6 +57,10 @@ class CacheConfig:
     (kvjax.cache.presses: SnapKV(compression_ratio=0.75, window=64), StreamingLLM(sinks=4), ...;
     on the command line cache.press=snapkv cache.press.compression_ratio=0.75); None keeps
     every token.
+  rotation: "hadamard" stores keys and values rotated by a normalized Walsh-Hadamard matrix over
+    head_dim and reads them with rotated queries, the output turned back (kvjax.cache.rotation):
+    the same attention, with each vector's outliers spread before the codec quantizes it; any
+    codec and layout. None stores them as the model computes them.
   """
 
   layout: str | None = None
@@ -66,12 +71,23 @@ class CacheConfig:
   sink_tokens: int | None = None
   absorb: bool = True
   press: Press | None = None
+  rotation: str | None = None
 
   def __post_init__(self):
     if self.press is not None and not isinstance(self.press, Press):
       raise ValueError(
         f"CacheConfig.press must be a press (kvjax.cache.presses: {', '.join(PRESSES)}) or None, got {self.press!r}"
       )
+    if self.dtype in codecs.KIVI:
+      if self.layout not in (None, "contiguous", "kivi") or self.press is not None:
+        raise ValueError(
+          f"CacheConfig.dtype={self.dtype!r} is KIVI's own layout (per-channel keys, a float residual), which "
+          f"layout={self.layout!r} with press={self.press!r} cannot hold; leave the layout unset or 'contiguous', "
+          "without a press"
+        )
+      object.__setattr__(self, "layout", "kivi")
+    elif self.layout == "kivi":
+      raise ValueError(f"CacheConfig.layout='kivi' stores {tuple(codecs.KIVI)} codes; set dtype to one of them")
     if self.layout is None:
       object.__setattr__(self, "layout", "contiguous" if self.press is None else "evict")
     # LAYOUTS fills as kvjax imports its layout modules (kvjax/__init__ imports them all); only the
@@ -82,7 +98,11 @@ class CacheConfig:
       try:
         object.__setattr__(self, "dtype", codecs.codec(self.dtype).name)
       except ValueError:
-        raise ValueError(f"CacheConfig.dtype must be one of {codecs.NAMES} or None, got {self.dtype!r}") from None
+        raise ValueError(
+          f"CacheConfig.dtype must be one of {codecs.NAMES + tuple(codecs.KIVI)} or None, got {self.dtype!r}"
+        ) from None
+    if self.rotation is not None:
+      check_choice(self, "rotation", rotations.ROTATIONS)
     check_positive(self, "page_size", most=INT32_MAX)
     check_choice(self, "paged_read", PAGED_READS)
     if self.paged_read != "gather" and (self.layout != "paged" or codecs.codec(self.dtype or "float32").quantized):
@@ -120,6 +140,14 @@ class CacheConfig:
     codec = codecs.codec(self.dtype or config.dtype)
     for name, field in cache_payload(config).items():
       codec.check_width(field.width, f"the model's cached {name}")
+    if self.rotation is not None:
+      payload = cache_payload(config)
+      if set(payload) != {"k", "v"}:
+        raise ValueError(
+          f"CacheConfig.rotation={self.rotation!r} rotates keys and values with their queries; this model "
+          f"caches {sorted(payload)} (an MLA latent is read through absorbed projections), use rotation=None"
+        )
+      rotations.check_width(config.head_dim, "the model's head_dim")
     return codec
 
   def model(self, config: ModelConfig) -> ModelConfig:

@@ -306,6 +306,12 @@ class NoCache:
     T, width]}) -> ({}, [B, Tq, N, H])."""
     return stored, query.attend(new, new_keys(q_positions, span))
 
+  def rotate_in(self, query, new: dict):
+    return query, new
+
+  def rotate_out(self, out: jax.Array) -> jax.Array:
+    return out
+
 
 NO_CACHE = NoCache()
 
@@ -388,7 +394,8 @@ def cached_attention(module: nn.Module, cache, query, q_positions, new: dict, sp
   """What every attention module does with its cache: hands it the payload and the query and
   keeps what it stores in the module's 'cache' collection -> [B, Tq, N, H]."""
   stored = dict(module.variables.get("cache", {}))
+  query, new = cache.rotate_in(query, new)  # a cache with a rotation stores and reads rotated vectors
   stored, out = cache.attend(stored, query, q_positions, new, span, module.backend)
   for name, value in stored.items():
     module.put_variable("cache", name, value)
-  return out
+  return cache.rotate_out(out)

@@ -154,6 +154,8 @@ def toy_variants(
 def pretrained_variants(
   *,
   dtypes=("bfloat16", "float8_e4m3fn", "int8", "int4"),
+  rotated=("int4",),
+  kivi=("kivi2", "kivi4"),
   windows=(256,),
   sinks: int = 4,
   presses=tuple(PRESSES),
@@ -167,7 +169,8 @@ def pretrained_variants(
   combined_ratio: float = 0.5,
 ) -> tuple[Variant, ...]:
   """Every family on a pretrained model of num_kv_heads kv heads of head_dim: the full cache; each
-  codec of `dtypes`; each window without and with `sinks`; every press at every ratio; one kv
+  codec of `dtypes`, each of `rotated` also behind a Hadamard rotation (kvjax.cache.rotation),
+  KIVI's layouts of `kivi`; each window without and with `sinks`; every press at every ratio; one kv
   head by each of `methods` at alpha = 0 and recovered; MLA at the bytes of the model's own kv
   heads and of one (rope dims mla_rope_dims), each recovered or at alpha = 0 (mla_recovered);
   int8 + combined_press at combined_ratio, and MQA (the last recovered method) + int8. Method
@@ -175,6 +178,8 @@ def pretrained_variants(
   converts exactly as "pca"."""
   out = [Variant("full cache", "full")]
   out += [Variant(SHORT_DTYPES.get(d, d), "codec", cache(d)) for d in dtypes]
+  out += [Variant(f"{d} + hadamard", "codec", CacheConfig(dtype=d, rotation="hadamard")) for d in rotated]
+  out += [Variant(d, "codec", cache(d)) for d in kivi]
   for width in windows:
     out.append(Variant(f"window {width}", "window", cache(window=width, sinks=0)))
     if sinks:
