@@ -46,6 +46,9 @@ def test_the_keys_of_a_press_are_listed_as_config_keys():
     "press.compression_ratio",
     "press.heads",
     "press.safeguard",
+    "press.decode_budget",
+    "press.decode_interval",
+    "press.prefill_chunk",
     "press.sinks",
   ]
   assert "press" in config_keys(CacheConfig())
@@ -60,7 +63,7 @@ def test_the_keys_of_a_press_are_listed_as_config_keys():
     (["press={'window': 8}"], "or a dict with its 'name', got {'window': 8}"),
     (["press={'name': 'tova', 'window': 8}"], "press: unknown TOVA keys ['window']; valid keys: compression_ratio"),
     (["press.window=8"], f"press.window: press is None; choose the press first, press=NAME ({NAMES})"),
-    (["press=tova", "press.window=8"], "unknown config key 'press.window'; valid keys: .*press.safeguard$"),
+    (["press=tova", "press.window=8"], "unknown config key 'press.window'; valid keys: .*press.prefill_chunk$"),
     (["press=snapkv", "press.window='8'"], "press.window expects int, got '8' (str)"),
     (["press=snapkv", "press.window=2.0"], "press.window expects int, got 2.0 (float)"),
     (["press=snapkv", "press.kernel=4"], "SnapKV.kernel must be odd"),
@@ -115,6 +118,9 @@ def test_the_dict_of_a_press_names_it_beside_its_fields():
     "compression_ratio": 0.5,
     "heads": "uniform",
     "safeguard": 0.2,
+    "decode_budget": 0,
+    "decode_interval": 1,
+    "prefill_chunk": 0,
     "window": 64,
     "kernel": 5,
   }
