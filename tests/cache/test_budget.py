@@ -35,7 +35,7 @@ def budgeted(name: str, **fields) -> CacheConfig:
   return CacheConfig(press=PRESSES[name](**extra, **fields))
 
 
-@pytest.mark.parametrize("press", ["tova", "streaming_llm"])
+@pytest.mark.parametrize("press", ["tova"])
 def test_a_budget_at_or_above_the_length_is_the_full_cache(gqa, press):
   model, params = gqa
   cache_config = budgeted(press, decode_budget=40, decode_interval=2, prefill_chunk=8)
@@ -59,7 +59,7 @@ def read_by(before: list, start: np.ndarray, end: np.ndarray) -> list:
 
 @pytest.mark.parametrize(
   "press, interval",
-  [("tova", 1), ("observed", 1), ("observed", 3), ("knorm", 3)],
+  [("tova", 1), ("observed", 3), ("knorm", 3)],
 )
 def test_chunks_and_decoding_under_a_budget_are_the_forward_masked_to_what_each_call_read(gqa, press, interval):
   """A ragged prompt (20 and 15 tokens) prefilled in chunks of 6 into a budget of 8, then 12
