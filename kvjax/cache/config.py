@@ -169,5 +169,10 @@ class CacheConfig:
         f"CacheConfig.window={self.window}, sink_tokens={self.sink_tokens} do not fit the model: {e}"
       ) from None
 
+  @property
+  def prefill_chunk(self) -> int:
+    """Columns per call a prompt is prefilled in (the press's prefill_chunk; 0: one call)."""
+    return self.press.prefill_chunk if self.press is not None else 0
+
   def replace(self, **changes) -> "CacheConfig":
     return dataclasses.replace(self, **changes)

@@ -56,6 +56,7 @@ import numpy as np
 
 from kvjax import memory
 from kvjax.cache.base import encode, set_bits, size_bucket
+from kvjax.cache.budget import press_to_budget, slot_weights
 from kvjax.cache.config import CacheConfig, register
 from kvjax.cache.contiguous import ContiguousCache, attend_one, layer_spec as contiguous_spec
 from kvjax.cache.presses import Press
@@ -79,7 +80,9 @@ def slots_for(cache_config: CacheConfig, max_len: int, prompt: int | None) -> in
   is `prompt` tokens (default max_len): max_len less the tokens the press drops of the prompt (at
   the layer that keeps most, with pyramid budgets)."""
   prompt = max_len if prompt is None else min(prompt, max_len)
-  return int(max_len - (prompt - cache_config.press.layer_kept(prompt, 0, 1)))  # the first layer keeps most
+  slots = int(max_len - (prompt - cache_config.press.layer_kept(prompt, 0, 1)))  # the first layer keeps most
+  press = cache_config.press
+  return min(slots, press.decode_budget + press.headroom) if press.decode_budget else slots  # kvjax.cache.budget
 
 
 def check_model(config: ModelConfig, cache_config: CacheConfig) -> None:
@@ -175,6 +178,11 @@ class EvictedCache(ContiguousCache):
     model.check_length(max_len, f"a cache of max_len={max_len} positions")
     budget = slots_for(cache_config, max_len, prompt)
     press = cache_config.press
+    if press.decode_budget and press.decode_budget < press.min_slots:
+      raise ValueError(
+        f"{type(press).__name__}.decode_budget={press.decode_budget} is smaller than the {press.min_slots} tokens "
+        f"{press!r} always keeps"
+      )
     if budget < press.min_slots:
       raise ValueError(
         f"the evicting cache's budget of {budget} slots (max_len={max_len}) is smaller than the "
@@ -292,6 +300,7 @@ class EvictedCache(ContiguousCache):
     order = jnp.argsort(-scores, axis=-1, stable=True)[..., : self.slots]  # [B, K, S]: best first, ties earliest
     if order.shape[-1] < self.slots:  # a prompt shorter than the slots: the rest stay empty
       order = jnp.pad(order, ((0, 0), (0, 0), (0, self.slots - order.shape[-1])))
+    keep = jnp.minimum(keep, self.press.decode_budget) if self.press.decode_budget else keep
     counts = jnp.broadcast_to(jnp.minimum(keep, t)[:, None], scores.shape[:2])  # [B, K]: tokens each head keeps
     if self.adaptive:
       counts = jnp.minimum(head_budgets(scores, keep, self.press.safeguard), self.usable().sum(dtype=jnp.int32))
@@ -333,7 +342,8 @@ class EvictedCache(ContiguousCache):
   def read(self, stored, query, q_positions, span: Span, backend: Backend):
     if span.window.size:
       return self.ring.read(stored, query, q_positions, span, backend)
-    if q_positions.shape[1] == 1 and query.kernel_query is not None and not self.adaptive:
+    contiguous = not self.adaptive and not self.press.decode_budget  # a budget leaves holes (kvjax.cache.budget)
+    if q_positions.shape[1] == 1 and query.kernel_query is not None and contiguous:
       return backend.cache_attention(
         ("contiguous", self.codec.name),
         query.kernel_query,
@@ -353,7 +363,23 @@ class EvictedCache(ContiguousCache):
       out = query.attend(self.as_stored(new), new_keys(q_positions, span))
       return self.compress(new, query.every_q, span, query.rope), out
     stored = self.write(stored, new, span)
-    return stored, self.read(stored, query, q_positions, span, backend)
+    out = self.read(stored, query, q_positions, span, backend)
+    return (self.press_to_budget(stored, query, span) if self.press.decode_budget else stored), out
+
+  def press_to_budget(self, stored: dict, query, span: Span) -> dict:
+    """A global layer's arrays after a call under the press's decode budget (kvjax.cache.budget):
+    the held scores updated by the press's decode-time rule, the row pressed back to the budget."""
+    scores = stored["scores"]
+    if self.press.reads_attention:
+      keys = Visibility(span.positions, stored["positions"], span.window)
+      weights = slot_weights(query.every_q, self.readable(stored)["k"], keys, span.valid)
+      new = stored["positions"] >= span.positions[:, :1, None]  # [B, K, S]: this call's slots
+      scores = self.press.held_scores(scores, weights, span.valid, new)
+    budget = self.press.decode_budget
+    full = jnp.minimum(self.usable().sum(dtype=jnp.int32), budget + self.press.decode_interval)
+    several = span.positions.shape[1] > 1
+    positions = press_to_budget(stored["positions"], scores, full, budget, several)
+    return stored | {"positions": positions, "scores": scores}
 
   def resized(self, capacity: int):
     raise ValueError("an evicting cache keeps its slots; it is not resized")

@@ -20,6 +20,20 @@ Every press has, beside its own settings (the base class `Press`):
                      window, 0 for a press that always keeps nothing);
   beta               the pyramid's steepness, an int >= 1 (the shallowest layer keeps about
                      2 - 1 / beta times the uniform budget, the deepest 1 / beta of it).
+  decode_budget      tokens a row holds after each pressing during decoding (0: no pressing; the
+                     slots follow max_len and compression_ratio). With a budget the cache has
+                     decode_budget + max(decode_interval, prefill_chunk) slots whatever the length,
+                     and presses a row back to the budget when its slots fill (every
+                     decode_interval generated tokens) and after every call of several tokens;
+  decode_interval    generated tokens between pressings (kvpress's DecodingPress compression_interval);
+  prefill_chunk      a prompt longer than this is prefilled in chunks of it, each pressed into the
+                     budget as it arrives (0: one call; needs decode_budget).
+At a pressing a row drops its lowest-scoring held tokens (ties: the earlier position); the scores
+are the arrival scores, except for the decode-time rules of TOVA (the attention of the call's last
+query, averaged over every query head) and H2O (`observed`: each held token's score accumulates
+the attention it receives at every call, averaged over its group; an arrival starts from the
+attention of its own call), which need the call's attention weights (kvjax.cache.evict reads them
+through XLA).
 A press class sets `name`, and its definition enters it in PRESSES (kvjax.fields.Named): adding a
 press is one class here. The command line chooses one by name and sets its fields:
 `--set cache.press=snapkv cache.press.window=32 cache.press.compression_ratio=0.5`; a budget
@@ -107,6 +121,9 @@ class Press(Named):
   safeguard: float = 0.2
   layers: str = "uniform"
   beta: int = 20
+  decode_budget: int = 0
+  decode_interval: int = 1
+  prefill_chunk: int = 0
   kinds: ClassVar[dict[str, type[Press]]] = {}
 
   def __post_init__(self):
@@ -117,6 +134,33 @@ class Press(Named):
     object.__setattr__(self, "safeguard", float(self.safeguard))
     check_choice(self, "layers", LAYERS)
     check_positive(self, "beta", most=INT32_MAX)
+    check_nonnegative(self, "decode_budget", "prefill_chunk", most=INT32_MAX)
+    check_positive(self, "decode_interval", most=INT32_MAX)
+    if self.prefill_chunk and not self.decode_budget:
+      raise ValueError(
+        f"{type(self).__name__}.prefill_chunk={self.prefill_chunk} needs a decode_budget (the tokens each chunk is pressed into)"
+      )
+    if self.decode_budget and self.heads == "adaptive":
+      raise ValueError(
+        f"{type(self).__name__}.decode_budget={self.decode_budget} presses every head to the same budget; "
+        "heads='adaptive' (AdaKV) budgets only the prompt"
+      )
+
+  @property
+  def headroom(self) -> int:
+    """Slots above decode_budget: the most tokens a row takes between two pressings."""
+    return max(self.decode_interval, self.prefill_chunk) if self.decode_budget else 0
+
+  @property
+  def reads_attention(self) -> bool:
+    """Whether held_scores reads the call's attention weights (a decode-time rule under a budget)."""
+    return False
+
+  def held_scores(self, scores: jax.Array, weights: jax.Array, valid: jax.Array, new: jax.Array) -> jax.Array:
+    """The scores of a row's held slots after a call under a decode budget: scores [B, K, S] as
+    held, weights float32 [B, K, G, T, S] of the call's queries over the slots (zero for padding
+    columns), valid bool[B, T] the call's real columns, new bool[B, K, S] the slots this call wrote."""
+    return scores
 
   @property
   def min_slots(self) -> int:
@@ -239,6 +283,16 @@ class TOVA(Press):
     score = jnp.broadcast_to(weights.mean(axis=(1, 2, 3))[:, None], k.shape[:3])  # every query head's mean
     return _kept_above(score, jnp.arange(t)[None, :] == (lengths - 1)[:, None])
 
+  @property
+  def reads_attention(self) -> bool:
+    return bool(self.decode_budget)
+
+  def held_scores(self, scores, weights, valid, new):
+    last = jnp.maximum(valid.sum(axis=-1) - 1, 0)  # [B]: each row's last query of the call
+    latest = jnp.take_along_axis(weights, last[:, None, None, None, None], axis=3)[:, :, :, 0]  # [B, K, G, S]
+    score = jnp.broadcast_to(latest.mean(axis=(1, 2))[:, None], scores.shape)  # every query head's mean
+    return jnp.where(valid.any(axis=-1)[:, None, None], score, scores)  # a row without tokens keeps its own
+
 
 @dataclasses.dataclass(frozen=True)
 class ObservedAttention(Press):
@@ -250,6 +304,13 @@ class ObservedAttention(Press):
     total = attention_weights(q, k, columns, lengths).sum(axis=3)  # [B, K, G, T]
     seen_by = jnp.maximum(lengths[:, None] - jnp.arange(t)[None, :], 1)  # queries at or after each key
     return (total / seen_by[:, None, None]).mean(axis=2)
+
+  @property
+  def reads_attention(self) -> bool:
+    return bool(self.decode_budget)
+
+  def held_scores(self, scores, weights, valid, new):
+    return jnp.where(new, 0.0, scores) + weights.sum(axis=3).mean(axis=2)  # H2O's accumulated attention
 
 
 @dataclasses.dataclass(frozen=True)

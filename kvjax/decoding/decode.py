@@ -154,6 +154,11 @@ def extend(model: Transformer, params, cache: KVCache, tokens, lengths, *, logit
     raise ValueError(f"logits must be one of {LOGITS}, got {logits!r}")
   tokens, lengths = check_tokens(model, tokens, lengths, min_length=1 if logits == "last" else 0)
   check_cache(model, cache, lengths)
+  return _run(model, params, cache, tokens, lengths, logits == "last", mesh)
+
+
+def _run(model: Transformer, params, cache: KVCache, tokens: np.ndarray, lengths: np.ndarray, last: bool, mesh):
+  """`extend` on checked inputs (with `last`, a row of no tokens gets its logits at column 0)."""
   held = np.asarray(cache.lengths)
   # The chunk padded to a bucket, its padding columns' positions kept inside the model's (a learned
   # position table has no row past them).
@@ -168,10 +173,10 @@ def extend(model: Transformer, params, cache: KVCache, tokens, lengths, *, logit
     cache,
     jnp.asarray(padded),
     jnp.asarray(lengths),
-    last=logits == "last",
+    last=last,
     from_empty=not held.any(),
   )
-  if logits == "all" and out.shape[1] != width:
+  if not last and out.shape[1] != width:
     # Cut on the host: a slice on the device would compile once per width.
     out = jax.device_put(np.asarray(out)[:, :width], out.sharding)
   return out, cache
@@ -203,7 +208,23 @@ def prefill(
   if tokens.shape[1] > max_len:
     raise ValueError(f"prompt of {tokens.shape[1]} tokens does not fit the cache length max_len={max_len}")
   cache = kinds.create(model.config, cache_config, tokens.shape[0], max_len, prompt=tokens.shape[1], bucket=True)
-  return extend(model, params, cache, tokens, lengths, logits=logits, mesh=mesh)
+  chunk = cache_config.prefill_chunk
+  if not chunk or tokens.shape[1] <= chunk:
+    return extend(model, params, cache, tokens, lengths, logits=logits, mesh=mesh)
+  if logits not in LOGITS:
+    raise ValueError(f"logits must be one of {LOGITS}, got {logits!r}")
+  outs = []
+  for start in range(0, tokens.shape[1], chunk):  # each chunk pressed into the budget as it arrives
+    part = np.clip(lengths - start, 0, chunk).astype(np.int32)
+    check_cache(model, cache, part)
+    out, cache = _run(model, params, cache, tokens[:, start : start + chunk], part, logits == "last", mesh)
+    outs.append((part, np.asarray(out)))
+  if logits == "all":
+    return jnp.asarray(np.concatenate([out for _, out in outs], axis=1)), cache
+  last = outs[0][1]
+  for part, out in outs[1:]:
+    last = np.where((part > 0)[:, None], out, last)  # each row's logits from the chunk holding its last token
+  return jnp.asarray(last), cache
 
 
 def decode_step(model: Transformer, params, cache: KVCache, tokens, *, mesh=None):
@@ -240,7 +261,14 @@ class DecodeState:
 def _generate(model, params, prompts, lengths, rng, sampling, stop_ids, max_new_tokens, max_len, cache_config):
   batch = prompts.shape[0]
   cache = kinds.create(model.config, cache_config, batch, max_len, prompt=prompts.shape[1])
-  logits, cache = forward(model, params, cache, prompts, lengths, last=True, from_empty=True)
+  chunk = cache_config.prefill_chunk or prompts.shape[1]
+  logits, cache = forward(
+    model, params, cache, prompts[:, :chunk], jnp.minimum(lengths, chunk), last=True, from_empty=True
+  )
+  for start in range(chunk, prompts.shape[1], chunk):  # each chunk pressed into the budget as it arrives
+    part = jnp.clip(lengths - start, 0, chunk)
+    out, cache = forward(model, params, cache, prompts[:, start : start + chunk], part, last=True)
+    logits = jnp.where((part > 0)[:, None], out, logits)
   rng, key = jax.random.split(rng)
   first = sample(logits, key, sampling)
   state = DecodeState(
@@ -322,7 +350,7 @@ def generate(
     "generation",
     {
       "KV cache": kinds.cache_bytes(model.config, cache_config, prompts.shape[0], max_len, prompt=bucket),
-      "prefill": memory.forward_bytes(cfg, prompts.shape[0], bucket),
+      "prefill": memory.forward_bytes(cfg, prompts.shape[0], min(bucket, cache_config.prefill_chunk or bucket)),
     },
     devices=None if mesh is None else list(mesh.devices.flat),
   )

@@ -12,6 +12,7 @@ import kvjax.bench
 from kvjax.bench.registry import Benchmark, Kind, Option, benchmarks
 
 NAMES = {
+  "budget",
   "codecs",
   "decode",
   "engine",

@@ -48,6 +48,9 @@ def test_the_keys_of_a_press_are_listed_as_config_keys():
     "press.safeguard",
     "press.layers",
     "press.beta",
+    "press.decode_budget",
+    "press.decode_interval",
+    "press.prefill_chunk",
     "press.sinks",
   ]
   assert "press" in config_keys(CacheConfig())
@@ -62,10 +65,7 @@ def test_the_keys_of_a_press_are_listed_as_config_keys():
     (["press={'window': 8}"], "or a dict with its 'name', got {'window': 8}"),
     (["press={'name': 'tova', 'window': 8}"], "press: unknown TOVA keys ['window']; valid keys: compression_ratio"),
     (["press.window=8"], f"press.window: press is None; choose the press first, press=NAME ({NAMES})"),
-    (
-      ["press=tova", "press.window=8"],
-      "unknown config key 'press.window'; valid keys: .*press.safeguard, press.layers, press.beta$",
-    ),
+    (["press=tova", "press.window=8"], "unknown config key 'press.window'; valid keys: .*press.prefill_chunk$"),
     (["press=snapkv", "press.window='8'"], "press.window expects int, got '8' (str)"),
     (["press=snapkv", "press.window=2.0"], "press.window expects int, got 2.0 (float)"),
     (["press=snapkv", "press.kernel=4"], "SnapKV.kernel must be odd"),
@@ -122,6 +122,9 @@ def test_the_dict_of_a_press_names_it_beside_its_fields():
     "safeguard": 0.2,
     "layers": "uniform",
     "beta": 20,
+    "decode_budget": 0,
+    "decode_interval": 1,
+    "prefill_chunk": 0,
     "window": 64,
     "kernel": 5,
   }

@@ -16,6 +16,7 @@ from kvjax.cli import bench
 from kvjax.cli import main as cli
 
 NAMES = [
+  "budget",
   "codecs",
   "decode",
   "engine",
