@@ -20,6 +20,26 @@ import kvjax
 
 VARIANTS = {"mha": 4, "gqa": 2, "mqa": 1}
 
+# Every `kvjax bench` benchmark, sorted: the registry and the command line must both list them.
+BENCHMARK_NAMES = (
+  "budget",
+  "codecs",
+  "decode",
+  "engine",
+  "engine_press",
+  "evict",
+  "hf",
+  "matmul",
+  "mla",
+  "nocache",
+  "paged",
+  "perplexity",
+  "prefill",
+  "quant",
+  "real",
+  "real_long",
+)
+
 
 def tiny_config(num_kv_heads: int = 2, **changes) -> kvjax.ModelConfig:
   base = dict(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=num_kv_heads, mlp_dim=64, max_len=64)

@@ -7,28 +7,12 @@ import inspect
 import sys
 
 import pytest
+from conftest import BENCHMARK_NAMES
 
 import kvjax.bench
 from kvjax.bench.registry import Benchmark, Kind, Option, benchmarks
 
-NAMES = {
-  "budget",
-  "codecs",
-  "decode",
-  "engine",
-  "engine_press",
-  "evict",
-  "hf",
-  "matmul",
-  "mla",
-  "nocache",
-  "paged",
-  "perplexity",
-  "prefill",
-  "quant",
-  "real",
-  "real_long",
-}
+NAMES = set(BENCHMARK_NAMES)
 
 
 def test_every_benchmark_is_found_in_its_own_module():

@@ -166,7 +166,10 @@ def test_what_cannot_be_composed_is_refused_with_its_reason():
   engine), before any array is allocated or computed."""
   for changes, message in (
     (dict(dtype="int3"), r"CacheConfig.dtype must be one of \('float32', .*'int4'.*\) or None, got 'int3'"),
-    (dict(layout="ring"), r"CacheConfig.layout must be one of \('contiguous', 'evict', 'kivi', 'paged'\), got 'ring'"),
+    (
+      dict(layout="ring"),
+      r"CacheConfig.layout must be one of \('contiguous', 'evict', 'kivi', 'paged', 'paged_evict'\), got 'ring'",
+    ),
     (dict(page_size=0), "CacheConfig.page_size must be a positive integer, got 0"),
     (dict(absorb=1), "CacheConfig.absorb must be True or False, got 1"),
     (dict(paged_read="flash"), "CacheConfig.paged_read must be one of"),

@@ -65,7 +65,10 @@ def test_the_keys_of_a_press_are_listed_as_config_keys():
     (["press={'window': 8}"], "or a dict with its 'name', got {'window': 8}"),
     (["press={'name': 'tova', 'window': 8}"], "press: unknown TOVA keys ['window']; valid keys: compression_ratio"),
     (["press.window=8"], f"press.window: press is None; choose the press first, press=NAME ({NAMES})"),
-    (["press=tova", "press.window=8"], "unknown config key 'press.window'; valid keys: .*press.prefill_chunk$"),
+    (
+      ["press=tova", "press.window=8"],
+      "unknown config key 'press.window'; valid keys: .*press.prefill_chunk, rotation$",
+    ),
     (["press=snapkv", "press.window='8'"], "press.window expects int, got '8' (str)"),
     (["press=snapkv", "press.window=2.0"], "press.window expects int, got 2.0 (float)"),
     (["press=snapkv", "press.kernel=4"], "SnapKV.kernel must be odd"),

@@ -8,6 +8,7 @@ import re
 import sys
 
 import pytest
+from conftest import BENCHMARK_NAMES
 
 from kvjax.bench import decode, hf, nocache, paged, real
 from kvjax.bench.harness import BENCH_MODEL
@@ -15,23 +16,7 @@ from kvjax.cache.config import CacheConfig
 from kvjax.cli import bench
 from kvjax.cli import main as cli
 
-NAMES = [
-  "budget",
-  "codecs",
-  "decode",
-  "engine",
-  "evict",
-  "hf",
-  "matmul",
-  "mla",
-  "nocache",
-  "paged",
-  "perplexity",
-  "prefill",
-  "quant",
-  "real",
-  "real_long",
-]
+NAMES = list(BENCHMARK_NAMES)
 
 
 def kvjax(argv: list[str], capsys) -> tuple[int, str, str]:
