@@ -145,8 +145,8 @@ class EvictedCache(ContiguousCache):
 
   @property
   def adaptive(self) -> bool:
-    """Whether heads of a row keep different numbers of tokens (AdaKV's budgets)."""
-    return self.press.heads == "adaptive"
+    """Whether heads of a row keep different numbers of tokens (AdaKV's budgets, KVzip's)."""
+    return self.press.uneven_heads
 
   @classmethod
   def rows(
