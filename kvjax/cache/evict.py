@@ -73,7 +73,7 @@ def slots_for(cache_config: CacheConfig, max_len: int, prompt: int | None) -> in
   """Slots per row and kv head of each global layer of a cache of max_len positions whose prompt
   is `prompt` tokens (default max_len): max_len less the tokens the press drops of the prompt."""
   prompt = max_len if prompt is None else min(prompt, max_len)
-  return int(max_len - (prompt - kept(prompt, cache_config.press.compression_ratio)))
+  return int(max_len - (prompt - kept(prompt, cache_config.press.storage_ratio)))
 
 
 def check_model(config: ModelConfig, cache_config: CacheConfig) -> None:

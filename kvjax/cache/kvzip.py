@@ -19,10 +19,13 @@ layer below it, so no layer can score its prompt alone as the other presses do
      total - int(total * compression_ratio) of total = layers x kv heads x its tokens
      (per layer: kv heads x tokens), kvpress's KVzipPress rule.
 The cache stores them as an evicting cache does (kvjax.cache.evict), per layer and kv head in its
-slots: a head keeps at most its slots (the budget a uniform press gives it and the room for later
-tokens; the evicting cache's storage, bytes and reads are those of any press at the ratio), so a
-head that the row's ranking favours beyond its slots keeps its best `slots`, and the row's other
-heads take what it leaves. Later tokens (the question, the answer, a later turn) arrive as they
+slots, read by positions (heads hold different numbers). A head's slots are static while its
+share is known only once the row is scored: `head_share` bounds it, a head keeping at most
+int(n * head_share) of a row's n tokens, and the slots are sized for that (Press.storage_ratio).
+The default, 1, is kvpress's KVzip (any head may keep any number), at the storage of the whole
+prompt; head_share = 1 - compression_ratio stores what a uniform press stores, each head then
+keeping its even share; between, a head that the row's ranking favours beyond its share keeps its
+best and the row's other heads take what it leaves. Later tokens (the question, the answer, a later turn) arrive as they
 do under the attention presses: they score above every attention weight and are evicted oldest
 first once a head is full.
 
@@ -47,7 +50,7 @@ import numpy as np
 from kvjax.cache.base import encode
 from kvjax.cache.contiguous import ContiguousCache
 from kvjax.cache.presses import Press
-from kvjax.fields import INT32_MAX, check_nonnegative, check_positive
+from kvjax.fields import INT32_MAX, check_nonnegative, check_positive, check_real
 from kvjax.model.attention import NEG_INF, Span, group_queries
 
 CONTINUED = 8  # tokens of the previous chunk a later chunk's replay quotes (kvpress's prev_postfix_size)
@@ -70,6 +73,7 @@ class KVzip(Press):
   sinks: int = 4
   chunk_size: int = 2048
   layerwise: bool = False
+  head_share: float = 1.0
   prefix: int = 0
   repeat_ids: tuple[int, ...] = ()
   resume_ids: tuple[int, ...] = ()
@@ -85,6 +89,13 @@ class KVzip(Press):
       )
     check_nonnegative(self, "sinks", "prefix", most=INT32_MAX)
     check_positive(self, "chunk_size", most=INT32_MAX)
+    check_real(self, "head_share", 0, 1, open_low=True)
+    object.__setattr__(self, "head_share", float(self.head_share))
+    if self.head_share < 1 - self.compression_ratio:
+      raise ValueError(
+        f"KVzip.head_share={self.head_share} is less than the share 1 - compression_ratio = "
+        f"{1 - self.compression_ratio:g} that every head would keep evenly; the budget cannot be met"
+      )
     if not isinstance(self.layerwise, bool):
       raise ValueError(f"KVzip.layerwise must be True or False, got {self.layerwise!r}")
     for name in ("repeat_ids", "resume_ids", "suffix_ids"):
@@ -93,6 +104,10 @@ class KVzip(Press):
   @property
   def uneven_heads(self) -> bool:
     return True
+
+  @property
+  def storage_ratio(self) -> float:
+    return 1 - self.head_share
 
   def check_prompt(self, vocab_size: int) -> None:
     """Raises ValueError unless the repeat prompt's token ids are set and inside the vocabulary."""
@@ -138,16 +153,21 @@ class KVzip(Press):
 
   def kept(self, scores: jax.Array, lengths: jax.Array, room: jax.Array) -> jax.Array:
     """bool [L, B, K, T]: the tokens a row keeps of scores float32 [L, B, K, T] (-inf: padding),
-    its prompt lengths int[B]; no (layer, head) keeps more than `room` (int32 scalar)."""
+    its prompt lengths int[B]; no (layer, head) keeps more than int(n * head_share) of a row's n
+    tokens, nor more than `room` (int32 scalar, the slots)."""
     layers, b, k, t = scores.shape
+    share = np.floor(np.arange(t + 1) * self.head_share).astype(np.int64)
+    cap = jnp.minimum(jnp.asarray(share, jnp.int32)[lengths], room)  # [B]
     rank = jnp.argsort(jnp.argsort(-scores, axis=-1, stable=True), axis=-1)  # within each head
-    scores = jnp.where(rank < room, scores, -jnp.inf)
+    scores = jnp.where(rank < cap[None, :, None, None], scores, -jnp.inf)
     pool = layers * k if not self.layerwise else k  # entries a row's budget spans, per token
     total = pool * np.arange(t + 1, dtype=np.float64)
     budget = jnp.asarray((total - np.floor(total * self.compression_ratio)).astype(np.int64), jnp.int32)[lengths]
     if self.layerwise:  # [L, B, K * T]: each layer alone
       flat = scores.reshape(layers, b, k * t)
-      keep = (jnp.argsort(jnp.argsort(-flat, axis=-1, stable=True), axis=-1) < budget[None, :, None]).reshape(scores.shape)
+      keep = (jnp.argsort(jnp.argsort(-flat, axis=-1, stable=True), axis=-1) < budget[None, :, None]).reshape(
+        scores.shape
+      )
     else:  # [B, L * K * T]: the row's layers together (ties: the lower layer, head, position)
       flat = scores.transpose(1, 0, 2, 3).reshape(b, layers * k * t)
       keep = jnp.argsort(jnp.argsort(-flat, axis=-1, stable=True), axis=-1) < budget[:, None]

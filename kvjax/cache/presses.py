@@ -99,6 +99,12 @@ class Press(Named):
     return 0
 
   @property
+  def storage_ratio(self) -> float:
+    """The fraction of a prompt the evicting cache's slots leave out (kvjax.cache.evict.slots_for):
+    the compression ratio, unless a press's heads may keep more than an even share."""
+    return self.compression_ratio
+
+  @property
   def uneven_heads(self) -> bool:
     """Whether heads of a row may keep different numbers of a prompt's tokens (the evicting cache
     then reads by positions)."""

@@ -40,7 +40,8 @@ def prefill(model: Transformer, params, cache: EvictedCache, tokens: jax.Array, 
   press = cache.press
   config = model.config
   b, t = tokens.shape
-  full = ContiguousCache.create(config, b, t + press.replay_room(t), CacheConfig())
+  room = press.replay_room(t) if press.compression_ratio > 0 else 0  # ratio 0 keeps every token unscored
+  full = ContiguousCache.create(config, b, t + room, CacheConfig())
   logits, variables = model.apply(
     {"params": params, "cache": full.layers},
     tokens,

@@ -95,10 +95,10 @@ def test_decoding_after_kvzip_is_the_forward_masked_to_the_kept_tokens():
   model, params = init_params(tiny_config(2))
   tokens = RNG.integers(0, 64, (2, 40)).astype(np.int32)
   prompt, lengths = 20, np.array([20, 20], np.int32)
-  press = dataclasses.replace(PRESS, compression_ratio=0.75)
+  press = dataclasses.replace(PRESS, compression_ratio=0.75, head_share=0.3)  # at most 6 of 20 per head
   _, cache = decode.prefill(model, params, tokens[:, :prompt], lengths, 30, cache_config=CacheConfig(press=press))
   counts = np.stack([(p >= 0).sum(-1) for p in held(cache)])  # [L, B, K]
-  assert (counts.sum(axis=(0, 2)) == 80 - 60).all() and len(np.unique(counts)) > 1
+  assert cache.room == 16 and (counts.sum(axis=(0, 2)) == 80 - 60).all() and counts.max() <= 6 and counts.min() < 5
   logits, cache = decode.extend(model, params, cache, tokens[:, prompt : prompt + 4], np.array([4, 4], np.int32))
   history = [(lengths, lengths + 4, held(cache))]
   calls, positions = [logits[:, -1]], [prompt + 3]
@@ -118,6 +118,8 @@ def test_kvzip_refuses_what_it_cannot_take():
     decode.prefill(model, params, TOKENS, LENGTHS, 32, cache_config=CacheConfig(press=KVzip(compression_ratio=0.5)))
   with pytest.raises(ValueError, match="KVzip.heads='adaptive'"):
     KVzip(heads="adaptive")
+  with pytest.raises(ValueError, match="head_share=0.2 is less than"):
+    KVzip(compression_ratio=0.5, head_share=0.2)
   with pytest.raises(ValueError, match="KVzip.repeat_ids"):
     KVzip(repeat_ids=(1, -2))
   with pytest.raises(ValueError, match="token id 99"):
