@@ -57,7 +57,7 @@ class PressTableStudy:
   lengths: tuple[int, ...] = (1024, 2048)
   tasks: tuple[str, ...] = tuple(TASKS)
   samples: int = 4
-  presses: tuple[str, ...] = ("streaming_llm", "snapkv", "tova", "observed", "knorm", "snapkv:adaptive")
+  presses: tuple[str, ...] = ("streaming_llm", "snapkv", "tova", "observed", "knorm", "snapkv:adaptive", "kvzip")
   ratios: tuple[float, ...] = (0.25, 0.5, 0.75, 0.875)
   protocols: tuple[str, ...] = PROTOCOLS
   batch_size: int = 8
