@@ -91,7 +91,7 @@ class KVzip(Press):
     check_positive(self, "chunk_size", most=INT32_MAX)
     check_real(self, "head_share", 0, 1, open_low=True)
     object.__setattr__(self, "head_share", float(self.head_share))
-    if self.head_share < 1 - self.compression_ratio:
+    if self.head_share < 1 - self.compression_ratio - 1e-9:  # 1 - 0.7 is 0.30000000000000004
       raise ValueError(
         f"KVzip.head_share={self.head_share} is less than the share 1 - compression_ratio = "
         f"{1 - self.compression_ratio:g} that every head would keep evenly; the budget cannot be met"
