@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib.metadata
 import json
 import pathlib
@@ -36,6 +37,7 @@ import torch
 import transformers
 
 import kvpress
+from kvpress.presses import kvzip_press
 
 PROTOCOLS = ("query_agnostic", "query_aware")
 
@@ -58,6 +60,7 @@ def make_press(name: str, ratio: float):
     "expected_attention": lambda: kvpress.ExpectedAttentionPress(
       compression_ratio=ratio, n_future_positions=512, n_sink=4, use_covariance=True, use_vnorm=True, epsilon=0.0
     ),
+    "kvzip": lambda: kvpress.KVzipPress(compression_ratio=ratio),
   }
   if base not in scorers:
     raise SystemExit(f"--presses: unknown press {base!r}; choose from {sorted(scorers)}")
@@ -67,6 +70,20 @@ def make_press(name: str, ratio: float):
   if heads:
     raise SystemExit(f"--presses: {name!r}: the only suffix is ':adaptive'")
   return press
+
+
+def gguf_tokenizers(gguf: pathlib.Path) -> None:
+  """KVzipPress reads its repeat prompt's chat template from AutoTokenizer.from_pretrained(the
+  model's name_or_path), which for a model loaded from a GGUF file is its folder: it gets the
+  GGUF file's own tokenizer (the one kvjax reads), loaded once."""
+
+  class FromGguf:
+    @staticmethod
+    @functools.cache
+    def from_pretrained(name, **kwargs):
+      return transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+  kvzip_press.AutoTokenizer = FromGguf
 
 
 @contextlib.contextmanager
@@ -153,6 +170,7 @@ def main(argv=None) -> int:
   model = transformers.AutoModelForCausalLM.from_pretrained(
     args.gguf.parent, gguf_file=args.gguf.name, dtype=torch.float32, attn_implementation="sdpa"
   ).eval()
+  gguf_tokenizers(args.gguf)
   methods = [("full", None)] if args.full else []
   for ratio in (float(r) for r in args.ratios.split(",")):
     methods += [(f"{name}@{ratio:g}", (name, ratio)) for name in args.presses.split(",")]

@@ -80,8 +80,10 @@ def slots_for(cache_config: CacheConfig, max_len: int, prompt: int | None) -> in
   is `prompt` tokens (default max_len): max_len less the tokens the press drops of the prompt (at
   the layer that keeps most, with pyramid budgets)."""
   prompt = max_len if prompt is None else min(prompt, max_len)
-  slots = int(max_len - (prompt - cache_config.press.layer_kept(prompt, 0, 1)))  # the first layer keeps most
   press = cache_config.press
+  # The layer that keeps most (pyramid budgets: the first), or KVzip's heads up to their share.
+  most = max(int(press.layer_kept(prompt, 0, 1)), int(kept(prompt, press.storage_ratio)))
+  slots = int(max_len - (prompt - most))
   return min(slots, press.decode_budget + press.headroom) if press.decode_budget else slots  # kvjax.cache.budget
 
 
@@ -155,8 +157,8 @@ class EvictedCache(ContiguousCache):
 
   @property
   def adaptive(self) -> bool:
-    """Whether heads of a row keep different numbers of tokens (AdaKV's budgets)."""
-    return self.press.heads == "adaptive"
+    """Whether heads of a row keep different numbers of tokens (AdaKV's budgets, KVzip's)."""
+    return self.press.uneven_heads
 
   @classmethod
   def rows(

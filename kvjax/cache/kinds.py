@@ -6,7 +6,7 @@ class (with `rows` and `bytes_for`, kvjax.cache.base) is registered by name
 from __future__ import annotations
 
 from kvjax.cache.base import KVCache
-from kvjax.cache import contiguous, evict, kivi, paged, paged_evict  # noqa: F401  (each registers its layout)
+from kvjax.cache import contiguous, evict, kivi, kvzip, paged, paged_evict  # noqa: F401  (each registers its layout; kvzip its press)
 from kvjax.cache.config import LAYOUTS, CacheConfig
 from kvjax.config import ModelConfig
 

@@ -168,6 +168,18 @@ class Press(Named):
     may not be fewer."""
     return 0
 
+  @property
+  def storage_ratio(self) -> float:
+    """The fraction of a prompt the evicting cache's slots leave out (kvjax.cache.evict.slots_for):
+    the compression ratio, unless a press's heads may keep more than an even share."""
+    return self.compression_ratio
+
+  @property
+  def uneven_heads(self) -> bool:
+    """Whether heads of a row may keep different numbers of a prompt's tokens (the evicting cache
+    then reads by positions)."""
+    return self.heads == "adaptive"
+
   def scores(self, q: jax.Array, k: jax.Array, lengths: jax.Array) -> jax.Array:
     """q [B, T, N, H], k [B, K, T, H] of a prompt (columns = positions 0..T-1), lengths int[B]
     -> float32 [B, K, T]; columns past lengths[b] may hold anything (the cache never keeps them)."""

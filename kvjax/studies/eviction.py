@@ -34,6 +34,7 @@ from kvjax.cache.config import CacheConfig
 from kvjax.cache.presses import PRESSES
 from kvjax.fields import check_positive, check_nonnegative
 from kvjax.interop.importer import read_model
+from kvjax.interop.kvzip_prompt import with_repeat_prompt
 from kvjax.model.transformer import Transformer
 from kvjax.studies import measure, report
 from kvjax.studies.passkey import PasskeyConfig, judge
@@ -150,7 +151,7 @@ def run(study: EvictionStudy, workdir: Path, progress: Callable[[str], None]) ->
   for press, ratio in [(None, 0.0)] + [
     (p, r) for p in study.presses for r in sorted({*study.ratios, *study.recall_ratios})
   ]:
-    cache_config = cache(press=press, ratio=ratio)
+    cache_config = with_repeat_prompt(cache(press=press, ratio=ratio), tokenizer)
     progress(f"eviction: measuring {press or 'the full cache'}" + (f" at ratio {ratio:g}" if press else ""))
     row = {"press": press or "full cache", "ratio": ratio}
     if press is None or ratio in study.ratios:

@@ -11,6 +11,7 @@ import numpy as np
 
 from kvjax.cache.config import CacheConfig
 from kvjax.fields import to_dict
+from kvjax.interop.kvzip_prompt import with_repeat_prompt
 from kvjax.interop.tokenizer import TextTokenizer
 from kvjax.model.transformer import Transformer
 from kvjax.model.weights import check_format, store
@@ -100,7 +101,7 @@ def passkey_checkpoint(
     needs="the pass-key test is for tokenized models (the byte-level recall test serves models trained here)",
   )
   params = store(params, weights)
-  cache_config = cache_config or CacheConfig()
+  cache_config = with_repeat_prompt(cache_config or CacheConfig(), tokenizer)
   inputs = all_samples(tokenizer, config)
   found = passkey(
     model, params, tokenizer, config, cache_config=cache_config, inputs=inputs, method=method_name(cache_config)

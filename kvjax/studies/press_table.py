@@ -74,6 +74,7 @@ class PressTableStudy:
     "snapkv:pyramid",
     "keydiff",
     "expected_attention",
+    "kvzip",
   )
   ratios: tuple[float, ...] = (0.25, 0.5, 0.75, 0.875)
   protocols: tuple[str, ...] = PROTOCOLS

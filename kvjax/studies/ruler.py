@@ -33,6 +33,7 @@ import numpy as np
 
 from kvjax.cache.config import CacheConfig
 from kvjax.fields import check_nonnegative, check_positive, check_positive_int
+from kvjax.interop.kvzip_prompt import with_repeat_prompt
 from kvjax.interop.tokenizer import TextTokenizer
 from kvjax.model.transformer import Transformer
 from kvjax.studies import measure, report
@@ -117,6 +118,7 @@ def answer(
   if protocol not in PROTOCOLS:
     raise ValueError(f"RULER protocol must be one of {PROTOCOLS}, got {protocol!r}")
   method = method_name(cache_config)
+  cache_config = with_repeat_prompt(cache_config, tokenizer)
   groups: dict[tuple, list[dict]] = {}
   for s in samples:
     groups.setdefault((s["task"], s["length"]), []).append(s)

@@ -1,0 +1,240 @@
+"""KVzip (Kim et al. 2025, arXiv 2505.23416): a key-value pair is worth what the model pays it
+while it reconstructs the context, read again after a "repeat" prompt and teacher-forced.
+
+Query-agnostic, and a model-level pass: the reconstruction's queries at layer l come out of every
+layer below it, so no layer can score its prompt alone as the other presses do
+(kvjax.cache.presses). The prefill of an evicting cache whose press is KVzip
+(kvjax.decoding.kvzip) therefore runs
+  1. the prompt through a full (contiguous) cache, its logits the prefill's;
+  2. per chunk of `chunk_size` context tokens (from `prefix`, the chat template's opening, which
+     is not reconstructed), the replay  repeat_ids + suffix_ids + chunk  (a later chunk:
+     resume_ids + the previous chunk's last 8 tokens + suffix_ids + chunk) after the context, at
+     the positions that follow it, through a `ReplayCache`: each layer's replay queries attend
+     as usual, and beside that each layer scores the chunk's keys by the softmax of the replay
+     queries over the sinks, the chunk and the replay itself (causal), the maximum over the
+     replay's queries and over the query heads of each kv head;
+  3. the `sinks` first positions scored above every other score, the chat template's opening
+     (between the sinks and `prefix`) zero; a row keeps its best tokens over every layer and kv
+     head together (`layerwise`: over every kv head of each layer), as many as the ratio leaves:
+     total - int(total * compression_ratio) of total = layers x kv heads x its tokens
+     (per layer: kv heads x tokens), kvpress's KVzipPress rule.
+The cache stores them as an evicting cache does (kvjax.cache.evict), per layer and kv head in its
+slots, read by positions (heads hold different numbers). A head's slots are static while its
+share is known only once the row is scored: `head_share` bounds it, a head keeping at most
+int(n * head_share) of a row's n tokens, and the slots are sized for that (Press.storage_ratio).
+The default, 1, is kvpress's KVzip (any head may keep any number), at the storage of the whole
+prompt; head_share = 1 - compression_ratio stores what a uniform press stores, each head then
+keeping its even share; between, a head that the row's ranking favours beyond its share keeps its
+best and the row's other heads take what it leaves. Later tokens (the question, the answer, a later turn) arrive as they
+do under the attention presses: they score above every attention weight and are evicted oldest
+first once a head is full.
+
+The repeat prompt's token ids come from the model's tokenizer (kvjax.interop.kvzip_prompt fills
+them: kvpress's texts and the chat template's opening and reply header); a KVzip without them is
+refused when a prefill needs them. KVzip needs a global-attention model (kvpress refuses Gemma 3):
+windowed layers are refused.
+
+Scores are float32 [B, K, T] per layer, as every press's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.cache.base import encode
+from kvjax.cache.contiguous import ContiguousCache
+from kvjax.cache.presses import Press
+from kvjax.fields import INT32_MAX, check_nonnegative, check_positive, check_real
+from kvjax.model.attention import NEG_INF, Span, group_queries
+
+CONTINUED = 8  # tokens of the previous chunk a later chunk's replay quotes (kvpress's prev_postfix_size)
+
+
+def _token_ids(press, name: str) -> None:
+  value = getattr(press, name)
+  if isinstance(value, (list, np.ndarray)):
+    value = tuple(int(i) for i in value)
+  if not isinstance(value, tuple) or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in value):
+    raise ValueError(f"KVzip.{name} must be a tuple of token ids (non-negative ints), got {value!r}")
+  object.__setattr__(press, name, value)
+
+
+@dataclasses.dataclass(frozen=True)
+class KVzip(Press):
+  """The KVzip press (module docstring). heads must stay "uniform": KVzip ranks a row's tokens
+  over its heads (and layers) itself."""
+
+  sinks: int = 4
+  chunk_size: int = 2048
+  layerwise: bool = False
+  head_share: float = 1.0
+  prefix: int = 0
+  repeat_ids: tuple[int, ...] = ()
+  resume_ids: tuple[int, ...] = ()
+  suffix_ids: tuple[int, ...] = ()
+  name: ClassVar[str] = "kvzip"
+
+  def __post_init__(self):
+    super().__post_init__()
+    if self.heads != "uniform":
+      raise ValueError(
+        f"KVzip.heads={self.heads!r}: KVzip already ranks a row's tokens over all its kv heads (and "
+        "layers, unless layerwise); leave heads='uniform'"
+      )
+    check_nonnegative(self, "sinks", "prefix", most=INT32_MAX)
+    check_positive(self, "chunk_size", most=INT32_MAX)
+    check_real(self, "head_share", 0, 1, open_low=True)
+    object.__setattr__(self, "head_share", float(self.head_share))
+    if self.head_share < 1 - self.compression_ratio - 1e-9:  # 1 - 0.7 is 0.30000000000000004
+      raise ValueError(
+        f"KVzip.head_share={self.head_share} is less than the share 1 - compression_ratio = "
+        f"{1 - self.compression_ratio:g} that every head would keep evenly; the budget cannot be met"
+      )
+    if not isinstance(self.layerwise, bool):
+      raise ValueError(f"KVzip.layerwise must be True or False, got {self.layerwise!r}")
+    for name in ("repeat_ids", "resume_ids", "suffix_ids"):
+      _token_ids(self, name)
+
+  @property
+  def uneven_heads(self) -> bool:
+    return True
+
+  @property
+  def storage_ratio(self) -> float:
+    return 1 - self.head_share
+
+  def check_prompt(self, vocab_size: int) -> None:
+    """Raises ValueError unless the repeat prompt's token ids are set and inside the vocabulary."""
+    if not self.repeat_ids or not self.resume_ids:
+      raise ValueError(
+        "KVzip needs its repeat prompt's token ids (KVzip.repeat_ids, resume_ids, suffix_ids, prefix), "
+        "which come from the model's tokenizer: kvjax.interop.kvzip_prompt.with_repeat_prompt(cache_config, "
+        "tokenizer), as `kvjax eval`, `kvjax generate` and the studies do"
+      )
+    for name in ("repeat_ids", "resume_ids", "suffix_ids"):
+      bad = [i for i in getattr(self, name) if i >= vocab_size]
+      if bad:
+        raise ValueError(f"KVzip.{name} holds token id {bad[0]}, outside [0, vocab_size={vocab_size})")
+
+  def scores(self, q, k, lengths):
+    raise ValueError("KVzip scores a prompt in a model-level pass (kvjax.decoding.kvzip), not inside one layer")
+
+  def replay_room(self, width: int) -> int:
+    """Positions a replay of a prompt `width` columns wide takes after it."""
+    head = max(len(self.repeat_ids), len(self.resume_ids) + CONTINUED)
+    return head + len(self.suffix_ids) + min(self.chunk_size, width)
+
+  def chunks(self, width: int) -> list[int]:
+    """The first context column of each chunk of a prompt `width` columns wide."""
+    return list(range(self.prefix, width, self.chunk_size))
+
+  def replay(self, tokens: jax.Array, lengths: jax.Array, start: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The replay of the chunk from column `start` of right-padded tokens int[B, T] (lengths
+    int[B]) -> (tokens int32[B, W], lengths int32[B]: 0 for a row whose context ends before the
+    chunk, the chunk's end int32[B])."""
+    end = jnp.minimum(lengths, start + self.chunk_size)
+    chunk = tokens[:, start : start + self.chunk_size]
+    if start == self.prefix:
+      head = jnp.broadcast_to(jnp.asarray(self.repeat_ids, jnp.int32), (tokens.shape[0], len(self.repeat_ids)))
+    else:
+      asked = jnp.broadcast_to(jnp.asarray(self.resume_ids, jnp.int32), (tokens.shape[0], len(self.resume_ids)))
+      head = jnp.concatenate([asked, tokens[:, start - CONTINUED : start]], axis=1)
+    suffix = jnp.broadcast_to(jnp.asarray(self.suffix_ids, jnp.int32), (tokens.shape[0], len(self.suffix_ids)))
+    replay = jnp.concatenate([head, suffix, chunk], axis=1).astype(jnp.int32)
+    size = end - start
+    replay_lengths = jnp.where(size > 0, head.shape[1] + suffix.shape[1] + size, 0).astype(jnp.int32)
+    return replay, replay_lengths, end
+
+  def kept(self, scores: jax.Array, lengths: jax.Array, room: jax.Array) -> jax.Array:
+    """bool [L, B, K, T]: the tokens a row keeps of scores float32 [L, B, K, T] (-inf: padding),
+    its prompt lengths int[B]; no (layer, head) keeps more than int(n * head_share) of a row's n
+    tokens, nor more than `room` (int32 scalar, the slots)."""
+    layers, b, k, t = scores.shape
+    share = np.floor(np.arange(t + 1) * self.head_share).astype(np.int64)
+    cap = jnp.minimum(jnp.asarray(share, jnp.int32)[lengths], room)  # [B]
+    rank = jnp.argsort(jnp.argsort(-scores, axis=-1, stable=True), axis=-1)  # within each head
+    scores = jnp.where(rank < cap[None, :, None, None], scores, -jnp.inf)
+    pool = layers * k if not self.layerwise else k  # entries a row's budget spans, per token
+    total = pool * np.arange(t + 1, dtype=np.float64)
+    budget = jnp.asarray((total - np.floor(total * self.compression_ratio)).astype(np.int64), jnp.int32)[lengths]
+    if self.layerwise:  # [L, B, K * T]: each layer alone
+      flat = scores.reshape(layers, b, k * t)
+      keep = (jnp.argsort(jnp.argsort(-flat, axis=-1, stable=True), axis=-1) < budget[None, :, None]).reshape(
+        scores.shape
+      )
+    else:  # [B, L * K * T]: the row's layers together (ties: the lower layer, head, position)
+      flat = scores.transpose(1, 0, 2, 3).reshape(b, layers * k * t)
+      keep = jnp.argsort(jnp.argsort(-flat, axis=-1, stable=True), axis=-1) < budget[:, None]
+      keep = keep.reshape(b, layers, k, t).transpose(1, 0, 2, 3)
+    return keep & jnp.isfinite(scores)
+
+  def final_scores(self, scores: jax.Array, lengths: jax.Array) -> jax.Array:
+    """scores float32 [L, B, K, T] of the reconstructed columns (zero elsewhere) with the sinks
+    raised above every score of their row and the padding -inf."""
+    t = scores.shape[-1]
+    column = jnp.arange(t)
+    best = scores.max(axis=(0, 2, 3))[None, :, None, None]  # [1, B, 1, 1]
+    scores = jnp.where(column < self.sinks, best + 1, scores)
+    valid = column[None, :] < lengths[:, None]  # [B, T]
+    return jnp.where(valid[None, :, None], scores, -jnp.inf)
+
+
+class ReplayCache(ContiguousCache):
+  """A contiguous cache holding a prompt, through which a replay runs: each layer attends as the
+  contiguous cache does and stores beside its arrays `kvzip` float32 [B, K, S], the KVzip score
+  of the chunk's columns [chunk_start, chunk_end[b]) (zero elsewhere).
+
+  chunk_end: int32[B]; chunk_start, sinks (static): the chunk and the press's sinks."""
+
+  chunk_end: jax.Array | None = None
+  chunk_start: int = flax.struct.field(pytree_node=False, default=0)
+  sinks: int = flax.struct.field(pytree_node=False, default=0)
+
+  def attend(self, stored, query, q_positions, new, span: Span, backend):
+    context = self.readable(stored)["k"]  # [B, K, H, S]
+    stored, out = super().attend(stored, query, q_positions, new, span, backend)
+    every_q = query.every_q  # [B, W, N, H]: every replay column's queries
+    h = every_q.shape[-1]
+    q = group_queries(every_q, context.shape[1]) * h**-0.5  # [B, W, K, G, H]
+    column = jnp.arange(context.shape[-1])
+    chunk = (column[None, :] >= self.chunk_start) & (column[None, :] < self.chunk_end[:, None])  # [B, S]
+    seen = chunk | (column < min(self.sinks, self.chunk_start))[None, :]
+    on_context = jnp.einsum("bwkgh,bkhs->bkgws", q, context.astype(q.dtype), preferred_element_type=jnp.float32)
+    on_replay = jnp.einsum("bwkgh,bkjh->bkgwj", q, new["k"].astype(q.dtype), preferred_element_type=jnp.float32)
+    w = q.shape[1]
+    causal = (jnp.arange(w)[None, :] <= jnp.arange(w)[:, None])[None] & span.valid[:, None, :]  # [B, W, W]
+    logits = jnp.concatenate(
+      [jnp.where(seen[:, None, None, None], on_context, NEG_INF), jnp.where(causal[:, None, None], on_replay, NEG_INF)],
+      axis=-1,
+    )
+    weights = jax.nn.softmax(logits, axis=-1)[..., : context.shape[-1]]  # [B, K, G, W, S]
+    weights = jnp.where(span.valid[:, None, None, :, None], weights, 0.0)
+    score = jnp.where(chunk[:, None], weights.max(axis=(2, 3)), 0.0)  # [B, K, S]
+    return stored | {"kvzip": score}, out
+
+
+def pressed_layer(cache, new: dict, scores: jax.Array, keep: jax.Array) -> dict:
+  """An evicting cache's arrays (kvjax.cache.evict: slots, positions, scores) of one layer
+  holding the kept tokens: new {k, v} [B, K, T, H] at positions 0..T-1, scores float32 [B, K, T],
+  keep bool [B, K, T]."""
+  t = scores.shape[-1]
+  order = jnp.argsort(-jnp.where(keep, scores, -jnp.inf), axis=-1, stable=True)[..., : cache.slots]
+  if order.shape[-1] < cache.slots:  # a prompt shorter than the slots: the rest stay empty
+    order = jnp.pad(order, ((0, 0), (0, 0), (0, cache.slots - order.shape[-1])))
+  held = jnp.arange(cache.slots)[None, None, :] < keep.sum(axis=-1, dtype=jnp.int32)[..., None]
+  positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), scores.shape)
+  stored = {
+    "positions": jnp.where(held, jnp.take_along_axis(positions, order, axis=-1), -1),
+    "scores": jnp.take_along_axis(scores, order, axis=-1),
+  }
+  chosen = {name: jnp.take_along_axis(x, order[..., None], axis=2) for name, x in new.items()}  # [B, K, S, H]
+  for name, x in encode(cache.codec, chosen).items():
+    transposed = cache.fields[name.removesuffix("_scale")].transposed
+    stored[name] = x.swapaxes(2, 3) if transposed and x.ndim == 4 else x
+  return stored

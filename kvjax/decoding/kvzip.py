@@ -1,0 +1,78 @@
+"""The prefill of an evicting cache whose press is KVzip (kvjax.cache.kvzip): the prompt through
+a full cache, the context's reconstruction scoring every layer's keys, then the evicting cache
+filled with the tokens the scores keep. Traced: it runs inside the decode functions' jit
+(kvjax.decoding.decode.forward routes a first call here)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.cache.config import CacheConfig
+from kvjax.cache.contiguous import ContiguousCache
+from kvjax.cache.evict import EvictedCache
+from kvjax.cache.kvzip import KVzip, ReplayCache, pressed_layer
+from kvjax.model.transformer import Transformer, cache_collection, cache_layers
+
+
+def applies(cache) -> bool:
+  """Whether a first call into `cache` is KVzip's prefill."""
+  return isinstance(cache, EvictedCache) and isinstance(cache.press, KVzip)
+
+
+def check(model: Transformer, cache: EvictedCache) -> None:
+  """ValueError unless KVzip can press a prompt of this model into `cache`."""
+  if cache.press.compression_ratio > 0:  # ratio 0 keeps every token without a reconstruction
+    cache.press.check_prompt(model.config.vocab_size)
+  if any(cache.window):
+    raise ValueError(
+      f"CacheConfig.press={cache.press!r}: KVzip scores keys by a reconstruction over global attention; "
+      f"this cache's layers are windowed ({cache.window}), which it does not press (kvpress refuses Gemma 3 alike)"
+    )
+
+
+def prefill(model: Transformer, params, cache: EvictedCache, tokens: jax.Array, lengths: jax.Array, logits_at=None):
+  """Right-padded prompts tokens int32[B, T], lengths int32[B] into an empty evicting cache whose
+  press is KVzip -> (logits as Transformer returns them at logits_at, the pressed cache)."""
+  check(model, cache)
+  press = cache.press
+  config = model.config
+  b, t = tokens.shape
+  room = press.replay_room(t) if press.compression_ratio > 0 else 0  # ratio 0 keeps every token unscored
+  full = ContiguousCache.create(config, b, t + room, CacheConfig())
+  logits, variables = model.apply(
+    {"params": params, "cache": full.layers},
+    tokens,
+    full.replace(layers={}),
+    lengths=lengths,
+    logits_at=logits_at,
+    from_empty=True,
+    mutable=["cache"],
+  )
+  full = full.replace(layers=variables["cache"], lengths=lengths)
+  scores = jnp.zeros((config.num_layers, b, config.num_kv_heads, t), jnp.float32)
+  if press.compression_ratio > 0:
+    for start in press.chunks(t):
+      replay, replay_lengths, end = press.replay(tokens, lengths, start)
+      held = {f.name: getattr(full, f.name) for f in dataclasses.fields(ContiguousCache)}
+      scorer = ReplayCache(**held, chunk_end=end, chunk_start=start, sinks=press.sinks)
+      _, replayed = model.apply(
+        {"params": params, "cache": full.layers},
+        replay,
+        scorer.replace(layers={}),
+        lengths=replay_lengths,
+        mutable=["cache"],
+      )
+      scores = scores + jnp.stack([layer["kvzip"][..., :t] for layer in cache_layers(replayed["cache"])])
+  scores = press.final_scores(scores, lengths)
+  keep = press.kept(scores, lengths, cache.usable().sum(dtype=jnp.int32))
+  stored = cache_layers(full.layers)
+
+  def layer(i):
+    arrays = full.readable(stored[i])
+    new = {"k": arrays["k"][..., :t].swapaxes(2, 3), "v": arrays["v"][:, :, :t]}  # [B, K, T, H]
+    return pressed_layer(cache, new, scores[i], keep[i])
+
+  return logits, cache.replace(layers=cache_collection(config, layer), lengths=cache.lengths + lengths)
