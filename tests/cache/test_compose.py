@@ -219,7 +219,7 @@ def test_what_cannot_be_composed_is_refused_with_its_reason():
   with pytest.raises(
     ValueError,
     match=r"EngineConfig.cache must be a CacheConfig with layout='paged' \(the engine "
-    r"allocates pages\), got CacheConfig\(layout='contiguous'",
+    r"allocates pages\), or 'paged_evict' with a press, got CacheConfig\(layout='contiguous'",
   ):
     kvjax.EngineConfig(cache=CacheConfig(layout="contiguous"))
   with pytest.raises(ValueError, match="an int4 cache packs two values per byte"):
