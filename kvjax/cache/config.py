@@ -134,6 +134,11 @@ class CacheConfig:
         f"CacheConfig.press={self.press!r} evicts tokens, which layout={self.layout!r} does not (it keeps every "
         "token); leave the layout unset (a press makes it 'evict') or set it to 'evict' (or 'paged_evict', the engine's)"
       )
+    if self.rotation is not None and self.press is not None and self.press.reads_channels:
+      raise ValueError(
+        f"CacheConfig.press={self.press.name!r} reads key and query channels through RoPE's frequencies, which "
+        f"CacheConfig.rotation={self.rotation!r} mixes; use rotation=None with this press"
+      )
 
   def codec(self, config: ModelConfig) -> codecs.Codec:
     """The codec of a cache for a model of `config`; ValueError when its vectors cannot take it."""

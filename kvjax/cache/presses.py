@@ -189,6 +189,12 @@ class Press(Named):
     """Scores of tokens written after the prompt: k [B, K, T, H] at positions int[B, T] -> [B, K, T]."""
     return jnp.broadcast_to(RECENT + positions[:, None, :].astype(jnp.float32), k.shape[:3])
 
+  @property
+  def reads_channels(self) -> bool:
+    """Whether the scores read query or key channels one by one (through RoPE's frequencies): such
+    a press cannot score a rotated cache (CacheConfig.rotation, kvjax.cache.rotation)."""
+    return False
+
   def prompt_scores(self, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, rope: Rope | None) -> jax.Array:
     """What the evicting cache calls: `scores`, with the values v [B, K, T, H] and the layer's
     RoPE (None: learned positions) beside, for a press that reads them."""
@@ -377,6 +383,10 @@ class ExpectedAttention(Press):
   use_vnorm: bool = True
   epsilon: float = 0.0
   name: ClassVar[str] = "expected_attention"
+
+  @property
+  def reads_channels(self) -> bool:
+    return True
 
   def __post_init__(self):
     super().__post_init__()

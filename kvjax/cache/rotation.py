@@ -15,7 +15,7 @@ MIN_BLOCK spreads too little to be worth it and is refused.
 
 Presses that score the rotated keys see the same dot products and norms (KNorm, SnapKV, TOVA,
 ObservedAttention, a cosine to the mean key); a press that reads key channels one by one (through
-RoPE frequencies) would not, and must not be composed with a rotation.
+RoPE frequencies, Press.reads_channels: Expected Attention) would not, and CacheConfig refuses it with a rotation.
 """
 
 from __future__ import annotations

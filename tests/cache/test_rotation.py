@@ -16,7 +16,7 @@ import kvjax
 from kvjax.cache import kinds, rotation
 from kvjax.cache.codec import codec
 from kvjax.cache.config import CacheConfig
-from kvjax.cache.presses import KNorm, SnapKV
+from kvjax.cache.presses import KNorm, SnapKV, make_press
 from kvjax.model.attention import NoCache, new_keys
 from conftest import init_params, tiny_config
 from oracles import StoredForward, forward
@@ -58,6 +58,8 @@ def test_the_hadamard_matrix_is_orthogonal_symmetric_and_blocked():
     CacheConfig(rotation="givens")
   with pytest.raises(ValueError, match=r"rotation='hadamard' rotates keys and values .* caches \['latent'"):
     kinds.create(tiny_config(2, kv_latent_rank=16, positions="learned"), CacheConfig(rotation="hadamard"), 1, 8)
+  with pytest.raises(ValueError, match=r"press='expected_attention' reads key and query channels .* rotation=None"):
+    CacheConfig(rotation="hadamard", press=make_press("expected_attention", compression_ratio=0.5))
 
 
 @pytest.mark.parametrize(
