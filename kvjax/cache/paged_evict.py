@@ -37,7 +37,7 @@ import numpy as np
 
 from kvjax import memory
 from kvjax.cache import evict
-from kvjax.cache.base import encode, set_bits
+from kvjax.cache.base import encode, layer_arrays, set_bits
 from kvjax.cache.config import CacheConfig, register
 from kvjax.cache.paged import PagedCache, attend_pages, check_pool, gather, layer_spec as paged_spec, write_addresses
 from kvjax.cache.presses import Press
@@ -107,7 +107,7 @@ class PagedEvictCache(PagedCache):
     )
     spec = layer_spec(config, statics["codec"], num_pages, page_size)
     return cls(
-      layers=cache_collection(config, lambda i: {n: jnp.zeros(s, d) for n, (s, d) in spec.items()}),
+      layers=cache_collection(config, lambda i: layer_arrays(spec)),
       lengths=jnp.zeros((batch,), jnp.int32),
       filled=jnp.zeros((batch,), jnp.int32),
       page_table=jnp.zeros((batch, max_pages), jnp.int32),
