@@ -290,14 +290,20 @@ class EvictedCache(ContiguousCache):
 
   # Device side.
 
-  def compress(self, new: dict, q: jax.Array, span: Span, rope: Rope | None = None) -> dict:
+  def compress(
+    self, new: dict, q: jax.Array, span: Span, rope: Rope | None = None, scores: jax.Array | None = None
+  ) -> dict:
     """A layer's arrays holding the tokens the press keeps of a prompt: new {k, v} [B, K, T, H]
     at positions 0..T-1, q [B, T, N, H] every column's queries, rope the layer's (a press may
-    un-rotate q); layer span.layer keeps press.layer_kept of each row's tokens."""
+    un-rotate q); layer span.layer keeps press.layer_kept of each row's tokens. `scores` float32
+    [B, K, T]: the press's prompt_scores when already computed (kvjax.cache.fanout shares them
+    between presses of one scorer)."""
     t = new["k"].shape[2]
     table = self.press.layer_kept(np.arange(t + 1), span.layer, self.num_layers)  # kept of n tokens, n = 0..T
     keep = jnp.asarray(table, jnp.int32)[span.lengths]  # [B]
-    scores = self.press.prompt_scores(q, new["k"], new["v"], span.lengths, rope).astype(jnp.float32)
+    if scores is None:
+      scores = self.press.prompt_scores(q, new["k"], new["v"], span.lengths, rope)
+    scores = scores.astype(jnp.float32)
     scores = jnp.where(span.valid[:, None], scores, -jnp.inf)
     order = jnp.argsort(-scores, axis=-1, stable=True)[..., : self.slots]  # [B, K, S]: best first, ties earliest
     if order.shape[-1] < self.slots:  # a prompt shorter than the slots: the rest stay empty

@@ -109,6 +109,13 @@ class KVzip(Press):
   def storage_ratio(self) -> float:
     return 1 - self.head_share
 
+  @property
+  def replayer(self) -> "KVzip":
+    """What a prompt's reconstruction reads (the repeat prompt, chunks, sinks): presses with the
+    same replayer score a prompt alike, whatever their ratio, head share or ranking
+    (kvjax.decoding.kvzip.reconstruct)."""
+    return dataclasses.replace(self.scorer, head_share=1.0, layerwise=False, compression_ratio=0.5)
+
   def check_prompt(self, vocab_size: int) -> None:
     """Raises ValueError unless the repeat prompt's token ids are set and inside the vocabulary."""
     if not self.repeat_ids or not self.resume_ids:

@@ -147,6 +147,13 @@ class Press(Named):
       )
 
   @property
+  def scorer(self) -> Press:
+    """This press with its budgets (compression ratio, heads, layers, decode budget) at their
+    defaults: two presses with the same scorer score a prompt alike, so one scoring serves every
+    ratio and budget of it (kvjax.cache.fanout)."""
+    return dataclasses.replace(self, **{f.name: f.default for f in dataclasses.fields(Press)})
+
+  @property
   def headroom(self) -> int:
     """Slots above decode_budget: the most tokens a row takes between two pressings."""
     return max(self.decode_interval, self.prefill_chunk) if self.decode_budget else 0

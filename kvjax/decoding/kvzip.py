@@ -37,7 +37,15 @@ def prefill(model: Transformer, params, cache: EvictedCache, tokens: jax.Array, 
   """Right-padded prompts tokens int32[B, T], lengths int32[B] into an empty evicting cache whose
   press is KVzip -> (logits as Transformer returns them at logits_at, the pressed cache)."""
   check(model, cache)
-  press = cache.press
+  logits, full, scores = reconstruct(model, params, cache.press, tokens, lengths, logits_at)
+  return logits, fill(model.config, cache, full, scores, lengths)
+
+
+def reconstruct(model: Transformer, params, press: KVzip, tokens: jax.Array, lengths: jax.Array, logits_at=None):
+  """Steps 1 and 2 of KVzip (kvjax.cache.kvzip): the prompt through a full cache, then its
+  reconstruction -> (logits at logits_at, the full ContiguousCache, scores float32 [L, B, K, T]
+  with the sinks raised and the padding -inf). They depend on the press's repeat prompt, chunks
+  and sinks only (KVzip.replayer), so one reconstruction serves every ratio and head share."""
   config = model.config
   b, t = tokens.shape
   room = press.replay_room(t) if press.compression_ratio > 0 else 0  # ratio 0 keeps every token unscored
@@ -66,8 +74,14 @@ def prefill(model: Transformer, params, cache: EvictedCache, tokens: jax.Array, 
         mutable=["cache"],
       )
       scores = scores + jnp.stack([layer["kvzip"][..., :t] for layer in cache_layers(replayed["cache"])])
-  scores = press.final_scores(scores, lengths)
-  keep = press.kept(scores, lengths, cache.usable().sum(dtype=jnp.int32))
+  return logits, full, press.final_scores(scores, lengths)
+
+
+def fill(config, cache: EvictedCache, full: ContiguousCache, scores: jax.Array, lengths: jax.Array) -> EvictedCache:
+  """The empty KVzip cache `cache` (of a model of `config`) holding what its press keeps of the prompt in `full`, scored
+  by `scores` (reconstruct's)."""
+  t = scores.shape[-1]
+  keep = cache.press.kept(scores, lengths, cache.usable().sum(dtype=jnp.int32))
   stored = cache_layers(full.layers)
 
   def layer(i):
@@ -75,4 +89,4 @@ def prefill(model: Transformer, params, cache: EvictedCache, tokens: jax.Array, 
     new = {"k": arrays["k"][..., :t].swapaxes(2, 3), "v": arrays["v"][:, :, :t]}  # [B, K, T, H]
     return pressed_layer(cache, new, scores[i], keep[i])
 
-  return logits, cache.replace(layers=cache_collection(config, layer), lengths=cache.lengths + lengths)
+  return cache.replace(layers=cache_collection(config, layer), lengths=cache.lengths + lengths)
