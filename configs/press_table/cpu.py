@@ -2,8 +2,9 @@
 Gemma 3 270M on the RULER-style suite at 1,024 and 2,048 tokens (4 samples per task and length,
 88 per model and length), every press (SnapKV also under AdaKV's head-adaptive budgets) at
 compression ratios 0.25 / 0.5 / 0.75 / 0.875, query-agnostic and query-aware, beside the full
-cache (kvjax.studies.press_table). Each cell's answers are kept as it finishes, so an interrupted
-table resumes; a smaller one: --set "ratios=(0.5, 0.75)" "protocols=('query_agnostic',)".
+cache, with a few codec x press cells, and Gemma 3 at 4,096 tokens for the full cache and every press
+at 0.75 (kvjax.studies.press_table). Each sample is prefilled once per protocol for all its cells,
+and its records are kept as it finishes, so an interrupted table resumes; a smaller one: --set "ratios=(0.5, 0.75)" "protocols=('query_agnostic',)".
 
   kvjax run configs/press_table/cpu.py --workdir runs/press_table
 
@@ -22,5 +23,10 @@ def get_config() -> PressTableStudy:
     lengths=(1024, 2048),
     samples=4,
     ratios=(0.25, 0.5, 0.75, 0.875),
+    # Codecs x presses at about the bytes of a float32 press: the int8 full cache beside snapkv@0.75,
+    # snapkv at 0.5 in int8 beside snapkv@0.875 in float32.
+    codec_cells=(("full+int8", 0.0), ("full+bfloat16", 0.0), ("snapkv+int8", 0.5), ("snapkv+int8", 0.75)),
+    long=(("gemma3-270m", 4096),),
+    long_ratios=(0.75,),
     batch_size=8,
   )

@@ -90,7 +90,9 @@ class Fanout(flax.struct.PyTreeNode):
       def layer(i, p=p):
         return {name[len(p) :]: x for name, x in per_layer[i].items() if name.startswith(p)}
 
-      out.append(cache.replace(layers=cache_collection_like(cache, layer, len(per_layer)), lengths=cache.lengths + lengths))
+      out.append(
+        cache.replace(layers=cache_collection_like(cache, layer, len(per_layer)), lengths=cache.lengths + lengths)
+      )
     return out
 
   # What the model's layers call (kvjax.model.attention.cached_attention): the first child speaks
@@ -131,4 +133,3 @@ def cache_collection_like(cache: KVCache, layer, num_layers: int | None = None) 
   is layer(i)."""
   n = len(cache.layers) if num_layers is None else num_layers
   return {f"layers_{i}": {"attn": layer(i)} for i in range(n)}
-

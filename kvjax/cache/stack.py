@@ -48,6 +48,11 @@ def uneven(cache: KVCache) -> bool:
   return isinstance(cache, EvictedCache) and (cache.adaptive or bool(cache.press.decode_budget))
 
 
+def joins(a: KVCache, b: KVCache) -> bool:
+  """Whether caches a and b can be stacked: read alike (kvjax.cache.fanout) over as many positions."""
+  return shares_prefill(a, b) and a.max_len == b.max_len
+
+
 def _global_layers(cache: EvictedCache) -> list[dict]:
   return [layer for layer in cache_layers(cache.layers) if "positions" in layer]
 
@@ -93,7 +98,7 @@ def stack(config, caches: list[KVCache], slots: int) -> EvictedCache:
       raise ValueError(f"stack: cache {i} is a {type(cache).__name__}; it takes contiguous and evicting caches")
     if isinstance(cache, EvictedCache) and cache.press.decode_budget:
       raise ValueError(f"stack: cache {i}'s press {cache.press!r} presses while decoding; decode it on its own")
-    if not shares_prefill(first, cache) or cache.max_len != first.max_len:
+    if not joins(first, cache):
       raise ValueError(
         f"stack: cache {i} (codec {cache.codec.name}, window {cache.window}, {cache.max_len} positions) "
         f"differs from cache 0 ({first.codec.name}, {first.window}, {first.max_len})"

@@ -180,18 +180,27 @@ def answer_many(
     raise ValueError("answer_many takes the first tokens (query-aware) or a question (query-agnostic), one of them")
   rows = [int(c.lengths.shape[0]) for c in caches]
   answers: list[list[list[int]]] = [[[] for _ in range(r)] for r in rows]
-  classes = [[i for i in range(n) if stacking.uneven(caches[i]) == flag] for flag in (False, True)]
+  classes: list[list[int]] = []  # caches that decode in one batch: one reading, one read route
+  for i, c in enumerate(caches):
+    alike = (
+      j for j in classes if stacking.uneven(caches[j[0]]) == stacking.uneven(c) and stacking.joins(caches[j[0]], c)
+    )
+    members = next(alike, None)
+    if members is None:
+      classes.append([i])
+    else:
+      members.append(i)
   extra = (0 if question is None else question.shape[1]) + max(budgets)
   for members in classes:
-    if not members:
-      continue
     slots = size_bucket(max(stacking.held(caches[i]) for i in members) + extra, 1 << 30)
     owner = [(i, r) for i in members for r in range(rows[i])]  # (cache, row) of each stacked row
     limit = np.array([budgets[i] for i, _ in owner])
     cache = stacking.stack(model.config, [caches[i] for i in members], slots)
     if question is not None:
       q = np.concatenate([question] * len(members))
-      q_len = np.concatenate([question_lengths if question_lengths is not None else np.full(len(question), q.shape[1])] * len(members))
+      q_len = np.concatenate(
+        [question_lengths if question_lengths is not None else np.full(len(question), q.shape[1])] * len(members)
+      )
       cache, q, q_len = _padded_rows(cache, len(owner), q, q_len)
       logits, cache = decode.extend(model, params, cache, q, q_len, logits="last")
       token = np.asarray(jnp.argmax(logits, axis=-1), np.int32)[: len(owner)]

@@ -22,18 +22,22 @@ Run: kvjax run configs/press_table/cpu.py --workdir runs/press_table
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
+from kvjax.cache import kinds
 from kvjax.cache.config import CacheConfig
 from kvjax.cache.presses import make_press
+from kvjax.decoding import kvzip
+from kvjax.interop.kvzip_prompt import with_repeat_prompt
 from kvjax.fields import check_nonnegative, check_positive
 from kvjax.studies import measure, report
 from kvjax.studies.eviction import PROTOCOLS
-from kvjax.studies.ruler import answer, build, check_lengths, load, method_name
+from kvjax.studies.ruler import answer, answer_cells, build, check_lengths, load, method_name
 from kvjax.studies.ruler_tasks import TASKS, check_tasks
 from kvjax.studies.scoring import read_jsonl, score, write_jsonl
 
@@ -42,8 +46,12 @@ FULL = "full"
 
 def press_cache(spec: str, ratio: float) -> CacheConfig:
   """The cache of a press spec ("snapkv", "snapkv:adaptive" for AdaKV's per-head budgets,
-  "snapkv:pyramid" for PyramidKV's per-layer ones, "snapkv:adaptive:pyramid") at a compression
-  ratio; ValueError naming an unknown press, suffix or ratio."""
+  "snapkv:pyramid" for PyramidKV's per-layer ones, "snapkv:adaptive:pyramid"; "+<dtype>" after
+  any of them stores the kept tokens through that codec, e.g. "snapkv+int8") at a compression
+  ratio; ValueError naming an unknown press, suffix, codec or ratio."""
+  spec, _, dtype = spec.partition("+")
+  if spec == FULL:  # every token, through a codec: "full+int8"
+    return CacheConfig(dtype=dtype or None)
   name, *suffixes = spec.split(":")
   if suffixes not in ([], ["adaptive"], ["pyramid"], ["adaptive", "pyramid"]):
     raise ValueError(
@@ -52,13 +60,18 @@ def press_cache(spec: str, ratio: float) -> CacheConfig:
     )
   heads = "adaptive" if "adaptive" in suffixes else "uniform"
   layers = "pyramid" if "pyramid" in suffixes else "uniform"
-  return CacheConfig(press=make_press(name, compression_ratio=ratio, heads=heads, layers=layers))
+  return CacheConfig(dtype=dtype or None, press=make_press(name, compression_ratio=ratio, heads=heads, layers=layers))
 
 
 @dataclasses.dataclass(frozen=True)
 class PressTableStudy:
   """sources: models (named, a GGUF file or an imported workdir); the suite's `tasks` at `lengths`,
-  `samples` per task and length; `presses` x `ratios` x `protocols` beside the full cache."""
+  `samples` per task and length; `presses` x `ratios` x `protocols` beside the full cache, and the
+  `codec_cells` (press spec with its codec, e.g. "snapkv+int8", at a ratio). `long`: (source,
+  length) pairs run beside, with the full cache and every press at `long_ratios` only.
+  shared_prefill: one prefill and one batch of answers per sample for all its cells
+  (kvjax.studies.ruler.answer_cells); False answers cell by cell (kvjax.studies.ruler.answer), the
+  reference it is timed against."""
 
   sources: tuple[str, ...] = ("smollm2-135m", "gemma3-270m")
   lengths: tuple[int, ...] = (1024, 2048)
@@ -78,6 +91,10 @@ class PressTableStudy:
   )
   ratios: tuple[float, ...] = (0.25, 0.5, 0.75, 0.875)
   protocols: tuple[str, ...] = PROTOCOLS
+  codec_cells: tuple[tuple[str, float], ...] = ()
+  long: tuple[tuple[str, int], ...] = ()
+  long_ratios: tuple[float, ...] = (0.75,)
+  shared_prefill: bool = True
   batch_size: int = 8
   seed: int = 0
   job: str = "press_table"
@@ -94,21 +111,46 @@ class PressTableStudy:
     for protocol in self.protocols:
       if protocol not in PROTOCOLS:
         raise ValueError(f"PressTableStudy.protocols: {protocol!r} is not one of {PROTOCOLS}")
-    for ratio in self.ratios:
-      if not isinstance(ratio, (int, float)) or not 0 < ratio < 1:
-        raise ValueError(f"PressTableStudy.ratios: {ratio!r} is not a compression ratio in (0, 1)")
+    for name in ("ratios", "long_ratios"):
+      for ratio in getattr(self, name):
+        if not isinstance(ratio, (int, float)) or not 0 < ratio < 1:
+          raise ValueError(f"PressTableStudy.{name}: {ratio!r} is not a compression ratio in (0, 1)")
     for spec in self.presses:
       press_cache(spec, 0.5)
+    for i, cell in enumerate(self.codec_cells):
+      if not (isinstance(cell, tuple) and len(cell) == 2):
+        raise ValueError(f"PressTableStudy.codec_cells[{i}] must be (press spec, ratio), got {cell!r}")
+      press_cache(*cell)
+    for i, pair in enumerate(self.long):
+      if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)):
+        raise ValueError(f"PressTableStudy.long[{i}] must be (source, length), got {pair!r}")
+      check_lengths((pair[1],))
+    if not isinstance(self.shared_prefill, bool):
+      raise ValueError(f"PressTableStudy.shared_prefill must be True or False, got {self.shared_prefill!r}")
 
 
-def cells(study: PressTableStudy) -> list[tuple[str, str, CacheConfig]]:
-  """(method, protocol, cache) of every cell, the full cache first (query-agnostic only)."""
+def cells(study: PressTableStudy, long: bool = False) -> list[tuple[str, str, CacheConfig]]:
+  """(method, protocol, cache) of every cell, the full cache first (query-agnostic only); `long`:
+  the cells of a `long` length (every press at long_ratios, no codec cells)."""
   out = [(FULL, PROTOCOLS[0], CacheConfig())]
-  for spec in study.presses:
-    for ratio in study.ratios:
-      cache_config = press_cache(spec, ratio)
-      out += [(method_name(cache_config), protocol, cache_config) for protocol in study.protocols]
+  configs = [press_cache(spec, r) for spec in study.presses for r in (study.long_ratios if long else study.ratios)]
+  configs += [] if long else [press_cache(*cell) for cell in study.codec_cells]
+  for cache_config in configs:
+    protocols = study.protocols if cache_config.press is not None else PROTOCOLS[:1]  # a full cache is either
+    out += [(method_name(cache_config), protocol, cache_config) for protocol in protocols]
   return out
+
+
+def refusal(model, cache_config: CacheConfig, length: int) -> str | None:
+  """Why a model cannot decode a `length`-token prompt through caches of cache_config (KVzip on
+  windowed layers, say), or None."""
+  try:
+    cache = kinds.create(model.config, cache_config, 1, length, prompt=length)
+    if kvzip.applies(cache):
+      kvzip.check(model, cache)
+  except ValueError as e:
+    return str(e)
+  return None
 
 
 def agreement(tokenizer, samples: list[dict], ours: list[dict], theirs: Path) -> dict[tuple, dict]:
@@ -133,57 +175,129 @@ def agreement(tokenizer, samples: list[dict], ours: list[dict], theirs: Path) ->
       text, value = peer[key]
       pairs.setdefault((r["method"], r["protocol"], r["length"]), []).append((value == r["score"], text == r["answer"]))
   return {
-    k: {"same_score": float(np.mean([a for a, _ in v])), "same_answer": float(np.mean([b for _, b in v]))}
+    k: {
+      "same_score": float(np.mean([a for a, _ in v])),
+      "same_answer": float(np.mean([b for _, b in v])),
+      "samples": len(v),
+    }
     for k, v in pairs.items()
   }
 
 
 def run_model(study: PressTableStudy, source: str, workdir: Path, progress: Callable[[str], None]) -> list[dict]:
-  """Every cell of one model -> its rows; files under workdir/<model name>/."""
+  """Every cell of one model -> its rows; files under workdir/<model name>/: samples.jsonl, the
+  per-sample records as they finish (records.jsonl, and timing.jsonl: the seconds of each sample's
+  cells together), each finished cell's answers in cells/, answers.jsonl."""
   model, params, tokenizer, name = load(source)
   folder = workdir / Path(name).stem
-  samples = build(
-    tokenizer, study.tasks, study.lengths, study.samples, seed=study.seed, max_len=model.config.max_positions
-  )
+  plan = [(length, False) for length in study.lengths]
+  plan += [(length, True) for s, length in study.long if s == source and length not in study.lengths]
+  samples = []
+  for length, _ in plan:
+    samples += build(
+      tokenizer, study.tasks, (length,), study.samples, seed=study.seed, max_len=model.config.max_positions
+    )
   stops = [int(i) for i in tokenizer.stop_ids]
   write_jsonl(folder / "samples.jsonl", [{**s, "stop_ids": stops} for s in samples])
-  results = []
-  for name_, protocol, cache_config in cells(study):
-    path = folder / "cells" / f"{name_}_{protocol}.jsonl"
-    if not path.exists():
-      progress(f"press_table: {folder.name} {name_} {protocol}")
-      start = time.perf_counter()
-      found = answer(model, params, tokenizer, samples, cache_config, protocol=protocol, batch_size=study.batch_size)
-      seconds = time.perf_counter() - start
-      write_jsonl(path, [{**r, "method": name_, "protocol": protocol, "seconds": seconds} for r in found])
-    results += read_jsonl(path)
+  records = folder / "records.jsonl"
+  done = {(r["id"], r["method"], r["protocol"]): r for r in (read_jsonl(records) if records.exists() else [])}
+  refused, results = {}, []
+  for length, long in plan:
+    todo = []
+    for name_, protocol, cache_config in cells(study, long):
+      reason = refusal(model, with_repeat_prompt(cache_config, tokenizer), length)
+      if reason is None:
+        todo.append((name_, protocol, cache_config))
+      else:
+        refused[(name_, protocol, length)] = reason
+    mine = [s for s in samples if s["length"] == length]
+    if study.shared_prefill:
+      _answer_by_sample(model, params, tokenizer, mine, todo, done, folder, progress)
+    else:
+      _answer_by_cell(model, params, tokenizer, mine, todo, done, folder, study.batch_size, progress)
+    for name_, protocol, _ in todo:
+      found = [done[(s["id"], name_, protocol)] for s in mine]
+      path = folder / "cells" / f"{name_}_{protocol}_{length}.jsonl"
+      if not path.exists():
+        write_jsonl(path, found)
+      results += found
   write_jsonl(folder / "answers.jsonl", results)
   agree = agreement(tokenizer, samples, results, folder / "kvpress.jsonl")
   rows = []
-  cache_of = {(m, p): c for m, p, c in cells(study)}
-  for (name_, protocol), cache_config in cache_of.items():
-    for length in study.lengths:
-      mine = [r for r in results if r["method"] == name_ and r["protocol"] == protocol and r["length"] == length]
-      by_task: dict[str, list[float]] = {}
-      for r in mine:
-        by_task.setdefault(r["task"], []).append(r["score"])
-      press, _, ratio = name_.partition("@")
-      rows.append(
-        {
-          "model": folder.name,
-          "press": press,
-          "ratio": float(ratio) if ratio else 0.0,
-          "protocol": protocol if name_ != FULL else "either",
-          "length": length,
-          "score": 100.0 * float(np.mean([np.mean(v) for v in by_task.values()])),
-          "kv_bytes_per_token": measure.kv_bytes_per_token(model.config, cache_config, length),
-          "kvpress_same_score": agree.get((name_, protocol, length), {}).get("same_score"),
-          "kvpress_same_answer": agree.get((name_, protocol, length), {}).get("same_answer"),
-          "samples": len(mine),
-          **{f"task_{t}": 100.0 * float(np.mean(v)) for t, v in by_task.items()},
-        }
-      )
+  for length, long in plan:
+    for name_, protocol, cache_config in cells(study, long):
+      rows.append(_row(model, folder.name, name_, protocol, cache_config, length, results, agree, refused))
   return rows
+
+
+def _row(model, name, method, protocol, cache_config, length, results, agree, refused) -> dict:
+  """One cell's row: its score (the mean over tasks), per task, bytes, kvpress's agreement."""
+  mine = [r for r in results if r["method"] == method and r["protocol"] == protocol and r["length"] == length]
+  by_task: dict[str, list[float]] = {}
+  for r in mine:
+    by_task.setdefault(r["task"], []).append(r["score"])
+  press, _, ratio = method.partition("@")
+  peer = agree.get((method, protocol, length), {})
+  return {
+    "model": name,
+    "press": press,
+    "ratio": float(ratio) if ratio else 0.0,
+    "protocol": protocol if cache_config.press is not None else "either",
+    "length": length,
+    "score": 100.0 * float(np.mean([np.mean(v) for v in by_task.values()])) if by_task else None,
+    "kv_bytes_per_token": measure.kv_bytes_per_token(model.config, cache_config, length),
+    "kvpress_same_score": peer.get("same_score"),
+    "kvpress_same_answer": peer.get("same_answer"),
+    "kvpress_samples": peer.get("samples"),
+    "samples": len(mine),
+    "refused": refused.get((method, protocol, length)),
+    "refused_note": "refused" if (method, protocol, length) in refused else None,
+    **{f"task_{t}": 100.0 * float(np.mean(v)) for t, v in by_task.items()},
+  }
+
+
+def _answer_by_sample(model, params, tokenizer, samples, todo, done, folder, progress) -> None:
+  """Each sample's missing cells of `todo` answered together, per protocol (answer_cells); the
+  records appended to folder/records.jsonl as each sample finishes."""
+  for protocol in PROTOCOLS:
+    wanted = [(n, c) for n, p, c in todo if p == protocol]
+    for s in samples:
+      missing = [(n, c) for n, c in wanted if (s["id"], n, protocol) not in done]
+      if not missing:
+        continue
+      progress(f"press_table: {folder.name} {s['id']} {protocol}, {len(missing)} caches")
+      start = time.perf_counter()
+      found = answer_cells(model, params, tokenizer, s, [c for _, c in missing], protocol=protocol)
+      seconds = time.perf_counter() - start
+      found = [{**r, "method": n, "protocol": protocol} for (n, _), r in zip(missing, found)]
+      _append(folder / "records.jsonl", found, done)
+      _append(folder / "timing.jsonl", [{"id": s["id"], "protocol": protocol, "cells": len(found), "seconds": seconds}])
+
+
+def _answer_by_cell(model, params, tokenizer, samples, todo, done, folder, batch_size, progress) -> None:
+  """Each missing cell of `todo` answered on its own over the samples (ruler.answer, batch_size
+  at a time): a prefill and a decode loop per cell."""
+  for name_, protocol, cache_config in todo:
+    missing = [s for s in samples if (s["id"], name_, protocol) not in done]
+    if not missing:
+      continue
+    progress(f"press_table: {folder.name} {name_} {protocol}, cell by cell")
+    start = time.perf_counter()
+    found = answer(model, params, tokenizer, missing, cache_config, protocol=protocol, batch_size=batch_size)
+    seconds = time.perf_counter() - start
+    _append(folder / "records.jsonl", [{**r, "method": name_, "protocol": protocol} for r in found], done)
+    _append(folder / "timing.jsonl", [{"cell": name_, "protocol": protocol, "samples": len(found), "seconds": seconds}])
+
+
+def _append(path: Path, records: list[dict], index: dict | None = None) -> None:
+  """Records appended to a JSON-lines file (and entered in `index` by (id, method, protocol))."""
+  path.parent.mkdir(parents=True, exist_ok=True)
+  with path.open("a") as f:
+    for r in records:
+      f.write(json.dumps(r) + "\n")
+  if index is not None:
+    for r in records:
+      index[(r["id"], r["method"], r["protocol"])] = r
 
 
 def run(study: PressTableStudy, workdir: Path, progress: Callable[[str], None]) -> list[dict]:
@@ -203,6 +317,8 @@ def run(study: PressTableStudy, workdir: Path, progress: Callable[[str], None]) 
     ("kv_bytes_per_token", "KV bytes / token", ".0f"),
     ("kvpress_same_score", "same score as kvpress", ".0%"),
     ("kvpress_same_answer", "same answer as kvpress", ".0%"),
+    ("kvpress_samples", "samples kvpress answered", ""),
+    ("refused_note", "refused (reason in press_table.json)", ""),
   ]
   table = report.write_table(rows, workdir / "press_table", columns)
   (workdir / "press_table.md").write_text(

@@ -29,9 +29,11 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable
 
+import jax.numpy as jnp
 import numpy as np
 
 from kvjax.cache.config import CacheConfig
+from kvjax.decoding import many
 from kvjax.fields import check_nonnegative, check_positive, check_positive_int
 from kvjax.interop.kvzip_prompt import with_repeat_prompt
 from kvjax.interop.tokenizer import TextTokenizer
@@ -93,13 +95,15 @@ def build(
 def method_name(cache_config: CacheConfig) -> str:
   """ "full" for a cache that keeps every token, else "<press>@<compression ratio>", the press
   "<name>:adaptive" under AdaKV's head-adaptive budgets, "<name>:pyramid" under PyramidKV's
-  per-layer ones, "<name>:adaptive:pyramid" under both (experiments/kvpress_reference.py's names)."""
+  per-layer ones, "<name>:adaptive:pyramid" under both (experiments/kvpress_reference.py's names);
+  a cache codec other than the model's own follows as "+<dtype>" ("full+int8", "snapkv+int8@0.5")."""
   press = cache_config.press
+  codec = f"+{cache_config.dtype}" if cache_config.dtype else ""
   if press is None:
-    return "full"
+    return f"full{codec}"
   heads = ":adaptive" if press.heads == "adaptive" else ""
   layers = ":pyramid" if press.layers == "pyramid" else ""
-  return f"{press.name}{heads}{layers}@{press.compression_ratio:g}"
+  return f"{press.name}{heads}{layers}{codec}@{press.compression_ratio:g}"
 
 
 def answer(
@@ -157,6 +161,59 @@ def answer(
           **{k: s[k] for k in FACTS if k in s},
         }
   return [results[s["id"]] for s in samples]
+
+
+def answer_cells(
+  model: Transformer,
+  params,
+  tokenizer: TextTokenizer,
+  sample: dict,
+  cache_configs: list[CacheConfig],
+  *,
+  protocol: str = "query_agnostic",
+) -> list[dict]:
+  """Greedy answers of one sample through a cache of each of cache_configs, as `answer` gives
+  them cell by cell, from one prefill (kvjax.decoding.many.prefill_many: every press scores once,
+  each ratio a cut of its scores) and one batch of answers (answer_many) -> one result per config,
+  in order."""
+  if protocol not in PROTOCOLS:
+    raise ValueError(f"RULER protocol must be one of {PROTOCOLS}, got {protocol!r}")
+  configs = [with_repeat_prompt(c, tokenizer) for c in cache_configs]
+  context, question = sample["context_ids"], sample["question_ids"]
+  prompt = context + question if protocol == "query_aware" else context
+  budget = sample["answer_tokens"]
+  max_len = len(context) + len(question) + budget
+  tokens, lengths = padded([prompt])
+  prefilled = many.prefill_many(model, params, tokens, lengths, max_len, configs)
+  if protocol == "query_aware":
+    first = [np.asarray(jnp.argmax(logits, axis=-1)) for logits, _ in prefilled]
+    got = many.answer_many(model, params, [c for _, c in prefilled], budget, first=first, stop_ids=tokenizer.stop_ids)
+  else:
+    asked, asked_lengths = padded([question])
+    got = many.answer_many(
+      model,
+      params,
+      [c for _, c in prefilled],
+      budget,
+      question=asked,
+      question_lengths=asked_lengths,
+      stop_ids=tokenizer.stop_ids,
+    )
+  out = []
+  for config, (ids,) in zip(cache_configs, got):
+    text = tokenizer.decode(ids[:budget], skip_special_tokens=True)
+    out.append(
+      {
+        "id": sample["id"],
+        "task": sample["task"],
+        "length": sample["length"],
+        "method": method_name(config),
+        "answer": text,
+        "score": score(text, sample["references"]),
+        **{k: sample[k] for k in FACTS if k in sample},
+      }
+    )
+  return out
 
 
 def padded(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:

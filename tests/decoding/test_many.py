@@ -1,0 +1,132 @@
+"""One prefill, many caches (kvjax.decoding.many): every cache prefill_many makes equals, array for
+array, the cache its own `prefill` makes, for every registered press at several ratios, AdaKV's
+and PyramidKV's budgets, a codec, KVzip and a chunked prefill under a budget; the answers that
+answer_many decodes for them in one batch equal each cache's own, under both protocols; what
+cannot share a prefill or a batch is refused by name."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from conftest import init_params, tiny_config
+
+from kvjax.cache import kinds
+from kvjax.cache.config import CacheConfig
+from kvjax.cache.fanout import Fanout
+from kvjax.cache.kvzip import KVzip
+from kvjax.cache.presses import PRESSES, make_press
+from kvjax.cache.stack import stack
+from kvjax.decoding import decode
+from kvjax.decoding.many import answer_many, batch_size, prefill_many
+from kvjax.studies import measure
+
+RNG = np.random.default_rng(0)
+TOKENS = RNG.integers(0, 64, (2, 40)).astype(np.int32)
+LENGTHS = np.array([40, 33], np.int32)
+QUESTION = RNG.integers(0, 64, (2, 6)).astype(np.int32)
+ASKED = np.array([6, 4], np.int32)
+KVZIP = KVzip(sinks=2, chunk_size=16, prefix=3, repeat_ids=(5, 6, 7), resume_ids=(8, 9), suffix_ids=(10, 11))
+SETTINGS = {"snapkv": {"window": 4}}
+
+
+def _configs() -> list[CacheConfig]:
+  out = [CacheConfig(), CacheConfig(dtype="int8")]
+  for name in PRESSES:
+    if name == "kvzip":
+      out += [CacheConfig(press=dataclasses.replace(KVZIP, compression_ratio=r)) for r in (0.5, 0.75)]
+      continue
+    out += [CacheConfig(press=make_press(name, compression_ratio=r, **SETTINGS.get(name, {}))) for r in (0.25, 0.75)]
+  snap = SETTINGS["snapkv"]
+  out += [
+    CacheConfig(press=make_press("snapkv", compression_ratio=0.5, heads="adaptive", **snap)),
+    CacheConfig(press=make_press("snapkv", compression_ratio=0.5, layers="pyramid", **snap)),
+    CacheConfig(dtype="int8", press=make_press("snapkv", compression_ratio=0.5, **snap)),
+  ]
+  return out
+
+
+CONFIGS = _configs()
+CHUNKED = CacheConfig(press=make_press("knorm", compression_ratio=0.5, decode_budget=16, prefill_chunk=16))
+
+
+@pytest.fixture(scope="module")
+def model():
+  return init_params(tiny_config(2, max_len=256))
+
+
+def _same(a, b) -> list[str]:
+  """The leaves (by path) where two caches differ; [] when equal array for array."""
+  left, right = jax.tree_util.tree_leaves_with_path(a), jax.tree_util.tree_leaves_with_path(b)
+  assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+  return [jax.tree_util.keystr(p) for (p, x), (_, y) in zip(left, right) if not np.array_equal(x, y)]
+
+
+def test_every_cache_equals_its_own_prefill(model):
+  model, params = model
+  configs = CONFIGS + [CHUNKED]
+  many = prefill_many(model, params, TOKENS, LENGTHS, 64, configs)
+  for config, (logits, cache) in zip(configs, many):
+    ref_logits, ref = decode.prefill(model, params, TOKENS, LENGTHS, 64, logits="last", cache_config=config)
+    assert np.array_equal(logits, ref_logits), config
+    assert _same(cache, ref) == [], config
+
+
+def test_all_logits_cut_to_the_prompt(model):
+  model, params = model
+  (logits, _), (int8_logits, _) = prefill_many(model, params, TOKENS, LENGTHS, 64, CONFIGS[:2], logits="all")
+  ref, _ = decode.prefill(model, params, TOKENS, LENGTHS, 64, cache_config=CacheConfig(dtype="int8"))
+  assert logits.shape == (2, 40, 64) and np.array_equal(int8_logits, ref)
+
+
+@pytest.mark.parametrize("protocol", ["query_agnostic", "query_aware"])
+def test_answers_in_one_batch_equal_each_caches_own(model, protocol):
+  model, params = model
+  new = 10
+  if protocol == "query_agnostic":
+    tokens, lengths, kw = TOKENS, LENGTHS, {"question": QUESTION, "question_lengths": ASKED}
+  else:
+    tokens = np.concatenate([TOKENS, np.zeros_like(QUESTION)], axis=1)
+    for r in range(2):
+      tokens[r, LENGTHS[r] : LENGTHS[r] + ASKED[r]] = QUESTION[r, : ASKED[r]]
+    lengths, kw = LENGTHS + ASKED, {}
+  prefilled = prefill_many(model, params, tokens, lengths, 40 + 6 + new, CONFIGS)
+  if protocol == "query_aware":
+    kw = {"first": [np.asarray(logits.argmax(-1)) for logits, _ in prefilled]}
+  got = answer_many(model, params, [c for _, c in prefilled], new, stop_ids=(3,), **kw)
+  for config, answers in zip(CONFIGS, got):
+    ref = measure.answers(model, params, tokens, lengths, new, config, stop_ids=(3,), **kw_of(kw))
+    assert [a.tolist() for a in answers] == [np.asarray(r).tolist() for r in ref], config
+
+
+def kw_of(kw: dict) -> dict:
+  return {k: v for k, v in kw.items() if k != "first"}
+
+
+def test_batches_are_bounded_shapes():
+  assert [batch_size(n) for n in (1, 2, 3, 5, 8, 9, 17, 37)] == [1, 2, 4, 8, 8, 16, 24, 40]
+
+
+def test_what_cannot_share_is_refused_by_name(model):
+  model, params = model
+  with pytest.raises(ValueError, match="at least one CacheConfig"):
+    prefill_many(model, params, TOKENS, LENGTHS, 64, [])
+  with pytest.raises(ValueError, match=r"cache_configs\[1\] must be a CacheConfig"):
+    prefill_many(model, params, TOKENS, LENGTHS, 64, [CacheConfig(), "snapkv"])
+  with pytest.raises(ValueError, match="max_len=32"):
+    prefill_many(model, params, TOKENS, LENGTHS, 32, CONFIGS[:1])
+  float32, int8 = (kinds.create(model.config, c, 2, 64) for c in CONFIGS[:2])
+  with pytest.raises(ValueError, match="cache 1 .* reads a prompt back unlike cache 0"):
+    Fanout.of([float32, int8])
+  zipped = kinds.create(model.config, CONFIGS[2 + 2 * list(PRESSES).index("kvzip")], 2, 64, prompt=40)
+  with pytest.raises(ValueError, match="KVzip"):
+    Fanout.of([float32, zipped])
+  (_, budgeted), (_, full) = prefill_many(model, params, TOKENS, LENGTHS, 64, [CHUNKED, CacheConfig()])
+  with pytest.raises(ValueError, match="presses while decoding"):
+    stack(model.config, [full, budgeted], 64)
+  with pytest.raises(ValueError, match="slots=16 is fewer than the 40 tokens"):
+    stack(model.config, [full], 16)
+  with pytest.raises(ValueError, match="one of them"):
+    answer_many(model, params, [full], 4)
