@@ -19,6 +19,8 @@ evicting cache does.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -89,9 +91,8 @@ def _as_slots(cache: KVCache, layer: dict, slots: int) -> dict:
 
 def stack(config, caches: list[KVCache], slots: int) -> EvictedCache:
   """One evicting cache of `slots` slots per row holding the rows of `caches` (of a model of
-  `config`) in order
-  (module docstring); ValueError naming a cache that cannot join the first, or `slots` fewer
-  than a row holds."""
+  `config`) in order (module docstring); ValueError naming a cache that cannot join the first, or
+  `slots` fewer than a row holds."""
   first = caches[0]
   for i, cache in enumerate(caches):
     if type(cache) not in (ContiguousCache, EvictedCache):
@@ -106,8 +107,18 @@ def stack(config, caches: list[KVCache], slots: int) -> EvictedCache:
   most = max(held(cache) for cache in caches)
   if slots < most:
     raise ValueError(f"stack: slots={slots} is fewer than the {most} tokens a row holds")
+  limits = {None if c.limit is None else int(c.limit) for c in caches}
+  if len(limits) > 1:
+    raise ValueError(f"stack: the caches hold different numbers of positions per row ({sorted(map(str, limits))})")
+  press = UNEVEN if any(uneven(c) for c in caches) else EVEN
+  return _stacked(config, tuple(caches), slots, press)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "slots", "press"))
+def _stacked(config, caches: tuple, slots: int, press) -> EvictedCache:
+  """stack's arrays in one compiled call (op by op, its thousands of small copies cost seconds)."""
+  first = caches[0]
   per_cache = [cache_layers(cache.layers) for cache in caches]
-  config_layers = len(per_cache[0])
 
   def layer(i):
     parts = []
@@ -116,24 +127,24 @@ def stack(config, caches: list[KVCache], slots: int) -> EvictedCache:
       parts.append(arrays if cache.layer_window(config, i).size else _as_slots(cache, arrays, slots))
     return {name: jnp.concatenate([p[name] for p in parts]) for name in parts[0]}
 
-  limits = {None if c.limit is None else int(c.limit) for c in caches}
-  if len(limits) > 1:
-    raise ValueError(f"stack: the caches hold different numbers of positions per row ({sorted(map(str, limits))})")
-  limit = limits.pop()
   return EvictedCache(
-    layers={f"layers_{i}": {"attn": layer(i)} for i in range(config_layers)},
+    layers={f"layers_{i}": {"attn": layer(i)} for i in range(len(per_cache[0]))},
     lengths=jnp.concatenate([c.lengths for c in caches]),
-    limit=None if limit is None else jnp.asarray(limit, jnp.int32),
+    limit=first.limit,
     max_len=first.max_len,
     slots=slots,
-    press=UNEVEN if any(uneven(c) for c in caches) else EVEN,
-    num_layers=config_layers,
+    press=press,
+    num_layers=len(per_cache[0]),
     **{name: getattr(first, name) for name in READ_ALIKE},
   )
 
 
 def take(cache: KVCache, rows: np.ndarray) -> KVCache:
   """The cache of rows `rows` (ints) of `cache`, in that order."""
-  index = jnp.asarray(np.asarray(rows, np.int32))
+  return _taken(cache, jnp.asarray(np.asarray(rows, np.int32)))
+
+
+@jax.jit
+def _taken(cache: KVCache, index: jax.Array) -> KVCache:
   b = cache.lengths.shape[0]
   return jax.tree.map(lambda x: x[index] if x.ndim and x.shape[0] == b else x, cache)

@@ -17,7 +17,7 @@ answer_many(model, params, caches, ...) decodes greedy answers of many prefilled
 query-agnostic protocol, read into every row by one extend; then decode steps of every row still
 answering. A row stops at a stop id or its budget; once half the batch has stopped, the rows left
 are taken into a smaller batch, so a step costs what its running rows cost. Batches are sized
-up to a multiple of 8 (powers of two below 8) and slots to a power of two, which bounds the
+up to a multiple of 8 (powers of two below 8) and slots to a multiple of 256, which bounds the
 compilations. Evicting rows whose heads hold uneven numbers of tokens (AdaKV, KVzip) decode in a
 batch of their own, read by positions, the others through the contiguous decode route, each as
 its own cache would be read.
@@ -35,7 +35,6 @@ import numpy as np
 from kvjax.cache import kinds, stack as stacking
 from kvjax.cache.base import size_bucket
 from kvjax.cache.config import CacheConfig
-from kvjax.cache.evict import EvictedCache
 from kvjax.cache.fanout import Fanout, shares_prefill
 from kvjax.cache.kvzip import KVzip
 from kvjax.decoding import decode, kvzip
@@ -43,6 +42,7 @@ from kvjax.fields import check_positive_int
 from kvjax.model.transformer import Transformer
 
 SHARED = ("contiguous", "evict")  # the layouts a shared prefill fills
+SLOTS = 256  # a stacked batch's slots are a multiple of this: few shapes, little padding to copy
 
 
 def _shares(cache_config: CacheConfig) -> bool:
@@ -192,7 +192,7 @@ def answer_many(
       members.append(i)
   extra = (0 if question is None else question.shape[1]) + max(budgets)
   for members in classes:
-    slots = size_bucket(max(stacking.held(caches[i]) for i in members) + extra, 1 << 30)
+    slots = -(-(max(stacking.held(caches[i]) for i in members) + extra) // SLOTS) * SLOTS
     owner = [(i, r) for i in members for r in range(rows[i])]  # (cache, row) of each stacked row
     limit = np.array([budgets[i] for i, _ in owner])
     cache = stacking.stack(model.config, [caches[i] for i in members], slots)
