@@ -11,6 +11,7 @@ from kvjax.conversion.conversions import KVHeads, ToMLA
 from kvjax.conversion.kv_heads import convert_kv_heads
 from kvjax.conversion.mla import convert_to_mla
 from kvjax.decoding.decode import decode_step, extend, generate, prefill
+from kvjax.decoding.many import answer_many, prefill_many
 from kvjax.decoding.sampling import Sampling, sample
 from kvjax.model.attention import Attention, attend, kv_head_of
 from kvjax.model.transformer import Transformer

@@ -148,3 +148,8 @@ def take(cache: KVCache, rows: np.ndarray) -> KVCache:
 def _taken(cache: KVCache, index: jax.Array) -> KVCache:
   b = cache.lengths.shape[0]
   return jax.tree.map(lambda x: x[index] if x.ndim and x.shape[0] == b else x, cache)
+
+
+def compilations() -> dict[str, int]:
+  """The compiled functions of stack and take this process holds."""
+  return {"stack": _stacked._cache_size(), "take": _taken._cache_size()}

@@ -132,6 +132,12 @@ def forward(
 _forward = jax.jit(forward, static_argnames=("model", "last", "from_empty"), donate_argnames=("cache",))
 
 
+def compilations() -> int:
+  """The compiled forward calls (prefill, extend, decode step; one per shape and cache kind) this
+  process holds."""
+  return _forward._cache_size()
+
+
 def _place(mesh, params, cache, *batch):
   params, batch = sharding.place(mesh, params, *batch)
   if mesh is not None:

@@ -135,6 +135,17 @@ def prefill_many(
   return out
 
 
+def compilations() -> dict[str, int]:
+  """The compiled functions this process holds for prefill_many and answer_many, by function:
+  what bounds a study's compile time (each is compiled once per shape and static setting)."""
+  return {
+    "shared prefill": _fanout_prefill._cache_size(),
+    "kvzip prefill": _kvzip_prefill._cache_size(),
+    **stacking.compilations(),
+    "prefill, extend and decode step": decode.compilations(),
+  }
+
+
 def _cut(logits, width: int, last: bool):
   """A padded call's logits cut back to its width, on the host as `extend` does."""
   if last or logits.shape[1] == width:

@@ -7,9 +7,16 @@ WORKDIR/<model>/samples.jsonl, with the tokenizer's stop ids so that a peer can 
 ids); the full cache once (its answers do not depend on the protocol), then each press of
 `presses` ("snapkv", "snapkv:adaptive" for AdaKV's head-adaptive budgets, "snapkv:pyramid" for
 PyramidKV's per-layer ones, which is kvpress's PyramidKVPress) at each ratio under
-each protocol (kvjax.studies.eviction.PROTOCOLS). Every cell's per-sample answers are a file of
-WORKDIR/<model>/cells/, written when the cell is done, so a rerun skips finished cells and an
-interrupted table resumes.
+each protocol (kvjax.studies.eviction.PROTOCOLS), and the codec cells (a press through a codec).
+
+One prefill per sample: a press compresses what a layer stores after it attended over the whole
+prompt, so each sample is prefilled once per protocol for all its cells and their answers decoded
+in one batch (kvjax.studies.ruler.answer_cells over kvjax.decoding.many), the same answers as
+cell by cell (shared_prefill=False, the reference). Each sample's records are appended to
+WORKDIR/<model>/records.jsonl as it finishes, so an interrupted table resumes where it stopped and
+a cell added later is answered alone; each finished cell's answers are also a file of
+WORKDIR/<model>/cells/. A press a model refuses (KVzip on Gemma 3's windowed layers) is a row
+marked refused, with the reason.
 
 Agreement with kvpress: `experiments/kvpress_reference.py --samples WORKDIR/<model>/samples.jsonl
 --out WORKDIR/<model>/kvpress.jsonl` answers the same token ids through transformers and kvpress;
@@ -32,7 +39,7 @@ import numpy as np
 from kvjax.cache import kinds
 from kvjax.cache.config import CacheConfig
 from kvjax.cache.presses import make_press
-from kvjax.decoding import kvzip
+from kvjax.decoding import kvzip, many
 from kvjax.interop.kvzip_prompt import with_repeat_prompt
 from kvjax.fields import check_nonnegative, check_positive
 from kvjax.studies import measure, report
@@ -222,6 +229,7 @@ def run_model(study: PressTableStudy, source: str, workdir: Path, progress: Call
         write_jsonl(path, found)
       results += found
   write_jsonl(folder / "answers.jsonl", results)
+  (folder / "compilations.json").write_text(json.dumps(many.compilations(), indent=2) + "\n")
   agree = agreement(tokenizer, samples, results, folder / "kvpress.jsonl")
   rows = []
   for length, long in plan:
@@ -300,6 +308,45 @@ def _append(path: Path, records: list[dict], index: dict | None = None) -> None:
       index[(r["id"], r["method"], r["protocol"])] = r
 
 
+def figures(rows: list[dict], workdir: Path, protocol: str = "query_agnostic") -> None:
+  """press_table.png: kvpress's leaderboard figure (the suite score against the compression ratio,
+  a line per press, the full cache dashed, a panel per model and length); press_table_bytes.png:
+  the score against the KV bytes per token of every cell, presses and codecs together, a panel per
+  model and length. Both for `protocol`'s cells (the full cache's answers are either's)."""
+  scored = [r for r in rows if r["score"] is not None and r["protocol"] in (protocol, "either")]
+  panels = sorted({(r["model"], r["length"]) for r in scored})
+  if not panels:
+    return
+  size = (4.6 * len(panels), 4.4)
+  with report.figure(workdir / "press_table.png", len(panels), size) as axes:
+    for ax, (model, length) in zip(axes, panels):
+      mine = [r for r in scored if (r["model"], r["length"]) == (model, length)]
+      presses = sorted({r["press"] for r in mine if r["press"] != FULL and "+" not in r["press"]})
+      series = [
+        (p, [r["ratio"] for r in line], [r["score"] for r in line])
+        for p in presses
+        for line in [sorted((r for r in mine if r["press"] == p), key=lambda r: r["ratio"])]
+      ]
+      report.plot_series(ax, series, "compression ratio", "suite score %", f"{model}, {length} tokens")
+      for r in mine:
+        if r["press"] == FULL:
+          ax.axhline(r["score"], color="black", linestyle="--", linewidth=1, label="full cache")
+      ax.legend(fontsize=7)
+  with report.figure(workdir / "press_table_bytes.png", len(panels), size) as axes:
+    for ax, (model, length) in zip(axes, panels):
+      mine = [r for r in scored if (r["model"], r["length"]) == (model, length)]
+      families = sorted({r["press"].split("+")[0] for r in mine})
+      for family in families:
+        points = [r for r in mine if r["press"].split("+")[0] == family]
+        ax.plot([r["kv_bytes_per_token"] for r in points], [r["score"] for r in points], "o", label=family)
+        for r in points:
+          if "+" in r["press"]:  # a codec cell, named
+            ax.annotate(r["press"].split("+")[1], (r["kv_bytes_per_token"], r["score"]), fontsize=7)
+      ax.set(xscale="log", xlabel="KV bytes per token", ylabel="suite score %", title=f"{model}, {length} tokens")
+      ax.grid(alpha=0.3)
+      ax.legend(fontsize=7)
+
+
 def run(study: PressTableStudy, workdir: Path, progress: Callable[[str], None]) -> list[dict]:
   """Every model's cells -> rows {model, press, ratio, protocol, length, score, kv_bytes_per_token,
   kvpress_same_score, kvpress_same_answer, samples, task_*}; writes press_table.{md,csv,json}."""
@@ -321,6 +368,8 @@ def run(study: PressTableStudy, workdir: Path, progress: Callable[[str], None]) 
     ("refused_note", "refused (reason in press_table.json)", ""),
   ]
   table = report.write_table(rows, workdir / "press_table", columns)
+  if any(r["score"] is not None for r in rows):
+    figures(rows, workdir)
   (workdir / "press_table.md").write_text(
     f"Presses on the RULER-style suite: {study.samples} samples per task and length, tasks "
     f"{', '.join(study.tasks)}, seed {study.seed}\n\n{table}\n"

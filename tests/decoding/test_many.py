@@ -49,6 +49,9 @@ def _configs() -> list[CacheConfig]:
 
 
 CONFIGS = _configs()
+# Answered in one batch against each cache's own decoding: every press once (its uneven heads,
+# its codec, its pyramid), not every ratio (a ratio changes what is kept, not how it is read).
+ANSWERED = [c for c in CONFIGS if c.press is None or c.press.compression_ratio != 0.25]
 CHUNKED = CacheConfig(press=make_press("knorm", compression_ratio=0.5, decode_budget=16, prefill_chunk=16))
 
 
@@ -92,11 +95,11 @@ def test_answers_in_one_batch_equal_each_caches_own(model, protocol):
     for r in range(2):
       tokens[r, LENGTHS[r] : LENGTHS[r] + ASKED[r]] = QUESTION[r, : ASKED[r]]
     lengths, kw = LENGTHS + ASKED, {}
-  prefilled = prefill_many(model, params, tokens, lengths, 40 + 6 + new, CONFIGS)
+  prefilled = prefill_many(model, params, tokens, lengths, 40 + 6 + new, ANSWERED)
   if protocol == "query_aware":
     kw = {"first": [np.asarray(logits.argmax(-1)) for logits, _ in prefilled]}
   got = answer_many(model, params, [c for _, c in prefilled], new, stop_ids=(3,), **kw)
-  for config, answers in zip(CONFIGS, got):
+  for config, answers in zip(ANSWERED, got):
     ref = measure.answers(model, params, tokens, lengths, new, config, stop_ids=(3,), **kw_of(kw))
     assert [a.tolist() for a in answers] == [np.asarray(r).tolist() for r in ref], config
 

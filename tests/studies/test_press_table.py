@@ -3,12 +3,17 @@ that reads finished cells back, and the per-sample agreement with a peer's answe
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
+from conftest import init_params, tiny_config
 
 from kvjax.cache.config import CacheConfig
 from kvjax.interop.tokenizer import TextTokenizer
 from kvjax.studies import measure
-from kvjax.studies.press_table import PressTableStudy, press_cache, run
+from kvjax.cache.kvzip import KVzip
+from kvjax.studies.press_table import PressTableStudy, cells, press_cache, refusal, run
+from kvjax.studies.ruler import method_name
 from kvjax.studies.scoring import read_jsonl, write_jsonl
 from kvjax.training.checkpoint import load_model
 
@@ -74,6 +79,42 @@ def test_a_rerun_reads_finished_cells_and_scores_a_peer_sample_by_sample(table, 
     assert row["kvpress_same_answer"] == pytest.approx(sum(same_text) / len(same_text))
 
 
+def test_one_prefill_per_sample_answers_as_cell_by_cell(table, tmp_path):
+  study, workdir, rows = table
+  alone = dataclasses.replace(study, shared_prefill=False)
+  again = run(alone, tmp_path, lambda line: None)
+  folder = [p for p in workdir.iterdir() if p.is_dir()][0].name
+  shared = {(a["id"], a["method"], a["protocol"]): a["answer"] for a in read_jsonl(workdir / folder / "answers.jsonl")}
+  by_cell = {
+    (a["id"], a["method"], a["protocol"]): a["answer"] for a in read_jsonl(tmp_path / folder / "answers.jsonl")
+  }
+  assert len(shared) == 4 and shared == by_cell
+  assert [r["score"] for r in again] == [r["score"] for r in rows]
+  timing = read_jsonl(workdir / folder / "timing.jsonl")
+  assert {t["id"] for t in timing} == {a[0] for a in shared} and all(t["cells"] == 2 for t in timing)
+
+
+def test_codec_cells_and_names():
+  assert method_name(press_cache("snapkv+int8", 0.5)) == "snapkv+int8@0.5"
+  assert (
+    press_cache("full+int8", 0.0) == CacheConfig(dtype="int8") and method_name(CacheConfig(dtype="int8")) == "full+int8"
+  )
+  study = PressTableStudy(presses=("snapkv",), ratios=(0.5,), codec_cells=(("full+int8", 0.0), ("snapkv+int8", 0.75)))
+  names = [(m, p) for m, p, _ in cells(study)]
+  assert ("full+int8", "query_agnostic") in names and ("full+int8", "query_aware") not in names
+  assert ("snapkv+int8@0.75", "query_aware") in names
+  long = [m for m, _, _ in cells(dataclasses.replace(study, long_ratios=(0.875,)), long=True)]
+  assert long == ["full", "snapkv@0.875", "snapkv@0.875"]
+
+
+def test_a_press_the_model_cannot_take_is_named_refused():
+  config = tiny_config(2, window=(8, 0), max_len=128)
+  model, _ = init_params(config)
+  zipped = CacheConfig(press=KVzip(compression_ratio=0.5, repeat_ids=(5,), resume_ids=(6,)))
+  assert "windowed" in refusal(model, zipped, 64)
+  assert refusal(model, press_cache("snapkv", 0.5), 64) is None
+
+
 @pytest.mark.parametrize(
   "changes, field",
   [
@@ -83,6 +124,10 @@ def test_a_rerun_reads_finished_cells_and_scores_a_peer_sample_by_sample(table, 
     ({"protocols": ("both",)}, "protocols"),
     ({"sources": ()}, "sources"),
     ({"tasks": ("niah_single_9",)}, "niah_single_9"),
+    ({"codec_cells": (("snapkv+int3", 0.5),)}, "dtype"),
+    ({"codec_cells": ("snapkv",)}, "codec_cells"),
+    ({"long": ((4096, "gemma3-270m"),)}, "long"),
+    ({"long_ratios": (0.0,)}, "long_ratios"),
   ],
 )
 def test_bad_settings_are_refused_by_name(changes, field):
