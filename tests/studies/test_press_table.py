@@ -108,11 +108,12 @@ def test_codec_cells_and_names():
 
 
 def test_a_press_the_model_cannot_take_is_named_refused():
-  config = tiny_config(2, window=(8, 0), max_len=128)
+  config = tiny_config(2, window=(8, 0), max_len=256)
   model, _ = init_params(config)
   zipped = CacheConfig(press=KVzip(compression_ratio=0.5, repeat_ids=(5,), resume_ids=(6,)))
-  assert "windowed" in refusal(model, zipped, 64)
-  assert refusal(model, press_cache("snapkv", 0.5), 64) is None
+  assert "windowed" in refusal(model, zipped, 200)
+  assert refusal(model, press_cache("snapkv", 0.5), 200) is None
+  assert "always keeps" in refusal(model, press_cache("snapkv", 0.5), 100)  # fewer slots than its window
 
 
 @pytest.mark.parametrize(
