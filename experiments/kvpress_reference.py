@@ -5,7 +5,8 @@ kvjax writes the samples (WORKDIR/samples.jsonl: context_ids, question_ids, answ
 stop_ids per sample); this script feeds exactly those ids to `transformers` (float32, loaded
 from the same GGUF file; eager attention for the press that reads
 attention weights, SDPA otherwise, as kvpress requires) under each kvpress press, and writes each greedy answer
-as token ids, one JSON line per (sample, press, ratio, protocol). kvjax decodes and scores them
+as token ids, one JSON line per (sample, press, ratio, protocol), with the seconds that sample's
+prefill and generation took ("seconds", wall time). kvjax decodes and scores them
 with the scorer it uses for its own answers, so the two sides differ only in the model runtime
 and the press.
 
@@ -16,10 +17,19 @@ sliding-window layers keep their window).
 
 It imports neither jax nor kvjax: run it in an environment with kvpress (which pins its own
 transformers), e.g.
-  python -m venv kvp && kvp/bin/pip install torch==2.13.0 kvpress gguf
+  python -m venv kvp && kvp/bin/pip install torch==2.13.0  # first, so pip keeps this (CPU) torch
+  kvp/bin/pip install kvpress==0.5.5 gguf -c <(echo torch==2.13.0)
   kvp/bin/python experiments/kvpress_reference.py --gguf MODEL.gguf --samples W/samples.jsonl \
       --out W/kvpress.jsonl --presses snapkv,tova --ratios 0.5,0.75
 A rerun appends only the answers the output file lacks.
+
+Which samples: all of them, or with `--draw N` a seeded draw of N per context length (the
+samples' "length"), not the first ones: random.Random(--seed, default 0) draws
+`rng.sample(that length's samples in file order, N)` for each length in ascending order, one
+generator across the lengths, and the drawn samples are answered in file order. The same file,
+N and seed draw the same samples on every run (so a rerun resumes the same draw); a length with
+fewer than N samples is an error. `--limit M` then keeps the first M of those (of all samples
+without --draw).
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ import functools
 import importlib.metadata
 import json
 import pathlib
+import random
 import sys
 import time
 
@@ -148,6 +159,24 @@ def done(path: pathlib.Path) -> set[tuple]:
   return keys
 
 
+def draw(samples: list[dict], n: int, seed: int) -> list[dict]:
+  """n samples of each length, drawn without replacement by random.Random(seed) (the module
+  docstring's rule), in file order; n=0 keeps them all."""
+  if not n:
+    return samples
+  rng = random.Random(seed)
+  by_length: dict[int, list[int]] = {}
+  for i, sample in enumerate(samples):
+    by_length.setdefault(sample["length"], []).append(i)
+  chosen = []
+  for length in sorted(by_length):
+    group = by_length[length]
+    if len(group) < n:
+      raise SystemExit(f"--draw {n}: length {length} has only {len(group)} samples")
+    chosen += rng.sample(group, n)
+  return [samples[i] for i in sorted(chosen)]
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--gguf", required=True, type=pathlib.Path, help="the model's GGUF file (the one kvjax imported)")
@@ -157,7 +186,9 @@ def main(argv=None) -> int:
   parser.add_argument("--ratios", default="0.5,0.75", help="compression ratios")
   parser.add_argument("--protocols", default=",".join(PROTOCOLS))
   parser.add_argument("--full", action="store_true", help="also answer with the full cache (method 'full')")
-  parser.add_argument("--limit", type=int, default=0, help="only the first N samples (0: all)")
+  parser.add_argument("--draw", type=int, default=0, help="N samples per context length, a seeded draw (0: all)")
+  parser.add_argument("--seed", type=int, default=0, help="the --draw's seed")
+  parser.add_argument("--limit", type=int, default=0, help="only the first N samples (of the draw; 0: all)")
   args = parser.parse_args(argv)
   if not args.gguf.is_file():
     raise SystemExit(f"--gguf {args.gguf}: no such file")
@@ -165,6 +196,7 @@ def main(argv=None) -> int:
   if set(protocols) - set(PROTOCOLS):
     raise SystemExit(f"--protocols: choose from {PROTOCOLS}, got {protocols}")
   samples = [json.loads(line) for line in args.samples.read_text().splitlines()]
+  samples = draw(samples, args.draw, args.seed)
   if args.limit:
     samples = samples[: args.limit]
   model = transformers.AutoModelForCausalLM.from_pretrained(
@@ -192,8 +224,17 @@ def main(argv=None) -> int:
             pressed, after = context, question
           else:
             pressed, after = context + question, []
+          began = time.perf_counter()
           ids = greedy(model, press, pressed, after, sample["answer_tokens"], set(sample.get("stop_ids", ())))
-          row = {"id": sample["id"], "method": method, "protocol": protocol, "answer_ids": ids, **meta}
+          seconds = time.perf_counter() - began
+          row = {
+            "id": sample["id"],
+            "method": method,
+            "protocol": protocol,
+            "answer_ids": ids,
+            "seconds": seconds,
+            **meta,
+          }
           out.write(json.dumps(row) + "\n")
           out.flush()
         print(f"{method} {protocol}: {time.perf_counter() - start:.1f} s", file=sys.stderr)

@@ -308,6 +308,29 @@ def _append(path: Path, records: list[dict], index: dict | None = None) -> None:
       index[(r["id"], r["method"], r["protocol"])] = r
 
 
+def board(rows: list[dict]) -> str:
+  """The leaderboard as markdown, per model and length: a row per press, its suite score at each
+  ratio (query-agnostic / query-aware), the full cache first; a refused or unanswered cell is "-"."""
+  out = []
+  for model, length in sorted({(r["model"], r["length"]) for r in rows}):
+    mine = [r for r in rows if (r["model"], r["length"]) == (model, length)]
+    ratios = sorted({r["ratio"] for r in mine if r["ratio"]})
+    header = "| press | " + " | ".join(f"{x:g}" for x in ratios) + " |"
+    lines = [f"{model}, {length} tokens, suite score % (query-agnostic / query-aware):", "", header]
+    lines.append("|---|" + "---|" * len(ratios))
+    for press in dict.fromkeys(r["press"] for r in mine):
+      cells = []
+      for x in ratios:
+        got = {r["protocol"]: r["score"] for r in mine if r["press"] == press and r["ratio"] == x}
+        cells.append(" / ".join("-" if got.get(p) is None else f"{got[p]:.1f}" for p in PROTOCOLS) if got else "")
+      full = [r["score"] for r in mine if r["press"] == press and not r["ratio"]]
+      if full:
+        cells = [f"{full[0]:.1f}" if full[0] is not None else "-"] + [""] * (len(ratios) - 1)
+      lines.append(f"| {press} | " + " | ".join(cells) + " |")
+    out.append("\n".join(lines))
+  return "\n\n".join(out)
+
+
 def figures(rows: list[dict], workdir: Path, protocol: str = "query_agnostic") -> None:
   """press_table.png: kvpress's leaderboard figure (the suite score against the compression ratio,
   a line per press, the full cache dashed, a panel per model and length); press_table_bytes.png:
@@ -372,6 +395,6 @@ def run(study: PressTableStudy, workdir: Path, progress: Callable[[str], None]) 
     figures(rows, workdir)
   (workdir / "press_table.md").write_text(
     f"Presses on the RULER-style suite: {study.samples} samples per task and length, tasks "
-    f"{', '.join(study.tasks)}, seed {study.seed}\n\n{table}\n"
+    f"{', '.join(study.tasks)}, seed {study.seed}\n\n{board(rows)}\n\nEvery cell:\n\n{table}\n"
   )
   return rows
