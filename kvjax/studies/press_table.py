@@ -102,6 +102,7 @@ class PressTableStudy:
   long: tuple[tuple[str, int], ...] = ()
   long_ratios: tuple[float, ...] = (0.75,)
   shared_prefill: bool = True
+  report_only: bool = False
   batch_size: int = 8
   seed: int = 0
   job: str = "press_table"
@@ -132,8 +133,9 @@ class PressTableStudy:
       if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)):
         raise ValueError(f"PressTableStudy.long[{i}] must be (source, length), got {pair!r}")
       check_lengths((pair[1],))
-    if not isinstance(self.shared_prefill, bool):
-      raise ValueError(f"PressTableStudy.shared_prefill must be True or False, got {self.shared_prefill!r}")
+    for name in ("shared_prefill", "report_only"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"PressTableStudy.{name} must be True or False, got {getattr(self, name)!r}")
 
 
 def cells(study: PressTableStudy, long: bool = False) -> list[tuple[str, str, CacheConfig]]:
@@ -205,7 +207,8 @@ def run_model(study: PressTableStudy, source: str, workdir: Path, progress: Call
       tokenizer, study.tasks, (length,), study.samples, seed=study.seed, max_len=model.config.max_positions
     )
   stops = [int(i) for i in tokenizer.stop_ids]
-  write_jsonl(folder / "samples.jsonl", [{**s, "stop_ids": stops} for s in samples])
+  if not study.report_only:
+    write_jsonl(folder / "samples.jsonl", [{**s, "stop_ids": stops} for s in samples])
   records = folder / "records.jsonl"
   done = {(r["id"], r["method"], r["protocol"]): r for r in (read_jsonl(records) if records.exists() else [])}
   refused, results = {}, []
@@ -218,18 +221,21 @@ def run_model(study: PressTableStudy, source: str, workdir: Path, progress: Call
       else:
         refused[(name_, protocol, length)] = reason
     mine = [s for s in samples if s["length"] == length]
-    if study.shared_prefill:
+    if study.report_only:  # what the records hold, nothing answered
+      pass
+    elif study.shared_prefill:
       _answer_by_sample(model, params, tokenizer, mine, todo, done, folder, progress)
     else:
       _answer_by_cell(model, params, tokenizer, mine, todo, done, folder, study.batch_size, progress)
     for name_, protocol, _ in todo:
-      found = [done[(s["id"], name_, protocol)] for s in mine]
+      found = [done[(s["id"], name_, protocol)] for s in mine if (s["id"], name_, protocol) in done]
       path = folder / "cells" / f"{name_}_{protocol}_{length}.jsonl"
-      if not path.exists():
+      if not path.exists() and len(found) == len(mine):
         write_jsonl(path, found)
       results += found
   write_jsonl(folder / "answers.jsonl", results)
-  (folder / "compilations.json").write_text(json.dumps(many.compilations(), indent=2) + "\n")
+  if not study.report_only:
+    (folder / "compilations.json").write_text(json.dumps(many.compilations(), indent=2) + "\n")
   agree = agreement(tokenizer, samples, results, folder / "kvpress.jsonl")
   rows = []
   for length, long in plan:

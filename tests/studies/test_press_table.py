@@ -94,6 +94,18 @@ def test_one_prefill_per_sample_answers_as_cell_by_cell(table, tmp_path):
   assert {t["id"] for t in timing} == {a[0] for a in shared} and all(t["cells"] == 2 for t in timing)
 
 
+def test_report_only_reads_the_records_and_answers_nothing(table, tmp_path):
+  study, workdir, rows = table
+  folder = [p for p in workdir.iterdir() if p.is_dir()][0]
+  records = read_jsonl(folder / "records.jsonl")
+  copy = tmp_path / folder.name
+  write_jsonl(copy / "samples.jsonl", read_jsonl(folder / "samples.jsonl"))
+  write_jsonl(copy / "records.jsonl", [r for r in records if r["method"] == "full"])  # one cell of two, so far
+  partial = run(dataclasses.replace(study, report_only=True), tmp_path, lambda line: None)
+  assert [r["samples"] for r in partial] == [2, 0] and partial[0]["score"] == rows[0]["score"]
+  assert partial[1]["score"] is None and not (copy / "cells" / "snapkv@0.5_query_agnostic_256.jsonl").exists()
+
+
 def test_codec_cells_and_names():
   assert method_name(press_cache("snapkv+int8", 0.5)) == "snapkv+int8@0.5"
   assert (
