@@ -346,7 +346,7 @@ def figures(rows: list[dict], workdir: Path, protocol: str = "query_agnostic") -
   panels = sorted({(r["model"], r["length"]) for r in scored})
   if not panels:
     return
-  size = (4.6 * len(panels), 4.4)
+  size = (6.4 * len(panels), 4.4)
   with report.figure(workdir / "press_table.png", len(panels), size) as axes:
     for ax, (model, length) in zip(axes, panels):
       mine = [r for r in scored if (r["model"], r["length"]) == (model, length)]
@@ -360,7 +360,7 @@ def figures(rows: list[dict], workdir: Path, protocol: str = "query_agnostic") -
       for r in mine:
         if r["press"] == FULL:
           ax.axhline(r["score"], color="black", linestyle="--", linewidth=1, label="full cache")
-      ax.legend(fontsize=7)
+      ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
   with report.figure(workdir / "press_table_bytes.png", len(panels), size) as axes:
     for ax, (model, length) in zip(axes, panels):
       mine = [r for r in scored if (r["model"], r["length"]) == (model, length)]
@@ -373,7 +373,7 @@ def figures(rows: list[dict], workdir: Path, protocol: str = "query_agnostic") -
             ax.annotate(r["press"].split("+")[1], (r["kv_bytes_per_token"], r["score"]), fontsize=7)
       ax.set(xscale="log", xlabel="KV bytes per token", ylabel="suite score %", title=f"{model}, {length} tokens")
       ax.grid(alpha=0.3)
-      ax.legend(fontsize=7)
+      ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
 
 
 def run(study: PressTableStudy, workdir: Path, progress: Callable[[str], None]) -> list[dict]:
