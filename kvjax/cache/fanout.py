@@ -77,7 +77,7 @@ class Fanout(flax.struct.PyTreeNode):
       return {prefix(j) + name: x for j, layers in enumerate(per_layer) for name, x in layers[i].items()}
 
     stripped = tuple(cache.replace(layers={}) for cache in caches)
-    return cls(layers=cache_collection_like(caches[0], layer), lengths=first.lengths, caches=stripped)
+    return cls(layers=_collection(len(per_layer[0]), layer), lengths=first.lengths, caches=stripped)
 
   def split(self, layers: dict, lengths: jax.Array) -> list[KVCache]:
     """The children holding the arrays of collection `layers` (a first call's), each row holding
@@ -90,9 +90,7 @@ class Fanout(flax.struct.PyTreeNode):
       def layer(i, p=p):
         return {name[len(p) :]: x for name, x in per_layer[i].items() if name.startswith(p)}
 
-      out.append(
-        cache.replace(layers=cache_collection_like(cache, layer, len(per_layer)), lengths=cache.lengths + lengths)
-      )
+      out.append(cache.replace(layers=_collection(len(per_layer), layer), lengths=cache.lengths + lengths))
     return out
 
   # What the model's layers call (kvjax.model.attention.cached_attention): the first child speaks
@@ -116,20 +114,19 @@ class Fanout(flax.struct.PyTreeNode):
     arrays = {}
     for j, cache in enumerate(self.caches):
       p = prefix(j)
-      mine = {name[len(p) :]: x for name, x in stored.items() if name.startswith(p)}
       if type(cache) is EvictedCache and not span.window.size:
         scorer = cache.press.scorer
         if scorer not in scored:
           scored[scorer] = cache.press.prompt_scores(query.every_q, new["k"], new["v"], span.lengths, query.rope)
         held = cache.compress(new, query.every_q, span, query.rope, scores=scored[scorer])
       else:  # its own first call; the output it computes is the one above, unused (XLA drops it)
+        mine = {name[len(p) :]: x for name, x in stored.items() if name.startswith(p)}
         held, _ = cache.attend(mine, query, q_positions, new, span, backend)
       arrays |= {p + name: x for name, x in held.items()}
     return arrays, out
 
 
-def cache_collection_like(cache: KVCache, layer, num_layers: int | None = None) -> dict:
-  """A 'cache' collection of `num_layers` layers (default: as many as `cache` had) whose layer i
-  is layer(i)."""
-  n = len(cache.layers) if num_layers is None else num_layers
-  return {f"layers_{i}": {"attn": layer(i)} for i in range(n)}
+def _collection(num_layers: int, layer) -> dict:
+  """A 'cache' collection of num_layers layers whose layer i is layer(i) (kvjax.model.transformer's
+  cache_collection, where no ModelConfig is at hand)."""
+  return {f"layers_{i}": {"attn": layer(i)} for i in range(num_layers)}

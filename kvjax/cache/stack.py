@@ -30,7 +30,7 @@ from kvjax.cache.contiguous import ContiguousCache, seq_axis
 from kvjax.cache.evict import BOOKKEEPING, EvictedCache
 from kvjax.cache.fanout import READ_ALIKE, shares_prefill
 from kvjax.cache.presses import StreamingLLM
-from kvjax.model.transformer import cache_layers
+from kvjax.model.transformer import cache_collection, cache_layers
 
 # The stacked cache's press: it never evicts (its slots hold every row's future tokens); should a
 # row fill, the oldest token would go first. heads="adaptive" makes every read go by positions.
@@ -128,13 +128,13 @@ def _stacked(config, caches: tuple, slots: int, press) -> EvictedCache:
     return {name: jnp.concatenate([p[name] for p in parts]) for name in parts[0]}
 
   return EvictedCache(
-    layers={f"layers_{i}": {"attn": layer(i)} for i in range(len(per_cache[0]))},
+    layers=cache_collection(config, layer),
     lengths=jnp.concatenate([c.lengths for c in caches]),
     limit=first.limit,
     max_len=first.max_len,
     slots=slots,
     press=press,
-    num_layers=len(per_cache[0]),
+    num_layers=config.num_layers,
     **{name: getattr(first, name) for name in READ_ALIKE},
   )
 
