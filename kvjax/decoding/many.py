@@ -15,18 +15,18 @@ row's own pressed cache), and the layouts that do not press (paged, KIVI).
 answer_many(model, params, caches, ...) decodes greedy answers of many prefilled caches
 (contiguous or evicting, one codec) in one batch (kvjax.cache.stack): the question, for the
 query-agnostic protocol, read into every row by one extend; then decode steps of every row still
-answering. A row stops at a stop id or its budget; once half the batch has stopped, the rows left
-are taken into a smaller batch, so a step costs what its running rows cost. Batches are sized
-up to a multiple of 8 (powers of two below 8) and slots to a multiple of 256, which bounds the
-compilations. Evicting rows whose heads hold uneven numbers of tokens (AdaKV, KVzip) decode in a
-batch of their own, read by positions, the others through the contiguous decode route, each as
-its own cache would be read.
+answering. A row stops at a stop id, its budget or when `until` says its answer has ended;
+once half the batch has stopped, the rows left are taken into a smaller batch, so a step costs
+what its running rows cost. Batches are sized up to a multiple of 8 (powers of two below 8) and
+slots to a multiple of 256, which bounds the compilations. Evicting rows whose heads hold uneven
+numbers of tokens (AdaKV, KVzip) decode in a batch of their own, read by positions, the others
+through the contiguous decode route, each as its own cache would be read.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -169,6 +169,7 @@ def answer_many(
   question: np.ndarray | None = None,
   question_lengths: np.ndarray | None = None,
   stop_ids: Sequence[int] = (),
+  until: Callable[[list[int]], bool] | None = None,
 ) -> list[list[np.ndarray]]:
   """Greedy answers of every row of every prefilled cache in `caches` (contiguous or evicting,
   one codec; module docstring) -> for each cache, its rows' answers (int32, cut before the first
@@ -218,7 +219,7 @@ def answer_many(
     else:
       token = np.concatenate([np.asarray(first[i], np.int32) for i in members])
       (cache,) = _padded_rows(cache, len(owner))
-    _decode(model, params, cache, token, limit, owner, answers, stop_ids)
+    _decode(model, params, cache, token, limit, owner, answers, stop_ids, until)
   return [[np.asarray(a, np.int32) for a in per] for per in answers]
 
 
@@ -228,15 +229,20 @@ def _padded_rows(cache, n: int, *row_arrays):
   return (stacking.take(cache, index), *(a[index] for a in row_arrays))
 
 
-def _decode(model, params, cache, token, limit, owner, answers, stop_ids) -> None:
+def _decode(model, params, cache, token, limit, owner, answers, stop_ids, until) -> None:
   """Greedy decode steps from `token` (int32 [n], each row's first answer token) until every row
-  has its answer: limit int[n] tokens or a stop id; answers[cache][row] gets row i's tokens."""
+  has its answer: limit int[n] tokens, a stop id or `until`; answers[cache][row] gets row i's
+  tokens."""
   stops = set(int(s) for s in stop_ids)
+
+  def ended(tokens: list[int], budget: int) -> bool:
+    return tokens[-1] in stops or len(tokens) >= budget or (until is not None and until(tokens))
+
   live = np.arange(len(owner))  # the stacked rows the batch's first len(live) rows hold
   for i, t in zip(live, token):
     cache_index, row = owner[i]
     answers[cache_index][row].append(int(t))
-  done = np.array([t in stops or limit[i] <= 1 for i, t in zip(live, token)])
+  done = np.array([ended(answers[owner[i][0]][owner[i][1]], limit[i]) for i in live])
   while not done.all():
     if 2 * int((~done).sum()) <= cache.lengths.shape[0] and batch_size(int((~done).sum())) < cache.lengths.shape[0]:
       keep = np.flatnonzero(~done)
@@ -251,7 +257,7 @@ def _decode(model, params, cache, token, limit, owner, answers, stop_ids) -> Non
       if not done[k]:
         cache_index, row = owner[i]
         answers[cache_index][row].append(int(t))
-        done[k] = t in stops or len(answers[cache_index][row]) >= limit[k]
+        done[k] = ended(answers[cache_index][row], limit[k])
   for per in answers:
     for a in per:
       if a and a[-1] in stops:

@@ -44,9 +44,9 @@ from kvjax.interop.kvzip_prompt import with_repeat_prompt
 from kvjax.fields import check_nonnegative, check_positive
 from kvjax.studies import measure, report
 from kvjax.studies.eviction import PROTOCOLS
-from kvjax.studies.ruler import answer, answer_cells, build, check_lengths, load, method_name
+from kvjax.studies.ruler import answer, answer_cells, answer_text, build, check_lengths, load, method_name
 from kvjax.studies.ruler_tasks import TASKS, check_tasks
-from kvjax.studies.scoring import read_jsonl, score, write_jsonl
+from kvjax.studies.scoring import ANSWER_ENDS, answer_end, read_jsonl, score, write_jsonl
 
 FULL = "full"
 
@@ -76,6 +76,9 @@ class PressTableStudy:
   `samples` per task and length; `presses` x `ratios` x `protocols` beside the full cache, and the
   `codec_cells` (press spec with its codec, e.g. "snapkv+int8", at a ratio). `long`: (source,
   length) pairs run beside, with the full cache and every press at `long_ratios` only.
+  answer_end: where an answer ends besides a stop id (kvjax.studies.scoring): "line" at its first
+  line, "budget" at the task's budget, "auto" at its first line for a model without a chat
+  template (a base model, which writes on past its answer).
   shared_prefill: one prefill and one batch of answers per sample for all its cells
   (kvjax.studies.ruler.answer_cells); False answers cell by cell (kvjax.studies.ruler.answer), the
   reference it is timed against."""
@@ -101,6 +104,7 @@ class PressTableStudy:
   codec_cells: tuple[tuple[str, float], ...] = ()
   long: tuple[tuple[str, int], ...] = ()
   long_ratios: tuple[float, ...] = (0.75,)
+  answer_end: str = "auto"
   shared_prefill: bool = True
   report_only: bool = False
   batch_size: int = 8
@@ -133,6 +137,8 @@ class PressTableStudy:
       if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)):
         raise ValueError(f"PressTableStudy.long[{i}] must be (source, length), got {pair!r}")
       check_lengths((pair[1],))
+    if self.answer_end not in ANSWER_ENDS:
+      raise ValueError(f"PressTableStudy.answer_end must be one of {ANSWER_ENDS}, got {self.answer_end!r}")
     for name in ("shared_prefill", "report_only"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"PressTableStudy.{name} must be True or False, got {getattr(self, name)!r}")
@@ -162,7 +168,7 @@ def refusal(model, cache_config: CacheConfig, length: int) -> str | None:
   return None
 
 
-def agreement(tokenizer, samples: list[dict], ours: list[dict], theirs: Path) -> dict[tuple, dict]:
+def agreement(tokenizer, samples: list[dict], ours: list[dict], theirs: Path, end: str = "budget") -> dict[tuple, dict]:
   """{(method, protocol, length): {"same_score": the share of samples where kvpress's answer (file
   `theirs`) scores as kvjax's does, "same_answer": the share where the two answers are the same
   text}}, over the samples both answered; kvpress's ids are decoded and scored by kvjax's
@@ -175,7 +181,7 @@ def agreement(tokenizer, samples: list[dict], ours: list[dict], theirs: Path) ->
     s = by_id.get(row["id"])
     if s is None:
       continue
-    text = tokenizer.decode(np.asarray(row["answer_ids"][: s["answer_tokens"]], np.int32), skip_special_tokens=True)
+    text = answer_text(tokenizer, row["answer_ids"], s["answer_tokens"], end)
     peer[(row["id"], row["method"], row["protocol"])] = (text, score(text, s["references"]))
   pairs: dict[tuple, list[tuple[bool, bool]]] = {}
   for r in ours:
@@ -210,7 +216,9 @@ def run_model(study: PressTableStudy, source: str, workdir: Path, progress: Call
   if not study.report_only:
     write_jsonl(folder / "samples.jsonl", [{**s, "stop_ids": stops} for s in samples])
   records = folder / "records.jsonl"
+  end = answer_end(study.answer_end, tokenizer)
   done = {(r["id"], r["method"], r["protocol"]): r for r in (read_jsonl(records) if records.exists() else [])}
+  done = {k: r for k, r in done.items() if r.get("answer_end", "budget") == end}  # answered as now
   refused, results = {}, []
   for length, long in plan:
     todo = []
@@ -224,9 +232,9 @@ def run_model(study: PressTableStudy, source: str, workdir: Path, progress: Call
     if study.report_only:  # what the records hold, nothing answered
       pass
     elif study.shared_prefill:
-      _answer_by_sample(model, params, tokenizer, mine, todo, done, folder, progress)
+      _answer_by_sample(model, params, tokenizer, mine, todo, done, folder, end, progress)
     else:
-      _answer_by_cell(model, params, tokenizer, mine, todo, done, folder, study.batch_size, progress)
+      _answer_by_cell(model, params, tokenizer, mine, todo, done, folder, study.batch_size, end, progress)
     for name_, protocol, _ in todo:
       found = [done[(s["id"], name_, protocol)] for s in mine if (s["id"], name_, protocol) in done]
       path = folder / "cells" / f"{name_}_{protocol}_{length}.jsonl"
@@ -236,7 +244,7 @@ def run_model(study: PressTableStudy, source: str, workdir: Path, progress: Call
   write_jsonl(folder / "answers.jsonl", results)
   if not study.report_only:
     (folder / "compilations.json").write_text(json.dumps(many.compilations(), indent=2) + "\n")
-  agree = agreement(tokenizer, samples, results, folder / "kvpress.jsonl")
+  agree = agreement(tokenizer, samples, results, folder / "kvpress.jsonl", end)
   rows = []
   for length, long in plan:
     for name_, protocol, cache_config in cells(study, long):
@@ -270,7 +278,7 @@ def _row(model, name, method, protocol, cache_config, length, results, agree, re
   }
 
 
-def _answer_by_sample(model, params, tokenizer, samples, todo, done, folder, progress) -> None:
+def _answer_by_sample(model, params, tokenizer, samples, todo, done, folder, end, progress) -> None:
   """Each sample's missing cells of `todo` answered together, per protocol (answer_cells); the
   records appended to folder/records.jsonl as each sample finishes."""
   for protocol in PROTOCOLS:
@@ -281,14 +289,14 @@ def _answer_by_sample(model, params, tokenizer, samples, todo, done, folder, pro
         continue
       progress(f"press_table: {folder.name} {s['id']} {protocol}, {len(missing)} caches")
       start = time.perf_counter()
-      found = answer_cells(model, params, tokenizer, s, [c for _, c in missing], protocol=protocol)
+      found = answer_cells(model, params, tokenizer, s, [c for _, c in missing], protocol=protocol, end=end)
       seconds = time.perf_counter() - start
-      found = [{**r, "method": n, "protocol": protocol} for (n, _), r in zip(missing, found)]
+      found = [{**r, "method": n, "protocol": protocol, "answer_end": end} for (n, _), r in zip(missing, found)]
       _append(folder / "records.jsonl", found, done)
       _append(folder / "timing.jsonl", [{"id": s["id"], "protocol": protocol, "cells": len(found), "seconds": seconds}])
 
 
-def _answer_by_cell(model, params, tokenizer, samples, todo, done, folder, batch_size, progress) -> None:
+def _answer_by_cell(model, params, tokenizer, samples, todo, done, folder, batch_size, end, progress) -> None:
   """Each missing cell of `todo` answered on its own over the samples (ruler.answer, batch_size
   at a time): a prefill and a decode loop per cell."""
   for name_, protocol, cache_config in todo:
@@ -297,9 +305,10 @@ def _answer_by_cell(model, params, tokenizer, samples, todo, done, folder, batch
       continue
     progress(f"press_table: {folder.name} {name_} {protocol}, cell by cell")
     start = time.perf_counter()
-    found = answer(model, params, tokenizer, missing, cache_config, protocol=protocol, batch_size=batch_size)
+    found = answer(model, params, tokenizer, missing, cache_config, protocol=protocol, batch_size=batch_size, end=end)
     seconds = time.perf_counter() - start
-    _append(folder / "records.jsonl", [{**r, "method": name_, "protocol": protocol} for r in found], done)
+    found = [{**r, "method": name_, "protocol": protocol, "answer_end": end} for r in found]
+    _append(folder / "records.jsonl", found, done)
     _append(folder / "timing.jsonl", [{"cell": name_, "protocol": protocol, "samples": len(found), "seconds": seconds}])
 
 

@@ -25,6 +25,7 @@ Run: kvjax run configs/ruler/small.py --workdir runs/ruler
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from pathlib import Path
 from typing import Callable, Iterable
@@ -43,7 +44,7 @@ from kvjax.studies.eviction import PROTOCOLS
 from kvjax.studies.models import tokenized_checkpoint, tokenized_model
 from kvjax.studies.ruler_prompts import TEMPLATES
 from kvjax.studies.ruler_tasks import TASKS, check_tasks, make_sample
-from kvjax.studies.scoring import score, write_jsonl
+from kvjax.studies.scoring import LineEnd, answer_end, first_line, score, write_jsonl
 from kvjax.studies.variants import cache
 
 FACTS = ("depth", "distance")
@@ -115,12 +116,15 @@ def answer(
   *,
   protocol: str = "query_agnostic",
   batch_size: int = 8,
+  end: str = "budget",
   progress: Callable[[str], None] = lambda message: None,
 ) -> list[dict]:
   """Greedy answers of every sample through caches of cache_config -> one result per sample
-  (id, task, length, method, answer, score, and the sample's depth / distance)."""
+  (id, task, length, method, answer, score, and the sample's depth / distance). end: where an
+  answer ends besides a stop id, "budget" or "line" (kvjax.studies.scoring)."""
   if protocol not in PROTOCOLS:
     raise ValueError(f"RULER protocol must be one of {PROTOCOLS}, got {protocol!r}")
+  end = answer_end(end, tokenizer)
   method = method_name(cache_config)
   cache_config = with_repeat_prompt(cache_config, tokenizer)
   groups: dict[tuple, list[dict]] = {}
@@ -150,7 +154,7 @@ def answer(
         question_lengths=asked,
       )
       for s, ids in zip(batch, got):
-        text = tokenizer.decode(np.asarray(ids)[: s["answer_tokens"]], skip_special_tokens=True)
+        text = answer_text(tokenizer, ids, s["answer_tokens"], end)
         results[s["id"]] = {
           "id": s["id"],
           "task": s["task"],
@@ -171,13 +175,16 @@ def answer_cells(
   cache_configs: list[CacheConfig],
   *,
   protocol: str = "query_agnostic",
+  end: str = "budget",
 ) -> list[dict]:
   """Greedy answers of one sample through a cache of each of cache_configs, as `answer` gives
   them cell by cell, from one prefill (kvjax.decoding.many.prefill_many: every press scores once,
-  each ratio a cut of its scores) and one batch of answers (answer_many) -> one result per config,
-  in order."""
+  each ratio a cut of its scores) and one batch of answers (answer_many, a row stopped where its
+  answer ends) -> one result per config, in order."""
   if protocol not in PROTOCOLS:
     raise ValueError(f"RULER protocol must be one of {PROTOCOLS}, got {protocol!r}")
+  end = answer_end(end, tokenizer)
+  until = line_end(tokenizer) if end == "line" else None
   configs = [with_repeat_prompt(c, tokenizer) for c in cache_configs]
   context, question = sample["context_ids"], sample["question_ids"]
   prompt = context + question if protocol == "query_aware" else context
@@ -187,7 +194,9 @@ def answer_cells(
   prefilled = many.prefill_many(model, params, tokens, lengths, max_len, configs)
   if protocol == "query_aware":
     first = [np.asarray(jnp.argmax(logits, axis=-1)) for logits, _ in prefilled]
-    got = many.answer_many(model, params, [c for _, c in prefilled], budget, first=first, stop_ids=tokenizer.stop_ids)
+    got = many.answer_many(
+      model, params, [c for _, c in prefilled], budget, first=first, stop_ids=tokenizer.stop_ids, until=until
+    )
   else:
     asked, asked_lengths = padded([question])
     got = many.answer_many(
@@ -198,10 +207,11 @@ def answer_cells(
       question=asked,
       question_lengths=asked_lengths,
       stop_ids=tokenizer.stop_ids,
+      until=until,
     )
   out = []
   for config, (ids,) in zip(cache_configs, got):
-    text = tokenizer.decode(ids[:budget], skip_special_tokens=True)
+    text = answer_text(tokenizer, ids, budget, end)
     out.append(
       {
         "id": sample["id"],
@@ -214,6 +224,18 @@ def answer_cells(
       }
     )
   return out
+
+
+def answer_text(tokenizer: TextTokenizer, ids, budget: int, end: str) -> str:
+  """The text of an answer's first `budget` ids, cut at its first line for end="line"."""
+  text = tokenizer.decode(np.asarray(ids)[:budget], skip_special_tokens=True)
+  return first_line(text) if end == "line" else text
+
+
+@functools.lru_cache(maxsize=4)
+def line_end(tokenizer: TextTokenizer) -> LineEnd:
+  """The LineEnd stop test of a tokenizer, made once (it reads every token's text)."""
+  return LineEnd(tokenizer)
 
 
 def padded(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:

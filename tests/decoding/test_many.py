@@ -104,6 +104,26 @@ def test_answers_in_one_batch_equal_each_caches_own(model, protocol):
     assert [a.tolist() for a in answers] == [np.asarray(r).tolist() for r in ref], config
 
 
+def test_a_row_stops_where_until_says_its_answer_ended(model):
+  model, params = model
+  prefilled = prefill_many(model, params, TOKENS, LENGTHS, 64, ANSWERED)
+  caches = [c for _, c in prefilled]
+  kw = {"question": QUESTION, "question_lengths": ASKED}
+
+  def until(ids):
+    return len(ids) >= 2 and ids[-1] % 3 == 0
+
+  full = answer_many(model, params, caches, 12, **kw)
+  cut = answer_many(model, params, caches, 12, until=until, **kw)
+  ended = 0
+  for whole, stopped in zip(full, cut):
+    for a, b in zip(whole, stopped):
+      k = next((k for k in range(1, len(a) + 1) if until(a[:k].tolist())), len(a))
+      ended += k < len(a)
+      assert b.tolist() == a[:k].tolist()
+  assert ended > 0  # some rows did stop early
+
+
 def kw_of(kw: dict) -> dict:
   return {k: v for k, v in kw.items() if k != "first"}
 

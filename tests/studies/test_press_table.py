@@ -141,6 +141,7 @@ def test_a_press_the_model_cannot_take_is_named_refused():
     ({"codec_cells": ("snapkv",)}, "codec_cells"),
     ({"long": ((4096, "gemma3-270m"),)}, "long"),
     ({"long_ratios": (0.0,)}, "long_ratios"),
+    ({"answer_end": "eos"}, "answer_end"),
   ],
 )
 def test_bad_settings_are_refused_by_name(changes, field):
