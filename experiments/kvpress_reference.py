@@ -2,13 +2,14 @@
 that kvjax's presses are compared with (kvjax.studies.press_table, docs/results.md).
 
 kvjax writes the samples (WORKDIR/samples.jsonl: context_ids, question_ids, answer_tokens,
-stop_ids per sample); this script feeds exactly those ids to `transformers` (float32, loaded
-from the same GGUF file; eager attention for the press that reads
-attention weights, SDPA otherwise, as kvpress requires) under each kvpress press, and writes each greedy answer
-as token ids, one JSON line per (sample, press, ratio, protocol), with the seconds that sample's
-prefill and generation took ("seconds", wall time). kvjax decodes and scores them
-with the scorer it uses for its own answers, so the two sides differ only in the model runtime
-and the press.
+stop_ids and answer_end per sample); this script feeds exactly those ids to `transformers`
+(float32, loaded from the same GGUF file; eager attention for the press that reads attention
+weights, SDPA otherwise, as kvpress requires) under each kvpress press, and writes each greedy
+answer as token ids, one JSON line per (sample, press, ratio, protocol), with the seconds that
+sample's prefill and generation took ("seconds", wall time). kvjax decodes and scores them with
+the scorer it uses for its own answers, so the two sides differ only in the model runtime and the
+press. A sample whose answer ends at its first line (answer_end "line": a base model's) stops
+decoding at that line break, as kvjax does.
 
 Protocols: query_agnostic (kvpress's own: the press runs while the context is prefilled, then
 the question is read into the pressed cache) and query_aware (the whole prompt is pressed).
@@ -122,9 +123,12 @@ def pressing(press, model):
       hook.remove()
 
 
-def greedy(model, press, pressed: list[int], after: list[int], new_tokens: int, stop_ids: set[int]) -> list[int]:
+def greedy(
+  model, press, pressed: list[int], after: list[int], new_tokens: int, stop_ids: set[int], ended=None
+) -> list[int]:
   """Prefill `pressed` under the press, read `after`, then decode greedily, each token at its
-  own position (a pressed cache holds fewer entries than the positions it covers)."""
+  own position (a pressed cache holds fewer entries than the positions it covers), until a stop
+  id, new_tokens, or ended(the tokens so far)."""
   cache = transformers.DynamicCache(config=model.config)
   position = 0
 
@@ -145,8 +149,18 @@ def greedy(model, press, pressed: list[int], after: list[int], new_tokens: int, 
       if token in stop_ids:
         break
       tokens.append(token)
+      if ended is not None and ended(tokens):
+        break
       out = feed([token])
   return tokens
+
+
+def line_end(gguf: pathlib.Path):
+  """The stop test of an answer that ends at its first line (a sample's "answer_end": "line", a
+  base model's): its text holds a line break after non-blank text. The answer so stopped is a
+  prefix of the budget's, and kvjax cuts both at that line before comparing."""
+  tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+  return lambda ids: "\n" in tokenizer.decode(ids, skip_special_tokens=True).lstrip()
 
 
 def done(path: pathlib.Path) -> set[tuple]:
@@ -203,6 +217,7 @@ def main(argv=None) -> int:
     args.gguf.parent, gguf_file=args.gguf.name, dtype=torch.float32, attn_implementation="sdpa"
   ).eval()
   gguf_tokenizers(args.gguf)
+  ends = line_end(args.gguf) if any(s.get("answer_end") == "line" for s in samples) else None
   methods = [("full", None)] if args.full else []
   for ratio in (float(r) for r in args.ratios.split(",")):
     methods += [(f"{name}@{ratio:g}", (name, ratio)) for name in args.presses.split(",")]
@@ -225,7 +240,9 @@ def main(argv=None) -> int:
           else:
             pressed, after = context + question, []
           began = time.perf_counter()
-          ids = greedy(model, press, pressed, after, sample["answer_tokens"], set(sample.get("stop_ids", ())))
+          stops = set(sample.get("stop_ids", ()))
+          ended = ends if sample.get("answer_end") == "line" else None
+          ids = greedy(model, press, pressed, after, sample["answer_tokens"], stops, ended)
           seconds = time.perf_counter() - began
           row = {
             "id": sample["id"],

@@ -213,10 +213,10 @@ def run_model(study: PressTableStudy, source: str, workdir: Path, progress: Call
       tokenizer, study.tasks, (length,), study.samples, seed=study.seed, max_len=model.config.max_positions
     )
   stops = [int(i) for i in tokenizer.stop_ids]
-  if not study.report_only:
-    write_jsonl(folder / "samples.jsonl", [{**s, "stop_ids": stops} for s in samples])
-  records = folder / "records.jsonl"
   end = answer_end(study.answer_end, tokenizer)
+  if not study.report_only:  # each sample with where its answer ends, for a peer to decode alike
+    write_jsonl(folder / "samples.jsonl", [{**s, "stop_ids": stops, "answer_end": end} for s in samples])
+  records = folder / "records.jsonl"
   done = {(r["id"], r["method"], r["protocol"]): r for r in (read_jsonl(records) if records.exists() else [])}
   done = {k: r for k, r in done.items() if r.get("answer_end", "budget") == end}  # answered as now
   refused, results = {}, []
