@@ -136,7 +136,9 @@ def greedy(
     nonlocal position
     positions = torch.arange(position, position + len(ids))[None]
     position += len(ids)
-    return model(input_ids=torch.tensor([ids]), position_ids=positions, past_key_values=cache, use_cache=True)
+    return model(
+      input_ids=torch.tensor([ids]), position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1
+    )
 
   with torch.inference_mode():
     with pressing(press, model):
