@@ -46,7 +46,7 @@ from kvjax.studies import measure, report
 from kvjax.studies.eviction import PROTOCOLS
 from kvjax.studies.ruler import answer, answer_cells, answer_text, build, check_lengths, load, method_name
 from kvjax.studies.ruler_tasks import TASKS, check_tasks
-from kvjax.studies.scoring import ANSWER_ENDS, answer_end, read_jsonl, score, write_jsonl
+from kvjax.studies.scoring import check_answer_end, read_jsonl, score, write_jsonl
 
 FULL = "full"
 
@@ -76,9 +76,8 @@ class PressTableStudy:
   `samples` per task and length; `presses` x `ratios` x `protocols` beside the full cache, and the
   `codec_cells` (press spec with its codec, e.g. "snapkv+int8", at a ratio). `long`: (source,
   length) pairs run beside, with the full cache and every press at `long_ratios` only.
-  answer_end: where an answer ends besides a stop id (kvjax.studies.scoring): "line" at its first
-  line, "budget" at the task's budget, "auto" at its first line for a model without a chat
-  template (a base model, which writes on past its answer).
+  answer_end: where an answer ends besides a stop id (kvjax.studies.scoring): "budget" at its
+  task's budget, "line" also at its first line break.
   shared_prefill: one prefill and one batch of answers per sample for all its cells
   (kvjax.studies.ruler.answer_cells); False answers cell by cell (kvjax.studies.ruler.answer), the
   reference it is timed against."""
@@ -104,7 +103,7 @@ class PressTableStudy:
   codec_cells: tuple[tuple[str, float], ...] = ()
   long: tuple[tuple[str, int], ...] = ()
   long_ratios: tuple[float, ...] = (0.75,)
-  answer_end: str = "auto"
+  answer_end: str = "budget"
   shared_prefill: bool = True
   report_only: bool = False
   batch_size: int = 8
@@ -137,8 +136,7 @@ class PressTableStudy:
       if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)):
         raise ValueError(f"PressTableStudy.long[{i}] must be (source, length), got {pair!r}")
       check_lengths((pair[1],))
-    if self.answer_end not in ANSWER_ENDS:
-      raise ValueError(f"PressTableStudy.answer_end must be one of {ANSWER_ENDS}, got {self.answer_end!r}")
+    check_answer_end(self.answer_end)
     for name in ("shared_prefill", "report_only"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"PressTableStudy.{name} must be True or False, got {getattr(self, name)!r}")
@@ -213,7 +211,7 @@ def run_model(study: PressTableStudy, source: str, workdir: Path, progress: Call
       tokenizer, study.tasks, (length,), study.samples, seed=study.seed, max_len=model.config.max_positions
     )
   stops = [int(i) for i in tokenizer.stop_ids]
-  end = answer_end(study.answer_end, tokenizer)
+  end = study.answer_end
   if not study.report_only:  # each sample with where its answer ends, for a peer to decode alike
     write_jsonl(folder / "samples.jsonl", [{**s, "stop_ids": stops, "answer_end": end} for s in samples])
   records = folder / "records.jsonl"

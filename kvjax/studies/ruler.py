@@ -44,7 +44,7 @@ from kvjax.studies.eviction import PROTOCOLS
 from kvjax.studies.models import tokenized_checkpoint, tokenized_model
 from kvjax.studies.ruler_prompts import TEMPLATES
 from kvjax.studies.ruler_tasks import TASKS, check_tasks, make_sample
-from kvjax.studies.scoring import LineEnd, answer_end, first_line, score, write_jsonl
+from kvjax.studies.scoring import LineEnd, check_answer_end, first_line, score, write_jsonl
 from kvjax.studies.variants import cache
 
 FACTS = ("depth", "distance")
@@ -124,7 +124,7 @@ def answer(
   answer ends besides a stop id, "budget" or "line" (kvjax.studies.scoring)."""
   if protocol not in PROTOCOLS:
     raise ValueError(f"RULER protocol must be one of {PROTOCOLS}, got {protocol!r}")
-  end = answer_end(end, tokenizer)
+  check_answer_end(end)
   method = method_name(cache_config)
   cache_config = with_repeat_prompt(cache_config, tokenizer)
   groups: dict[tuple, list[dict]] = {}
@@ -183,7 +183,7 @@ def answer_cells(
   answer ends) -> one result per config, in order."""
   if protocol not in PROTOCOLS:
     raise ValueError(f"RULER protocol must be one of {PROTOCOLS}, got {protocol!r}")
-  end = answer_end(end, tokenizer)
+  check_answer_end(end)
   until = line_end(tokenizer) if end == "line" else None
   configs = [with_repeat_prompt(c, tokenizer) for c in cache_configs]
   context, question = sample["context_ids"], sample["question_ids"]

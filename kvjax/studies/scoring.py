@@ -7,11 +7,12 @@ references that appear in the answer, case-insensitively, as substrings. A subst
 found the key though its first words are not it, and one that stops after four of five digits
 has not.
 
-A base model (no chat template) does not end its turn: it writes its answer and goes on with
-more text to the end of its budget. Its answer may end at its first line instead (answer_end
-"line"; "auto" picks it for a model without a chat template): first_line cuts the text, and LineEnd
-stops its decoding there. Greedy decoding is causal, so an answer stopped at its line break and
-cut is the answer decoded to the budget and cut.
+An answer ends at a stop id or its task's budget (answer_end "budget"), or also at its first
+line break (answer_end "line": first_line cuts the text, LineEnd stops its decoding there; greedy
+decoding is causal, so an answer stopped at its line break and cut is the budget's answer cut). A
+base model writes on past its answer to its budget; ending it at its first line was calibrated on
+Gemma 3's full cache (docs/results.md) and costs list answers that begin on the next line, so the
+budget is the default.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import numpy as np
 
 SAMPLES = "samples.jsonl"  # the inputs of a recall measurement, one sample a line
 ANSWERS = "answers.jsonl"  # its results, one (sample, method) a line
-ANSWER_ENDS = ("auto", "line", "budget")
+ANSWER_ENDS = ("budget", "line")
 
 
 def score(answer: str, references: Sequence[str]) -> float:
@@ -35,13 +36,10 @@ def score(answer: str, references: Sequence[str]) -> float:
   return sum(ref.lower() in text for ref in references) / len(references)
 
 
-def answer_end(end: str, tokenizer) -> str:
-  """'line' or 'budget' (module docstring): `end`, or for 'auto' 'line' when the tokenizer has no
-  chat template and 'budget' (a stop id or the budget) when it has one."""
+def check_answer_end(end: str) -> str:
+  """`end` when it is one of ANSWER_ENDS, else a ValueError naming answer_end."""
   if end not in ANSWER_ENDS:
     raise ValueError(f"answer_end must be one of {ANSWER_ENDS}, got {end!r}")
-  if end == "auto":
-    return "budget" if tokenizer.chat_template else "line"
   return end
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvjax.studies.scoring import LineEnd, answer_end, first_line, read_jsonl, score, write_jsonl
+from kvjax.studies.scoring import LineEnd, check_answer_end, first_line, read_jsonl, score, write_jsonl
 
 
 def test_score_is_the_fraction_of_references_found_anywhere_in_the_answer():
@@ -32,10 +32,9 @@ def test_records_round_trip_as_json_lines(tmp_path):
 def test_a_base_models_answer_ends_at_its_first_line(gemma3_tokenizer):
   assert first_line("\n\n 8675309.\nThe special magic number for x is 1") == "8675309."
   assert first_line("no break") == "no break" and first_line("") == ""
-  assert answer_end("auto", gemma3_tokenizer) == "line"  # no chat template: a base model
-  assert answer_end("budget", gemma3_tokenizer) == "budget"
+  assert check_answer_end("line") == "line"
   with pytest.raises(ValueError, match="answer_end must be one of"):
-    answer_end("eos", gemma3_tokenizer)
+    check_answer_end("eos")
   ends = LineEnd(gemma3_tokenizer)
   text = "\n 8675309, 1234567.\n\nThe special magic numbers for y are"
   ids = gemma3_tokenizer.encode(text).tolist()
