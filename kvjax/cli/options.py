@@ -1,6 +1,6 @@
 """The options several commands share, defined once so that they read and parse alike everywhere.
 
---set KEY=VALUE ...    config overrides, applied with kvjax.config.apply_overrides: values are
+--set KEY=VALUE ...    config overrides, applied with kvjax.fields.apply_overrides: values are
                        Python literals checked against the field's type, unknown keys are
                        refused with the valid ones listed. One --set takes several items, and
                        --set may be repeated. Commands that decode a trained checkpoint
