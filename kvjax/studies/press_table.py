@@ -199,7 +199,7 @@ def agreement(tokenizer, samples: list[dict], ours: list[dict], theirs: Path, en
 def run_model(study: PressTableStudy, source: str, workdir: Path, progress: Callable[[str], None]) -> list[dict]:
   """Every cell of one model -> its rows; files under workdir/<model name>/: samples.jsonl, the
   per-sample records as they finish (records.jsonl, and timing.jsonl: the seconds of each sample's
-  cells together), each finished cell's answers in cells/, answers.jsonl."""
+  cells together and the functions compiled so far), each finished cell's answers in cells/, answers.jsonl."""
   model, params, tokenizer, name = load(source)
   folder = workdir / Path(name).stem
   plan = [(length, False) for length in study.lengths]
@@ -290,7 +290,9 @@ def _answer_by_sample(model, params, tokenizer, samples, todo, done, folder, end
       seconds = time.perf_counter() - start
       found = [{**r, "method": n, "protocol": protocol, "answer_end": end} for (n, _), r in zip(missing, found)]
       _append(folder / "records.jsonl", found, done)
-      _append(folder / "timing.jsonl", [{"id": s["id"], "protocol": protocol, "cells": len(found), "seconds": seconds}])
+      compiled = sum(many.compilations().values())  # so far in this process: bounded, not per sample
+      timing = {"id": s["id"], "protocol": protocol, "cells": len(found), "seconds": seconds, "compiled": compiled}
+      _append(folder / "timing.jsonl", [timing])
 
 
 def _answer_by_cell(model, params, tokenizer, samples, todo, done, folder, batch_size, end, progress) -> None:

@@ -92,6 +92,8 @@ def test_one_prefill_per_sample_answers_as_cell_by_cell(table, tmp_path):
   assert [r["score"] for r in again] == [r["score"] for r in rows]
   timing = read_jsonl(workdir / folder / "timing.jsonl")
   assert {t["id"] for t in timing} == {a[0] for a in shared} and all(t["cells"] == 2 for t in timing)
+  compiled = [t["compiled"] for t in timing]  # the process's compiled functions as each sample ends
+  assert compiled == sorted(compiled) and compiled[0] > 0
 
 
 def test_report_only_reads_the_records_and_answers_nothing(table, tmp_path):
