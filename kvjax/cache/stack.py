@@ -42,7 +42,8 @@ def held(cache: KVCache) -> int:
   """The most tokens any row, layer and head of a cache (contiguous or evicting) holds."""
   if type(cache) is ContiguousCache:
     return int(np.asarray(cache.lengths).max())
-  return max(int(jnp.max((layer["positions"] >= 0).sum(axis=-1))) for layer in _global_layers(cache))
+  positions = jax.device_get([layer["positions"] for layer in _global_layers(cache)])  # one transfer
+  return max(int((p >= 0).sum(axis=-1).max()) for p in positions)
 
 
 def uneven(cache: KVCache) -> bool:
