@@ -10,6 +10,8 @@ replaced by a tripwire that fails the test: a hostile value must be refused befo
 starts, so no example compiles a model and none can exit 0 having done nothing. Every example
 holds at least one hostile value, each refused whatever the others are.
 
+Two tiers: the first draws QUICK examples per command and tries every STRIDE-th --set item
+alone; the second (pytest -m tier2) draws WIDE examples and tries every item.
 """
 
 from __future__ import annotations
@@ -46,15 +48,28 @@ from kvjax.training.step import param_initializer
 from conftest import word_corpus
 
 MODEL = ModelConfig(d_model=32, num_layers=1, num_heads=2, num_kv_heads=2, mlp_dim=64, max_len=64)
+# Examples per command: the first tier's few, the second tier's full breadth (fuzz below).
+QUICK, WIDE = 8, 60
+STRIDE = 7  # the first tier's share of the --set items tried one by one (test_set_items)
 # Derandomized: the same examples on every run, so that CI is reproducible.
 FUZZ = settings(
-  max_examples=60,
   deadline=None,
   derandomize=True,
   database=None,
   suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 NEW = itertools.count()
+
+
+def fuzz(case, **strategies):
+  """The hypothesis test of `case` (its arguments: fixtures, then `strategies`, default
+  data=st.data()) at two breadths -> (QUICK examples, in the first tier; WIDE examples, marked
+  tier2). The derandomized draws of both begin alike."""
+  strategies = strategies or {"data": st.data()}
+  quick = settings(FUZZ, max_examples=QUICK)(given(**strategies)(case))
+  wide = settings(FUZZ, max_examples=WIDE)(given(**strategies)(case))
+  return quick, pytest.mark.tier2(wide)
+
 
 # Hostile values, as the command line gives them (text).
 HUGE = (2**31, 2**63, 10**30)  # past JAX's int32 indices, past int64, far past both
@@ -442,9 +457,7 @@ def draw_positional(data, name: str, valid: str, hostile: st.SearchStrategy[str]
 WORKDIRS = ("model.gguf", "empty", "notes", "missing", "empty_dir", "config.py")  # no checkpoint in any
 
 
-@FUZZ
-@given(data=st.data())
-def test_run(files, tripwires, capsys, data):
+def run_case(files, tripwires, capsys, data):
   config, clues, hostile = draw_positional(
     data,
     "config",
@@ -479,6 +492,9 @@ def test_run(files, tripwires, capsys, data):
   refused(["run", config, "--workdir", new_path(files), *argv], clues + more, capsys)
 
 
+test_run, test_run_wide = fuzz(run_case)
+
+
 def decode_pieces(files: dict[str, str], command: str) -> list:
   """The hostile pieces of the commands that decode a checkpoint (eval, generate)."""
   return [
@@ -489,9 +505,7 @@ def decode_pieces(files: dict[str, str], command: str) -> list:
   ]
 
 
-@FUZZ
-@given(data=st.data())
-def test_eval(files, tripwires, capsys, data):
+def eval_case(files, tripwires, capsys, data):
   pieces = decode_pieces(files, "eval") + [
     option("--batches", BAD_COUNT),
     option("--batch-size", BAD_COUNT),
@@ -507,9 +521,10 @@ def test_eval(files, tripwires, capsys, data):
   refused(["eval", "--workdir", files["imported"], *argv], clues, capsys)
 
 
-@FUZZ
-@given(data=st.data())
-def test_generate(files, tripwires, capsys, data):
+test_eval, test_eval_wide = fuzz(eval_case)
+
+
+def generate_case(files, tripwires, capsys, data):
   temperatures = st.one_of(not_a(float), st.sampled_from(NOT_FINITE), st.floats(max_value=-1e-9).map(repr))
   top_ps = st.one_of(
     not_a(float),
@@ -531,9 +546,10 @@ def test_generate(files, tripwires, capsys, data):
   refused(["generate", "--workdir", files["imported"], "--prompt", "hi", "--max-new-tokens", "4", *argv], clues, capsys)
 
 
-@FUZZ
-@given(data=st.data())
-def test_export_hf(files, tripwires, capsys, data):
+test_generate, test_generate_wide = fuzz(generate_case)
+
+
+def export_hf_case(files, tripwires, capsys, data):
   pieces = [
     option("--workdir", paths(files, *WORKDIRS)),
     option("--step", BAD_STEP),
@@ -543,9 +559,10 @@ def test_export_hf(files, tripwires, capsys, data):
   refused(["export-hf", "--workdir", files["imported"], "--out", new_path(files), *argv], clues, capsys)
 
 
-@FUZZ
-@given(data=st.data())
-def test_import(files, tripwires, capsys, data):
+test_export_hf, test_export_hf_wide = fuzz(export_hf_case)
+
+
+def import_case(files, tripwires, capsys, data):
   command = data.draw(st.sampled_from(("import", "import-hf")))
   source = data.draw(
     st.one_of(
@@ -577,9 +594,10 @@ def test_import(files, tripwires, capsys, data):
   refused([command, source, "--workdir", new_path(files), *argv], clues, capsys)
 
 
-@FUZZ
-@given(data=st.data())
-def test_kv_size(files, tripwires, capsys, data):
+test_import, test_import_wide = fuzz(import_case)
+
+
+def kv_size_case(files, tripwires, capsys, data):
   valid = data.draw(st.sampled_from((files["config.py"], files["imported"], "GPT-2")))
   model, clues, hostile = draw_positional(
     data,
@@ -611,6 +629,9 @@ def test_kv_size(files, tripwires, capsys, data):
   refused(["kv-size", model, *argv], clues + more, capsys)
 
 
+test_kv_size, test_kv_size_wide = fuzz(kv_size_case)
+
+
 def bench_pieces(files: dict[str, str], name: str) -> list:
   """Hostile pieces of `kvjax bench NAME`: a hostile value for each of its options (from the
   benchmark's declaration, kvjax.bench.registry), a hostile --set item where it takes --set, and
@@ -633,9 +654,7 @@ def bench_pieces(files: dict[str, str], name: str) -> list:
   return pieces
 
 
-@FUZZ
-@given(data=st.data())
-def test_bench(files, tripwires, capsys, data):
+def bench_case(files, tripwires, capsys, data):
   name = data.draw(st.sampled_from(sorted(bench.BENCHMARKS)))
   benchmark, clues, hostile = draw_positional(
     data, "benchmark", name, bad_choice(*bench.BENCHMARKS).filter(lambda t: not t.startswith("-"))
@@ -646,9 +665,10 @@ def test_bench(files, tripwires, capsys, data):
   refused(["bench", benchmark, *required, *argv], clues + more, capsys)
 
 
-@FUZZ
-@given(data=st.data())
-def test_uptrain(files, tripwires, capsys, data):
+test_bench, test_bench_wide = fuzz(bench_case)
+
+
+def uptrain_case(files, tripwires, capsys, data):
   fractions = st.one_of(not_a(float), st.sampled_from(NOT_FINITE + ("-0.1", "1.5")))
   workdirs = st.sampled_from([files["imported"], files["empty"], files["notes"], *NOT_PATHS])
   sources = paths(files, *WORKDIRS)
@@ -673,8 +693,15 @@ def test_uptrain(files, tripwires, capsys, data):
   )
 
 
-@FUZZ
-@given(
+test_uptrain, test_uptrain_wide = fuzz(uptrain_case)
+
+
+def build_kernels_case(tripwires, capsys, extra):
+  refused(["build-kernels", *extra], ["unrecognized arguments", "expected one argument"], capsys)
+
+
+test_build_kernels, test_build_kernels_wide = fuzz(
+  build_kernels_case,
   extra=st.lists(
     st.one_of(
       st.sampled_from(("x", "--set", "x=1", "--workdir", "run", "-v")),
@@ -682,10 +709,8 @@ def test_uptrain(files, tripwires, capsys, data):
     ),
     min_size=1,
     max_size=3,
-  )
+  ),
 )
-def test_build_kernels(tripwires, capsys, extra):
-  refused(["build-kernels", *extra], ["unrecognized arguments", "expected one argument"], capsys)
 
 
 def base_argv(files: dict[str, str], command: str) -> list[str]:
@@ -709,12 +734,16 @@ def base_argv(files: dict[str, str], command: str) -> list[str]:
   }[command]
 
 
+@pytest.mark.parametrize(
+  "stride", [pytest.param(STRIDE, id="sample"), pytest.param(1, id="every", marks=pytest.mark.tier2)]
+)
 @pytest.mark.parametrize("command", ["run", "eval", "generate", "bench"])
-def test_every_set_item(files, tripwires, capsys, command):
-  """The --set items the tests above draw from, each alone, all of them (uptrain's are run's,
-  applied by the same kvjax.fields.apply_overrides to the same configs, after a checkpoint read)."""
+def test_set_items(files, tripwires, capsys, command, stride):
+  """The --set items the tests above draw from, each alone: every STRIDE-th in the first tier,
+  all of them in the second (uptrain's are run's, applied by the same
+  kvjax.fields.apply_overrides to the same configs, after a checkpoint read)."""
   failures = []
-  for item in SET_ITEMS[command]:
+  for item in SET_ITEMS[command][::stride]:
     try:
       refused([*base_argv(files, command), "--set", item], set_clues(item), capsys)
     except AssertionError as err:
