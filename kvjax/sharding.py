@@ -169,7 +169,11 @@ def initialize_distributed() -> bool:
 
 
 def place(mesh: Mesh | None, params: Any, *batch) -> tuple[Any, tuple]:
-  """(params, batch arrays) placed on the mesh by these rules; returned unchanged without one."""
+  """(params, batch arrays) placed on the mesh by these rules. Without one they are returned as
+  they are, but for host (numpy) params, placed on the default device: a jitted call would copy
+  host weights in again at every call."""
   if mesh is None:
+    if any(isinstance(x, np.ndarray) for x in jax.tree.leaves(params)):
+      params = jax.device_put(params)
     return params, batch
   return shard_params(params, mesh), shard_batch(mesh, *batch)

@@ -38,6 +38,16 @@ def test_parse_mesh():
     sharding.make_mesh(data=4, model=jax.device_count())
 
 
+def test_without_a_mesh_host_params_are_placed_on_the_device_once():
+  host = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(3, np.float32)}
+  placed, (batch,) = sharding.place(None, host, np.arange(2))
+  assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(placed))
+  np.testing.assert_array_equal(np.asarray(placed["w"]), host["w"])
+  assert isinstance(batch, np.ndarray)  # a batch is the call's to place
+  again, _ = sharding.place(None, placed)
+  assert again is placed  # device params pass through untouched
+
+
 def test_rules_cover_every_matrix_of_the_model():
   mesh = sharding.make_mesh(1, 1)
   config = ModelConfig(

@@ -139,8 +139,6 @@ def compilations() -> int:
 
 
 def _place(mesh, params, cache, *batch):
-  if mesh is None and any(isinstance(x, np.ndarray) for x in jax.tree.leaves(params)):
-    params = jax.device_put(params)  # host weights would be copied in again at every call
   params, batch = sharding.place(mesh, params, *batch)
   if mesh is not None:
     cache = jax.device_put(cache, sharding.cache_sharding(cache, mesh))
