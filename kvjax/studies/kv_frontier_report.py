@@ -1,24 +1,22 @@
 """The KV frontier study's report (kvjax.studies.kv_frontier): its table's columns (those of the
 markdown table, and the CSV's every measured field), the markdown text around the table, and the
 figures of quality and recall against KV bytes per token, for a toy model (kv_frontier.png) or a
-pretrained one (kv_frontier_perplexity.png, kv_frontier_recall.png).
+pretrained one (kv_frontier_perplexity.png, kv_frontier_recall.png). Each function reads the
+study's config (a kvjax.studies.kv_frontier.KVFrontierStudy, which imports this module: it is
+not imported back).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from kvjax.studies import report
 from kvjax.studies.variants import FAMILIES
 
-if TYPE_CHECKING:  # the study imports this module to write its report
-  from kvjax.studies.kv_frontier import KVFrontierStudy
-
 STEM = "kv_frontier"
 
 
-def write(study: KVFrontierStudy, rows: list[dict], workdir: Path) -> str:
+def write(study, rows: list[dict], workdir: Path) -> str:
   """WORKDIR/kv_frontier.{csv,json,md} and the figures; returns the markdown."""
   stem = Path(workdir) / STEM
   if study.toy:
@@ -32,7 +30,7 @@ def write(study: KVFrontierStudy, rows: list[dict], workdir: Path) -> str:
   return text
 
 
-def columns(study: KVFrontierStudy) -> list[report.Column]:
+def columns(study) -> list[report.Column]:
   """A toy table's columns: one recall column per distance (exact match)."""
   recall = [(f"recall_{d}", f"recall @{d}", ".0%") for d in study.measure.recall.distances]
   return (
@@ -51,7 +49,7 @@ def columns(study: KVFrontierStudy) -> list[report.Column]:
   )
 
 
-def csv_columns(study: KVFrontierStudy) -> list[report.Column]:
+def csv_columns(study) -> list[report.Column]:
   """Every measured field but the raw times: the table's plus byte accuracy per distance."""
   return (
     columns(study)[:-2]
@@ -66,7 +64,7 @@ def csv_columns(study: KVFrontierStudy) -> list[report.Column]:
   )
 
 
-def report_text(study: KVFrontierStudy, rows: list[dict]) -> str:
+def report_text(study, rows: list[dict]) -> str:
   shown = [{**r, "pareto": "yes" if r["pareto"] else ""} for r in rows]
   big, m = study.gqa.big, study.measure
   t, rc = m.timing, m.recall
@@ -102,7 +100,7 @@ def report_text(study: KVFrontierStudy, rows: list[dict]) -> str:
 FAMILY_COLOURS = {name: family.colour for name, family in FAMILIES.items()}
 
 
-def plot(study: KVFrontierStudy, rows: list[dict], path: Path) -> None:
+def plot(study, rows: list[dict], path: Path) -> None:
   """Bits per byte and recall at the longest distance against KV bytes per token (log scale),
   a marker per variant coloured by family; the Pareto front of bits per byte drawn as a line."""
   longest = max(study.measure.recall.distances)
@@ -130,7 +128,7 @@ def plot(study: KVFrontierStudy, rows: list[dict], path: Path) -> None:
     recall.set_title("long-range recall against KV memory")
 
 
-def pretrained_columns(study: KVFrontierStudy) -> list[report.Column]:
+def pretrained_columns(study) -> list[report.Column]:
   """A pretrained table's columns (key, header, format)."""
   m = study.measure
   return [
@@ -147,7 +145,7 @@ def pretrained_columns(study: KVFrontierStudy) -> list[report.Column]:
   ]
 
 
-def suite_note(study: KVFrontierStudy) -> str:
+def suite_note(study) -> str:
   """The protocol of a pretrained frontier's recall axis, and its peers."""
   c = study.measure.suite
   peers = (
@@ -163,7 +161,7 @@ def suite_note(study: KVFrontierStudy) -> str:
   )
 
 
-def plot_pretrained(study: KVFrontierStudy, rows: list[dict], stem: Path) -> list[Path]:
+def plot_pretrained(study, rows: list[dict], stem: Path) -> list[Path]:
   """STEM_perplexity.png and STEM_recall.png: perplexity at the longest context and the suite's
   mean score against KV bytes per token (log scale), a marker per variant coloured by family (a
   peer's "... as trained" in grey), the Pareto front as a dashed line."""
