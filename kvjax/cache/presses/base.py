@@ -1,0 +1,182 @@
+"""The base of every press (kvjax.cache.presses): its budgets and fields, the scores it is asked
+for, the causal attention weights the attention presses read, and the registry."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.fields import INT32_MAX, Named, check_choice, check_nonnegative, check_positive, check_real
+from kvjax.model.attention import NEG_INF, group_queries, take_rows
+from kvjax.model.rope import Rope
+
+# Arrivals of an attention press score RECENT + position: above every attention weight (at most 1,
+# 2 for the always-kept tokens) and exact in float32 for positions below 2**22.
+RECENT = float(2**22)
+
+
+def attention_weights(q: jax.Array, k: jax.Array, columns: jax.Array, lengths: jax.Array) -> jax.Array:
+  """Causal softmax attention of the queries at `columns` over a prompt's keys.
+
+  Args:
+    q: [B, T, N, H] every column's queries (rotated); k: [B, K, T, H] (rotated).
+    columns: int[B, W], the query columns (negative: none; its weights are zero).
+    lengths: int[B], the prompt's valid columns (keys past them are padding).
+  Returns:
+    float32 [B, K, G, W, T].
+  """
+  h = q.shape[-1]
+  queries = group_queries(take_rows(q, jnp.maximum(columns, 0)), k.shape[1]) * h**-0.5  # [B, W, K, G, H]
+  scores = jnp.einsum("bwkgh,bkth->bkgwt", queries, k.astype(q.dtype), preferred_element_type=jnp.float32)
+  keys = jnp.arange(k.shape[2])
+  seen = (keys[None, None, :] <= columns[:, :, None]) & (keys[None, None, :] < lengths[:, None, None])  # [B, W, T]
+  weights = jax.nn.softmax(jnp.where(seen[:, None, None], scores, NEG_INF), axis=-1)
+  return jnp.where((columns >= 0)[:, None, None, :, None], weights, 0.0)
+
+
+HEADS = ("uniform", "adaptive")
+LAYERS = ("uniform", "pyramid")
+
+
+@dataclasses.dataclass(frozen=True)
+class Press(Named):
+  """A scoring rule and how much it drops (module docstring). Subclasses set `name` and `scores`."""
+
+  compression_ratio: float = 0.0
+  heads: str = "uniform"
+  safeguard: float = 0.2
+  layers: str = "uniform"
+  beta: int = 20
+  decode_budget: int = 0
+  decode_interval: int = 1
+  prefill_chunk: int = 0
+  kinds: ClassVar[dict[str, type[Press]]] = {}
+
+  def __post_init__(self):
+    check_real(self, "compression_ratio", 0, 1, open_high=True)
+    object.__setattr__(self, "compression_ratio", float(self.compression_ratio))
+    check_choice(self, "heads", HEADS)
+    check_real(self, "safeguard", 0, 1)
+    object.__setattr__(self, "safeguard", float(self.safeguard))
+    check_choice(self, "layers", LAYERS)
+    check_positive(self, "beta", most=INT32_MAX)
+    check_nonnegative(self, "decode_budget", "prefill_chunk", most=INT32_MAX)
+    check_positive(self, "decode_interval", most=INT32_MAX)
+    if self.prefill_chunk and not self.decode_budget:
+      raise ValueError(
+        f"{type(self).__name__}.prefill_chunk={self.prefill_chunk} needs a decode_budget (the tokens each chunk is pressed into)"
+      )
+    if self.decode_budget and self.heads == "adaptive":
+      raise ValueError(
+        f"{type(self).__name__}.decode_budget={self.decode_budget} presses every head to the same budget; "
+        "heads='adaptive' (AdaKV) budgets only the prompt"
+      )
+
+  @property
+  def scorer(self) -> Press:
+    """This press with its budgets (compression ratio, heads, layers, decode budget) at their
+    defaults: two presses with the same scorer score a prompt alike, so one scoring serves every
+    ratio and budget of it (kvjax.cache.fanout)."""
+    return dataclasses.replace(self, **{f.name: f.default for f in dataclasses.fields(Press)})
+
+  @property
+  def headroom(self) -> int:
+    """Slots above decode_budget: the most tokens a row takes between two pressings."""
+    return max(self.decode_interval, self.prefill_chunk) if self.decode_budget else 0
+
+  @property
+  def reads_attention(self) -> bool:
+    """Whether held_scores reads the call's attention weights (a decode-time rule under a budget)."""
+    return False
+
+  def held_scores(self, scores: jax.Array, weights: jax.Array, valid: jax.Array, new: jax.Array) -> jax.Array:
+    """The scores of a row's held slots after a call under a decode budget: scores [B, K, S] as
+    held, weights float32 [B, K, G, T, S] of the call's queries over the slots (zero for padding
+    columns), valid bool[B, T] the call's real columns, new bool[B, K, S] the slots this call wrote."""
+    return scores
+
+  @property
+  def min_slots(self) -> int:
+    """The tokens this press always keeps (SnapKV's window, StreamingLLM's sinks): a row's slots
+    may not be fewer."""
+    return 0
+
+  @property
+  def storage_ratio(self) -> float:
+    """The fraction of a prompt the evicting cache's slots leave out (kvjax.cache.evict.slots_for):
+    the compression ratio, unless a press's heads may keep more than an even share."""
+    return self.compression_ratio
+
+  @property
+  def uneven_heads(self) -> bool:
+    """Whether heads of a row may keep different numbers of a prompt's tokens (the evicting cache
+    then reads by positions)."""
+    return self.heads == "adaptive"
+
+  def scores(self, q: jax.Array, k: jax.Array, lengths: jax.Array) -> jax.Array:
+    """q [B, T, N, H], k [B, K, T, H] of a prompt (columns = positions 0..T-1), lengths int[B]
+    -> float32 [B, K, T]; columns past lengths[b] may hold anything (the cache never keeps them)."""
+    raise NotImplementedError
+
+  def arrival_scores(self, k: jax.Array, positions: jax.Array) -> jax.Array:
+    """Scores of tokens written after the prompt: k [B, K, T, H] at positions int[B, T] -> [B, K, T]."""
+    return jnp.broadcast_to(RECENT + positions[:, None, :].astype(jnp.float32), k.shape[:3])
+
+  @property
+  def reads_channels(self) -> bool:
+    """Whether the scores read query or key channels one by one (through RoPE's frequencies): such
+    a press cannot score a rotated cache (CacheConfig.rotation, kvjax.cache.rotation)."""
+    return False
+
+  def prompt_scores(self, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, rope: Rope | None) -> jax.Array:
+    """What the evicting cache calls: `scores`, with the values v [B, K, T, H] and the layer's
+    RoPE (None: learned positions) beside, for a press that reads them."""
+    return self.scores(q, k, lengths)
+
+  def layer_kept(self, lengths, layer: int, num_layers: int) -> np.ndarray:
+    """Host side: the tokens layer `layer` of `num_layers` keeps of prompts of `lengths` (ints)
+    -> int64 numpy, at most the length. "uniform": int(n * (1 - ratio)); "pyramid": kvpress's
+    PyramidKVPress.get_layer_budget, in float64 as Python computes it (ratio 0 keeps all)."""
+    n = np.asarray(lengths, np.int64)
+    if self.layers == "uniform" or self.compression_ratio == 0:
+      return (n.astype(np.float64) * (1 - self.compression_ratio)).astype(np.int64)
+    return np.minimum(np.vectorize(lambda m: self._pyramid(int(m), layer, num_layers), otypes=[np.int64])(n), n)
+
+  def _pyramid(self, n: int, layer: int, num_layers: int) -> int:
+    window, share = self.min_slots, n * (1 - self.compression_ratio)
+    low = share / self.beta
+    high = share * 2 - low
+    if high >= n - window:
+      high = n - window
+      low = share * 2 - high
+    if not (n >= high >= low >= window):  # too short for a pyramid: the uniform budget, at least 1
+      return max(1, round(n * (1 - self.compression_ratio)))
+    steps = (high - low) / (num_layers - 1) if num_layers > 1 else 0.0
+    return round(high - layer * steps)
+
+
+def last_columns(lengths: jax.Array, window: int) -> jax.Array:
+  """int[B, window]: each row's last `window` columns, oldest first (negative where the row is shorter)."""
+  return lengths[:, None] - window + jnp.arange(window)[None, :]
+
+
+def kept_above(scores: jax.Array, keep: jax.Array) -> jax.Array:
+  """scores [B, K, T] with the columns where keep bool[B, T] is set raised above every other
+  score of their row (to the row's maximum over all heads + 1, one value, as kvpress does):
+  head-adaptive budgets compare scores across heads."""
+  best = jnp.max(jnp.where(keep[:, None], -jnp.inf, scores), axis=(1, 2), keepdims=True)
+  best = jnp.where(jnp.isfinite(best), best, 0.0)
+  return jnp.where(keep[:, None], best + 1, scores)
+
+
+PRESSES = Press.kinds  # {name: press class}, filled as each press module defines its class
+
+
+def make_press(name: str, **fields) -> Press:
+  """The press called `name` with `fields` (a study holding press names builds its caches so);
+  ValueError naming the press or field that is not one."""
+  return Press.choose({"name": name, **fields}, "press")
