@@ -66,11 +66,13 @@ def plot_series(
   title: str,
   annotate: Sequence[Sequence[str]] | None = None,
   invert_y: bool = False,
+  colours: dict[str, str] | None = None,
 ) -> None:
   """Draws each (label, xs, ys) on `ax`, points labelled by `annotate[i]` (one text per point of
-  series i); invert_y puts small values at the top (a loss, drawn so that better is up)."""
+  series i); invert_y puts small values at the top (a loss, drawn so that better is up); colours:
+  {label: colour}, the same across panels (otherwise matplotlib's cycle)."""
   for i, (label, xs, ys) in enumerate(series):
-    ax.plot(xs, ys, "o-" if len(xs) > 1 else "o", label=label)
+    ax.plot(xs, ys, "o-" if len(xs) > 1 else "o", label=label, color=(colours or {}).get(label))
     for x, y, text in zip(xs, ys, annotate[i] if annotate else ()):
       ax.annotate(text, (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
   ax.set(xlabel=xlabel, ylabel=ylabel, title=title)

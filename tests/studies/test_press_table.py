@@ -149,3 +149,34 @@ def test_a_press_the_model_cannot_take_is_named_refused():
 def test_bad_settings_are_refused_by_name(changes, field):
   with pytest.raises(ValueError, match=field):
     PressTableStudy(**changes)
+
+
+def test_the_board_reads_the_rows_it_is_given():
+  """The leaderboard from hand-made rows: a column per ratio, the protocols the rows hold, a
+  refused cell named, one not answered "-"."""
+  from kvjax.studies.press_board import board
+
+  def row(press, ratio, protocol, score, refused=None):
+    return dict(model="m", length=1024, press=press, ratio=ratio, protocol=protocol, score=score, refused=refused)
+
+  rows = [
+    row("full", 0.0, "either", 45.06),
+    row("snapkv", 0.5, "query_agnostic", 11.94),
+    row("snapkv", 0.75, "query_agnostic", None),
+    row("kvzip", 0.5, "query_agnostic", None, refused="windowed layers"),
+    row("kvzip", 0.75, "query_agnostic", None, refused="windowed layers"),
+  ]
+  assert board(rows) == "\n".join(
+    [
+      "m, 1024 tokens, suite score % (query-agnostic):",
+      "",
+      "| press | 0.5 | 0.75 |",
+      "|---|---|---|",
+      "| full | 45.1 |  |",
+      "| snapkv | 11.9 | - |",
+      "| kvzip | refused | refused |",
+    ]
+  )
+  both = rows + [row("snapkv", 0.5, "query_aware", 20.0)]
+  assert "| snapkv | 11.9 / 20.0 | - / - |" in board(both)
+  assert "(query-agnostic / query-aware)" in board(both)
