@@ -94,8 +94,9 @@ def test_cache_rules_split_rows_and_heads_never_the_sequence():
 
 
 def test_place_without_mesh_is_identity_and_batch_must_split():
-  params, tokens = {"w": np.ones(3)}, np.zeros((3, 2), np.int32)
-  assert sharding.place(None, params, tokens) == (params, (tokens,))
+  params, tokens = {"w": jax.numpy.ones(3)}, np.zeros((3, 2), np.int32)  # device params (host ones: below)
+  placed, batch = sharding.place(None, params, tokens)
+  assert placed is params and batch[0] is tokens
   assert not sharding.initialize_distributed() or "JAX_COORDINATOR_ADDRESS" in os.environ
   if jax.device_count() == 1:
     mesh = sharding.make_mesh(1, 1)
