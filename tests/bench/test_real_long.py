@@ -43,6 +43,7 @@ def test_agreement_and_ratios_by_hand():
   assert "over_hf_best" not in rows[0]
 
 
+@pytest.mark.tier2
 def test_both_sides_run_one_request_and_agree(tmp_path):
   batch, prompt, new = 2, 24, 5
   rng = np.random.default_rng(0)

@@ -28,6 +28,7 @@ def prompt_ids(length: int, vocab: int, seed: int = 0) -> np.ndarray:
   return ids.astype(np.int32)
 
 
+@pytest.mark.tier2
 def test_config_and_norm_scales_are_transformers(gemma3, gemma3_reference):
   params, config = gemma3
   hf = gemma3_reference.config
@@ -60,6 +61,7 @@ def test_config_and_norm_scales_are_transformers(gemma3, gemma3_reference):
     np.testing.assert_array_equal(got["scale"], one(norm.weight))
 
 
+@pytest.mark.tier2
 def test_logits_past_the_window_and_greedy_tokens_match_transformers(gemma3, gemma3_reference):
   import torch
 

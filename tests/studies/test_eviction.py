@@ -38,6 +38,7 @@ def forward_perplexity(study: EvictionStudy, params, config, tokenizer) -> float
   return math.exp(total / count)
 
 
+@pytest.mark.tier2
 def test_the_tiny_study_writes_a_row_per_cache(tmp_path):
   study = load_config(ROOT / "configs" / "eviction" / "tiny.py")
   progress = []

@@ -21,6 +21,7 @@ def tree_state(path: Path) -> dict:
   return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns) for p in path.rglob("*") if p.is_file()}
 
 
+@pytest.mark.tier2
 def test_tiny_table_writes_every_file_with_the_paper_rows(gqa_tiny):
   for suffix in ("md", "csv", "json", "png"):
     assert (gqa_tiny / f"gqa_table.{suffix}").stat().st_size > 0
@@ -57,6 +58,7 @@ def test_tiny_table_writes_every_file_with_the_paper_rows(gqa_tiny):
   assert "fine-tuned for 3 steps" in text and "gap closed" in text
 
 
+@pytest.mark.tier2
 def test_rerun_skips_finished_stages(gqa_tiny, capsys):
   before = tree_state(gqa_tiny / "mha_big")
   assert main(["run", str(ROOT / "configs/gqa_table/tiny.py"), "--workdir", str(gqa_tiny)]) == 0
@@ -88,6 +90,7 @@ def test_stages_recorded_before_new_fields_still_read(tmp_path):
       gs.open_stages(dataclasses.replace(study, fraction=0.2), tmp_path)
 
 
+@pytest.mark.tier2
 def test_rerun_with_other_settings_is_refused(gqa_tiny, capsys):
   before = (gqa_tiny / "stages.json").read_text()
   assert (
@@ -97,6 +100,7 @@ def test_rerun_with_other_settings_is_refused(gqa_tiny, capsys):
   assert (gqa_tiny / "stages.json").read_text() == before
 
 
+@pytest.mark.tier2
 def test_uptrain_cli_records_quality_and_leaves_the_source_alone(gqa_tiny, tmp_path, capsys):
   source = gqa_tiny / "mha_big"
   before = tree_state(source)
@@ -113,6 +117,7 @@ def test_uptrain_cli_records_quality_and_leaves_the_source_alone(gqa_tiny, tmp_p
   assert tree_state(source) == before
 
 
+@pytest.mark.tier2
 def test_uptrain_errors_name_the_problem(gqa_tiny, tmp_path, capsys):
   source = gqa_tiny / "mha_big"
   assert main(["uptrain", "--from", str(source), "--workdir", str(tmp_path / "x"), "--kv-heads", "3"]) == 2
@@ -142,6 +147,7 @@ def uptraining(workdir: Path, name: str) -> dict:
   return json.loads((workdir / name / "uptrain.json").read_text())
 
 
+@pytest.mark.tier2
 def test_figure4_reuses_the_tables_uptrainings_and_adds_each_method(gqa_tiny, tmp_path, capsys):
   workdir, rows, err, added = run_figure(gqa_tiny, tmp_path, "gqa_figure4", capsys, "methods=('mean', 'first')")
   assert [(r["model"], r["num_kv_heads"], r["method"]) for r in rows] == [
@@ -160,6 +166,7 @@ def test_figure4_reuses_the_tables_uptrainings_and_adds_each_method(gqa_tiny, tm
   assert rows[0]["converted_bits_per_byte"] != rows[1]["converted_bits_per_byte"]
 
 
+@pytest.mark.tier2
 def test_figure5_at_alpha_zero_is_the_conversion_alone(gqa_tiny, tmp_path, capsys):
   workdir, rows, err, added = run_figure(gqa_tiny, tmp_path, "gqa_figure5", capsys, "fractions=(0.0, 0.1)")
   names = ["GQA-2-big", "MQA-big", "GQA-2-big (pca + distill)", "MQA-big (pca + distill)", "MLA-big (32+32 + distill)"]
@@ -177,6 +184,7 @@ def test_figure5_at_alpha_zero_is_the_conversion_alone(gqa_tiny, tmp_path, capsy
   assert "stage kv2_mean_alpha0: running" in err
 
 
+@pytest.mark.tier2
 def test_figure6_times_every_kv_head_count_of_mha_big(gqa_tiny, tmp_path, capsys):
   workdir, rows, err, added = run_figure(gqa_tiny, tmp_path, "gqa_figure6", capsys)
   assert added == set()  # timing needs no uptraining

@@ -49,6 +49,7 @@ def frontier(gqa_tiny, tmp_path_factory):
   return study, workdir, rows
 
 
+@pytest.mark.tier2
 def test_tiny_study_writes_a_row_per_variant_and_the_columns_asked_for(frontier):
   study, workdir, rows = frontier
   names = [v.name for v in study.variants]
@@ -84,6 +85,7 @@ def test_tiny_study_writes_a_row_per_variant_and_the_columns_asked_for(frontier)
   assert min(rows, key=lambda r: (r["kv_bytes_per_token"], r["bits_per_byte"]))["pareto"]
 
 
+@pytest.mark.tier2
 def test_float32_cache_matches_the_plain_evaluation_and_bytes_are_exact(frontier):
   study, workdir, rows = frontier
   by_name = {r["variant"]: r for r in rows}
@@ -127,6 +129,7 @@ def test_float32_cache_matches_the_plain_evaluation_and_bytes_are_exact(frontier
   }
 
 
+@pytest.mark.tier2
 def test_kvjax_eval_recall_scores_as_the_study_does(frontier, capsys):
   study, workdir, rows = frontier
   rc, big = study.measure.recall, Path(study.models_from) / "mha_big"
@@ -158,6 +161,7 @@ def test_kvjax_eval_recall_scores_as_the_study_does(frontier, capsys):
   assert "--batches" in capsys.readouterr().err
 
 
+@pytest.mark.tier2
 def test_models_from_a_study_with_other_settings_or_unfinished_is_refused(frontier, tmp_path):
   study, _, _ = frontier
   other = dataclasses.replace(study.gqa, fraction=0.2)

@@ -34,6 +34,7 @@ def table(smollm2, tmp_path_factory):
   return study, workdir, run(study, workdir, lambda line: None)
 
 
+@pytest.mark.tier2
 def test_rows_hold_every_cell_with_its_bytes(table, smollm2):
   study, workdir, rows = table
   assert [(r["press"], r["ratio"], r["protocol"]) for r in rows] == [
@@ -53,6 +54,7 @@ def test_rows_hold_every_cell_with_its_bytes(table, smollm2):
     assert row["kvpress_same_score"] is None  # no peer answers yet
 
 
+@pytest.mark.tier2
 def test_a_rerun_reads_finished_cells_and_scores_a_peer_sample_by_sample(table, smollm2):
   study, workdir, rows = table
   folder = workdir / smollm2.name
@@ -79,6 +81,7 @@ def test_a_rerun_reads_finished_cells_and_scores_a_peer_sample_by_sample(table, 
     assert row["kvpress_same_answer"] == pytest.approx(sum(same_text) / len(same_text))
 
 
+@pytest.mark.tier2
 def test_one_prefill_per_sample_answers_as_cell_by_cell(table, tmp_path):
   study, workdir, rows = table
   alone = dataclasses.replace(study, shared_prefill=False)
@@ -96,6 +99,7 @@ def test_one_prefill_per_sample_answers_as_cell_by_cell(table, tmp_path):
   assert compiled == sorted(compiled) and compiled[0] > 0
 
 
+@pytest.mark.tier2
 def test_report_only_reads_the_records_and_answers_nothing(table, tmp_path):
   study, workdir, rows = table
   folder = [p for p in workdir.iterdir() if p.is_dir()][0]

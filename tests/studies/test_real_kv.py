@@ -56,6 +56,7 @@ def test_gap_closed_by_hand():
   assert real_gqa.gap_closed(1.0, 3.0, 3.0) is None
 
 
+@pytest.mark.tier2
 def test_the_gqa_table_rows_and_files(runs):
   root, table, _ = runs
   assert [r["model"] for r in table] == [
@@ -137,6 +138,7 @@ def continuation_perplexity(model, params, windows) -> float:
   return math.exp(total / count)
 
 
+@pytest.mark.tier2
 def test_the_frontier_rows_against_oracles(runs):
   root, table, rows = runs
   study = load_config(CONFIGS / "kv_frontier" / "smollm2_tiny.py")
@@ -195,6 +197,7 @@ def test_the_frontier_rows_against_oracles(runs):
   assert best["pareto_recall"]
 
 
+@pytest.mark.tier2
 def test_models_from_a_study_with_other_settings_is_refused(runs, tmp_path):
   root, _, _ = runs
   full = [Variant("full", "full")]

@@ -240,6 +240,7 @@ def kind_of(point: dict) -> str:
   return "metrics" if "metrics.jsonl" in path else "workdir file"
 
 
+@pytest.mark.tier2
 def test_kill_9_anywhere_in_training_resumes_bitwise(env, reference):
   source = files(reference["train"][0])
   points = kill_chain(env, 5, "train", env.train_args, reference["train"], STEPS, kills=9)
@@ -250,6 +251,7 @@ def test_kill_9_anywhere_in_training_resumes_bitwise(env, reference):
   assert files(reference["train"][0]) == source
 
 
+@pytest.mark.tier2
 def test_kill_9_anywhere_in_uptraining_resumes_bitwise(env, reference):
   source = files(reference["train"][0])
   points = kill_chain(
