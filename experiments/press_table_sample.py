@@ -22,6 +22,7 @@ import jax
 from kvjax.cache import stack
 from kvjax.cli.run import load_config
 from kvjax.decoding import decode, many
+from kvjax.interop.kvzip_prompt import with_repeat_prompt
 from kvjax.studies import press_table, ruler
 
 
@@ -54,8 +55,10 @@ def main() -> None:
   model, params, tokenizer, _ = ruler.load(args.source)
   samples = ruler.build(tokenizer, study.tasks, (length,), study.samples, seed=0, max_len=model.config.max_positions)
   sample = next(s for s in samples if s["id"] == args.id)
-  configs = [
-    c for _, p, c in press_table.cells(study) if p == args.protocol and press_table.refusal(model, c, length) is None
+  configs = [  # refused as the study refuses them: KVzip with the tokenizer's repeat prompt
+    c
+    for _, p, c in press_table.cells(study)
+    if p == args.protocol and press_table.refusal(model, with_repeat_prompt(c, tokenizer), length) is None
   ]
   totals: dict = {}
   many.prefill_many = timed(totals, "prefill_many", many.prefill_many)
