@@ -22,3 +22,18 @@ def test_the_readme_is_short_and_starts_with_its_two_commands():
   assert len(lines) <= 150
   commands = lines[lines.index("```bash") + 1 : lines.index("```bash") + 3]
   assert "kvjax run configs/gqa_table/tiny.py" in commands[0] and "pytest" in commands[1]
+
+
+def test_every_headline_number_is_in_the_results():
+  """Each decimal of the README's headline table is a figure of docs/results.md, written the same
+  way: a headline moves with its table, never ahead of it or behind."""
+  text = README.read_text()
+  table = text[text.index("| what | result |") : text.index("## Quickstart")]
+  results = (README.parent / "docs" / "results.md").read_text()
+  missing = [
+    (number, row.split(" | ")[0])
+    for row in table.splitlines()[2:]
+    for number in re.findall(r"\d+\.\d+(?:e-?\d+)?", row.split(" | ")[-1])
+    if number not in results
+  ]
+  assert not missing, missing
