@@ -208,3 +208,26 @@ def test_set_is_one_option_in_every_command(command, help_of, capsys):
   with pytest.raises(SystemExit):
     parser.parse_args([*help_of, "--help"])
   assert " ".join(capsys.readouterr().out.split()).count(" ".join(SET_HELP.split())) == 1
+
+
+def test_a_cache_has_one_name_from_its_config():
+  """kvjax.cache.config.cache_name: kvpress's names for presses and budgets, the codec after a
+  "+", every other setting that differs from its default after a ","."""
+  from kvjax.cache.config import CacheConfig, cache_name
+  from kvjax.cache.presses import SnapKV, make_press
+
+  cases = {
+    "full": CacheConfig(),
+    "full+int8": CacheConfig(dtype="int8"),
+    "snapkv@0.5": CacheConfig(press=make_press("snapkv", compression_ratio=0.5)),
+    "snapkv:adaptive+int8@0.5": CacheConfig(
+      dtype="int8", press=make_press("snapkv", compression_ratio=0.5, heads="adaptive")
+    ),
+    "tova:pyramid@0.75": CacheConfig(press=make_press("tova", compression_ratio=0.75, layers="pyramid")),
+    "full,layout=paged": CacheConfig(layout="paged"),
+    "snapkv@0.75,press.window=32": CacheConfig(press=SnapKV(compression_ratio=0.75, window=32)),
+    "full,window=[8],sink_tokens=4": CacheConfig(window=(8,), sink_tokens=4),
+    "full+int4,rotation=hadamard": CacheConfig(dtype="int4", rotation="hadamard"),
+    "knorm@0.5,press.decode_budget=16": CacheConfig(press=make_press("knorm", compression_ratio=0.5, decode_budget=16)),
+  }
+  assert {name: cache_name(config) for name, config in cases.items()} == {name: name for name in cases}

@@ -10,7 +10,7 @@ import dataclasses
 
 from kvjax.cache import codec as codecs, rotation as rotations
 from kvjax.cache.presses import PRESSES, Press
-from kvjax.fields import INT32_MAX, check_choice, check_nonnegative, check_positive
+from kvjax.fields import INT32_MAX, check_choice, check_nonnegative, check_positive, to_dict
 from kvjax.config import ModelConfig
 from kvjax.model.transformer import cache_payload
 
@@ -181,3 +181,33 @@ class CacheConfig:
 
   def replace(self, **changes) -> "CacheConfig":
     return dataclasses.replace(self, **changes)
+
+
+BUDGET = ("compression_ratio", "heads", "layers")  # the press fields a cache's name spells out
+
+
+def cache_name(cache_config: CacheConfig) -> str:
+  """The one name of a cache, the same in tables, records and peer comparisons: "full" for a
+  cache that keeps every token, else "<press>@<compression ratio>", the press "<name>:adaptive"
+  under AdaKV's head-adaptive budgets, "<name>:pyramid" under PyramidKV's per-layer ones (kvpress's
+  names: experiments/kvpress_reference.py); a codec other than the model's own follows as
+  "+<dtype>" ("full+int8", "snapkv+int8@0.5"); every other setting that differs from its default
+  follows as ",field=value" ("full,layout=paged", "snapkv@0.5,press.window=32"). Name a
+  cache before a tokenizer binds its prompts into it (kvjax.interop.kvzip_prompt)."""
+  press = cache_config.press
+  codec = f"+{cache_config.dtype}" if cache_config.dtype else ""
+  if press is None:
+    name, changed = f"full{codec}", {}
+  else:
+    heads = ":adaptive" if press.heads == "adaptive" else ""
+    layers = ":pyramid" if press.layers == "pyramid" else ""
+    name = f"{press.name}{heads}{layers}{codec}@{press.compression_ratio:g}"
+    changed = {
+      f"press.{f.name}": getattr(press, f.name)
+      for f in dataclasses.fields(press)
+      if f.init and f.name not in BUDGET and getattr(press, f.name) != f.default
+    }
+  plain = to_dict(CacheConfig(dtype=cache_config.dtype, press=press))  # the layout it derives
+  given = to_dict(cache_config)
+  changed |= {k: v for k, v in given.items() if k not in ("press", "dtype") and v != plain[k]}
+  return ",".join([name, *(f"{k}={v}" for k, v in changed.items())])

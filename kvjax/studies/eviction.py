@@ -30,20 +30,19 @@ from typing import Callable
 
 import numpy as np
 
-from kvjax.cache.config import CacheConfig
+from kvjax.cache.config import CacheConfig, cache_name
 from kvjax.cache.presses import PRESSES
 from kvjax.fields import check_positive, check_nonnegative
 from kvjax.interop.importer import read_model
 from kvjax.interop.kvzip_prompt import with_repeat_prompt
 from kvjax.model.transformer import Transformer
 from kvjax.studies import measure, report
+from kvjax.studies.measure import PROTOCOLS
 from kvjax.studies.passkey import PasskeyConfig, judge
 from kvjax.studies.passkey_run import all_samples, write_records
 from kvjax.studies.variants import cache
 from kvjax.training.config import DataConfig
 from kvjax.training.data import PROSE, eval_batches, load_dataset
-
-PROTOCOLS = ("query_agnostic", "query_aware")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,11 +103,6 @@ def needles(tokenizer, study: EvictionStudy):
   return contexts, np.array(samples[0]["question_ids"], np.int32), samples
 
 
-def method(press: str | None, ratio: float) -> str:
-  """A result's method: "full", or press@ratio."""
-  return f"{press}@{ratio:g}" if press else "full"
-
-
 def recall(model, params, tokenizer, cache_config: CacheConfig, protocol: str, trials, study: EvictionStudy, name: str):
   """Recall (%) of the needles `trials` (needles()) through caches of cache_config, and one
   result per needle marked with `name` and the protocol -> (recall, samples)."""
@@ -151,6 +145,7 @@ def run(study: EvictionStudy, workdir: Path, progress: Callable[[str], None]) ->
   for press, ratio in [(None, 0.0)] + [
     (p, r) for p in study.presses for r in sorted({*study.ratios, *study.recall_ratios})
   ]:
+    name = cache_name(cache(press=press, ratio=ratio))  # named before the tokenizer binds KVzip's prompt
     cache_config = with_repeat_prompt(cache(press=press, ratio=ratio), tokenizer)
     progress(f"eviction: measuring {press or 'the full cache'}" + (f" at ratio {ratio:g}" if press else ""))
     row = {"press": press or "full cache", "ratio": ratio}
@@ -161,9 +156,7 @@ def run(study: EvictionStudy, workdir: Path, progress: Callable[[str], None]) ->
     samples = []
     if press is None or ratio in study.recall_ratios:
       for protocol in PROTOCOLS:
-        row[f"recall_{protocol}"], found = recall(
-          model, params, tokenizer, cache_config, protocol, trials, study, method(press, ratio)
-        )
+        row[f"recall_{protocol}"], found = recall(model, params, tokenizer, cache_config, protocol, trials, study, name)
         samples += found
     rows.append({**row, "samples": samples})
   columns = [

@@ -41,6 +41,10 @@ from kvjax.serving.engine import Engine, EngineConfig
 # (inputs, targets) int32 [n, L]: windows of L tokens and the token after each position.
 Window = tuple[np.ndarray, np.ndarray]
 
+# How a long-context prompt meets its cache: the context alone, then the question read into the
+# pressed cache (kvpress's protocol), or the whole prompt at once (the question is pressed too).
+PROTOCOLS = ("query_agnostic", "query_aware")
+
 
 def kv_bytes_per_token(config, cache_config: CacheConfig, context: int) -> float:
   """Bytes of a one-row cache of `context` positions holding a `context`-token prompt, over `context`."""

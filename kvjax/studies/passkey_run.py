@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvjax.cache.config import CacheConfig
+from kvjax.cache.config import CacheConfig, cache_name
 from kvjax.fields import to_dict
 from kvjax.interop.kvzip_prompt import with_repeat_prompt
 from kvjax.interop.tokenizer import TextTokenizer
@@ -69,13 +69,6 @@ def passkey(
   return out
 
 
-def method_name(cache_config: CacheConfig) -> str:
-  """'full' for the default cache, else its fields that differ from the default, as k=v."""
-  default, given = to_dict(CacheConfig()), to_dict(cache_config)
-  changed = [f"{k}={given[k]}" for k in given if given[k] != default.get(k)]
-  return ",".join(changed) or "full"
-
-
 def write_records(workdir: str | Path, inputs: list[dict], answers: list[dict]) -> tuple[Path, Path]:
   """WORKDIR/samples.jsonl (the inputs) and WORKDIR/answers.jsonl (every result) -> their paths."""
   workdir = Path(workdir)
@@ -104,7 +97,7 @@ def passkey_checkpoint(
   cache_config = with_repeat_prompt(cache_config or CacheConfig(), tokenizer)
   inputs = all_samples(tokenizer, config)
   found = passkey(
-    model, params, tokenizer, config, cache_config=cache_config, inputs=inputs, method=method_name(cache_config)
+    model, params, tokenizer, config, cache_config=cache_config, inputs=inputs, method=cache_name(cache_config)
   )
   samples_path, answers_path = write_records(workdir, inputs, [r for f in found.values() for r in f["samples"]])
   return {

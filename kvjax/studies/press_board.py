@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvjax.studies import report
-from kvjax.studies.eviction import PROTOCOLS
+from kvjax.studies.measure import PROTOCOLS
 
 FULL = "full"  # the full cache's method name
 

@@ -7,7 +7,7 @@ WORKDIR/<model>/samples.jsonl, with the tokenizer's stop ids so that a peer can 
 ids); the full cache once (its answers do not depend on the protocol), then each press of
 `presses` ("snapkv", "snapkv:adaptive" for AdaKV's head-adaptive budgets, "snapkv:pyramid" for
 PyramidKV's per-layer ones, which is kvpress's PyramidKVPress) at each ratio under
-each protocol (kvjax.studies.eviction.PROTOCOLS), and the codec cells (a press through a codec).
+each protocol (kvjax.studies.measure.PROTOCOLS), and the codec cells (a press through a codec).
 
 One prefill per sample: a press compresses what a layer stores after it attended over the whole
 prompt, so each sample is prefilled once per protocol for all its cells and their answers decoded
@@ -37,15 +37,15 @@ from typing import Callable
 import numpy as np
 
 from kvjax.cache import kinds
-from kvjax.cache.config import CacheConfig
+from kvjax.cache.config import CacheConfig, cache_name
 from kvjax.cache.presses import make_press
 from kvjax.decoding import kvzip, many
 from kvjax.interop.kvzip_prompt import with_repeat_prompt
 from kvjax.fields import check_nonnegative, check_positive
 from kvjax.studies import measure, report
-from kvjax.studies.eviction import PROTOCOLS
+from kvjax.studies.measure import PROTOCOLS
 from kvjax.studies.press_board import FULL, board, figures
-from kvjax.studies.ruler import answer, answer_cells, answer_text, build, check_lengths, load, method_name
+from kvjax.studies.ruler import answer, answer_cells, answer_text, build, check_lengths, load
 from kvjax.studies.ruler_tasks import TASKS, check_tasks
 from kvjax.studies.scoring import check_answer_end, read_jsonl, score, write_jsonl
 
@@ -149,7 +149,7 @@ def cells(study: PressTableStudy, long: bool = False) -> list[tuple[str, str, Ca
   configs += [] if long else [press_cache(*cell) for cell in study.codec_cells]
   for cache_config in configs:
     protocols = study.protocols if cache_config.press is not None else PROTOCOLS[:1]  # a full cache is either
-    out += [(method_name(cache_config), protocol, cache_config) for protocol in protocols]
+    out += [(cache_name(cache_config), protocol, cache_config) for protocol in protocols]
   return out
 
 

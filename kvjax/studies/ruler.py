@@ -8,7 +8,7 @@ the pass-key test shares), for every task here (RULER's string_match_part is for
 question-answering tasks, which need datasets kvjax does not download). A task's score is the
 mean over its samples, in percent; the suite's is the mean over tasks.
 
-Protocols (kvjax.studies.eviction.PROTOCOLS):
+Protocols (kvjax.studies.measure.PROTOCOLS):
   query_agnostic  kvpress's: context_ids are prefilled (and pressed) first, question_ids read
                   after into what the cache kept;
   query_aware     the whole prompt in one generate (a press sees the question).
@@ -33,14 +33,14 @@ from typing import Callable, Iterable
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache.config import CacheConfig
+from kvjax.cache.config import CacheConfig, cache_name
 from kvjax.decoding import many
 from kvjax.fields import check_nonnegative, check_positive, check_positive_int
 from kvjax.interop.kvzip_prompt import with_repeat_prompt
 from kvjax.interop.tokenizer import TextTokenizer
 from kvjax.model.transformer import Transformer
 from kvjax.studies import measure, report
-from kvjax.studies.eviction import PROTOCOLS
+from kvjax.studies.measure import PROTOCOLS
 from kvjax.studies.models import tokenized_checkpoint, tokenized_model
 from kvjax.studies.ruler_prompts import TEMPLATES
 from kvjax.studies.ruler_tasks import TASKS, check_tasks, make_sample
@@ -93,20 +93,6 @@ def build(
   return out
 
 
-def method_name(cache_config: CacheConfig) -> str:
-  """ "full" for a cache that keeps every token, else "<press>@<compression ratio>", the press
-  "<name>:adaptive" under AdaKV's head-adaptive budgets, "<name>:pyramid" under PyramidKV's
-  per-layer ones, "<name>:adaptive:pyramid" under both (experiments/kvpress_reference.py's names);
-  a cache codec other than the model's own follows as "+<dtype>" ("full+int8", "snapkv+int8@0.5")."""
-  press = cache_config.press
-  codec = f"+{cache_config.dtype}" if cache_config.dtype else ""
-  if press is None:
-    return f"full{codec}"
-  heads = ":adaptive" if press.heads == "adaptive" else ""
-  layers = ":pyramid" if press.layers == "pyramid" else ""
-  return f"{press.name}{heads}{layers}{codec}@{press.compression_ratio:g}"
-
-
 def answer(
   model: Transformer,
   params,
@@ -125,7 +111,7 @@ def answer(
   if protocol not in PROTOCOLS:
     raise ValueError(f"RULER protocol must be one of {PROTOCOLS}, got {protocol!r}")
   check_answer_end(end)
-  method = method_name(cache_config)
+  method = cache_name(cache_config)
   cache_config = with_repeat_prompt(cache_config, tokenizer)
   groups: dict[tuple, list[dict]] = {}
   for s in samples:
@@ -217,7 +203,7 @@ def answer_cells(
         "id": sample["id"],
         "task": sample["task"],
         "length": sample["length"],
-        "method": method_name(config),
+        "method": cache_name(config),
         "answer": text,
         "score": score(text, sample["references"]),
         **{k: sample[k] for k in FACTS if k in sample},
@@ -337,9 +323,9 @@ def run(study: RulerStudy, workdir: Path, progress: Callable[[str], None]) -> li
     scores = summary(found)
     for length, per in scores["tasks"].items():
       for task, value in per.items():
-        rows.append({"method": method_name(cache_config), "length": int(length), "task": task, "score": value})
+        rows.append({"method": cache_name(cache_config), "length": int(length), "task": task, "score": value})
       rows.append(
-        {"method": method_name(cache_config), "length": int(length), "task": "mean", "score": scores["lengths"][length]}
+        {"method": cache_name(cache_config), "length": int(length), "task": "mean", "score": scores["lengths"][length]}
       )
     rows[-1]["seconds"] = round(seconds, 1)
   write_jsonl(workdir / "answers.jsonl", results)
@@ -377,7 +363,7 @@ def ruler_checkpoint(
   seconds = time.perf_counter() - start
   write_jsonl(out / "answers.jsonl", results)
   return {
-    "method": method_name(cache_config),
+    "method": cache_name(cache_config),
     "protocol": protocol,
     "samples": samples,
     "seconds": round(seconds, 1),

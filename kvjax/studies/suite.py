@@ -17,7 +17,7 @@ from kvjax.fields import check_choice, check_nonnegative, check_positive
 from kvjax.interop.tokenizer import TextTokenizer
 from kvjax.model.transformer import Transformer
 from kvjax.studies import ruler
-from kvjax.studies.eviction import PROTOCOLS
+from kvjax.studies.measure import PROTOCOLS
 from kvjax.studies.ruler_prompts import TEMPLATES
 from kvjax.studies.ruler_tasks import check_tasks
 

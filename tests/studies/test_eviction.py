@@ -15,7 +15,7 @@ import pytest
 from kvjax.cli.run import load_config
 from kvjax.interop.importer import read_model
 from kvjax.model.transformer import Transformer
-from kvjax.studies import eviction
+from kvjax.studies import eviction, measure
 from kvjax.studies.eviction import EvictionStudy
 from kvjax.studies.scoring import read_jsonl
 from kvjax.training.config import DataConfig
@@ -50,14 +50,14 @@ def test_the_tiny_study_writes_a_row_per_cache(tmp_path):
   # passkey is 12345.", inside the 24-token budget), under either protocol, answering alike token
   # for token: reading the question after the prefill is reading it in the prompt.
   assert full["recall_query_agnostic"] == full["recall_query_aware"] == 100.0
-  agnostic, aware = ([s for s in full["samples"] if s["protocol"] == p] for p in eviction.PROTOCOLS)
+  agnostic, aware = ([s for s in full["samples"] if s["protocol"] == p] for p in measure.PROTOCOLS)
   assert [s["answer"] for s in agnostic] == [s["answer"] for s in aware]
   params, config, tokenizer, _ = read_model(study.source)
   contexts, question, samples = eviction.needles(tokenizer, study)
   assert contexts.shape == (2, 200 - len(question)) and all(s["answer_tokens"] == 24 for s in samples)
   assert [s["answer"] for s in agnostic] == [f"The secret passkey is {s['references'][0]}." for s in samples]
   for row in rows:
-    for protocol in eviction.PROTOCOLS:
+    for protocol in measure.PROTOCOLS:
       found = [s for s in row["samples"] if s["protocol"] == protocol]
       assert [s["id"] for s in found] == [s["id"] for s in samples]
       assert {s["method"] for s in found} == {"full" if row["press"] == "full cache" else "snapkv@0.75"}
@@ -67,7 +67,7 @@ def test_the_tiny_study_writes_a_row_per_cache(tmp_path):
   # The press dropped what the continuation reads; pressing before or after the question arrives
   # keeps other tokens, so the two protocols answer differently.
   assert snapkv["perplexity"] != pytest.approx(full["perplexity"], rel=1e-4)
-  agnostic, aware = ([s["answer"] for s in snapkv["samples"] if s["protocol"] == p] for p in eviction.PROTOCOLS)
+  agnostic, aware = ([s["answer"] for s in snapkv["samples"] if s["protocol"] == p] for p in measure.PROTOCOLS)
   assert agnostic != aware
   assert json.loads((tmp_path / "eviction.json").read_text()) == rows
   assert "| snapkv |" in (tmp_path / "eviction.md").read_text()

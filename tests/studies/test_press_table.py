@@ -8,12 +8,11 @@ import dataclasses
 import pytest
 from conftest import init_params, tiny_config
 
-from kvjax.cache.config import CacheConfig
+from kvjax.cache.config import CacheConfig, cache_name
 from kvjax.interop.tokenizer import TextTokenizer
 from kvjax.studies import measure
 from kvjax.cache.kvzip import KVzip
 from kvjax.studies.press_table import PressTableStudy, cells, press_cache, refusal, run
-from kvjax.studies.ruler import method_name
 from kvjax.studies.scoring import read_jsonl, write_jsonl
 from kvjax.training.checkpoint import load_model
 
@@ -113,9 +112,9 @@ def test_report_only_reads_the_records_and_answers_nothing(table, tmp_path):
 
 
 def test_codec_cells_and_names():
-  assert method_name(press_cache("snapkv+int8", 0.5)) == "snapkv+int8@0.5"
+  assert cache_name(press_cache("snapkv+int8", 0.5)) == "snapkv+int8@0.5"
   assert (
-    press_cache("full+int8", 0.0) == CacheConfig(dtype="int8") and method_name(CacheConfig(dtype="int8")) == "full+int8"
+    press_cache("full+int8", 0.0) == CacheConfig(dtype="int8") and cache_name(CacheConfig(dtype="int8")) == "full+int8"
   )
   study = PressTableStudy(presses=("snapkv",), ratios=(0.5,), codec_cells=(("full+int8", 0.0), ("snapkv+int8", 0.75)))
   names = [(m, p) for m, p, _ in cells(study)]
