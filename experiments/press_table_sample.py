@@ -1,5 +1,5 @@
 """Where one sample of the presses table spends its time (kvjax.studies.press_table): the sample's
-cells answered together (kvjax.studies.ruler.answer_cells), twice (the first run compiles), with
+cells answered together (kvjax.studies.ruler_answers.answer_cells), twice (the first run compiles), with
 the seconds of the shared prefill, the stacking of caches, the question's extend and the decode
 steps by batch size, as JSON lines.
 
@@ -23,7 +23,7 @@ from kvjax.cache import stack
 from kvjax.cli.run import load_config
 from kvjax.decoding import decode, many
 from kvjax.interop.kvzip_prompt import with_repeat_prompt
-from kvjax.studies import press_table, ruler
+from kvjax.studies import press_table, ruler_answers
 
 
 def timed(totals: dict, key: str, function):
@@ -52,8 +52,10 @@ def main() -> None:
   study = press_table.PressTableStudy(
     sources=(args.source,), lengths=(length,), ratios=ratios, protocols=(args.protocol,), codec_cells=study.codec_cells
   )
-  model, params, tokenizer, _ = ruler.load(args.source)
-  samples = ruler.build(tokenizer, study.tasks, (length,), study.samples, seed=0, max_len=model.config.max_positions)
+  model, params, tokenizer, _ = ruler_answers.load(args.source)
+  samples = ruler_answers.build(
+    tokenizer, study.tasks, (length,), study.samples, seed=0, max_len=model.config.max_positions
+  )
   sample = next(s for s in samples if s["id"] == args.id)
   configs = [  # refused as the study refuses them: KVzip with the tokenizer's repeat prompt
     c
@@ -69,7 +71,7 @@ def main() -> None:
   for repeat in range(args.repeats):
     totals.clear()
     start = time.perf_counter()
-    ruler.answer_cells(model, params, tokenizer, sample, configs, protocol=args.protocol)
+    ruler_answers.answer_cells(model, params, tokenizer, sample, configs, protocol=args.protocol)
     seconds = time.perf_counter() - start
     parts = {k: {"calls": n, "seconds": round(s, 2)} for k, (n, s) in sorted(totals.items())}
     print(json.dumps({"repeat": repeat, "caches": len(configs), "seconds": round(seconds, 2), "parts": parts}))

@@ -11,7 +11,7 @@ each protocol (kvjax.studies.measure.PROTOCOLS), and the codec cells (a press th
 
 One prefill per sample: a press compresses what a layer stores after it attended over the whole
 prompt, so each sample is prefilled once per protocol for all its cells and their answers decoded
-in one batch (kvjax.studies.ruler.answer_cells over kvjax.decoding.many), the same answers as
+in one batch (kvjax.studies.ruler_answers.answer_cells over kvjax.decoding.many), the same answers as
 cell by cell (shared_prefill=False, the reference). Each sample's records are appended to
 WORKDIR/<model>/records.jsonl as it finishes, so an interrupted table resumes where it stopped and
 a cell added later is answered alone; each finished cell's answers are also a file of
@@ -45,7 +45,7 @@ from kvjax.fields import check_nonnegative, check_positive
 from kvjax.studies import measure, report
 from kvjax.studies.measure import PROTOCOLS
 from kvjax.studies.press_board import FULL, board, figures
-from kvjax.studies.ruler import answer, answer_cells, answer_text, build, check_lengths, load
+from kvjax.studies.ruler_answers import answer, answer_cells, answer_text, build, check_lengths, load
 from kvjax.studies.ruler_tasks import TASKS, check_tasks
 from kvjax.studies.scoring import check_answer_end, read_jsonl, score, write_jsonl
 
@@ -78,7 +78,7 @@ class PressTableStudy:
   answer_end: where an answer ends besides a stop id (kvjax.studies.scoring): "budget" at its
   task's budget, "line" also at its first line break.
   shared_prefill: one prefill and one batch of answers per sample for all its cells
-  (kvjax.studies.ruler.answer_cells); False answers cell by cell (kvjax.studies.ruler.answer), the
+  (kvjax.studies.ruler_answers.answer_cells); False answers cell by cell (ruler_answers.answer), the
   reference it is timed against."""
 
   sources: tuple[str, ...] = ("smollm2-135m", "gemma3-270m")

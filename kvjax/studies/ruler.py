@@ -1,19 +1,6 @@
-"""The RULER-style long-context suite (Hsieh et al. 2024): every task of
-kvjax.studies.ruler_tasks at each context length, answered greedily through the KV cache of a
-CacheConfig and scored as RULER scores them.
-
-Scoring (RULER's scripts/eval/synthetic/constants.py): string_match_all, the fraction of a
-sample's references found in its answer (case-insensitive; kvjax.studies.scoring.score, which
-the pass-key test shares), for every task here (RULER's string_match_part is for its
-question-answering tasks, which need datasets kvjax does not download). A task's score is the
-mean over its samples, in percent; the suite's is the mean over tasks.
-
-Protocols (kvjax.studies.measure.PROTOCOLS):
-  query_agnostic  kvpress's: context_ids are prefilled (and pressed) first, question_ids read
-                  after into what the cache kept;
-  query_aware     the whole prompt in one generate (a press sees the question).
-Samples of one task and length are answered batch_size at a time (query-agnostic: the contexts
-and the questions each right-padded, read with their own lengths).
+"""The RULER-style long-context suite (Hsieh et al. 2024) as a job: every task at each context
+length, through the full cache and each press at each ratio, answered and scored by
+kvjax.studies.ruler_answers (the samples, the protocols, the scoring).
 
 Files: samples.jsonl (one sample per line, the inputs) and answers.jsonl (one result per line:
 id, task, length, method, answer, score, depth, distance), as `kvjax eval --ruler` and the study
@@ -25,224 +12,22 @@ Run: kvjax run configs/ruler/small.py --workdir runs/ruler
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable
 
-import jax.numpy as jnp
-import numpy as np
 
 from kvjax.cache.config import CacheConfig, cache_name
-from kvjax.decoding import many
-from kvjax.fields import check_nonnegative, check_positive, check_positive_int
-from kvjax.interop.kvzip_prompt import with_repeat_prompt
-from kvjax.interop.tokenizer import TextTokenizer
-from kvjax.model.transformer import Transformer
-from kvjax.studies import measure, report
+from kvjax.fields import check_nonnegative, check_positive
+from kvjax.studies import report
 from kvjax.studies.measure import PROTOCOLS
-from kvjax.studies.models import tokenized_checkpoint, tokenized_model
+from kvjax.studies.models import tokenized_checkpoint
 from kvjax.studies.ruler_prompts import TEMPLATES
-from kvjax.studies.ruler_tasks import TASKS, check_tasks, make_sample
-from kvjax.studies.scoring import LineEnd, check_answer_end, first_line, score, write_jsonl
+from kvjax.studies.ruler_tasks import TASKS, check_tasks
+from kvjax.studies.scoring import write_jsonl
 from kvjax.studies.variants import cache
 
-FACTS = ("depth", "distance")
-
-
-def check_lengths(lengths) -> tuple[int, ...]:
-  lengths = tuple(lengths)
-  if not lengths:
-    raise ValueError("RULER lengths must be a non-empty tuple of token counts")
-  for i, length in enumerate(lengths):
-    check_positive_int(length, f"RULER lengths[{i}]")
-  return lengths
-
-
-def build(
-  tokenizer: TextTokenizer,
-  tasks: Iterable[str],
-  lengths: Iterable[int],
-  samples: int,
-  *,
-  seed: int = 0,
-  template: str = "auto",
-  max_len: int | None = None,
-) -> list[dict]:
-  """`samples` samples of every task at every length (ruler_tasks.make_sample). With max_len (the
-  positions the model holds): a length whose prompt and answer budget exceed it is refused first."""
-  tasks, lengths = check_tasks(tasks), check_lengths(lengths)
-  check_positive_int(samples, "RULER samples")
-  if template not in TEMPLATES:
-    raise ValueError(f"RULER template must be one of {TEMPLATES}, got {template!r}")
-  if max_len is not None:
-    for length in lengths:
-      if length > max_len:
-        raise ValueError(f"RULER length {length} is more than the model's max_len={max_len} positions")
-  out = []
-  for length in lengths:
-    for task in tasks:
-      for index in range(samples):
-        s = make_sample(tokenizer, task, length, index, seed=seed, template=template)
-        if max_len is not None and length + s["answer_tokens"] > max_len:
-          raise ValueError(
-            f"RULER length {length} and task {task}'s {s['answer_tokens']} answer tokens need "
-            f"{length + s['answer_tokens']} positions, more than the model's max_len={max_len}"
-          )
-        out.append(s)
-  return out
-
-
-def answer(
-  model: Transformer,
-  params,
-  tokenizer: TextTokenizer,
-  samples: list[dict],
-  cache_config: CacheConfig = CacheConfig(),
-  *,
-  protocol: str = "query_agnostic",
-  batch_size: int = 8,
-  end: str = "budget",
-  progress: Callable[[str], None] = lambda message: None,
-) -> list[dict]:
-  """Greedy answers of every sample through caches of cache_config -> one result per sample
-  (id, task, length, method, answer, score, and the sample's depth / distance). end: where an
-  answer ends besides a stop id, "budget" or "line" (kvjax.studies.scoring)."""
-  if protocol not in PROTOCOLS:
-    raise ValueError(f"RULER protocol must be one of {PROTOCOLS}, got {protocol!r}")
-  check_answer_end(end)
-  method = cache_name(cache_config)
-  cache_config = with_repeat_prompt(cache_config, tokenizer)
-  groups: dict[tuple, list[dict]] = {}
-  for s in samples:
-    groups.setdefault((s["task"], s["length"]), []).append(s)
-  results = {}
-  for (task, length), group in groups.items():
-    progress(f"ruler: {task} at {length} tokens, {len(group)} samples, {method}")
-    budget = max(s["answer_tokens"] for s in group)
-    for start in range(0, len(group), batch_size):
-      batch = group[start : start + batch_size]
-      if protocol == "query_aware":
-        prompts, lengths = padded([s["context_ids"] + s["question_ids"] for s in batch])
-        question = asked = None
-      else:
-        prompts, lengths = padded([s["context_ids"] for s in batch])
-        question, asked = padded([s["question_ids"] for s in batch])
-      got = measure.answers(
-        model,
-        params,
-        prompts,
-        lengths,
-        budget,
-        cache_config,
-        stop_ids=tokenizer.stop_ids,
-        question=question,
-        question_lengths=asked,
-      )
-      for s, ids in zip(batch, got):
-        text = answer_text(tokenizer, ids, s["answer_tokens"], end)
-        results[s["id"]] = {
-          "id": s["id"],
-          "task": s["task"],
-          "length": s["length"],
-          "method": method,
-          "answer": text,
-          "score": score(text, s["references"]),
-          **{k: s[k] for k in FACTS if k in s},
-        }
-  return [results[s["id"]] for s in samples]
-
-
-def answer_cells(
-  model: Transformer,
-  params,
-  tokenizer: TextTokenizer,
-  sample: dict,
-  cache_configs: list[CacheConfig],
-  *,
-  protocol: str = "query_agnostic",
-  end: str = "budget",
-) -> list[dict]:
-  """Greedy answers of one sample through a cache of each of cache_configs, as `answer` gives
-  them cell by cell, from one prefill (kvjax.decoding.many.prefill_many: every press scores once,
-  each ratio a cut of its scores) and one batch of answers (answer_many, a row stopped where its
-  answer ends) -> one result per config, in order."""
-  if protocol not in PROTOCOLS:
-    raise ValueError(f"RULER protocol must be one of {PROTOCOLS}, got {protocol!r}")
-  check_answer_end(end)
-  until = line_end(tokenizer) if end == "line" else None
-  configs = [with_repeat_prompt(c, tokenizer) for c in cache_configs]
-  context, question = sample["context_ids"], sample["question_ids"]
-  prompt = context + question if protocol == "query_aware" else context
-  budget = sample["answer_tokens"]
-  max_len = len(context) + len(question) + budget
-  tokens, lengths = padded([prompt])
-  prefilled = many.prefill_many(model, params, tokens, lengths, max_len, configs)
-  if protocol == "query_aware":
-    first = [np.asarray(jnp.argmax(logits, axis=-1)) for logits, _ in prefilled]
-    got = many.answer_many(
-      model, params, [c for _, c in prefilled], budget, first=first, stop_ids=tokenizer.stop_ids, until=until
-    )
-  else:
-    asked, asked_lengths = padded([question])
-    got = many.answer_many(
-      model,
-      params,
-      [c for _, c in prefilled],
-      budget,
-      question=asked,
-      question_lengths=asked_lengths,
-      stop_ids=tokenizer.stop_ids,
-      until=until,
-    )
-  out = []
-  for config, (ids,) in zip(cache_configs, got):
-    text = answer_text(tokenizer, ids, budget, end)
-    out.append(
-      {
-        "id": sample["id"],
-        "task": sample["task"],
-        "length": sample["length"],
-        "method": cache_name(config),
-        "answer": text,
-        "score": score(text, sample["references"]),
-        **{k: sample[k] for k in FACTS if k in sample},
-      }
-    )
-  return out
-
-
-def answer_text(tokenizer: TextTokenizer, ids, budget: int, end: str) -> str:
-  """The text of an answer's first `budget` ids, cut at its first line for end="line"."""
-  text = tokenizer.decode(np.asarray(ids)[:budget], skip_special_tokens=True)
-  return first_line(text) if end == "line" else text
-
-
-@functools.lru_cache(maxsize=4)
-def line_end(tokenizer: TextTokenizer) -> LineEnd:
-  """The LineEnd stop test of a tokenizer, made once (it reads every token's text)."""
-  return LineEnd(tokenizer)
-
-
-def padded(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-  """Token lists -> (int32 [n, longest] right-padded with 0, lengths int32 [n])."""
-  lengths = np.array([len(r) for r in rows], np.int32)
-  out = np.zeros((len(rows), lengths.max()), np.int32)
-  for i, row in enumerate(rows):
-    out[i, : len(row)] = row
-  return out, lengths
-
-
-def summary(results: list[dict]) -> dict:
-  """Scores in percent: {"tasks": {length: {task: score}}, "lengths": {length: the mean over tasks},
-  "overall": the mean over every (length, task)}."""
-  by: dict[int, dict[str, list[float]]] = {}
-  for r in results:
-    by.setdefault(r["length"], {}).setdefault(r["task"], []).append(r["score"])
-  tasks = {str(n): {t: round(100 * float(np.mean(v)), 2) for t, v in per.items()} for n, per in by.items()}
-  lengths = {n: round(float(np.mean(list(per.values()))), 2) for n, per in tasks.items()}
-  cells = [v for per in tasks.values() for v in per.values()]
-  return {"tasks": tasks, "lengths": lengths, "overall": round(float(np.mean(cells)), 2) if cells else None}
+from kvjax.studies.ruler_answers import NEEDS, answer, build, check_lengths, load, summary
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,15 +63,6 @@ class RulerStudy:
     for press in self.presses:
       for ratio in self.ratios:
         cache(press=press, ratio=ratio)  # an unknown press or a ratio outside [0, 1) is refused, named
-
-
-NEEDS = "the RULER suite is for tokenized models (an imported one)"
-
-
-def load(source: str):
-  """(model, params, tokenizer, a name for reports) of a named model, a file, a directory or a
-  kvjax workdir with a checkpoint; ValueError when it has no tokenizer."""
-  return tokenized_model(source, needs=NEEDS)
 
 
 def run(study: RulerStudy, workdir: Path, progress: Callable[[str], None]) -> list[dict]:

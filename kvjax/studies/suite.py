@@ -16,7 +16,7 @@ from kvjax.cache.config import CacheConfig
 from kvjax.fields import check_choice, check_nonnegative, check_positive
 from kvjax.interop.tokenizer import TextTokenizer
 from kvjax.model.transformer import Transformer
-from kvjax.studies import ruler
+from kvjax.studies import ruler_answers
 from kvjax.studies.measure import PROTOCOLS
 from kvjax.studies.ruler_prompts import TEMPLATES
 from kvjax.studies.ruler_tasks import check_tasks
@@ -47,7 +47,7 @@ class SuiteConfig:
     check_choice(self, "template", TEMPLATES)
     try:
       check_tasks(self.tasks)
-      ruler.check_lengths(self.lengths)
+      ruler_answers.check_lengths(self.lengths)
     except ValueError as err:
       raise ValueError(f"SuiteConfig: {err}") from None
     if not isinstance(self.tasks, tuple) or not isinstance(self.lengths, tuple):
@@ -55,9 +55,9 @@ class SuiteConfig:
 
 
 def samples(tokenizer: TextTokenizer, config: SuiteConfig, max_len: int | None = None, model: str = "") -> list[dict]:
-  """Every sample of the config (ruler.build), marked with `model` (the name of the model whose
+  """Every sample of the config (ruler_answers.build), marked with `model` (the name of the model whose
   tokenizer made them) when given, so that two models' samples of one id stay apart."""
-  built = ruler.build(
+  built = ruler_answers.build(
     tokenizer,
     config.tasks,
     config.lengths,
@@ -80,11 +80,11 @@ def scores(
 ) -> tuple[dict, list[dict]]:
   """The suite through caches of cache_config -> ({suite_L: % for each length, suite_mean: %},
   one result per sample marked `method`, and `model` as its sample is)."""
-  found = ruler.answer(
+  found = ruler_answers.answer(
     model, params, tokenizer, inputs, cache_config, protocol=config.protocol, batch_size=config.batch_size
   )
   results = [{**r, "method": method, **({"model": s["model"]} if "model" in s else {})} for r, s in zip(found, inputs)]
-  summary = ruler.summary(results)
+  summary = ruler_answers.summary(results)
   row = {f"{PREFIX}{n}": summary["lengths"][str(n)] for n in config.lengths}
   row[f"{PREFIX}mean"] = round(sum(row.values()) / len(row), 2)
   return row, results

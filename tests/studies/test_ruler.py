@@ -10,7 +10,8 @@ import re
 import pytest
 
 from kvjax.interop.tokenizer import TextTokenizer
-from kvjax.studies import ruler
+from kvjax.studies import ruler_answers
+from kvjax.studies.measure import PROTOCOLS
 from kvjax.studies.ruler_prompts import TooShort
 from kvjax.studies.ruler_tasks import TASKS, make_sample
 from kvjax.studies.scoring import score
@@ -116,7 +117,7 @@ def test_scoring_counts_the_references_found():
     {"task": "cwe", "length": 512, "score": 0.0},
     {"task": "vt", "length": 1024, "score": 0.25},
   ]
-  assert ruler.summary(rows) == {
+  assert ruler_answers.summary(rows) == {
     "tasks": {"512": {"vt": 75.0, "cwe": 0.0}, "1024": {"vt": 25.0}},
     "lengths": {"512": 37.5, "1024": 25.0},
     "overall": pytest.approx(100 / 3, abs=0.01),
@@ -125,17 +126,17 @@ def test_scoring_counts_the_references_found():
 
 def test_mistakes_are_refused_by_name(tokenizer):
   with pytest.raises(ValueError, match="unknown RULER task 'niah_single_9'"):
-    ruler.build(tokenizer, ["niah_single_1", "niah_single_9"], [1024], 1)
+    ruler_answers.build(tokenizer, ["niah_single_1", "niah_single_9"], [1024], 1)
   with pytest.raises(TooShort, match=r"RULER task vt: length 200 is too short .*\(at least \d+ tokens"):
     make_sample(tokenizer, "vt", 200, 0)
   with pytest.raises(TooShort, match="RULER task niah_multikey_1: length 100 is too short"):
     make_sample(tokenizer, "niah_multikey_1", 100, 0)
   with pytest.raises(ValueError, match="RULER length 9000 is more than the model's max_len=8192"):
-    ruler.build(tokenizer, ["niah_single_1"], [1024, 9000], 1, max_len=8192)
+    ruler_answers.build(tokenizer, ["niah_single_1"], [1024, 9000], 1, max_len=8192)
   with pytest.raises(ValueError, match="need 1152 positions, more than the model's max_len=1100"):
-    ruler.build(tokenizer, ["niah_single_1"], [1024], 1, max_len=1100)
+    ruler_answers.build(tokenizer, ["niah_single_1"], [1024], 1, max_len=1100)
   with pytest.raises(ValueError, match="template must be one of"):
-    ruler.build(tokenizer, ["vt"], [1024], 1, template="instruct")
+    ruler_answers.build(tokenizer, ["vt"], [1024], 1, template="instruct")
 
 
 def test_both_protocols_give_the_full_cache_s_answers(tokenizer):
@@ -143,9 +144,9 @@ def test_both_protocols_give_the_full_cache_s_answers(tokenizer):
   question (query-agnostic) decodes what one generate over the whole prompt does, and every
   result is scored against its sample's references."""
   model, params = init_params(tiny_config(vocab_size=tokenizer.vocab_size, max_len=300, positions="rope"))
-  samples = [dict(s, answer_tokens=6) for s in ruler.build(tokenizer, ["niah_single_1"], [256], 4)[2:]]
+  samples = [dict(s, answer_tokens=6) for s in ruler_answers.build(tokenizer, ["niah_single_1"], [256], 4)[2:]]
   assert len({len(s["question_ids"]) for s in samples}) == 2  # contexts and questions of two lengths
-  found = {p: ruler.answer(model, params, tokenizer, samples, protocol=p, batch_size=2) for p in ruler.PROTOCOLS}
+  found = {p: ruler_answers.answer(model, params, tokenizer, samples, protocol=p, batch_size=2) for p in PROTOCOLS}
   assert [r["answer"] for r in found["query_agnostic"]] == [r["answer"] for r in found["query_aware"]]
   for s, r in zip(samples, found["query_agnostic"]):
     assert r["id"] == s["id"] and r["method"] == "full"
