@@ -33,6 +33,7 @@ from typing import Any, Callable, ContextManager
 import kvjax
 from kvjax.cli import options
 from kvjax.fields import apply_overrides, config_keys, to_dict
+from kvjax.studies import JOBS
 from kvjax.training import checkpoint, train
 from kvjax.training.config import TrainRun
 from kvjax.training import workdir as workdirs
@@ -54,13 +55,12 @@ LIBRARY_JOBS = {
 
 
 def study_modules() -> dict[str, str]:
-  """{job: the first line of its docstring} of every module of kvjax/studies that defines a
-  function `run` (read from the source, so that listing imports nothing)."""
+  """{job: the first line of its docstring} of every study job (kvjax.studies.JOBS), read from
+  the source, so that listing imports nothing."""
   found = {}
-  for path in sorted(STUDIES.glob("*.py")):
-    tree = ast.parse(path.read_text(), str(path))
-    if any(isinstance(node, ast.FunctionDef) and node.name == "run" for node in tree.body):
-      found[path.stem] = (ast.get_docstring(tree) or "").strip().split("\n")[0]
+  for job in JOBS:
+    path = STUDIES / f"{job}.py"
+    found[job] = (ast.get_docstring(ast.parse(path.read_text(), str(path))) or "").strip().split("\n")[0]
   return found
 
 

@@ -173,3 +173,22 @@ def test_a_config_runs_only_as_a_job_of_its_kind(tmp_path, capsys, config, job, 
   assert cli.main(["run", str(path), "--workdir", str(tmp_path / "w"), "--set", f"job={job!r}"]) == 2
   assert message.format(config=path) in capsys.readouterr().err
   assert not (tmp_path / "w").exists()
+
+
+def test_the_jobs_are_declared_once_and_no_job_imports_another():
+  """kvjax.studies.JOBS names exactly the study modules with a `run`, and pyproject.toml's
+  independence contract (checked by lint-imports in .ci/run) lists the same modules."""
+  import ast
+  import tomllib
+
+  from kvjax.studies import JOBS
+
+  defines_run = {
+    path.stem
+    for path in run.STUDIES.glob("*.py")
+    if any(isinstance(n, ast.FunctionDef) and n.name == "run" for n in ast.parse(path.read_text()).body)
+  }
+  assert set(JOBS) == defines_run
+  contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+  independent = [c["modules"] for c in contracts if c["type"] == "independence"]
+  assert independent == [[f"kvjax.studies.{job}" for job in JOBS]]
