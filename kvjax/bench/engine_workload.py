@@ -15,6 +15,7 @@ import time
 import numpy as np
 
 from kvjax.bench.engine_peer import peer_model, run_continuous, run_static
+from kvjax.bench.harness import greedy_agreement
 from kvjax.cache.config import CacheConfig
 from kvjax.serving.engine import Engine, EngineConfig
 from kvjax.training.config import DataConfig
@@ -93,21 +94,6 @@ def run_kvjax_engine(model, params, requests, engine_config: EngineConfig) -> di
   }
 
 
-def request_agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict:
-  """Greedy agreement over the requests both sides served: the fraction whose whole answers are
-  equal, and the mean fraction of each answer before the first differing token."""
-  pairs = list(zip(ours, theirs))
-  prefix = []
-  for a, b in pairs:
-    same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    prefix.append(same / max(len(a), len(b)))
-  return {
-    "requests": len(pairs),
-    "equal_answers": sum(a == b for a, b in pairs) / len(pairs),
-    "mean_prefix_fraction": float(np.mean(prefix)),
-  }
-
-
 def engine_config(weights: str) -> EngineConfig:
   """16 rows, pages for 16 requests of the workload's longest context (768 tokens)."""
   return EngineConfig(
@@ -163,7 +149,7 @@ def bench_engine(
       "settings": theirs["settings"],
       **summary(requests[:served], theirs["stamps"], theirs["start"]),
     },
-    "agreement": request_agreement(ours["tokens"][:served], theirs["tokens"]),
+    "agreement": greedy_agreement(ours["tokens"][:served], theirs["tokens"]),
   }
   result["requests_per_s_over_hf"] = result["kvjax"]["requests_per_s"] / result["hf"]["requests_per_s"]
   result["latency_p99_over_hf"] = result["kvjax"]["latency_p99_s"] / result["hf"]["latency_p99_s"]

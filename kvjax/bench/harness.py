@@ -1,6 +1,6 @@
 """What the benchmarks on the benchmark model share: the model (BENCH_MODEL, changed with
 `--set model.FIELD=VALUE` through BenchConfig), its random weights, caches filled with random
-positions, the timed decode step, and the machine's rooflines (memory bandwidth, matmul FLOP/s)
+positions, the timed decode step, the greedy agreement of two sides' answers, and the machine's rooflines (memory bandwidth, matmul FLOP/s)
 that decode steps are measured against. The wall-clock timing itself is kvjax.timing's.
 """
 
@@ -105,6 +105,30 @@ def time_decode_step(model, params, cache, steps: int = STEP_REPEATS) -> float:
     return logits
 
   return timed(step, steps)
+
+
+def greedy_agreement(ours, theirs) -> dict:
+  """Greedy agreement of answers with a reference's, answer by answer (token ids, rows of an array
+  or lists of any lengths): answers (pairs compared); equal_answers (the fraction equal whole);
+  equal_tokens (equal positions over the longer answer of each pair, summed); mean_prefix_fraction
+  (the mean share of an answer before its first difference: a near-tie that flips one token
+  changes every token after it); first_divergence (each pair's first differing position, None
+  where equal). The one shape every benchmark reports."""
+  pairs = [(list(map(int, a)), list(map(int, b))) for a, b in zip(ours, theirs)]
+  if not pairs:
+    raise ValueError("greedy_agreement: no answers to compare")
+  first = []
+  for a, b in pairs:
+    at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    first.append(None if a == b else at)
+  longest = [max(len(a), len(b), 1) for a, b in pairs]
+  return {
+    "answers": len(pairs),
+    "equal_answers": sum(f is None for f in first) / len(pairs),
+    "equal_tokens": sum(sum(x == y for x, y in zip(a, b)) for a, b in pairs) / sum(longest),
+    "mean_prefix_fraction": float(np.mean([1.0 if f is None else f / n for f, n in zip(first, longest)])),
+    "first_divergence": first,
+  }
 
 
 def random_prompts(cfg: ModelConfig, batch: int, prompt: int, seed: int = 0):

@@ -8,8 +8,8 @@ the jobs its speed is judged by, every figure from one run on one machine.
               quantize_dynamic int8 copy; static cache) and, at batch 1 with --llamacpp-python,
               llamacpp_{f32,q8_0} (else `llamacpp_skipped` says why); all in alternating
               rounds. Each row: tokens_per_s (whole generate call), seconds (the rounds);
-              agreement_with_float32 / agreement_with_kvjax_float32 ({prompts_agree,
-              first_divergence}); kvjax rows: weight_gb_per_s, bandwidth_fraction,
+              agreement_with_float32 / agreement_with_kvjax_float32
+              (kvjax.bench.harness.greedy_agreement); kvjax rows: weight_gb_per_s, bandwidth_fraction,
               over_hf_same_format, over_hf_best, over_llamacpp_{f32,q8_0} (float32, int8);
               llamacpp rows: own_prefill_s, own_decode_tokens_per_s, gguf.
   perplexity  held-out prose perplexity of each weight format against float32 (kvjax's plain

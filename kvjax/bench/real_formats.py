@@ -25,6 +25,7 @@ import statistics
 import jax
 import numpy as np
 
+from kvjax.bench.harness import greedy_agreement
 from kvjax.bench.llamacpp_peer import FORMATS as LLAMACPP_FORMATS
 from kvjax.bench.llamacpp_peer import LlamaCppPeer
 from kvjax.bench.real_model import hf_greedy_kwargs, import_torch, peak_memory_gib, prose_prompts, reset_peak_memory
@@ -52,13 +53,6 @@ def hf_formats(hf_model) -> tuple[dict, dict]:
   }
   models = {"float32": hf_model, "bfloat16": copy.deepcopy(hf_model).to(torch.bfloat16), "int8": int8}
   return models, notes
-
-
-def agreement(answers: np.ndarray, reference: np.ndarray) -> dict:
-  """Whole-answer greedy agreement of answers [B, N] with reference [B, N], prompt by prompt."""
-  differs = np.asarray(answers) != np.asarray(reference)
-  first = [int(np.argmax(row)) if row.any() else None for row in differs]
-  return {"prompts_agree": sum(f is None for f in first) / len(first), "first_divergence": first}
 
 
 def _keeping(fn, outputs: dict, name: str):
@@ -131,10 +125,10 @@ def bench_decode(model, params, tokenizer, hf_models, bandwidth, *, batches, pro
       seconds = statistics.median(times[name])
       row[name] = {"tokens_per_s": batch * new_tokens / seconds, "seconds": times[name]}
       if side != "kvjax":
-        row[name]["agreement_with_kvjax_float32"] = agreement(answers[name], answers["kvjax_float32"])
+        row[name]["agreement_with_kvjax_float32"] = greedy_agreement(answers[name], answers["kvjax_float32"])
       if fmt not in ("float32", "f32"):
         own = "llamacpp_f32" if side == "llamacpp" else f"{side}_float32"
-        row[name]["agreement_with_float32"] = agreement(answers[name], answers[own])
+        row[name]["agreement_with_float32"] = greedy_agreement(answers[name], answers[own])
       if side == "kvjax":
         row[name]["weight_gb_per_s"] = weight_bytes(stored[fmt]) * new_tokens / seconds / 1e9
         row[name]["bandwidth_fraction"] = row[name]["weight_gb_per_s"] / bandwidth

@@ -26,6 +26,7 @@ import tempfile
 
 import numpy as np
 
+from kvjax.bench.harness import greedy_agreement
 from kvjax.bench.real_long_side import HF_CACHES, SIDES, Cell, read_tokenizer, run_spec
 from kvjax.bench.real_model import check_source, prose_prompts
 from kvjax.bench.registry import PRETRAINED_MODEL, Benchmark, Kind, Option
@@ -100,15 +101,6 @@ def run_cell_process(
   return json.loads(done.stdout.strip().splitlines()[-1]), np.load(spec["ids"])
 
 
-def agreement(ids: np.ndarray, reference: np.ndarray) -> dict:
-  """Greedy agreement of int[B, N] ids with a reference: the fraction of equal tokens, and the
-  mean count of leading tokens equal before a row's first difference (a near-tie that flips one
-  token changes every token after it)."""
-  equal = ids == reference
-  prefix = np.where(equal.all(1), equal.shape[1], np.argmin(equal, axis=1))
-  return {"tokens": float(equal.mean()), "mean_prefix": float(prefix.mean()), "new_tokens": int(equal.shape[1])}
-
-
 def compare(rows: list[dict]) -> None:
   """Adds to each kvjax row its ratios over `transformers`' best cache of the same shape and
   weight format, per phase (seconds: theirs / ours, so above 1 is kvjax faster)."""
@@ -153,7 +145,7 @@ def bench_long_requests(source: str, *, repeats: int = 1, progress=None, **cells
     reference = next((c for c in cells if c.side == "hf" and c.weights == "float32" and c.same_shape(cell)), None)
     if reference is not None:
       row["greedy_agreement_with"] = reference.name
-      row["greedy_agreement"] = agreement(ids[cell], ids[reference])
+      row["greedy_agreement"] = greedy_agreement(ids[cell], ids[reference])
     rows.append(row)
   compare(rows)
   return {"benchmark": "real_long", "source": str(path), "repeats": repeats, "rows": rows}

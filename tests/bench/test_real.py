@@ -5,8 +5,9 @@ whole answers, and what transformers' int8 peer quantizes."""
 import numpy as np
 import pytest
 
-from kvjax.bench.engine_workload import Workload, latency_summary, request_agreement
-from kvjax.bench.real_formats import agreement, hf_formats
+from kvjax.bench.engine_workload import Workload, latency_summary
+from kvjax.bench.harness import greedy_agreement
+from kvjax.bench.real_formats import hf_formats
 from kvjax.interop.tokenizer import TextTokenizer
 from kvjax.training.checkpoint import load_model
 
@@ -21,10 +22,23 @@ def test_latency_summary():
   assert out["per_token_p50_s"] == pytest.approx(0.5) and out["per_token_p99_s"] == pytest.approx(0.5)
 
 
-def test_agreement_counts_equal_answers_and_common_prefixes():
-  out = request_agreement([[1, 2, 3, 4], [5, 6], [7, 8]], [[1, 2, 9, 4], [5, 6], [0, 8]])
-  assert out["requests"] == 3 and out["equal_answers"] == pytest.approx(1 / 3)
-  assert out["mean_prefix_fraction"] == pytest.approx((2 / 4 + 1 + 0) / 3)
+def test_agreement_counts_equal_answers_tokens_and_common_prefixes():
+  """kvjax.bench.harness.greedy_agreement by hand, the one shape every benchmark reports: lists of
+  any lengths (the engine's requests) and rows of arrays (a batch of answers)."""
+  out = greedy_agreement([[1, 2, 3, 4], [5, 6], [7, 8], [1, 2]], [[1, 2, 9, 4], [5, 6], [0, 8], [1, 2, 3]])
+  assert out == {
+    "answers": 4,
+    "equal_answers": 1 / 4,
+    "equal_tokens": (3 + 2 + 1 + 2) / (4 + 2 + 2 + 3),  # equal positions over the longer answer of each pair
+    "mean_prefix_fraction": pytest.approx((2 / 4 + 1 + 0 + 2 / 3) / 4),
+    "first_divergence": [2, None, 0, 2],  # a shorter answer parts where it ends
+  }
+  rows = greedy_agreement(
+    np.array([[5, 6, 7, 8], [1, 2, 0, 4], [0, 9, 9, 0]]), np.array([[5, 6, 7, 8], [1, 2, 3, 4], [9] * 4])
+  )
+  assert rows["equal_answers"] == 1 / 3 and rows["first_divergence"] == [None, 2, 0]
+  with pytest.raises(ValueError, match="no answers"):
+    greedy_agreement([], [])
 
 
 def test_workload_is_seeded_chat_in_range(smollm2):
@@ -39,13 +53,6 @@ def test_workload_is_seeded_chat_in_range(smollm2):
   for _, prompt, new in requests:
     assert 8 <= new <= 16 and len(prompt) <= 96 and prompt[:2] == start
     assert np.asarray(prompt).max() < model.config.vocab_size
-
-
-def test_agreement_is_whole_answers_prompt_by_prompt():
-  reference = np.array([[5, 6, 7, 8], [1, 2, 3, 4], [9, 9, 9, 9]])
-  answers = np.array([[5, 6, 7, 8], [1, 2, 0, 4], [0, 9, 9, 0]])
-  # Prompt 1 differs at position 2 only, prompt 2 at 0 (and 3): one of three agrees whole.
-  assert agreement(answers, reference) == {"prompts_agree": 1 / 3, "first_divergence": [None, 2, 0]}
 
 
 def test_transformers_int8_quantizes_every_linear_and_keeps_the_embedding_float():
