@@ -24,6 +24,7 @@ from kvjax.bench.registry import Benchmark, Option
 from kvjax.cache.config import CacheConfig
 from kvjax.config import ModelConfig
 from kvjax.decoding import decode
+from kvjax.decoding.step_timer import WARMUP
 from kvjax.fields import to_dict
 from kvjax.kernels import attention as attention_kernel
 from kvjax.kernels import matmul
@@ -66,7 +67,7 @@ def bench_decode(
     "matmul_GFLOPs": flops / 1e9,
   }
 
-  cache = filled_cache(model, params, batch, prompt, prompt + STEP_REPEATS + 1, cache_config)
+  cache = filled_cache(model, params, batch, prompt, prompt + STEP_REPEATS + WARMUP, cache_config)
   result["decode_attention_kernel"] = attention_kernel.uses_kernel(cfg.compute_dtype, cache.route)
   step = time_decode_step(model, params, cache)
   step_bytes = decode_step_bytes(cfg, batch, prompt, cache_config)

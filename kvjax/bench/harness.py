@@ -7,6 +7,7 @@ that decode steps are measured against. The wall-clock timing itself is kvjax.ti
 from __future__ import annotations
 
 import dataclasses
+import statistics
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ from kvjax.cache.config import CacheConfig
 from kvjax.cache.fill import filled
 from kvjax.config import ModelConfig
 from kvjax.decoding import decode
+from kvjax.decoding.step_timer import decode_step_seconds
 from kvjax.model.flops import matmul_params
 from kvjax.model.transformer import Transformer
 from kvjax.timing import timed, timed_alternating
@@ -94,17 +96,8 @@ def filled_cache(
 
 
 def time_decode_step(model, params, cache, steps: int = STEP_REPEATS) -> float:
-  """Median seconds of one `decode_step`, the cache donated from step to step. Runs steps + 1
-  steps (one warm-up); a cache without room for them is refused before the first."""
-  tokens = np.zeros((cache.lengths.shape[0],), np.int32)
-  cache.check_room(np.full(tokens.shape, steps + 1))
-
-  def step():
-    nonlocal cache
-    logits, cache = decode.decode_step(model, params, cache, tokens)
-    return logits
-
-  return timed(step, steps)
+  """Median seconds of one `decode_step` (kvjax.decoding.step_timer, the studies' timer too)."""
+  return statistics.median(decode_step_seconds(model, params, cache, steps))
 
 
 def greedy_agreement(ours, theirs) -> dict:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import math
-import time
 from typing import Callable, Sequence
 
 import jax
@@ -35,6 +34,7 @@ from kvjax.cache import kinds
 from kvjax.cache.config import CacheConfig
 from kvjax.cache.fill import filled, filled_evicted
 from kvjax.decoding import decode
+from kvjax.decoding.step_timer import decode_step_seconds
 from kvjax.model.transformer import Transformer
 from kvjax.serving.engine import Engine, EngineConfig
 
@@ -239,12 +239,4 @@ def decode_step_ms(
     cache = filled_evicted(model.config, cache_config, batch, context, max_len)
   else:
     cache = filled(kinds.create(model.config, cache_config, batch, max_len), model.config, context)
-  tokens = np.zeros((batch,), np.int32)
-  times = []
-  for i in range(repeats + 2):  # two warm-up steps: the second call compiles for the cache the first returns
-    start = time.perf_counter()
-    logits, cache = decode.decode_step(model, params, cache, tokens)
-    jax.block_until_ready(logits)
-    if i > 1:
-      times.append(1e3 * (time.perf_counter() - start))
-  return times
+  return [1e3 * s for s in decode_step_seconds(model, params, cache, repeats)]
