@@ -37,3 +37,16 @@ def test_every_headline_number_is_in_the_results():
     if number not in results
   ]
   assert not missing, missing
+
+
+def test_the_design_notes_layers_are_the_import_contracts():
+  """docs/design.md's layer chain, top to bottom, is pyproject.toml's layers contract."""
+  import tomllib
+
+  root = README.parent
+  design = (root / "docs" / "design.md").read_text()
+  chain = re.search(r"## Layers\n\n```\n(.*?)```", design, re.S).group(1)
+  drawn = [part.strip() for part in " ".join(chain.split()).split("->")]
+  contracts = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+  (layers,) = [c["layers"] for c in contracts if c["type"] == "layers"]
+  assert drawn == layers
