@@ -2,7 +2,7 @@
 
 from kvjax.cache.base import KVCache
 from kvjax.cache.contiguous import ContiguousCache
-from kvjax.cache.config import CacheConfig
+from kvjax.cache.config import CacheConfig, cache_name
 from kvjax.cache.kinds import create as create_cache
 from kvjax.cache.paged import PagedCache
 from kvjax.config import ModelConfig
