@@ -18,7 +18,7 @@ import torch
 import transformers
 
 import kvjax
-from kvjax.bench.real_model import hf_greedy_kwargs
+from kvjax.bench.peers.hf_model import hf_greedy_kwargs
 from kvjax.interop.importer import from_gguf, resolve_source
 
 BOS = 2

@@ -7,7 +7,7 @@ import json
 import copy
 import numpy as np
 import torch
-from kvjax.bench.real_model import hf_reference
+from kvjax.bench.peers.hf_model import hf_reference
 from kvjax.interop.importer import resolve_source
 
 torch.set_num_threads(2)

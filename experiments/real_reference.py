@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import transformers
 
-from kvjax.bench.real_model import hf_reference
+from kvjax.bench.peers.hf_model import hf_reference
 from kvjax.cli.run import load_config
 from kvjax.interop.importer import read_model
 from kvjax.studies.real_kv import prose_windows

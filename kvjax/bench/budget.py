@@ -25,7 +25,7 @@ import time
 import jax
 import numpy as np
 
-from kvjax.bench.real_model import check_source
+from kvjax.bench.peers.hf_model import check_source
 from kvjax.bench.registry import PRETRAINED_MODEL, Benchmark, Kind, Option
 from kvjax.cache import kinds
 from kvjax.cache.config import CacheConfig

@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 from kvjax.bench.engine_workload import Workload, run_kvjax_engine, summary
-from kvjax.bench.real_model import prose_prompts
+from kvjax.bench.peers.hf_model import prose_prompts
 from kvjax.bench.registry import PRETRAINED_MODEL, Benchmark, Kind, Option
 from kvjax.cache.config import CacheConfig
 from kvjax.cache.presses import PRESSES, make_press

@@ -1,6 +1,6 @@
 """The engine workload of `kvjax bench engine` and of the engine part of `kvjax bench real`: a seeded
 workload of chat requests arriving over time, served by kvjax.Engine and by transformers
-(kvjax.bench.engine_peer: continuous batching, or padded static batching where that cannot finish
+(kvjax.bench.peers.hf_engine: continuous batching, or padded static batching where that cannot finish
 within the time limit), both with the weights in the same format. Every request makes exactly its
 count of new tokens, greedy, on both sides. Reported for each side: requests and tokens per second,
 time to first token, per-request latency (arrival to last token) and per-token latency (p50 / p99),
@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from kvjax.bench.engine_peer import peer_model, run_continuous, run_static
+from kvjax.bench.peers.hf_engine import peer_model, run_continuous, run_static
 from kvjax.bench.harness import greedy_agreement
 from kvjax.cache.config import CacheConfig
 from kvjax.serving.engine import Engine, EngineConfig

@@ -5,7 +5,7 @@ transformers).
 Without --model both run the same random Llama-style weights of the benchmark model (saved by
 transformers, imported by kvjax.interop). With --model NAME (a named model, a GGUF file or a
 Hugging Face folder) both run that pretrained model on prompts of held-out prose
-(kvjax.bench.real_model), at batch 1 and 8 unless --batch is given.
+(kvjax.bench.peers.hf_model), at batch 1 and 8 unless --batch is given.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import tempfile
 import numpy as np
 
 from kvjax.bench.harness import BENCH_MODEL, BenchConfig, check_generation, random_prompts
-from kvjax.bench.real_model import check_source, hf_greedy_kwargs, import_torch, load_both, prose_prompts
+from kvjax.bench.peers.hf_model import check_source, hf_greedy_kwargs, import_torch, load_both, prose_prompts
 from kvjax.bench.registry import Benchmark, Kind, Option
 from kvjax.config import ModelConfig
 from kvjax.decoding import decode

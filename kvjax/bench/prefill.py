@@ -1,7 +1,7 @@
 """`kvjax bench prefill`: kvjax's prefill of a batch of long prompts against `transformers`'
 forward pass over the same prompts, format for format, in alternating rounds.
 
-Both sides load the same file (kvjax.bench.real_model.load_both) and take the same prose prompts.
+Both sides load the same file (kvjax.bench.peers.hf_model.load_both) and take the same prose prompts.
 kvjax runs `prefill` into a contiguous cache with the last position's logits only; `transformers`
 runs its model with its dynamic cache and `logits_to_keep=1`, so both compute every layer's keys
 and values and one position's logits. Per weight format (float32: both sides float32; bfloat16:
@@ -18,7 +18,7 @@ import statistics
 import jax
 import numpy as np
 
-from kvjax.bench.real_model import check_source, import_torch, load_both, prose_prompts
+from kvjax.bench.peers.hf_model import check_source, import_torch, load_both, prose_prompts
 from kvjax.bench.registry import PRETRAINED_MODEL, Benchmark, Kind, Option
 from kvjax.decoding import decode
 from kvjax.model.weights import store

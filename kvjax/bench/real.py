@@ -46,10 +46,10 @@ import jax.numpy as jnp
 
 from kvjax.bench.codecs import VARIANTS
 from kvjax.bench.engine_workload import Workload, bench_engine
-from kvjax.bench.llamacpp_peer import check_python
+from kvjax.bench.peers.llamacpp import check_python
 from kvjax.bench.real_formats import bench_decode, bench_prefill, hf_formats
 from kvjax.bench.real_long import bench_long_requests
-from kvjax.bench.real_model import check_source, load_both
+from kvjax.bench.peers.hf_model import check_source, load_both
 from kvjax.bench.registry import PRETRAINED_MODEL, Benchmark, Kind, Option
 from kvjax.interop.gguf_file import is_gguf
 from kvjax.model.weights import FORMATS, store

@@ -26,9 +26,9 @@ import jax
 import numpy as np
 
 from kvjax.bench.harness import greedy_agreement
-from kvjax.bench.llamacpp_peer import FORMATS as LLAMACPP_FORMATS
-from kvjax.bench.llamacpp_peer import LlamaCppPeer
-from kvjax.bench.real_model import hf_greedy_kwargs, import_torch, peak_memory_gib, prose_prompts, reset_peak_memory
+from kvjax.bench.peers.llamacpp import FORMATS as LLAMACPP_FORMATS
+from kvjax.bench.peers.llamacpp import LlamaCppPeer
+from kvjax.bench.peers.hf_model import hf_greedy_kwargs, import_torch, peak_memory_gib, prose_prompts, reset_peak_memory
 from kvjax.decoding import decode
 from kvjax.model.weights import FORMATS, store, weight_bytes
 from kvjax.timing import timed_alternating

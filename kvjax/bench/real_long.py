@@ -28,7 +28,7 @@ import numpy as np
 
 from kvjax.bench.harness import greedy_agreement
 from kvjax.bench.real_long_side import HF_CACHES, SIDES, Cell, read_tokenizer, run_spec
-from kvjax.bench.real_model import check_source, prose_prompts
+from kvjax.bench.peers.hf_model import check_source, prose_prompts
 from kvjax.bench.registry import PRETRAINED_MODEL, Benchmark, Kind, Option
 from kvjax.cache.codec import NAMES as CODECS
 from kvjax.interop.importer import read_config, resolve_source

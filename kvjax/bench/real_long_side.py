@@ -24,8 +24,8 @@ import time
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.bench.real_model import peak_memory_gib, reset_peak_memory
-from kvjax.bench.real_model import hf_reference, import_torch
+from kvjax.bench.peers.hf_model import peak_memory_gib, reset_peak_memory
+from kvjax.bench.peers.hf_model import hf_reference, import_torch
 from kvjax.cache.config import CacheConfig
 from kvjax.decoding import decode
 from kvjax.interop.gguf_file import GGUFFile, is_gguf

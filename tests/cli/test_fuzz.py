@@ -26,7 +26,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import kvjax.bench.real_model
+import kvjax.bench.peers.hf_model
 import kvjax.decoding.stream
 import kvjax.interop.hf_export
 import kvjax.kernels.build
@@ -422,11 +422,11 @@ def tripwires(monkeypatch, files):
     (kvjax.training.checkpoint, "save_params"),
     (conversions.KVHeads, "convert"),
     (conversions.ToMLA, "convert"),
-    (kvjax.bench.real_model, "hf_reference"),
+    (kvjax.bench.peers.hf_model, "hf_reference"),
     (kvjax.kernels.build, "build"),
   ):
     monkeypatch.setattr(module, name, tripwire(f"{module.__name__}.{name}"))
-  monkeypatch.setattr(kvjax.bench.real_model, "import_torch", lambda: (NoTorch(), NoTorch()))
+  monkeypatch.setattr(kvjax.bench.peers.hf_model, "import_torch", lambda: (NoTorch(), NoTorch()))
   for benchmark in bench.BENCHMARKS.values():  # each benchmark's measuring functions, bench_*
     module = sys.modules[benchmark.run.__module__]
     for name in [n for n in vars(module) if n.startswith("bench_") and callable(getattr(module, n))]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 
-from kvjax.bench.real_model import import_torch
+from kvjax.bench.peers.hf_model import import_torch
 
 CB_PAGE_SIZE = 256
 
