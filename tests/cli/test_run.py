@@ -45,7 +45,7 @@ def run(study, workdir, progress):
   return rows
 '''
 
-HELPER = '''"""A helper of the studies: no run(), so not a study."""
+HELPER = '''"""A helper of the studies: not a job (kvjax.studies.JOBS), so not a study."""
 
 
 def greet():
@@ -63,8 +63,8 @@ def get_config():
 
 @pytest.fixture
 def studies(tmp_path, monkeypatch):
-  """kvjax/studies holding only the study hello_study and a helper module; its configs folder
-  holds configs/hello_study/greet.py. Returns that config file."""
+  """kvjax/studies holding only the study hello_study (the one job of kvjax.studies.JOBS) and a
+  helper module; its configs folder holds configs/hello_study/greet.py. Returns that config file."""
   folder = tmp_path / "kvjax_studies"
   folder.mkdir()
   (folder / "hello_study.py").write_text(HELLO_STUDY)
@@ -74,6 +74,7 @@ def studies(tmp_path, monkeypatch):
   config = configs / "hello_study" / "greet.py"
   config.write_text(CONFIG.format(job="hello_study"))
   monkeypatch.setattr(run, "STUDIES", folder)
+  monkeypatch.setattr(run, "JOBS", ("hello_study",))
   monkeypatch.setattr(run, "CONFIGS", configs)
   monkeypatch.setattr(kvjax.studies, "__path__", [*kvjax.studies.__path__, str(folder)])
   yield config
