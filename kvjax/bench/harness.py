@@ -1,7 +1,7 @@
 """What the benchmarks on the benchmark model share: the model (BENCH_MODEL, changed with
 `--set model.FIELD=VALUE` through BenchConfig), its random weights, caches filled with random
-positions, the timed decode step, the greedy agreement of two sides' answers, and the machine's rooflines (memory bandwidth, matmul FLOP/s)
-that decode steps are measured against. The wall-clock timing itself is kvjax.timing's.
+positions, the timed decode step, the greedy agreement of two sides' answers, and the machine's
+rooflines (memory bandwidth, matmul FLOP/s) that decode steps are measured against. The wall-clock timing itself is kvjax.timing's.
 """
 
 from __future__ import annotations

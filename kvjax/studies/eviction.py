@@ -145,8 +145,9 @@ def run(study: EvictionStudy, workdir: Path, progress: Callable[[str], None]) ->
   for press, ratio in [(None, 0.0)] + [
     (p, r) for p in study.presses for r in sorted({*study.ratios, *study.recall_ratios})
   ]:
-    name = cache_name(cache(press=press, ratio=ratio))  # named before the tokenizer binds KVzip's prompt
-    cache_config = with_repeat_prompt(cache(press=press, ratio=ratio), tokenizer)
+    unbound = cache(press=press, ratio=ratio)
+    name = cache_name(unbound)  # named before the tokenizer binds KVzip's prompt
+    cache_config = with_repeat_prompt(unbound, tokenizer)
     progress(f"eviction: measuring {press or 'the full cache'}" + (f" at ratio {ratio:g}" if press else ""))
     row = {"press": press or "full cache", "ratio": ratio}
     if press is None or ratio in study.ratios:
