@@ -1,5 +1,5 @@
 """`kvjax bench budget --model NAME`: decoding in bounded memory, an evicting cache pressed back to
-a budget every `interval` tokens (a press's decode_budget, kvjax.cache.budget).
+a budget every `interval` tokens (a press's decode_budget, kvjax.cache.selection).
 
 Reported, as JSON:
   perplexity   held-out prose (kvjax.training.data's "prose" corpus, the model's tokenizer): the

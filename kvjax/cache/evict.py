@@ -22,7 +22,7 @@ most the slots each) and every read goes by positions, in XLA.
 A cache for max_len positions whose first call is `prompt` tokens long has
 S = max_len - (prompt - int(prompt * (1 - ratio))) slots: room for the kept prompt and every
 later token, as kvpress's pipeline keeps them. With per-layer budgets (the press's
-layers="pyramid") layer l keeps press.layer_kept(n, l, L) of a row's n prompt tokens, and every
+layers="pyramid") layer l keeps selection.layer_kept(press, n, l, L) of a row's n prompt tokens, and every
 global layer's storage is the first (largest) layer's S: the deeper layers' spare slots hold
 later tokens, so the cache takes the bytes of its largest layer (row_bytes counts them so), not
 the smaller average of the pyramid.
@@ -56,23 +56,19 @@ import numpy as np
 
 from kvjax import memory
 from kvjax.cache.base import encode, set_bits, size_bucket
-from kvjax.cache.budget import press_to_budget, slot_weights
+from kvjax.cache import selection
 from kvjax.cache.config import CacheConfig, register
 from kvjax.cache.contiguous import ContiguousCache, attend_one, layer_spec as contiguous_spec
-from kvjax.cache.presses import Press
+from kvjax.cache.presses import Press, attention_weights
+from kvjax.cache.selection import kept
 from kvjax.config import ModelConfig
 from kvjax.fields import check_positive_int
 from kvjax.model.attention import Span, Visibility, new_keys
 from kvjax.model.backend import Backend
 from kvjax.model.rope import Rope
-from kvjax.model.transformer import cache_collection, cache_payload
+from kvjax.model.transformer import cache_collection
 
 BOOKKEEPING = {"positions": jnp.dtype(jnp.int32), "scores": jnp.dtype(jnp.float32)}  # per slot and kv head
-
-
-def kept(lengths, ratio: float):
-  """Tokens a press keeps of prompts of `lengths` (ints or an int array): int(n * (1 - ratio))."""
-  return (np.asarray(lengths, np.float64) * (1 - ratio)).astype(np.int64)
 
 
 def slots_for(cache_config: CacheConfig, max_len: int, prompt: int | None) -> int:
@@ -82,27 +78,15 @@ def slots_for(cache_config: CacheConfig, max_len: int, prompt: int | None) -> in
   prompt = max_len if prompt is None else min(prompt, max_len)
   press = cache_config.press
   # The layer that keeps most (pyramid budgets: the first), or KVzip's heads up to their share.
-  most = max(int(press.layer_kept(prompt, 0, 1)), int(kept(prompt, press.storage_ratio)))
+  most = max(int(selection.layer_kept(press, prompt, 0, 1)), int(kept(prompt, press.storage_ratio)))
   slots = int(max_len - (prompt - most))
-  return min(slots, press.decode_budget + press.headroom) if press.decode_budget else slots  # kvjax.cache.budget
+  return min(slots, press.decode_budget + press.headroom) if press.decode_budget else slots  # kvjax.cache.selection
 
 
 def check_model(config: ModelConfig, cache_config: CacheConfig) -> None:
-  """Raises ValueError unless a model of `config` can decode through an evicting cache."""
-  payload = cache_payload(config)
-  if set(payload) != {"k", "v"}:
-    raise ValueError(
-      f"CacheConfig.press={cache_config.press!r}: an evicting cache keeps tokens per kv head; the model "
-      f"caches {sorted(payload)} (MLA's latent, shared by every head), which cannot be evicted per head"
-    )
-  model = cache_config.model(config)
-  if model.all_windowed:
-    whose = "the model's" if cache_config.window is None else "CacheConfig.window's"
-    raise ValueError(
-      f"CacheConfig.press={cache_config.press!r} presses the global layers (window 0), but {whose} "
-      f"window={model.window} windows every layer, so nothing is left to press: drop the press (the "
-      "windows alone bound the cache) or leave a layer global"
-    )
+  """Raises ValueError unless a model of `config` can decode through an evicting cache
+  (kvjax.cache.selection decides, for every evicting layout)."""
+  selection.check(config, cache_config)
 
 
 def layer_spec(model: ModelConfig, codec, batch: int, layer: int, max_len: int, slots: int) -> dict:
@@ -124,18 +108,6 @@ def scatter_heads(buffer: jax.Array, update: jax.Array, slots: jax.Array, axis: 
   index[1] = jnp.arange(buffer.shape[1])[None, :, None]
   index[axis] = slots
   return set_bits(buffer, tuple(index), update.astype(buffer.dtype))
-
-
-def head_budgets(scores: jax.Array, keep: jax.Array, safeguard: float) -> jax.Array:
-  """AdaKV's head-adaptive budgets (Feng et al. 2024): the tokens each kv head keeps when a row
-  keeps its K * keep[b] best tokens over all its heads together, every head first keeping its
-  int(keep * safeguard) best. scores [B, K, T] (-inf: padding), keep int[B] -> int[B, K]."""
-  b, k, t = scores.shape
-  rank = jnp.argsort(jnp.argsort(-scores, axis=-1, stable=True), axis=-1)  # each token's rank in its head
-  safe = (keep * safeguard).astype(jnp.int32)
-  boosted = jnp.where(rank < safe[:, None, None], jnp.inf, scores).reshape(b, k * t)
-  flat_rank = jnp.argsort(jnp.argsort(-boosted, axis=-1, stable=True), axis=-1)  # ties: lower head, earlier position
-  return (flat_rank < (k * keep)[:, None]).reshape(b, k, t).sum(axis=-1, dtype=jnp.int32)
 
 
 @register("evict")
@@ -295,25 +267,23 @@ class EvictedCache(ContiguousCache):
   ) -> dict:
     """A layer's arrays holding the tokens the press keeps of a prompt: new {k, v} [B, K, T, H]
     at positions 0..T-1, q [B, T, N, H] every column's queries, rope the layer's (a press may
-    un-rotate q); layer span.layer keeps press.layer_kept of each row's tokens. `scores` float32
+    un-rotate q); layer span.layer keeps selection.counts of each row's tokens. `scores` float32
     [B, K, T]: the press's prompt_scores when already computed (kvjax.cache.fanout shares them
     between presses of one scorer)."""
-    t = new["k"].shape[2]
-    table = self.press.layer_kept(np.arange(t + 1), span.layer, self.num_layers)  # kept of n tokens, n = 0..T
-    keep = jnp.asarray(table, jnp.int32)[span.lengths]  # [B]
     if scores is None:
       scores = self.press.prompt_scores(q, new["k"], new["v"], span.lengths, rope)
-    scores = scores.astype(jnp.float32)
-    scores = jnp.where(span.valid[:, None], scores, -jnp.inf)
-    order = jnp.argsort(-scores, axis=-1, stable=True)[..., : self.slots]  # [B, K, S]: best first, ties earliest
-    if order.shape[-1] < self.slots:  # a prompt shorter than the slots: the rest stay empty
-      order = jnp.pad(order, ((0, 0), (0, 0), (0, self.slots - order.shape[-1])))
-    keep = jnp.minimum(keep, self.press.decode_budget) if self.press.decode_budget else keep
-    counts = jnp.broadcast_to(jnp.minimum(keep, t)[:, None], scores.shape[:2])  # [B, K]: tokens each head keeps
-    if self.adaptive:
-      counts = jnp.minimum(head_budgets(scores, keep, self.press.safeguard), self.usable().sum(dtype=jnp.int32))
+    scores = jnp.where(span.valid[:, None], scores.astype(jnp.float32), -jnp.inf)
+    room = self.usable().sum(dtype=jnp.int32)
+    counts = selection.counts(self.press, scores, span.lengths, span.layer, self.num_layers, room)
+    return self.keep(new, scores, counts, span.positions)
+
+  def keep(self, new: dict, scores: jax.Array, counts: jax.Array, positions: jax.Array) -> dict:
+    """A global layer's arrays holding, per row and kv head, the counts int[B, K] best-scoring
+    tokens of new {k, v} [B, K, T, H] at positions int[B, T] (scores float32 [B, K, T], -inf:
+    padding), best first in slots 0, 1, ... (kvjax.cache.selection.best_first)."""
+    order = selection.best_first(scores, self.slots)  # [B, K, S]
     held = jnp.arange(self.slots)[None, None, :] < counts[:, :, None]
-    positions = jnp.take_along_axis(jnp.broadcast_to(span.positions[:, None], scores.shape), order, axis=-1)
+    positions = jnp.take_along_axis(jnp.broadcast_to(positions[:, None], scores.shape), order, axis=-1)
     stored = {"positions": jnp.where(held, positions, -1), "scores": jnp.take_along_axis(scores, order, axis=-1)}
     chosen = {name: jnp.take_along_axis(x, order[..., None], axis=2) for name, x in new.items()}  # [B, K, S, H]
     for name, x in encode(self.codec, chosen).items():
@@ -350,7 +320,7 @@ class EvictedCache(ContiguousCache):
   def read(self, stored, query, q_positions, span: Span, backend: Backend):
     if span.window.size:
       return self.ring.read(stored, query, q_positions, span, backend)
-    contiguous = not self.adaptive and not self.press.decode_budget  # a budget leaves holes (kvjax.cache.budget)
+    contiguous = not self.adaptive and not self.press.decode_budget  # a budget leaves holes (kvjax.cache.selection)
     if q_positions.shape[1] == 1 and query.kernel_query is not None and contiguous:
       return backend.cache_attention(
         ("contiguous", self.codec.name),
@@ -375,18 +345,18 @@ class EvictedCache(ContiguousCache):
     return (self.press_to_budget(stored, query, span) if self.press.decode_budget else stored), out
 
   def press_to_budget(self, stored: dict, query, span: Span) -> dict:
-    """A global layer's arrays after a call under the press's decode budget (kvjax.cache.budget):
+    """A global layer's arrays after a call under the press's decode budget (kvjax.cache.selection):
     the held scores updated by the press's decode-time rule, the row pressed back to the budget."""
     scores = stored["scores"]
     if self.press.reads_attention:
-      keys = Visibility(span.positions, stored["positions"], span.window)
-      weights = slot_weights(query.every_q, self.readable(stored)["k"], keys, span.valid)
+      mask = Visibility(span.positions, stored["positions"], span.window).mask() & span.valid[:, None, :, None]
+      weights = attention_weights(query.every_q, self.readable(stored)["k"], mask, transposed=True)
       new = stored["positions"] >= span.positions[:, :1, None]  # [B, K, S]: this call's slots
       scores = self.press.held_scores(scores, weights, span.valid, new)
     budget = self.press.decode_budget
     full = jnp.minimum(self.usable().sum(dtype=jnp.int32), budget + self.press.decode_interval)
     several = span.positions.shape[1] > 1
-    positions = press_to_budget(stored["positions"], scores, full, budget, several)
+    positions = selection.press_to_budget(stored["positions"], scores, full, budget, several)
     return stored | {"positions": positions, "scores": scores}
 
   def resized(self, capacity: int):

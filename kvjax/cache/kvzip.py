@@ -47,7 +47,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache.base import encode
 from kvjax.cache.contiguous import ContiguousCache
 from kvjax.cache.presses import Press
 from kvjax.fields import INT32_MAX, check_nonnegative, check_positive, check_real
@@ -100,6 +99,10 @@ class KVzip(Press):
       raise ValueError(f"KVzip.layerwise must be True or False, got {self.layerwise!r}")
     for name in ("repeat_ids", "resume_ids", "suffix_ids"):
       _token_ids(self, name)
+
+  @property
+  def model_level(self) -> bool:
+    return True
 
   @property
   def uneven_heads(self) -> bool:
@@ -230,18 +233,6 @@ def pressed_layer(cache, new: dict, scores: jax.Array, keep: jax.Array) -> dict:
   """An evicting cache's arrays (kvjax.cache.evict: slots, positions, scores) of one layer
   holding the kept tokens: new {k, v} [B, K, T, H] at positions 0..T-1, scores float32 [B, K, T],
   keep bool [B, K, T]."""
-  t = scores.shape[-1]
-  order = jnp.argsort(-jnp.where(keep, scores, -jnp.inf), axis=-1, stable=True)[..., : cache.slots]
-  if order.shape[-1] < cache.slots:  # a prompt shorter than the slots: the rest stay empty
-    order = jnp.pad(order, ((0, 0), (0, 0), (0, cache.slots - order.shape[-1])))
-  held = jnp.arange(cache.slots)[None, None, :] < keep.sum(axis=-1, dtype=jnp.int32)[..., None]
-  positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), scores.shape)
-  stored = {
-    "positions": jnp.where(held, jnp.take_along_axis(positions, order, axis=-1), -1),
-    "scores": jnp.take_along_axis(scores, order, axis=-1),
-  }
-  chosen = {name: jnp.take_along_axis(x, order[..., None], axis=2) for name, x in new.items()}  # [B, K, S, H]
-  for name, x in encode(cache.codec, chosen).items():
-    transposed = cache.fields[name.removesuffix("_scale")].transposed
-    stored[name] = x.swapaxes(2, 3) if transposed and x.ndim == 4 else x
-  return stored
+  b, _, t = scores.shape
+  positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  return cache.keep(new, jnp.where(keep, scores, -jnp.inf), keep.sum(axis=-1, dtype=jnp.int32), positions)

@@ -21,9 +21,12 @@ as a paged row does, and the evicting layout's cache of kept + generated slots k
 tokens. A one-token read goes through the paged decode route over slots [0, filled]; a longer
 one gathers the pages and masks by the per-head positions.
 
-Refused, in `check_model` (one ValueError each): MLA's latent (kvjax.cache.evict), sliding-window
-layers (a windowed layer would drop tokens as it decodes, which these pages do not) and AdaKV's
-head-adaptive budgets (heads of a row would fill different numbers of slots).
+The tokens kept are chosen as the evicting layout chooses them (kvjax.cache.selection: the
+press's scores from the prompt's queries, keys, values and RoPE, the budget, best first), and
+what these pages cannot hold is refused there by name (kvjax.cache.selection.refusal): MLA's
+latent, sliding-window layers (a windowed layer drops tokens as it decodes, which these pages do
+not), budgets that differ by head (AdaKV, KVzip) or by layer (a pyramid), a model-level press and
+a decode budget.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import memory
-from kvjax.cache import evict
+from kvjax.cache import evict, selection
 from kvjax.cache.base import encode, layer_arrays, set_bits
 from kvjax.cache.config import CacheConfig, register
 from kvjax.cache.paged import PagedCache, attend_pages, check_pool, gather, layer_spec as paged_spec, write_addresses
@@ -57,25 +60,14 @@ def layer_spec(config: ModelConfig, codec, num_pages: int, page_size: int) -> di
 
 
 def check_model(config: ModelConfig, cache_config: CacheConfig) -> None:
-  """Raises ValueError unless a model of `config` can decode through a paged evicting cache."""
-  evict.check_model(config, cache_config)
-  press = cache_config.press
-  if press.heads == "adaptive":
-    raise ValueError(
-      f"CacheConfig.press={press!r}: layout='paged_evict' keeps as many tokens in every kv head "
-      "(a row's pages are shared by its heads); use heads='uniform', or layout='evict' for AdaKV's budgets"
-    )
-  window = cache_config.model(config).window
-  if any(window):
-    raise ValueError(
-      f"layout='paged_evict' presses every layer, but the model's window={window} makes some layers "
-      "sliding-window ones, which it does not keep; use layout='evict' (generate) or the engine without a press"
-    )
+  """Raises ValueError unless a model of `config` can decode through a paged evicting cache
+  (kvjax.cache.selection decides, for every evicting layout)."""
+  selection.check(config, cache_config)
 
 
 def kept_slots(prompt: int, press: Press) -> int:
   """Slots a prompt of `prompt` tokens holds once pressed."""
-  return int(evict.kept(prompt, press.compression_ratio))
+  return int(selection.kept(prompt, press.compression_ratio))
 
 
 @register("paged_evict")
@@ -157,7 +149,7 @@ class PagedEvictCache(PagedCache):
     """Every slot a row will fill must be in one of its real pages (a prompt needs its kept ones)."""
     held = np.asarray(self.filled)
     empty = np.asarray(self.lengths) == 0
-    needed = held + np.where(empty, evict.kept(new_lengths, self.press.compression_ratio), new_lengths)
+    needed = held + np.where(empty, selection.kept(new_lengths, self.press.compression_ratio), new_lengths)
     table = np.asarray(self.page_table)
     pages = -(-needed // self.page_size)
     owned = (table != 0).sum(axis=1)
@@ -183,14 +175,13 @@ class PagedEvictCache(PagedCache):
       )
     return out
 
-  def compress(self, stored: dict, new: dict, q: jax.Array, span: Span) -> dict:
+  def compress(self, stored: dict, new: dict, q: jax.Array, span: Span, rope=None) -> dict:
     """The prompt's kept tokens, best first (ties: earliest), in slots [0, kept): new {k, v}
-    [B, K, T, H] at span.positions, q [B, T, N, H] every column's queries."""
-    t = new["k"].shape[2]
-    keep = jnp.asarray(evict.kept(np.arange(t + 1), self.press.compression_ratio), jnp.int32)[span.lengths]  # [B]
-    scores = self.press.scores(q, new["k"], span.lengths).astype(jnp.float32)  # [B, K, T]
-    scores = jnp.where(span.valid[:, None], scores, -jnp.inf)
-    order = jnp.argsort(-scores, axis=-1, stable=True)  # [B, K, T]
+    [B, K, T, H] at span.positions, q [B, T, N, H] every column's queries, rope the layer's."""
+    scores = self.press.prompt_scores(q, new["k"], new["v"], span.lengths, rope)
+    scores = jnp.where(span.valid[:, None], scores.astype(jnp.float32), -jnp.inf)  # [B, K, T]
+    keep = selection.counts(self.press, scores, span.lengths, span.layer, 1)[:, 0]  # [B]: every head alike
+    order = selection.best_first(scores, scores.shape[-1])
     chosen = {name: jnp.take_along_axis(x, order[..., None], axis=2) for name, x in new.items()}
     positions = jnp.take_along_axis(jnp.broadcast_to(span.positions[:, None], scores.shape), order, axis=-1)
     return self.store(stored, chosen, positions, keep)
@@ -221,6 +212,6 @@ class PagedEvictCache(PagedCache):
   def attend(self, stored, query, q_positions, new, span: Span, backend: Backend):
     if span.from_empty:  # the prompt reads all of itself, then keeps what the press chooses
       out = query.attend(self.as_stored(new), new_keys(q_positions, span))
-      return self.compress(stored, new, query.every_q, span), out
+      return self.compress(stored, new, query.every_q, span, query.rope), out
     stored = self.write(stored, new, span)
     return stored, self.read(stored, query, q_positions, span, backend)

@@ -23,14 +23,10 @@ def applies(cache) -> bool:
 
 
 def check(model: Transformer, cache: EvictedCache) -> None:
-  """ValueError unless KVzip can press a prompt of this model into `cache`."""
+  """ValueError unless KVzip can press a prompt of this model into `cache`: its repeat prompt in
+  the model's tokens (the layers it may press: kvjax.cache.selection, when the cache was made)."""
   if cache.press.compression_ratio > 0:  # ratio 0 keeps every token without a reconstruction
     cache.press.check_prompt(model.config.vocab_size)
-  if any(cache.window):
-    raise ValueError(
-      f"CacheConfig.press={cache.press!r}: KVzip scores keys by a reconstruction over global attention; "
-      f"this cache's layers are windowed ({cache.window}), which it does not press (kvpress refuses Gemma 3 alike)"
-    )
 
 
 def prefill(model: Transformer, params, cache: EvictedCache, tokens: jax.Array, lengths: jax.Array, logits_at=None):

@@ -1,4 +1,4 @@
-"""Pressing an evicting cache to a budget as it decodes (kvjax.cache.budget, the presses'
+"""Pressing an evicting cache to a budget as it decodes (kvjax.cache.selection, the presses'
 decode_budget / decode_interval / prefill_chunk): a budget at or above the length is the full
 cache; every call under a budget is the full forward pass masked to what its queries read (the
 budget and the call's own tokens), through chunked prefill and decode-time eviction; TOVA's and

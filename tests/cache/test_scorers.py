@@ -11,7 +11,7 @@ import pytest
 from conftest import init_params, tiny_config
 from oracles import KeptForward, forward, held, masks_of
 
-from kvjax.cache import kinds
+from kvjax.cache import kinds, selection
 from kvjax.cache.config import CacheConfig
 from kvjax.cache.evict import EvictedCache
 from kvjax.cache.presses import ExpectedAttention, KeyDiff, SnapKV, make_press
@@ -87,15 +87,15 @@ def test_pyramid_budgets_are_kvpress_layer_budgets():
   12 a layer; the top would be 2 * 12 - 12 / 20 = 23.4 > n - window, so it is 20 and the bottom
   2 * 12 - 20 = 4. A prompt too short for the pyramid keeps round(n * (1 - ratio)), at least 1."""
   press = SnapKV(compression_ratio=0.5, window=4, layers="pyramid")
-  assert [int(press.layer_kept(24, layer, 2)) for layer in (0, 1)] == [20, 4]
-  assert [int(press.layer_kept(19, layer, 2)) for layer in (0, 1)] == [15, 4]
-  assert press.layer_kept(np.array([6, 1]), 0, 2).tolist() == [3, 1]  # 6: the bottom 2.85 < window 4
+  assert [int(selection.layer_kept(press, 24, layer, 2)) for layer in (0, 1)] == [20, 4]
+  assert [int(selection.layer_kept(press, 19, layer, 2)) for layer in (0, 1)] == [15, 4]
+  assert selection.layer_kept(press, np.array([6, 1]), 0, 2).tolist() == [3, 1]  # 6: the bottom 2.85 < window 4
   # 100 tokens over 5 layers at ratio 0.75: share 25, bottom 25 / 20 = 1.25 < window, so uniform 25
-  assert SnapKV(compression_ratio=0.75, window=4, layers="pyramid").layer_kept(100, 3, 5) == 25
+  assert selection.layer_kept(SnapKV(compression_ratio=0.75, window=4, layers="pyramid"), 100, 3, 5) == 25
   # window 0 (KeyDiff): 100 tokens, 3 layers, ratio 0.5: bottom 2.5, top 97.5 -> 97.5, 50, 2.5 rounded evenly
   keydiff = KeyDiff(compression_ratio=0.5, layers="pyramid")
-  assert [int(keydiff.layer_kept(100, layer, 3)) for layer in range(3)] == [98, 50, 2]
-  assert SnapKV(window=4, layers="pyramid").layer_kept(24, 1, 2) == 24  # ratio 0 keeps all
+  assert [int(selection.layer_kept(keydiff, 100, layer, 3)) for layer in range(3)] == [98, 50, 2]
+  assert selection.layer_kept(SnapKV(window=4, layers="pyramid"), 24, 1, 2) == 24  # ratio 0 keeps all
 
 
 def test_pyramid_composes_with_any_press_from_the_command_line():
@@ -137,7 +137,7 @@ def test_decoding_through_a_scorer_is_the_forward_masked_to_the_kept_tokens(gqa,
   cache = kinds.create(model.config, CacheConfig(press=press), 2, 23, prompt=prompt)
   logits, cache = decode.extend(model, params, cache, tokens[:, :prompt], lengths)
   counts = [(h >= 0).sum(-1) for h in held(cache)]
-  budgets = [int(press.layer_kept(prompt, layer, 2)) for layer in (0, 1)]
+  budgets = [int(selection.layer_kept(press, prompt, layer, 2)) for layer in (0, 1)]
   if press.heads == "uniform":
     assert [c.max() for c in counts] == [c.min() for c in counts] == budgets
   else:

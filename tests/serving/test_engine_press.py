@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.cache import evict
+from kvjax.cache import selection
 from kvjax.cache.config import CacheConfig
 from kvjax.cache.paged_evict import PagedEvictCache
-from kvjax.cache.presses import KNorm, SnapKV, StreamingLLM
+from kvjax.cache.presses import PRESSES as REGISTERED, KNorm, SnapKV, StreamingLLM, make_press
 from kvjax.serving.engine import Engine, EngineConfig
 from conftest import init_params, tiny_config
 
@@ -76,6 +76,54 @@ def test_engine_with_a_press_is_generate_with_the_press(model_params, name):
     np.testing.assert_array_equal(tokens, want)
 
 
+SMALL = {
+  "snapkv": {"window": 4},
+  "streaming_llm": {"sinks": 2},
+  "expected_attention": {"n_future_positions": 8},
+  "kvzip": {"sinks": 2, "chunk_size": 16, "repeat_ids": (5, 6, 7), "resume_ids": (8, 9), "suffix_ids": (10, 11)},
+}
+BUDGETS = {  # a budget composes with any scorer: each over SnapKV's
+  "adaptive": {"heads": "adaptive"},
+  "pyramid": {"layers": "pyramid"},
+  "decode_budget": {"decode_budget": 8},
+  "prefill_chunk": {"decode_budget": 8, "prefill_chunk": 8},
+}
+# What the engine's pages cannot hold (kvjax.cache.selection.refusal), by the field it names.
+REFUSED = {"kvzip": "model_level", "adaptive": "heads", "pyramid": "layers", "decode_budget": "decode_budget"}
+REFUSED["prefill_chunk"] = "decode_budget"
+
+
+def every_press() -> dict:
+  """Every registered press at ratio 0.5, and every budget over SnapKV."""
+  out = {name: make_press(name, compression_ratio=0.5, **SMALL.get(name, {})) for name in REGISTERED}
+  for budget, fields in BUDGETS.items():
+    out[budget] = make_press("snapkv", compression_ratio=0.5, **SMALL["snapkv"], **fields)
+  return out
+
+
+# The presses whose scores read the most (values and RoPE, attention, key geometry) run in the
+# first tier; the rest of the registry in the second.
+FIRST_TIER = set(REFUSED) | {"expected_attention", "observed", "keydiff"}
+
+
+@pytest.mark.parametrize(
+  "name", [pytest.param(n, marks=() if n in FIRST_TIER else pytest.mark.tier2) for n in sorted(every_press())]
+)
+def test_the_engine_serves_every_press_and_budget_as_generate_or_refuses_it_by_name(model_params, name):
+  """Three ragged requests at once: the engine's tokens are generate's with the same press, or
+  the engine refuses the press naming the field its pages cannot hold."""
+  model, params = model_params
+  press = every_press()[name]
+  if name in REFUSED:
+    with pytest.raises(ValueError, match=rf"CacheConfig.press=.*\({REFUSED[name]}\): layout='paged_evict' cannot"):
+      Engine(model, params, pressed(press))
+    return
+  requests = workload(seed=3, count=3)
+  got, _ = serve(model, params, requests, pressed(press, num_pages=40))
+  for tokens, want in zip(got, generate_each(model, params, requests, press)):
+    np.testing.assert_array_equal(tokens, want)
+
+
 def test_a_request_holds_the_pages_of_its_kept_tokens(model_params):
   model, params = model_params
   press = PRESSES["snapkv"]
@@ -89,7 +137,7 @@ def test_a_request_holds_the_pages_of_its_kept_tokens(model_params):
     steps += 1
     for r in engine.running:
       # After a step the cache holds the kept prompt and every generated token but the newest.
-      held = int(evict.kept(r.prompt.size, press.compression_ratio)) + len(r.generated) - 1
+      held = int(selection.kept(r.prompt.size, press.compression_ratio)) + len(r.generated) - 1
       assert engine.allocator.length(r.id) == held
       assert len(engine.allocator.pages(r.id)) == -(-held // PAGE)
   assert steps > 1 and engine.stats.preemptions == 0
@@ -123,11 +171,8 @@ def test_a_pressed_pool_runs_more_long_prompts_at_once(model_params):
 
 def test_combinations_that_cannot_work_are_refused(model_params):
   model, params = model_params
-  adaptive = SnapKV(compression_ratio=0.5, window=4, heads="adaptive")
-  with pytest.raises(ValueError, match="layout='paged_evict' keeps as many tokens in every kv head"):
-    Engine(model, params, pressed(adaptive))
   windowed = init_params(tiny_config(2, window=(8, 0)))
-  with pytest.raises(ValueError, match=r"layout='paged_evict' presses every layer, but the model's window=\(8, 0\)"):
+  with pytest.raises(ValueError, match=r"\(window\): layout='paged_evict' cannot hold it: the model's window=\(8, 0\)"):
     Engine(*windowed, pressed(PRESSES["knorm"]))
   with pytest.raises(ValueError, match="EngineConfig.allocation='doubling' reserves positions ahead"):
     pressed(PRESSES["knorm"], allocation="doubling")
@@ -150,7 +195,7 @@ def test_a_forked_pressed_prompt_decodes_as_the_evicting_layout(model_params):
   model, params = model_params
   press = PRESSES["snapkv"]
   prompt = (np.arange(14, dtype=np.int32) * 5) % 64
-  held = int(evict.kept(prompt.size, press.compression_ratio))  # 3 slots: one page, shared and not full
+  held = int(selection.kept(prompt.size, press.compression_ratio))  # 3 slots: one page, shared and not full
   alloc = kvjax.PageAllocator(num_pages=9, page_size=PAGE)
   alloc.allocate("a", held)
   cache = PagedEvictCache.create(model.config, 9, PAGE, 1, 4, pressed(press).cache)

@@ -11,11 +11,11 @@ Every press has, beside its own settings (the base class `Press`):
   compression_ratio  the fraction of a prompt's tokens dropped, in [0, 1);
   heads              "uniform" (every kv head keeps as many tokens) or "adaptive" (AdaKV, Feng et
                      al. 2024: a row's budget goes to its heads' best tokens together, each head
-                     first keeping `safeguard` of its share; kvjax.cache.evict.head_budgets);
+                     first keeping `safeguard` of its share; kvjax.cache.selection.head_budgets);
   safeguard          that share, in [0, 1] (read with heads="adaptive" only);
   layers             "uniform" (every layer keeps int(n * (1 - compression_ratio)) of a prompt's n
                      tokens) or "pyramid" (PyramidKV, Cai et al. 2024: budgets that shrink
-                     linearly with depth, the same total over the layers; `layer_kept`, after
+                     linearly with depth, the same total over the layers; kvjax.cache.selection, after
                      kvpress's PyramidKVPress, whose window is the press's min_slots: SnapKV's
                      window, 0 for a press that always keeps nothing);
   beta               the pyramid's steepness, an int >= 1 (the shallowest layer keeps about
@@ -50,7 +50,7 @@ arrivals go first.
 Ties keep the earlier position. Every score is float32 [B, K, T].
 """
 
-from kvjax.cache.presses.base import PRESSES, RECENT, Press, attention_weights, make_press
+from kvjax.cache.presses.base import PRESSES, RECENT, Press, attention_weights, causal_weights, make_press
 
 # One line per press: importing its module defines its class, which enters it in PRESSES.
 from kvjax.cache.presses.streaming_llm import StreamingLLM
@@ -67,6 +67,7 @@ __all__ = [
   "RECENT",
   "Press",
   "attention_weights",
+  "causal_weights",
   "make_press",
   "StreamingLLM",
   "SnapKV",

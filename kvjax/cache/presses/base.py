@@ -8,7 +8,6 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from kvjax.fields import INT32_MAX, Named, check_choice, check_nonnegative, check_positive, check_real
 from kvjax.model.attention import NEG_INF, group_queries, take_rows
@@ -19,23 +18,31 @@ from kvjax.model.rope import Rope
 RECENT = float(2**22)
 
 
-def attention_weights(q: jax.Array, k: jax.Array, columns: jax.Array, lengths: jax.Array) -> jax.Array:
-  """Causal softmax attention of the queries at `columns` over a prompt's keys.
+def attention_weights(q: jax.Array, k: jax.Array, mask: jax.Array, transposed: bool = False) -> jax.Array:
+  """Softmax attention weights of queries over keys, zero where a query does not read a key.
 
   Args:
-    q: [B, T, N, H] every column's queries (rotated); k: [B, K, T, H] (rotated).
-    columns: int[B, W], the query columns (negative: none; its weights are zero).
-    lengths: int[B], the prompt's valid columns (keys past them are padding).
+    q: [B, W, N, H] the queries (rotated); k: [B, K, S, H] the keys ([B, K, H, S] if `transposed`).
+    mask: bool [B, K or 1, W, S], which key each query reads (a query reading none: zeros).
   Returns:
-    float32 [B, K, G, W, T].
+    float32 [B, K, G, W, S].
   """
   h = q.shape[-1]
-  queries = group_queries(take_rows(q, jnp.maximum(columns, 0)), k.shape[1]) * h**-0.5  # [B, W, K, G, H]
-  scores = jnp.einsum("bwkgh,bkth->bkgwt", queries, k.astype(q.dtype), preferred_element_type=jnp.float32)
+  queries = group_queries(q, k.shape[1]) * h**-0.5  # [B, W, K, G, H]
+  spec = "bwkgh,bkhs->bkgws" if transposed else "bwkgh,bksh->bkgws"
+  scores = jnp.einsum(spec, queries, k.astype(q.dtype), preferred_element_type=jnp.float32)
+  weights = jax.nn.softmax(jnp.where(mask[:, :, None], scores, NEG_INF), axis=-1)
+  return jnp.where(mask[:, :, None], weights, 0.0)
+
+
+def causal_weights(q: jax.Array, k: jax.Array, columns: jax.Array, lengths: jax.Array) -> jax.Array:
+  """Causal attention weights (attention_weights) of a prompt's queries at `columns` int[B, W]
+  (negative: none, zero weights) over its keys k [B, K, T, H], q [B, T, N, H] every column's; keys
+  past lengths int[B] are padding. -> float32 [B, K, G, W, T]."""
   keys = jnp.arange(k.shape[2])
   seen = (keys[None, None, :] <= columns[:, :, None]) & (keys[None, None, :] < lengths[:, None, None])  # [B, W, T]
-  weights = jax.nn.softmax(jnp.where(seen[:, None, None], scores, NEG_INF), axis=-1)
-  return jnp.where((columns >= 0)[:, None, None, :, None], weights, 0.0)
+  seen &= (columns >= 0)[:, :, None]
+  return attention_weights(take_rows(q, jnp.maximum(columns, 0)), k, seen[:, None])
 
 
 HEADS = ("uniform", "adaptive")
@@ -112,6 +119,12 @@ class Press(Named):
     return self.compression_ratio
 
   @property
+  def model_level(self) -> bool:
+    """Whether the press scores a prompt in a pass of the whole model (KVzip's reconstruction)
+    rather than inside each layer: the cache's first call runs it (KVCache.first_call)."""
+    return False
+
+  @property
   def uneven_heads(self) -> bool:
     """Whether heads of a row may keep different numbers of a prompt's tokens (the evicting cache
     then reads by positions)."""
@@ -136,27 +149,6 @@ class Press(Named):
     """What the evicting cache calls: `scores`, with the values v [B, K, T, H] and the layer's
     RoPE (None: learned positions) beside, for a press that reads them."""
     return self.scores(q, k, lengths)
-
-  def layer_kept(self, lengths, layer: int, num_layers: int) -> np.ndarray:
-    """Host side: the tokens layer `layer` of `num_layers` keeps of prompts of `lengths` (ints)
-    -> int64 numpy, at most the length. "uniform": int(n * (1 - ratio)); "pyramid": kvpress's
-    PyramidKVPress.get_layer_budget, in float64 as Python computes it (ratio 0 keeps all)."""
-    n = np.asarray(lengths, np.int64)
-    if self.layers == "uniform" or self.compression_ratio == 0:
-      return (n.astype(np.float64) * (1 - self.compression_ratio)).astype(np.int64)
-    return np.minimum(np.vectorize(lambda m: self._pyramid(int(m), layer, num_layers), otypes=[np.int64])(n), n)
-
-  def _pyramid(self, n: int, layer: int, num_layers: int) -> int:
-    window, share = self.min_slots, n * (1 - self.compression_ratio)
-    low = share / self.beta
-    high = share * 2 - low
-    if high >= n - window:
-      high = n - window
-      low = share * 2 - high
-    if not (n >= high >= low >= window):  # too short for a pyramid: the uniform budget, at least 1
-      return max(1, round(n * (1 - self.compression_ratio)))
-    steps = (high - low) / (num_layers - 1) if num_layers > 1 else 0.0
-    return round(high - layer * steps)
 
 
 def last_columns(lengths: jax.Array, window: int) -> jax.Array:

@@ -9,7 +9,7 @@ from typing import ClassVar
 
 import jax.numpy as jnp
 
-from kvjax.cache.presses.base import Press, attention_weights
+from kvjax.cache.presses.base import Press, causal_weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,7 +19,7 @@ class ObservedAttention(Press):
   def scores(self, q, k, lengths):
     t = k.shape[2]
     columns = jnp.where(jnp.arange(t)[None, :] < lengths[:, None], jnp.arange(t)[None, :], -1)  # [B, T]
-    total = attention_weights(q, k, columns, lengths).sum(axis=3)  # [B, K, G, T]
+    total = causal_weights(q, k, columns, lengths).sum(axis=3)  # [B, K, G, T]
     seen_by = jnp.maximum(lengths[:, None] - jnp.arange(t)[None, :], 1)  # queries at or after each key
     return (total / seen_by[:, None, None]).mean(axis=2)
 

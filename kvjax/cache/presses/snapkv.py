@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.fields import INT32_MAX, check_positive
-from kvjax.cache.presses.base import Press, attention_weights, kept_above, last_columns
+from kvjax.cache.presses.base import Press, causal_weights, kept_above, last_columns
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +33,7 @@ class SnapKV(Press):
   def scores(self, q, k, lengths):
     t = k.shape[2]
     columns = last_columns(lengths, self.window)  # [B, W]
-    weights = attention_weights(q, k, columns, lengths)  # [B, K, G, W, T]
+    weights = causal_weights(q, k, columns, lengths)  # [B, K, G, W, T]
     queries = jnp.maximum(jnp.minimum(lengths, self.window), 1)[:, None, None, None]
     score = weights.sum(axis=3) / queries  # [B, K, G, T]: the mean over the row's window queries
     before = jnp.arange(t)[None, :] < (lengths - self.window)[:, None]  # [B, T]: keys before the window

@@ -9,7 +9,7 @@ from typing import ClassVar
 
 import jax.numpy as jnp
 
-from kvjax.cache.presses.base import Press, attention_weights, kept_above
+from kvjax.cache.presses.base import Press, causal_weights, kept_above
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,7 +18,7 @@ class TOVA(Press):
 
   def scores(self, q, k, lengths):
     t = k.shape[2]
-    weights = attention_weights(q, k, (lengths - 1)[:, None], lengths)  # [B, K, G, 1, T]
+    weights = causal_weights(q, k, (lengths - 1)[:, None], lengths)  # [B, K, G, 1, T]
     score = jnp.broadcast_to(weights.mean(axis=(1, 2, 3))[:, None], k.shape[:3])  # every query head's mean
     return kept_above(score, jnp.arange(t)[None, :] == (lengths - 1)[:, None])
 
