@@ -22,7 +22,6 @@ import jax
 from kvjax.cache import stack
 from kvjax.cli.run import load_config
 from kvjax.decoding import decode, many
-from kvjax.interop.kvzip_prompt import with_repeat_prompt
 from kvjax.studies import press_table, ruler_answers
 
 
@@ -60,7 +59,7 @@ def main() -> None:
   configs = [  # refused as the study refuses them: KVzip with the tokenizer's repeat prompt
     c
     for _, p, c in press_table.cells(study)
-    if p == args.protocol and press_table.refusal(model, with_repeat_prompt(c, tokenizer), length) is None
+    if p == args.protocol and press_table.refusal(model, c.bind(tokenizer), length) is None
   ]
   totals: dict = {}
   many.prefill_many = timed(totals, "prefill_many", many.prefill_many)

@@ -31,6 +31,7 @@ def pytest_configure(config):
     if "xla_backend_optimization_level" not in flags:
       os.environ["XLA_FLAGS"] = f"{flags} --xla_backend_optimization_level=0".strip()
 
+
 # Every `kvjax bench` benchmark, sorted: the registry and the command line must both list them.
 BENCHMARK_NAMES = (
   "budget",

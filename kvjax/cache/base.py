@@ -191,6 +191,12 @@ class KVCache(flax.struct.PyTreeNode, kw_only=True):
           f"in a {self.codec.name} cache needs {want.get(name)}"
         )
 
+  def first_call(self, model, params, tokens: jax.Array, lengths: jax.Array, logits_at=None):
+    """The first call from an empty cache when it is not the model's plain forward pass (a
+    model-level press: kvjax.cache.evict): (logits at logits_at, the new cache); None (the
+    default) for the plain forward. Traced, inside the decode functions' jit."""
+    return None
+
   def check_room(self, new_lengths: np.ndarray) -> None:
     """Raises ValueError, naming the row, unless row b can take new_lengths[b] more tokens.
     Called before compute: a write past the storage must never reach the device."""

@@ -182,6 +182,12 @@ class CacheConfig:
   def replace(self, **changes) -> "CacheConfig":
     return dataclasses.replace(self, **changes)
 
+  def bind(self, tokenizer) -> "CacheConfig":
+    """This config with its press bound to a model's tokenizer (Press.bind: KVzip's repeat
+    prompt in the model's ids), as every command and study does once it has loaded a model and
+    its tokenizer (None: a model without one); a config without a press is returned as it is."""
+    return self if self.press is None else self.replace(press=self.press.bind(tokenizer))
+
 
 BUDGET = ("compression_ratio", "heads", "layers")  # the press fields a cache's name spells out
 
@@ -193,7 +199,7 @@ def cache_name(cache_config: CacheConfig) -> str:
   names: experiments/kvpress_reference.py); a codec other than the model's own follows as
   "+<dtype>" ("full+int8", "snapkv+int8@0.5"); every other setting that differs from its default
   follows as ",field=value" ("full,layout=paged", "snapkv@0.5,press.window=32"). Name a
-  cache before a tokenizer binds its prompts into it (kvjax.interop.kvzip_prompt)."""
+  cache before a tokenizer binds its prompts into it (CacheConfig.bind)."""
   press = cache_config.press
   codec = f"+{cache_config.dtype}" if cache_config.dtype else ""
   if press is None:

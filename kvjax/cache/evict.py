@@ -246,6 +246,10 @@ class EvictedCache(ContiguousCache):
     """Slots a row may fill (the budget, when the storage is a bucket's)."""
     return self.slots if self.budget is None else int(self.budget)
 
+  def first_call(self, model, params, tokens, lengths, logits_at=None):
+    """A model-level press's prefill (KVzip's reconstruction, kvjax.cache.kvzip); None otherwise."""
+    return self.press.prefill(model, params, self, tokens, lengths, logits_at) if self.press.model_level else None
+
   def check_room(self, new_lengths: np.ndarray) -> None:
     super().check_room(new_lengths)  # positions up to max_len
     if np.asarray(self.lengths).any() and int(np.max(new_lengths, initial=0)) > self.room:  # a prompt is pressed

@@ -3,8 +3,9 @@ while it reconstructs the context, read again after a "repeat" prompt and teache
 
 Query-agnostic, and a model-level pass: the reconstruction's queries at layer l come out of every
 layer below it, so no layer can score its prompt alone as the other presses do
-(kvjax.cache.presses). The prefill of an evicting cache whose press is KVzip
-(kvjax.decoding.kvzip) therefore runs
+(kvjax.cache.presses). The first call into an evicting cache whose press is KVzip (the cache's
+first-call hook, KVCache.first_call, which the decode functions' traced forward asks) therefore
+runs, in this module
   1. the prompt through a full (contiguous) cache, its logits the prefill's;
   2. per chunk of `chunk_size` context tokens (from `prefix`, the chat template's opening, which
      is not reconstructed), the replay  repeat_ids + suffix_ids + chunk  (a later chunk:
@@ -29,10 +30,11 @@ best and the row's other heads take what it leaves. Later tokens (the question, 
 do under the attention presses: they score above every attention weight and are evicted oldest
 first once a head is full.
 
-The repeat prompt's token ids come from the model's tokenizer (kvjax.interop.kvzip_prompt fills
-them: kvpress's texts and the chat template's opening and reply header); a KVzip without them is
-refused when a prefill needs them. KVzip needs a global-attention model (kvpress refuses Gemma 3):
-windowed layers are refused.
+The repeat prompt's token ids come from the model's tokenizer (KVzip.bind, which CacheConfig.bind
+calls where a model is loaded with its tokenizer: kvpress's texts, and the chat template's opening
+and reply header found as kvpress finds them, by rendering a dummy user turn); a KVzip without
+them is refused when a prefill needs them. KVzip needs a global-attention model (kvpress refuses
+Gemma 3): windowed layers are refused (kvjax.cache.selection).
 
 Scores are float32 [B, K, T] per layer, as every press's.
 """
@@ -47,12 +49,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.cache.config import CacheConfig
 from kvjax.cache.contiguous import ContiguousCache
 from kvjax.cache.presses import Press
 from kvjax.fields import INT32_MAX, check_nonnegative, check_positive, check_real
 from kvjax.model.attention import NEG_INF, Span, group_queries
+from kvjax.model.transformer import Transformer, cache_collection, cache_layers
 
 CONTINUED = 8  # tokens of the previous chunk a later chunk's replay quotes (kvpress's prev_postfix_size)
+REPEAT = "\n\nRepeat the previous context exactly."  # kvpress's KVzipPress.prepare, the first chunk
+RESUME = "\n\nRepeat the part of the previous context exactly, starting with"  # a later chunk
+DUMMY = "dummy context"
 
 
 def _token_ids(press, name: str) -> None:
@@ -116,7 +123,7 @@ class KVzip(Press):
   def replayer(self) -> "KVzip":
     """What a prompt's reconstruction reads (the repeat prompt, chunks, sinks): presses with the
     same replayer score a prompt alike, whatever their ratio, head share or ranking
-    (kvjax.decoding.kvzip.reconstruct)."""
+    (reconstruct)."""
     return dataclasses.replace(self.scorer, head_share=1.0, layerwise=False, compression_ratio=0.5)
 
   def check_prompt(self, vocab_size: int) -> None:
@@ -124,8 +131,8 @@ class KVzip(Press):
     if not self.repeat_ids or not self.resume_ids:
       raise ValueError(
         "KVzip needs its repeat prompt's token ids (KVzip.repeat_ids, resume_ids, suffix_ids, prefix), "
-        "which come from the model's tokenizer: kvjax.interop.kvzip_prompt.with_repeat_prompt(cache_config, "
-        "tokenizer), as `kvjax eval`, `kvjax generate` and the studies do"
+        "which come from the model's tokenizer: CacheConfig.bind(tokenizer), as `kvjax eval`, `kvjax generate` "
+        "and the studies do"
       )
     for name in ("repeat_ids", "resume_ids", "suffix_ids"):
       bad = [i for i in getattr(self, name) if i >= vocab_size]
@@ -133,7 +140,37 @@ class KVzip(Press):
         raise ValueError(f"KVzip.{name} holds token id {bad[0]}, outside [0, vocab_size={vocab_size})")
 
   def scores(self, q, k, lengths):
-    raise ValueError("KVzip scores a prompt in a model-level pass (kvjax.decoding.kvzip), not inside one layer")
+    raise ValueError("KVzip scores a prompt in a model-level pass (KVzip.prefill), not inside one layer")
+
+  def bind(self, tokenizer) -> "KVzip":
+    """This press with its repeat prompt in `tokenizer`'s ids (a kvjax.interop TextTokenizer),
+    unless it has one: kvpress's texts, the chat template's opening (`prefix`, not reconstructed)
+    and reply header (`suffix_ids`). ValueError without a tokenizer."""
+    if self.repeat_ids:
+      return self
+    if tokenizer is None:
+      raise ValueError(
+        f"CacheConfig.press={self!r}: KVzip's repeat prompt is read in the model's tokens, and this model has no tokenizer"
+      )
+    if tokenizer.chat_template is None:
+      prefix, suffix = "", "\n"
+    else:
+      separator = "\n" + "#" * len(DUMMY)
+      text = tokenizer.apply_chat_template([{"role": "user", "content": DUMMY + separator}], add_generation_prompt=True)
+      context, suffix = text.split(separator)
+      prefix = context.split(DUMMY)[0]
+    encode = lambda text: tuple(int(i) for i in tokenizer.encode(text))
+    return dataclasses.replace(
+      self, repeat_ids=encode(REPEAT), resume_ids=encode(RESUME), suffix_ids=encode(suffix), prefix=len(encode(prefix))
+    )
+
+  def prefill(self, model: Transformer, params, cache, tokens: jax.Array, lengths: jax.Array, logits_at=None):
+    """Right-padded prompts tokens int32[B, T], lengths int32[B] into the empty evicting cache
+    `cache` -> (logits as Transformer returns them at logits_at, the pressed cache). Traced."""
+    if self.compression_ratio > 0:  # ratio 0 keeps every token without a reconstruction
+      self.check_prompt(model.config.vocab_size)
+    logits, full, scores = reconstruct(model, params, self, tokens, lengths, logits_at)
+    return logits, fill(model.config, cache, full, scores, lengths)
 
   def replay_room(self, width: int) -> int:
     """Positions a replay of a prompt `width` columns wide takes after it."""
@@ -236,3 +273,54 @@ def pressed_layer(cache, new: dict, scores: jax.Array, keep: jax.Array) -> dict:
   b, _, t = scores.shape
   positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
   return cache.keep(new, jnp.where(keep, scores, -jnp.inf), keep.sum(axis=-1, dtype=jnp.int32), positions)
+
+
+def reconstruct(model: Transformer, params, press: KVzip, tokens: jax.Array, lengths: jax.Array, logits_at=None):
+  """Steps 1 and 2 of KVzip (kvjax.cache.kvzip): the prompt through a full cache, then its
+  reconstruction -> (logits at logits_at, the full ContiguousCache, scores float32 [L, B, K, T]
+  with the sinks raised and the padding -inf). They depend on the press's repeat prompt, chunks
+  and sinks only (KVzip.replayer), so one reconstruction serves every ratio and head share."""
+  config = model.config
+  b, t = tokens.shape
+  room = press.replay_room(t) if press.compression_ratio > 0 else 0  # ratio 0 keeps every token unscored
+  full = ContiguousCache.create(config, b, t + room, CacheConfig())
+  logits, variables = model.apply(
+    {"params": params, "cache": full.layers},
+    tokens,
+    full.replace(layers={}),
+    lengths=lengths,
+    logits_at=logits_at,
+    from_empty=True,
+    mutable=["cache"],
+  )
+  full = full.replace(layers=variables["cache"], lengths=lengths)
+  scores = jnp.zeros((config.num_layers, b, config.num_kv_heads, t), jnp.float32)
+  if press.compression_ratio > 0:
+    for start in press.chunks(t):
+      replay, replay_lengths, end = press.replay(tokens, lengths, start)
+      held = {f.name: getattr(full, f.name) for f in dataclasses.fields(ContiguousCache)}
+      scorer = ReplayCache(**held, chunk_end=end, chunk_start=start, sinks=press.sinks)
+      _, replayed = model.apply(
+        {"params": params, "cache": full.layers},
+        replay,
+        scorer.replace(layers={}),
+        lengths=replay_lengths,
+        mutable=["cache"],
+      )
+      scores = scores + jnp.stack([layer["kvzip"][..., :t] for layer in cache_layers(replayed["cache"])])
+  return logits, full, press.final_scores(scores, lengths)
+
+
+def fill(config, cache, full: ContiguousCache, scores: jax.Array, lengths: jax.Array):
+  """The empty evicting cache `cache` (kvjax.cache.evict, of a model of `config`) holding what its press keeps of the prompt in `full`, scored
+  by `scores` (reconstruct's)."""
+  t = scores.shape[-1]
+  keep = cache.press.kept(scores, lengths, cache.usable().sum(dtype=jnp.int32))
+  stored = cache_layers(full.layers)
+
+  def layer(i):
+    arrays = full.readable(stored[i])
+    new = {"k": arrays["k"][..., :t].swapaxes(2, 3), "v": arrays["v"][:, :, :t]}  # [B, K, T, H]
+    return pressed_layer(cache, new, scores[i], keep[i])
+
+  return cache.replace(layers=cache_collection(config, layer), lengths=cache.lengths + lengths)

@@ -21,7 +21,6 @@ from kvjax.cli import options
 from kvjax.model.weights import store
 from kvjax.decoding.sampling import Sampling
 from kvjax.decoding.stream import TextStream, stream
-from kvjax.interop.kvzip_prompt import with_repeat_prompt
 from kvjax.interop.tokenizer import TextTokenizer
 from kvjax.training import data
 from kvjax.training.checkpoint import load_model
@@ -87,7 +86,7 @@ def continue_text(
     stop_ids=stop_ids,
     rng=jax.random.key(seed),
     mesh=mesh,
-    cache_config=with_repeat_prompt(cache_config or CacheConfig(), tokenizer),
+    cache_config=(cache_config or CacheConfig()).bind(tokenizer),
   ):
     if token in stop_ids:
       break

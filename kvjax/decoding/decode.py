@@ -30,7 +30,6 @@ from kvjax.cache.base import KVCache, size_bucket
 from kvjax.cache import kinds
 from kvjax.cache.config import CacheConfig
 from kvjax.fields import check_positive_int
-from kvjax.decoding import kvzip
 from kvjax.decoding.sampling import Sampling, check_sampling, sample
 from kvjax.kernels import attention as attention_kernel
 from kvjax.kernels import build, matmul
@@ -111,10 +110,12 @@ def forward(
 ):
   """Traced body of every decode function: tokens int32[B, T] with lengths int32[B] written after
   what the cache holds -> (logits float32 [B, T, V], or [B, V] at each row's last new token when
-  `last`; the new cache). A first call into a KVzip cache is KVzip's prefill (kvjax.decoding.kvzip)."""
+  `last`; the new cache). A first call is the cache's own when it has one (KVCache.first_call: a
+  model-level press, KVzip's)."""
   logits_at = jnp.maximum(lengths - 1, 0)[:, None] if last else None
-  if from_empty and kvzip.applies(cache):
-    logits, new = kvzip.prefill(model, params, cache, tokens, lengths, logits_at)
+  hooked = cache.first_call(model, params, tokens, lengths, logits_at) if from_empty else None
+  if hooked is not None:
+    logits, new = hooked
     return (logits[:, 0] if last else logits), new
   logits, variables = model.apply(
     {"params": params, "cache": cache.layers},

@@ -6,7 +6,7 @@ the model once for all the configs that can share a prefill (kvjax.cache.fanout)
 compresses what a layer stores after the layer has attended over the whole prompt, so the
 prompt's hidden states are those of the full cache whatever the press; presses differing only in
 ratio or budget (AdaKV heads, pyramid layers) score each layer once; KVzip's reconstruction runs
-once for all its ratios and head shares (kvjax.decoding.kvzip.reconstruct). One prefill is shared
+once for all its ratios and head shares (kvjax.cache.kvzip.reconstruct). One prefill is shared
 by configs whose prompt reads back alike: one per codec and rotation (a press with dtype="int8"
 shares with the int8 full cache, not with float32). A config that prefills on its own, through
 `prefill`: a press with a chunked prefill under a budget (prefill_chunk: each chunk reads the
@@ -36,8 +36,9 @@ from kvjax.cache import kinds, stack as stacking
 from kvjax.cache.base import size_bucket
 from kvjax.cache.config import CacheConfig
 from kvjax.cache.fanout import Fanout, shares_prefill
+from kvjax.cache import kvzip
 from kvjax.cache.kvzip import KVzip
-from kvjax.decoding import decode, kvzip
+from kvjax.decoding import decode
 from kvjax.fields import check_positive_int
 from kvjax.model.transformer import Transformer
 
@@ -108,7 +109,7 @@ def prefill_many(
     cache = kinds.create(model.config, c, tokens.shape[0], max_len, prompt=tokens.shape[1], bucket=True)
     decode.check_cache(model, cache, lengths)
     if isinstance(c.press, KVzip) and c.press.compression_ratio > 0:
-      kvzip.check(model, cache)
+      c.press.check_prompt(model.config.vocab_size)
       replays.setdefault(c.press.replayer, []).append((i, cache))
       continue
     group = next((g for g in groups if shares_prefill(g[0][1], cache)), None)

@@ -34,7 +34,6 @@ from kvjax.cache.config import CacheConfig, cache_name
 from kvjax.cache.presses import PRESSES
 from kvjax.fields import check_positive, check_nonnegative
 from kvjax.interop.importer import read_model
-from kvjax.interop.kvzip_prompt import with_repeat_prompt
 from kvjax.model.transformer import Transformer
 from kvjax.studies import measure, report
 from kvjax.studies.measure import PROTOCOLS
@@ -147,7 +146,7 @@ def run(study: EvictionStudy, workdir: Path, progress: Callable[[str], None]) ->
   ]:
     unbound = cache(press=press, ratio=ratio)
     name = cache_name(unbound)  # named before the tokenizer binds KVzip's prompt
-    cache_config = with_repeat_prompt(unbound, tokenizer)
+    cache_config = unbound.bind(tokenizer)
     progress(f"eviction: measuring {press or 'the full cache'}" + (f" at ratio {ratio:g}" if press else ""))
     row = {"press": press or "full cache", "ratio": ratio}
     if press is None or ratio in study.ratios:

@@ -11,7 +11,6 @@ import numpy as np
 
 from kvjax.cache.config import CacheConfig, cache_name
 from kvjax.fields import to_dict
-from kvjax.interop.kvzip_prompt import with_repeat_prompt
 from kvjax.interop.tokenizer import TextTokenizer
 from kvjax.model.transformer import Transformer
 from kvjax.model.weights import check_format, store
@@ -94,7 +93,7 @@ def passkey_checkpoint(
     needs="the pass-key test is for tokenized models (the byte-level recall test serves models trained here)",
   )
   params = store(params, weights)
-  cache_config = with_repeat_prompt(cache_config or CacheConfig(), tokenizer)
+  cache_config = (cache_config or CacheConfig()).bind(tokenizer)
   inputs = all_samples(tokenizer, config)
   found = passkey(
     model, params, tokenizer, config, cache_config=cache_config, inputs=inputs, method=cache_name(cache_config)

@@ -39,8 +39,7 @@ import numpy as np
 from kvjax.cache import kinds
 from kvjax.cache.config import CacheConfig, cache_name
 from kvjax.cache.presses import make_press
-from kvjax.decoding import kvzip, many
-from kvjax.interop.kvzip_prompt import with_repeat_prompt
+from kvjax.decoding import many
 from kvjax.fields import check_nonnegative, check_positive
 from kvjax.studies import measure, report
 from kvjax.studies.measure import PROTOCOLS
@@ -157,9 +156,9 @@ def refusal(model, cache_config: CacheConfig, length: int) -> str | None:
   """Why a model cannot decode a `length`-token prompt through caches of cache_config (KVzip on
   windowed layers, say), or None."""
   try:
-    cache = kinds.create(model.config, cache_config, 1, length, prompt=length)
-    if kvzip.applies(cache):
-      kvzip.check(model, cache)
+    kinds.create(model.config, cache_config, 1, length, prompt=length)
+    if cache_config.press is not None and cache_config.press.compression_ratio > 0:
+      cache_config.press.check_prompt(model.config.vocab_size)
   except ValueError as e:
     return str(e)
   return None
@@ -220,7 +219,7 @@ def run_model(study: PressTableStudy, source: str, workdir: Path, progress: Call
   for length, long in plan:
     todo = []
     for name_, protocol, cache_config in cells(study, long):
-      reason = refusal(model, with_repeat_prompt(cache_config, tokenizer), length)
+      reason = refusal(model, cache_config.bind(tokenizer), length)
       if reason is None:
         todo.append((name_, protocol, cache_config))
       else:

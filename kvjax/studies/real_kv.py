@@ -48,7 +48,6 @@ from kvjax.cache.config import CacheConfig
 from kvjax.conversion.import_model import import_model
 from kvjax.conversion.uptrain import uptrain
 from kvjax.config import ModelConfig
-from kvjax.interop.kvzip_prompt import with_repeat_prompt
 from kvjax.fields import check_choice, check_nonnegative, check_positive, check_real, from_dict, to_dict
 from kvjax.model.weights import check_format, store
 from kvjax.studies import measure, stages, suite
@@ -308,7 +307,7 @@ def measure_row(
 ) -> dict:
   """Every measurement of one model through one cache (windows: {C: prose_windows(C)}; inputs:
   recall_inputs); the per-sample results under "samples" (marked `method`)."""
-  cache_config = with_repeat_prompt(cache_config, tokenizer)
+  cache_config = cache_config.bind(tokenizer)
   row = {"kv_bytes_per_token": measure.kv_bytes_per_token(model.config, cache_config, settings.context)}
   for length, ws in windows.items():
     row[f"perplexity_{length}"] = measure.perplexity(model, params, ws, cache_config, length // 2)

@@ -29,7 +29,6 @@ import numpy as np
 from kvjax.cache.config import CacheConfig, cache_name
 from kvjax.decoding import many
 from kvjax.fields import check_positive_int
-from kvjax.interop.kvzip_prompt import with_repeat_prompt
 from kvjax.interop.tokenizer import TextTokenizer
 from kvjax.model.transformer import Transformer
 from kvjax.studies import measure
@@ -104,7 +103,7 @@ def answer(
     raise ValueError(f"RULER protocol must be one of {PROTOCOLS}, got {protocol!r}")
   check_answer_end(end)
   method = cache_name(cache_config)
-  cache_config = with_repeat_prompt(cache_config, tokenizer)
+  cache_config = cache_config.bind(tokenizer)
   groups: dict[tuple, list[dict]] = {}
   for s in samples:
     groups.setdefault((s["task"], s["length"]), []).append(s)
@@ -163,7 +162,7 @@ def answer_cells(
     raise ValueError(f"RULER protocol must be one of {PROTOCOLS}, got {protocol!r}")
   check_answer_end(end)
   until = line_end(tokenizer) if end == "line" else None
-  configs = [with_repeat_prompt(c, tokenizer) for c in cache_configs]
+  configs = [c.bind(tokenizer) for c in cache_configs]
   context, question = sample["context_ids"], sample["question_ids"]
   prompt = context + question if protocol == "query_aware" else context
   budget = sample["answer_tokens"]

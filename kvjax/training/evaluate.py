@@ -30,7 +30,6 @@ from kvjax.cache.config import CacheConfig
 from kvjax.fields import from_dict, to_dict
 from kvjax.decoding.decode import forward
 from kvjax.training.data import PROSE, Dataset, eval_batches, load_dataset
-from kvjax.interop.kvzip_prompt import with_repeat_prompt
 from kvjax.interop.tokenizer import TextTokenizer
 from kvjax.model.transformer import Transformer
 from kvjax.model.weights import check_format, store
@@ -129,7 +128,7 @@ def evaluate_checkpoint(
   meta = read_meta(workdir, step)
   tokenizer = TextTokenizer.load(workdir, model.config.vocab_size)
   if cache_config is not None:
-    cache_config = with_repeat_prompt(cache_config, tokenizer)
+    cache_config = cache_config.bind(tokenizer)
   data_config = (
     from_dict(DataConfig, config["data"])
     if "data" in config

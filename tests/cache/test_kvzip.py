@@ -1,4 +1,4 @@
-"""KVzip (kvjax.cache.kvzip, kvjax.decoding.kvzip): the tokens it keeps are those a NumPy reading
+"""KVzip (kvjax.cache.kvzip): the tokens it keeps are those a NumPy reading
 of its definition keeps, the reconstruction run as a plain forward pass over the context and its
 replay; decoding after it is the full forward masked to what each layer and head holds; the
 combinations it cannot take are refused, named. (Ratio 0 is the contiguous cache:

@@ -1,4 +1,4 @@
-"""KVzip's repeat prompt in SmolLM2's tokens (kvjax.interop.kvzip_prompt): the ids kvpress's
+"""KVzip's repeat prompt in SmolLM2's tokens (KVzip.bind, CacheConfig.bind): the ids kvpress's
 KVzipPress reads from the same GGUF file's tokenizer through transformers (recorded from kvpress
 0.5.5 / transformers 5.2), and the press filled from a tokenizer, or refused without one."""
 
@@ -9,7 +9,6 @@ import pytest
 from kvjax.cache.config import CacheConfig
 from kvjax.cache.kvzip import KVzip
 from kvjax.cache.presses import SnapKV
-from kvjax.interop.kvzip_prompt import repeat_prompt, with_repeat_prompt
 from kvjax.interop.tokenizer import TextTokenizer
 
 KVPRESS_SMOLLM2 = {
@@ -22,11 +21,10 @@ KVPRESS_SMOLLM2 = {
 
 def test_the_repeat_prompt_is_kvpress_s_in_smollm2_tokens(smollm2):
   tokenizer = TextTokenizer.load(smollm2)
-  assert repeat_prompt(tokenizer) == KVPRESS_SMOLLM2
-  filled = with_repeat_prompt(CacheConfig(press=KVzip(compression_ratio=0.5)), tokenizer)
+  filled = CacheConfig(press=KVzip(compression_ratio=0.5)).bind(tokenizer)
   assert filled.press == KVzip(compression_ratio=0.5, **KVPRESS_SMOLLM2)
-  assert with_repeat_prompt(filled, None) == filled  # already filled: kept
+  assert filled.bind(None) == filled  # already bound: kept
   snapkv = CacheConfig(press=SnapKV(compression_ratio=0.5))
-  assert with_repeat_prompt(snapkv, None) == snapkv and with_repeat_prompt(CacheConfig(), None) == CacheConfig()
+  assert snapkv.bind(None) == snapkv and CacheConfig().bind(None) == CacheConfig()
   with pytest.raises(ValueError, match="has no tokenizer"):
-    with_repeat_prompt(CacheConfig(press=KVzip(compression_ratio=0.5)), None)
+    CacheConfig(press=KVzip(compression_ratio=0.5)).bind(None)

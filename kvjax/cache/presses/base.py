@@ -121,8 +121,23 @@ class Press(Named):
   @property
   def model_level(self) -> bool:
     """Whether the press scores a prompt in a pass of the whole model (KVzip's reconstruction)
-    rather than inside each layer: the cache's first call runs it (KVCache.first_call)."""
+    rather than inside each layer: an evicting cache's first call then runs `prefill`
+    (KVCache.first_call)."""
     return False
+
+  def prefill(self, model, params, cache, tokens: jax.Array, lengths: jax.Array, logits_at=None):
+    """A model-level press's first call into the empty evicting cache `cache`: right-padded
+    prompts tokens int32[B, T], lengths int32[B] -> (logits as the Transformer returns them at
+    logits_at, the pressed cache). Traced."""
+    raise NotImplementedError(f"{type(self).__name__} scores inside each layer; it has no model-level prefill")
+
+  def bind(self, tokenizer) -> Press:
+    """This press with whatever it reads in a model's own tokens taken from `tokenizer` (KVzip's
+    repeat prompt); most presses read none and return themselves (CacheConfig.bind)."""
+    return self
+
+  def check_prompt(self, vocab_size: int) -> None:
+    """Raises ValueError unless the token ids this press holds (bind's) fit a vocabulary of vocab_size."""
 
   @property
   def uneven_heads(self) -> bool:
