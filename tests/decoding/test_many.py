@@ -53,6 +53,19 @@ CONFIGS = _configs()
 # its codec, its pyramid), not every ratio (a ratio changes what is kept, not how it is read).
 ANSWERED = [c for c in CONFIGS if c.press is None or c.press.compression_ratio != 0.25]
 CHUNKED = CacheConfig(press=make_press("knorm", compression_ratio=0.5, decode_budget=16, prefill_chunk=16))
+# The first tier's share: one cache of each way a cache is made and read back (float and int8,
+# a layer press, an attention press, AdaKV's uneven heads, a pyramid, KVzip's model-level pass,
+# a press with a codec); the second tier runs every config.
+FEW = [
+  c
+  for c in ANSWERED
+  if c.press is None
+  or c.dtype is not None
+  or c.press.heads == "adaptive"
+  or c.press.layers == "pyramid"
+  or c.press.name in ("snapkv", "expected_attention")
+  or c.press == dataclasses.replace(KVZIP, compression_ratio=0.5)
+]
 
 
 @pytest.fixture(scope="module")
@@ -67,11 +80,12 @@ def _same(a, b) -> list[str]:
   return [jax.tree_util.keystr(p) for (p, x), (_, y) in zip(left, right) if not np.array_equal(x, y)]
 
 
-@pytest.mark.parametrize("part", range(3))
+@pytest.mark.parametrize("part", ["few", *(pytest.param(p, marks=pytest.mark.tier2) for p in range(3))])
 def test_every_cache_equals_its_own_prefill(model, part):
-  """A third of the configs per test (each compiles its own prefill as the reference)."""
+  """The first tier's few configs, or a third of them all per test (each compiles its own
+  prefill as the reference)."""
   model, params = model
-  configs = (CONFIGS + [CHUNKED])[part::3]
+  configs = FEW + [CHUNKED] if part == "few" else (CONFIGS + [CHUNKED])[part::3]
   many = prefill_many(model, params, TOKENS, LENGTHS, 64, configs)
   for config, (logits, cache) in zip(configs, many):
     ref_logits, ref = decode.prefill(model, params, TOKENS, LENGTHS, 64, logits="last", cache_config=config)
@@ -86,9 +100,15 @@ def test_all_logits_cut_to_the_prompt(model):
   assert logits.shape == (2, 40, 64) and np.array_equal(int8_logits, ref)
 
 
-@pytest.mark.parametrize("protocol", ["query_agnostic", "query_aware"])
-def test_answers_in_one_batch_equal_each_caches_own(model, protocol):
+@pytest.mark.parametrize(
+  "protocol, every",
+  [("query_agnostic", False), ("query_aware", False)]
+  + [pytest.param(p, True, marks=pytest.mark.tier2) for p in ("query_agnostic", "query_aware")],
+)
+def test_answers_in_one_batch_equal_each_caches_own(model, protocol, every):
+  """FEW's caches in the first tier, every press's in the second."""
   model, params = model
+  answered = ANSWERED if every else FEW
   new = 10
   if protocol == "query_agnostic":
     tokens, lengths, kw = TOKENS, LENGTHS, {"question": QUESTION, "question_lengths": ASKED}
@@ -97,11 +117,11 @@ def test_answers_in_one_batch_equal_each_caches_own(model, protocol):
     for r in range(2):
       tokens[r, LENGTHS[r] : LENGTHS[r] + ASKED[r]] = QUESTION[r, : ASKED[r]]
     lengths, kw = LENGTHS + ASKED, {}
-  prefilled = prefill_many(model, params, tokens, lengths, 40 + 6 + new, ANSWERED)
+  prefilled = prefill_many(model, params, tokens, lengths, 40 + 6 + new, answered)
   if protocol == "query_aware":
     kw = {"first": [np.asarray(logits.argmax(-1)) for logits, _ in prefilled]}
   got = answer_many(model, params, [c for _, c in prefilled], new, stop_ids=(3,), **kw)
-  for config, answers in zip(ANSWERED, got):
+  for config, answers in zip(answered, got):
     ref = measure.answers(model, params, tokens, lengths, new, config, stop_ids=(3,), **kw_of(kw))
     assert [a.tolist() for a in answers] == [np.asarray(r).tolist() for r in ref], config
 

@@ -91,8 +91,14 @@ def test_logits_past_the_window_and_greedy_tokens_match_transformers(gemma3, gem
   np.testing.assert_array_equal(greedy, want)
 
 
-def test_planner_keeps_512_positions_on_five_layers_of_six(gemma3):
-  _, config = gemma3
+@pytest.fixture(scope="module")
+def gemma3_config():
+  """Gemma 3 270M's ModelConfig, from the GGUF's metadata alone (no weights are read)."""
+  return importer.read_config(importer.resolve_source("gemma3-270m"))
+
+
+def test_planner_keeps_512_positions_on_five_layers_of_six(gemma3_config):
+  config = gemma3_config
   per_position = 2 * 1 * 256 * 4  # k and v, one kv head of 256, float32
   context = 4096
   want = (3 * context + 15 * WINDOW) * per_position / context
@@ -137,7 +143,7 @@ def _write_gemma3(path, **metadata):
   return path
 
 
-def test_gemma3_variants_and_settings_kvjax_lacks_are_refused_by_name(tmp_path, gemma3):
+def test_gemma3_variants_and_settings_kvjax_lacks_are_refused_by_name(tmp_path, gemma3_config):
   config = importer.read_config(_write_gemma3(tmp_path / "plain.gguf"))
   assert config.window == (8,) * 5 + (0,) and config.rope_local_theta == 10_000.0 and config.qk_norm
   for key, value in [
@@ -149,7 +155,7 @@ def test_gemma3_variants_and_settings_kvjax_lacks_are_refused_by_name(tmp_path, 
       importer.read_config(_write_gemma3(tmp_path / f"{key}.gguf", **{key: value}))
   with pytest.raises(ValueError, match="Gemma 3"):
     importer.config_from_hf({"model_type": "gemma3_text"})
-  _, config = gemma3
+  config = gemma3_config
   with pytest.raises(ValueError, match="rope_local_theta"):
     CacheConfig(window=(256, 0)).model(config)
   for changes, field in [

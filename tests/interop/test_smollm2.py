@@ -40,6 +40,7 @@ def loaded(smollm2):
   return model, params, TextTokenizer.load(smollm2, model.config.vocab_size)
 
 
+@pytest.mark.tier2
 def test_logits_and_greedy_tokens_match_transformers(loaded, reference):
   import torch
 
@@ -70,6 +71,7 @@ def test_logits_and_greedy_tokens_match_transformers(loaded, reference):
   np.testing.assert_array_equal(greedy, want)
 
 
+@pytest.mark.tier2
 def test_prose_perplexity_matches_transformers(loaded, reference):
   import torch
 

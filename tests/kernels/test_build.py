@@ -57,6 +57,7 @@ def test_without_a_compiler_warns_once_and_gives_the_same_tokens(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None, reason="needs a C++ compiler")
+@pytest.mark.tier2
 def test_concurrent_first_builds_share_one_library(tmp_path):
   code = "import json; from kvjax.kernels import build; print(json.dumps(build.build()))"
   env = {**os.environ, "KVJAX_CACHE": str(tmp_path)}

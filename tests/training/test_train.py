@@ -101,8 +101,9 @@ def test_uniform_model_scores_8_bits_per_byte(tmp_path):
   params = param_initializer(model)(jax.random.key(0))
   params = {**params, "lm_head": {"kernel": jnp.zeros_like(params["lm_head"]["kernel"])}}
   metrics = train.evaluate(model, params, data, batch_size=8, num_batches=2)
-  assert metrics["loss"] == pytest.approx(math.log(256), rel=1e-6)
-  assert metrics["bits_per_byte"] == pytest.approx(8.0, rel=1e-6)
+  # float32's log-softmax over 256 tied logits: a few ulps of log(256), more without XLA's optimizations
+  assert metrics["loss"] == pytest.approx(math.log(256), rel=1e-5)
+  assert metrics["bits_per_byte"] == pytest.approx(8.0, rel=1e-5)
   # All logits tie, so argmax predicts byte 0: accuracy is the share of zero bytes in the targets.
   targets = np.concatenate([y for _, y in eval_batches(data.val, 32, 8, 2)])
   assert metrics["accuracy"] == pytest.approx(np.mean(targets == 0))
@@ -244,6 +245,7 @@ def _complete_steps(workdir: Path) -> list[int]:
   return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit()) if folder.is_dir() else []
 
 
+@pytest.mark.tier2
 def test_sigkill_and_resume_is_bitwise_exact(corpus, tmp_path):
   config = tiny_run(str(corpus), steps=600, checkpoint_every=50, log_every=50)
   config_file = tmp_path / "configs" / "resume.py"
