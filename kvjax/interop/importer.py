@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import functools
 import pathlib
 
 import jax
@@ -278,10 +279,17 @@ def _open_gguf(path: str | pathlib.Path, dtype: str | None) -> tuple[GGUFFile, F
 
 def read_config(source: str | pathlib.Path) -> ModelConfig:
   """The ModelConfig of a named model, a GGUF file or a Hugging Face directory, from its metadata
-  or config.json alone (no tensor is read)."""
+  or config.json alone (no tensor is read). A GGUF's is read once per version of the file (its
+  size and modification time): its metadata holds the whole vocabulary, seconds to parse."""
   path = resolve_source(source)
   if not path.is_file():
     return config_from_hf(read_hf_config(path))
+  stat = path.stat()
+  return _gguf_config(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _gguf_config(path: str, size: int, mtime_ns: int) -> ModelConfig:
   f = GGUFFile(path)
   return _gguf_family(f).config_from_gguf(f, "float32")
 
