@@ -73,6 +73,10 @@ def make_press(name: str, ratio: float):
       compression_ratio=ratio, n_future_positions=512, n_sink=4, use_covariance=True, use_vnorm=True, epsilon=0.0
     ),
     "kvzip": lambda: kvpress.KVzipPress(compression_ratio=ratio),
+    "cur": lambda: kvpress.CURPress(
+      compression_ratio=ratio, num_sinks=4, leverage_type="kv_product", local_window_size=16
+    ),
+    "lagkv": lambda: kvpress.LagKVPress(compression_ratio=ratio, n_sink=4, lag_size=128),
   }
   if base not in scorers:
     raise SystemExit(f"--presses: unknown press {base!r}; choose from {sorted(scorers)}")

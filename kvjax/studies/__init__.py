@@ -1,9 +1,12 @@
 """Studies: the jobs `kvjax run` runs (JOBS, one module each, with a config dataclass and
-`run(study, workdir, progress) -> rows`) over a shared layer that no job is: the measurements
-(measure, scoring, report, models, variants, stages), the long-context suite (ruler_tasks,
-ruler_prompts, ruler_answers, passkey, passkey_run, suite) and the helpers of the jobs (gqa,
-real_kv, toy_kv, kv_frontier_report, press_board). No job imports another (pyproject.toml's
-import contract, over the same list)."""
+`run(study, workdir, progress) -> rows`) over a shared layer that no job is, in layers that
+pyproject.toml's import contracts keep (every import points down; no job imports another):
+  the jobs           JOBS below;
+  their helpers      kv_frontier_report, press_board, real_kv, toy_kv, then gqa;
+  the long-context suite  suite; passkey_run, ruler_answers (answers and per-sample records);
+                     ruler_tasks; ruler_prompts; passkey, recall;
+  the measurements   measure (protocols, answers, decode steps), models, report, scoring, stages,
+                     tasks, variants."""
 
 JOBS = (
   "eviction",

@@ -95,6 +95,8 @@ class PressTableStudy:
     "keydiff",
     "expected_attention",
     "kvzip",
+    "cur",
+    "lagkv",
   )
   ratios: tuple[float, ...] = (0.25, 0.5, 0.75, 0.875)
   protocols: tuple[str, ...] = PROTOCOLS

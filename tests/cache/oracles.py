@@ -87,3 +87,39 @@ def masks_of(history, total: int, windows: tuple[tuple[int, int], ...] = ()) -> 
           rows = np.arange(start[row], end[row])
           masks[layer][row, head, rows] = seen[None, :] & causal[rows]
   return masks
+
+
+def kept_by_press(press, q, k, v, lengths, rope) -> np.ndarray:
+  """The positions int[B, K, S] (-1: empty) an evicting cache keeps of a prompt scored by `press`:
+  q [B, T, N, H] rotated, k, v [B, K, T, H], lengths int[B] (a layer of a model of K kv heads)."""
+  from kvjax.cache.config import CacheConfig
+  from kvjax.cache.evict import EvictedCache
+  from kvjax.config import ModelConfig
+  from kvjax.model.attention import Span
+
+  b, t, heads, h = q.shape
+  config = ModelConfig(
+    vocab_size=64,
+    d_model=32,
+    num_layers=1,
+    num_heads=heads,
+    num_kv_heads=k.shape[1],
+    head_dim=h,
+    mlp_dim=64,
+    max_len=max(t, 64),
+  )
+  cache = EvictedCache.rows(config, b, t, CacheConfig(press=press), prompt=t)
+  span = Span(jnp.broadcast_to(jnp.arange(t), (b, t)), jnp.asarray(lengths), from_empty=True)
+  stored = cache.compress({"k": jnp.asarray(k), "v": jnp.asarray(v)}, jnp.asarray(q), span, rope)
+  return np.asarray(stored["positions"])
+
+
+def check_kept(positions: np.ndarray, scores_of, lengths, ratio: float) -> None:
+  """Each row and head of positions (kept_by_press) holds the int(n * (1 - ratio)) best of a
+  NumPy reading's scores_of(b, n) -> [K, n] (ties: the earlier position)."""
+  for b, n in enumerate(lengths):
+    scores = scores_of(b, int(n))
+    for head in range(positions.shape[1]):
+      order = sorted(range(n), key=lambda s: (-scores[head, s], s))
+      want = sorted(order[: int(n * (1 - ratio))])
+      assert sorted(positions[b, head][positions[b, head] >= 0]) == want, (b, head)

@@ -193,3 +193,6 @@ def test_the_jobs_are_declared_once_and_no_job_imports_another():
   contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
   independent = [c["modules"] for c in contracts if c["type"] == "independence"]
   assert independent == [[f"kvjax.studies.{job}" for job in JOBS]]
+  # The studies' layers contract puts the jobs, and only them, on top.
+  (layers,) = [c["layers"] for c in contracts if c.get("containers") == ["kvjax.studies"]]
+  assert sorted(layers[0].split(" | ")) == sorted(JOBS)
