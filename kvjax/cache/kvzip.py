@@ -54,7 +54,7 @@ from kvjax.cache.contiguous import ContiguousCache
 from kvjax.cache.presses import Press
 from kvjax.fields import INT32_MAX, check_nonnegative, check_positive, check_real
 from kvjax.model.attention import NEG_INF, Span, group_queries
-from kvjax.model.transformer import Transformer, cache_collection, cache_layers
+from kvjax.model.transformer import Transformer, apply_cached, cache_collection, cache_layers
 
 CONTINUED = 8  # tokens of the previous chunk a later chunk's replay quotes (kvpress's prev_postfix_size)
 REPEAT = "\n\nRepeat the previous context exactly."  # kvpress's KVzipPress.prepare, the first chunk
@@ -284,30 +284,16 @@ def reconstruct(model: Transformer, params, press: KVzip, tokens: jax.Array, len
   b, t = tokens.shape
   room = press.replay_room(t) if press.compression_ratio > 0 else 0  # ratio 0 keeps every token unscored
   full = ContiguousCache.create(config, b, t + room, CacheConfig())
-  logits, variables = model.apply(
-    {"params": params, "cache": full.layers},
-    tokens,
-    full.replace(layers={}),
-    lengths=lengths,
-    logits_at=logits_at,
-    from_empty=True,
-    mutable=["cache"],
-  )
-  full = full.replace(layers=variables["cache"], lengths=lengths)
+  logits, layers = apply_cached(model, params, full, tokens, lengths, logits_at, from_empty=True)
+  full = full.replace(layers=layers, lengths=lengths)
   scores = jnp.zeros((config.num_layers, b, config.num_kv_heads, t), jnp.float32)
   if press.compression_ratio > 0:
     for start in press.chunks(t):
       replay, replay_lengths, end = press.replay(tokens, lengths, start)
       held = {f.name: getattr(full, f.name) for f in dataclasses.fields(ContiguousCache)}
       scorer = ReplayCache(**held, chunk_end=end, chunk_start=start, sinks=press.sinks)
-      _, replayed = model.apply(
-        {"params": params, "cache": full.layers},
-        replay,
-        scorer.replace(layers={}),
-        lengths=replay_lengths,
-        mutable=["cache"],
-      )
-      scores = scores + jnp.stack([layer["kvzip"][..., :t] for layer in cache_layers(replayed["cache"])])
+      _, replayed = apply_cached(model, params, scorer, replay, replay_lengths)
+      scores = scores + jnp.stack([layer["kvzip"][..., :t] for layer in cache_layers(replayed)])
   return logits, full, press.final_scores(scores, lengths)
 
 

@@ -34,7 +34,7 @@ from kvjax.decoding.sampling import Sampling, check_sampling, sample
 from kvjax.kernels import attention as attention_kernel
 from kvjax.kernels import build, matmul
 from kvjax.model.backend import XLA, Backend, xla_cache_attention, xla_matmul
-from kvjax.model.transformer import Transformer
+from kvjax.model.transformer import Transformer, apply_cached
 
 LOGITS = ("all", "last")
 
@@ -117,16 +117,8 @@ def forward(
   if hooked is not None:
     logits, new = hooked
     return (logits[:, 0] if last else logits), new
-  logits, variables = model.apply(
-    {"params": params, "cache": cache.layers},
-    tokens,
-    cache.replace(layers={}),
-    lengths=lengths,
-    logits_at=logits_at,
-    from_empty=from_empty,
-    mutable=["cache"],
-  )  # the arrays travel in the collection
-  new = cache.replace(layers=variables["cache"], lengths=cache.lengths + lengths)
+  logits, layers = apply_cached(model, params, cache, tokens, lengths, logits_at, from_empty)
+  new = cache.replace(layers=layers, lengths=cache.lengths + lengths)
   return (logits[:, 0] if last else logits), new
 
 

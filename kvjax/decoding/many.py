@@ -40,7 +40,7 @@ from kvjax.cache import kvzip
 from kvjax.cache.kvzip import KVzip
 from kvjax.decoding import decode
 from kvjax.fields import check_positive_int
-from kvjax.model.transformer import Transformer
+from kvjax.model.transformer import Transformer, apply_cached
 
 SHARED = ("contiguous", "evict")  # the layouts a shared prefill fills
 SLOTS = 256  # a stacked batch's slots are a multiple of this: few shapes, little padding to copy
@@ -53,16 +53,8 @@ def _shares(cache_config: CacheConfig) -> bool:
 @functools.partial(jax.jit, static_argnames=("model", "last"))
 def _fanout_prefill(model: Transformer, params, fan: Fanout, tokens, lengths, last: bool):
   logits_at = jnp.maximum(lengths - 1, 0)[:, None] if last else None
-  logits, variables = model.apply(
-    {"params": params, "cache": fan.layers},
-    tokens,
-    fan.replace(layers={}),
-    lengths=lengths,
-    logits_at=logits_at,
-    from_empty=True,
-    mutable=["cache"],
-  )
-  return (logits[:, 0] if last else logits), fan.split(variables["cache"], lengths)
+  logits, layers = apply_cached(model, params, fan, tokens, lengths, logits_at, from_empty=True)
+  return (logits[:, 0] if last else logits), fan.split(layers, lengths)
 
 
 @functools.partial(jax.jit, static_argnames=("model", "last"))

@@ -44,6 +44,22 @@ def cache_layers(collection: dict) -> list[dict]:
   return [collection[f"layers_{i}"]["attn"] for i in range(len(collection))]
 
 
+def apply_cached(model, params, cache, tokens, lengths, logits_at=None, from_empty: bool = False):
+  """The model over tokens int32[B, T] (lengths int32[B]) through `cache`, whose arrays travel in
+  the 'cache' collection (cache.layers) -> (logits as the Transformer returns them at logits_at,
+  the collection after the call)."""
+  logits, variables = model.apply(
+    {"params": params, "cache": cache.layers},
+    tokens,
+    cache.replace(layers={}),
+    lengths=lengths,
+    logits_at=logits_at,
+    from_empty=from_empty,
+    mutable=["cache"],
+  )
+  return logits, variables["cache"]
+
+
 class Mlp(nn.Module):
   config: ModelConfig
   backend: Backend = XLA

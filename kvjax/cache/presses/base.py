@@ -147,8 +147,9 @@ class Press(Named):
 
   def scores(self, q: jax.Array, k: jax.Array, lengths: jax.Array) -> jax.Array:
     """q [B, T, N, H], k [B, K, T, H] of a prompt (columns = positions 0..T-1), lengths int[B]
-    -> float32 [B, K, T]; columns past lengths[b] may hold anything (the cache never keeps them)."""
-    raise NotImplementedError
+    -> float32 [B, K, T]; columns past lengths[b] may hold anything (the cache never keeps them).
+    A press that reads the values or the layer's RoPE overrides prompt_scores instead."""
+    raise NotImplementedError(f"{type(self).__name__} scores through prompt_scores (values, RoPE)")
 
   def arrival_scores(self, k: jax.Array, positions: jax.Array) -> jax.Array:
     """Scores of tokens written after the prompt: k [B, K, T, H] at positions int[B, T] -> [B, K, T]."""

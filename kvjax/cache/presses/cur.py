@@ -34,9 +34,6 @@ class CUR(Press):
   def min_slots(self) -> int:
     return self.sinks
 
-  def scores(self, q, k, lengths):
-    raise ValueError("cur scores keys and values: call prompt_scores")
-
   def prompt_scores(self, q, k, v, lengths, rope):
     valid = jnp.arange(k.shape[2])[None, None, :] < lengths[:, None, None]  # [B, 1, T]
     k2, v2 = (jnp.where(valid, (x.astype(jnp.float32) ** 2).sum(-1), 0.0) for x in (k, v))

@@ -41,9 +41,6 @@ class ExpectedAttention(Press):
     check_real(self, "epsilon", 0, float("inf"))
     object.__setattr__(self, "epsilon", float(self.epsilon))
 
-  def scores(self, q, k, lengths):
-    raise ValueError("expected_attention scores with the values and the layer's RoPE: call prompt_scores")
-
   def prompt_scores(self, q, k, v, lengths, rope):
     b, t, _, h = q.shape
     column = jnp.arange(t)[None, :]

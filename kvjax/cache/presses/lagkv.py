@@ -37,9 +37,6 @@ class LagKV(Press):
   def min_slots(self) -> int:
     return self.sinks
 
-  def scores(self, q, k, lengths):
-    raise ValueError("lagkv scores keys and values: call prompt_scores")
-
   def prompt_scores(self, q, k, v, lengths, rope):
     return jax.vmap(self._row, in_axes=(0, 0, 0))(k.astype(jnp.float32), v.astype(jnp.float32), lengths)
 
