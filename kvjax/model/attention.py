@@ -14,9 +14,8 @@ kind stores what it keeps in the Flax 'cache' collection and hands the query wha
 `NoCache`, the kind of a plain forward pass (training, evaluation), keeps nothing.
 
 Which keys a query reads is decided in one place, `visible`: causal, and within a windowed
-layer's sliding window and sinks (`Window`). Each Attention asks the cache kind for its layer's
-window (the model's, or the one the cache was made with) and puts it on the Span
-(`span.window`), so every kind masks alike.
+layer's sliding window and sinks (`Window`). Each Attention puts its layer's window, as the cache
+kind gives it, on the Span (`span.window`), so every kind masks alike.
 """
 
 from __future__ import annotations

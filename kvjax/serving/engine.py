@@ -36,61 +36,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.cache import kinds
-from kvjax.cache.config import CacheConfig
 from kvjax.cache.paged_evict import kept_slots
-from kvjax.fields import check_choice, check_positive, check_positive_int
+from kvjax.fields import check_positive_int
 from kvjax.decoding.decode import for_decoding, forward, size_bucket
 from kvjax.decoding.sampling import Sampling, sample
 from kvjax.model.transformer import Transformer
-from kvjax.model.weights import FORMATS, store
+from kvjax.model.weights import store
 from kvjax.serving.allocator import OutOfPages, PageAllocator
+from kvjax.serving.config import EngineConfig
 
-ALLOCATIONS = ("paged", "doubling", "max_len")
 MIN_PROMPT_BUCKET = 16
 GREEDY = (0.0, 0, 1.0)
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-  """num_pages counts the null page, so num_pages - 1 pages of cache.page_size tokens hold KV.
-  max_len (longest context, prompt + generated) defaults to ModelConfig.max_len. cache is the
-  paged cache's codec, page size and read (kvjax.cache.config; its layout must be "paged", or
-  "paged_evict" with a press, whose allocation must then be "paged")."""
-
-  num_slots: int = 8
-  num_pages: int = 257
-  max_len: int | None = None
-  allocation: str = "paged"
-  cache: CacheConfig = CacheConfig(layout="paged")
-  stop_ids: tuple[int, ...] = ()  # a request finishes after any of these tokens (the tokenizer's stop_ids)
-  seed: int = 0
-  weights: str = "float32"  # the format the engine stores the weights in (kvjax.model.weights)
-
-  def __post_init__(self):
-    check_positive(self, "num_slots", "num_pages")
-    if not isinstance(self.cache, CacheConfig) or self.cache.layout not in ("paged", "paged_evict"):
-      raise ValueError(
-        f"EngineConfig.cache must be a CacheConfig with layout='paged' (the engine allocates pages), or "
-        f"'paged_evict' with a press, got {self.cache!r}"
-      )
-    if self.cache.press is not None and self.allocation != "paged":
-      raise ValueError(
-        f"EngineConfig.allocation={self.allocation!r} reserves positions ahead, which a pressed prompt "
-        "does not keep; with CacheConfig.press the engine allocates 'paged'"
-      )
-    if self.max_len is not None:
-      check_positive(self, "max_len")
-    if self.num_pages < 2:
-      raise ValueError(f"EngineConfig.num_pages={self.num_pages} leaves no page besides the null page")
-    check_choice(self, "allocation", ALLOCATIONS)
-    check_choice(self, "weights", FORMATS)
-    if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-      raise ValueError(f"EngineConfig.seed must be an integer, got {self.seed!r}")
-    if not isinstance(self.stop_ids, (tuple, list)) or any(
-      isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_ids
-    ):
-      raise ValueError(f"EngineConfig.stop_ids must be a tuple of token ids, got {self.stop_ids!r}")
-    object.__setattr__(self, "stop_ids", tuple(self.stop_ids))
 
 
 @dataclasses.dataclass
