@@ -106,23 +106,19 @@ def recall(model, params, tokenizer, cache_config: CacheConfig, protocol: str, t
   """Recall (%) of the needles `trials` (needles()) through caches of cache_config, and one
   result per needle marked with `name` and the protocol -> (recall, samples)."""
   contexts, question, samples = trials
-  n, c = contexts.shape
-  if protocol == "query_aware":
-    prompts, after = np.concatenate([contexts, np.broadcast_to(question, (n, len(question)))], axis=1), None
-  else:
-    prompts, after = contexts, question
+  prompts, lengths, asked = measure.protocol_inputs(protocol, contexts, [question] * len(contexts))
   rate, results = measure.recall(
     model,
     params,
     prompts,
-    np.full(n, prompts.shape[1], np.int32),
+    lengths,
     samples,
     judge(tokenizer),
     max(s["answer_tokens"] for s in samples),
     cache_config,
     batch_size=study.batch_size,
     stop_ids=tokenizer.stop_ids,
-    question=after,
+    **asked,
   )
   return 100.0 * rate, [{**r, "method": name, "protocol": protocol} for r in results]
 

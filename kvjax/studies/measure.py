@@ -46,6 +46,32 @@ Window = tuple[np.ndarray, np.ndarray]
 PROTOCOLS = ("query_agnostic", "query_aware")
 
 
+def padded(rows) -> tuple[np.ndarray, np.ndarray]:
+  """Token lists (or int arrays) -> (int32 [n, longest] right-padded with 0, lengths int32 [n])."""
+  lengths = np.array([len(r) for r in rows], np.int32)
+  out = np.zeros((len(rows), lengths.max()), np.int32)
+  for i, row in enumerate(rows):
+    out[i, : len(row)] = row
+  return out, lengths
+
+
+def protocol_inputs(protocol: str, contexts, questions) -> tuple[np.ndarray, np.ndarray, dict]:
+  """The one split of the two protocols, for samples of context ids and question ids (lists of
+  token lists or int arrays, one per sample) -> (prompts int32 [n, P] right-padded, lengths int32
+  [n], the keywords of `answers` and `recall`):
+    query_agnostic  kvpress's: the contexts are the prompts (a press compresses them before the
+                    question is known), the questions read after them ({question, question_lengths});
+    query_aware     each context and its question, one prompt (a press sees the question; {})."""
+  if protocol not in PROTOCOLS:
+    raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
+  if protocol == "query_aware":
+    prompts, lengths = padded([list(c) + list(q) for c, q in zip(contexts, questions)])
+    return prompts, lengths, {}
+  prompts, lengths = padded(contexts)
+  question, question_lengths = padded(questions)
+  return prompts, lengths, {"question": question, "question_lengths": question_lengths}
+
+
 def kv_bytes_per_token(config, cache_config: CacheConfig, context: int) -> float:
   """Bytes of a one-row cache of `context` positions holding a `context`-token prompt, over `context`."""
   return kinds.cache_bytes(config, cache_config, 1, context, prompt=context) / context
@@ -201,6 +227,7 @@ def recall(
   batch_size: int | None = None,
   stop_ids: Sequence[int] = (),
   question: np.ndarray | None = None,
+  question_lengths: np.ndarray | None = None,
 ) -> tuple[float, list[dict]]:
   """Recall of examples through a cache -> (the fraction of samples judged a hit, one record per
   sample).
@@ -221,7 +248,8 @@ def recall(
       new_tokens,
       cache_config,
       stop_ids=stop_ids,
-      question=question,
+      question=question if question is None or question.ndim == 1 else question[start : start + step],
+      question_lengths=None if question_lengths is None else question_lengths[start : start + step],
     )
     for i, answer in enumerate(got, start):
       records.append({"index": i, **judge(np.asarray(answer), expected[i])})

@@ -113,34 +113,12 @@ def answer(
     budget = max(s["answer_tokens"] for s in group)
     for start in range(0, len(group), batch_size):
       batch = group[start : start + batch_size]
-      if protocol == "query_aware":
-        prompts, lengths = padded([s["context_ids"] + s["question_ids"] for s in batch])
-        question = asked = None
-      else:
-        prompts, lengths = padded([s["context_ids"] for s in batch])
-        question, asked = padded([s["question_ids"] for s in batch])
-      got = measure.answers(
-        model,
-        params,
-        prompts,
-        lengths,
-        budget,
-        cache_config,
-        stop_ids=tokenizer.stop_ids,
-        question=question,
-        question_lengths=asked,
+      prompts, lengths, asked = measure.protocol_inputs(
+        protocol, [s["context_ids"] for s in batch], [s["question_ids"] for s in batch]
       )
+      got = measure.answers(model, params, prompts, lengths, budget, cache_config, stop_ids=tokenizer.stop_ids, **asked)
       for s, ids in zip(batch, got):
-        text = answer_text(tokenizer, ids, s["answer_tokens"], end)
-        results[s["id"]] = {
-          "id": s["id"],
-          "task": s["task"],
-          "length": s["length"],
-          "method": method,
-          "answer": text,
-          "score": score(text, s["references"]),
-          **{k: s[k] for k in FACTS if k in s},
-        }
+        results[s["id"]] = record(s, method, answer_text(tokenizer, ids, s["answer_tokens"], end))
   return [results[s["id"]] for s in samples]
 
 
@@ -164,43 +142,18 @@ def answer_cells(
   until = line_end(tokenizer) if end == "line" else None
   configs = [c.bind(tokenizer) for c in cache_configs]
   context, question = sample["context_ids"], sample["question_ids"]
-  prompt = context + question if protocol == "query_aware" else context
   budget = sample["answer_tokens"]
   max_len = len(context) + len(question) + budget
-  tokens, lengths = padded([prompt])
+  tokens, lengths, asked = measure.protocol_inputs(protocol, [context], [question])
   prefilled = many.prefill_many(model, params, tokens, lengths, max_len, configs)
   if protocol == "query_aware":
-    first = [np.asarray(jnp.argmax(logits, axis=-1)) for logits, _ in prefilled]
-    got = many.answer_many(
-      model, params, [c for _, c in prefilled], budget, first=first, stop_ids=tokenizer.stop_ids, until=until
-    )
-  else:
-    asked, asked_lengths = padded([question])
-    got = many.answer_many(
-      model,
-      params,
-      [c for _, c in prefilled],
-      budget,
-      question=asked,
-      question_lengths=asked_lengths,
-      stop_ids=tokenizer.stop_ids,
-      until=until,
-    )
-  out = []
-  for config, (ids,) in zip(cache_configs, got):
-    text = answer_text(tokenizer, ids, budget, end)
-    out.append(
-      {
-        "id": sample["id"],
-        "task": sample["task"],
-        "length": sample["length"],
-        "method": cache_name(config),
-        "answer": text,
-        "score": score(text, sample["references"]),
-        **{k: sample[k] for k in FACTS if k in sample},
-      }
-    )
-  return out
+    asked = {"first": [np.asarray(jnp.argmax(logits, axis=-1)) for logits, _ in prefilled]}
+  caches = [c for _, c in prefilled]
+  got = many.answer_many(model, params, caches, budget, stop_ids=tokenizer.stop_ids, until=until, **asked)
+  return [
+    record(sample, cache_name(config), answer_text(tokenizer, ids, budget, end))
+    for config, (ids,) in zip(cache_configs, got)
+  ]
 
 
 def answer_text(tokenizer: TextTokenizer, ids, budget: int, end: str) -> str:
@@ -215,13 +168,18 @@ def line_end(tokenizer: TextTokenizer) -> LineEnd:
   return LineEnd(tokenizer)
 
 
-def padded(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-  """Token lists -> (int32 [n, longest] right-padded with 0, lengths int32 [n])."""
-  lengths = np.array([len(r) for r in rows], np.int32)
-  out = np.zeros((len(rows), lengths.max()), np.int32)
-  for i, row in enumerate(rows):
-    out[i, : len(row)] = row
-  return out, lengths
+def record(sample: dict, method: str, answer: str) -> dict:
+  """The one per-sample record of an answer: the sample's id, task, length, depth / distance, the
+  cache's name (kvjax.cache.cache_name), the answer and its score."""
+  return {
+    "id": sample["id"],
+    "task": sample["task"],
+    "length": sample["length"],
+    "method": method,
+    "answer": answer,
+    "score": score(answer, sample["references"]),
+    **{k: sample[k] for k in FACTS if k in sample},
+  }
 
 
 def summary(results: list[dict]) -> dict:

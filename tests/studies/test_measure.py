@@ -131,3 +131,14 @@ def test_pareto_on_hand_made_rows():
   # Higher y is better: (1, 5) beats every other row.
   assert pareto(rows, "x", "y", lower=False) == [True, False, False, False, False]
   assert pareto([{"x": 1, "y": 1}], "x", "y") == [True]
+
+
+def test_the_protocols_split_one_way():
+  contexts, questions = [[5, 6, 7], [8]], [[1, 2], [3]]
+  prompts, lengths, asked = measure.protocol_inputs("query_aware", contexts, questions)
+  assert prompts.tolist() == [[5, 6, 7, 1, 2], [8, 3, 0, 0, 0]] and lengths.tolist() == [5, 2] and asked == {}
+  prompts, lengths, asked = measure.protocol_inputs("query_agnostic", contexts, questions)
+  assert prompts.tolist() == [[5, 6, 7], [8, 0, 0]] and lengths.tolist() == [3, 1]
+  assert asked["question"].tolist() == [[1, 2], [3, 0]] and asked["question_lengths"].tolist() == [2, 1]
+  with pytest.raises(ValueError, match="protocol must be one of"):
+    measure.protocol_inputs("query_first", contexts, questions)
