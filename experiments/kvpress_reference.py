@@ -77,6 +77,9 @@ def make_press(name: str, ratio: float):
       compression_ratio=ratio, num_sinks=4, leverage_type="kv_product", local_window_size=16
     ),
     "lagkv": lambda: kvpress.LagKVPress(compression_ratio=ratio, n_sink=4, lag_size=128),
+    "chunkkv": lambda: kvpress.ChunkKVPress(
+      press=kvpress.SnapKVPress(compression_ratio=ratio, window_size=64, kernel_size=5), chunk_length=20
+    ),
   }
   if base not in scorers:
     raise SystemExit(f"--presses: unknown press {base!r}; choose from {sorted(scorers)}")

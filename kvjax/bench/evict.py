@@ -23,7 +23,7 @@ from kvjax.cache import kinds
 from kvjax.cache.codec import codec
 from kvjax.cache.config import CacheConfig
 from kvjax.cache.contiguous import attend_one
-from kvjax.cache.evict import kept
+from kvjax.cache.selection import kept
 from kvjax.cache.presses import make_press
 from kvjax.decoding import decode
 from kvjax.interop.importer import read_model

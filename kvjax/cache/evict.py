@@ -60,7 +60,6 @@ from kvjax.cache import selection
 from kvjax.cache.config import CacheConfig, register
 from kvjax.cache.contiguous import ContiguousCache, attend_one, layer_spec as contiguous_spec
 from kvjax.cache.presses import Press, attention_weights
-from kvjax.cache.selection import kept
 from kvjax.config import ModelConfig
 from kvjax.fields import check_positive_int
 from kvjax.model.attention import Span, Visibility, new_keys
@@ -78,7 +77,7 @@ def slots_for(cache_config: CacheConfig, max_len: int, prompt: int | None) -> in
   prompt = max_len if prompt is None else min(prompt, max_len)
   press = cache_config.press
   # The layer that keeps most (pyramid budgets: the first), or KVzip's heads up to their share.
-  most = max(int(selection.layer_kept(press, prompt, 0, 1)), int(kept(prompt, press.storage_ratio)))
+  most = max(int(selection.layer_kept(press, prompt, 0, 1)), press.most_kept(prompt))
   slots = int(max_len - (prompt - most))
   return min(slots, press.decode_budget + press.headroom) if press.decode_budget else slots  # kvjax.cache.selection
 
@@ -278,7 +277,7 @@ class EvictedCache(ContiguousCache):
       scores = self.press.prompt_scores(q, new["k"], new["v"], span.lengths, rope)
     scores = jnp.where(span.valid[:, None], scores.astype(jnp.float32), -jnp.inf)
     room = self.usable().sum(dtype=jnp.int32)
-    counts = selection.counts(self.press, scores, span.lengths, span.layer, self.num_layers, room)
+    scores, counts = selection.choose(self.press, scores, span.lengths, span.layer, self.num_layers, room)
     return self.keep(new, scores, counts, span.positions)
 
   def keep(self, new: dict, scores: jax.Array, counts: jax.Array, positions: jax.Array) -> dict:

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 from kvjax.cache import kinds
 from kvjax.cache.base import KVCache
 from kvjax.cache.config import CacheConfig
-from kvjax.cache.evict import EvictedCache, kept
+from kvjax.cache.evict import EvictedCache
+from kvjax.cache.selection import kept
 from kvjax.config import ModelConfig
 from kvjax.model.attention import Span
 from kvjax.model.transformer import cache_collection, cache_layers

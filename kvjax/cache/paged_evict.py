@@ -180,7 +180,8 @@ class PagedEvictCache(PagedCache):
     [B, K, T, H] at span.positions, q [B, T, N, H] every column's queries, rope the layer's."""
     scores = self.press.prompt_scores(q, new["k"], new["v"], span.lengths, rope)
     scores = jnp.where(span.valid[:, None], scores.astype(jnp.float32), -jnp.inf)  # [B, K, T]
-    keep = selection.counts(self.press, scores, span.lengths, span.layer, 1)[:, 0]  # [B]: every head alike
+    scores, counts = selection.choose(self.press, scores, span.lengths, span.layer, 1)
+    keep = counts[:, 0]  # [B]: every head alike
     order = selection.best_first(scores, scores.shape[-1])
     chosen = {name: jnp.take_along_axis(x, order[..., None], axis=2) for name, x in new.items()}
     positions = jnp.take_along_axis(jnp.broadcast_to(span.positions[:, None], scores.shape), order, axis=-1)

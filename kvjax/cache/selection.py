@@ -86,6 +86,14 @@ def counts(press: Press, scores: jax.Array, lengths: jax.Array, layer: int, num_
   return jnp.broadcast_to(jnp.minimum(keep, t)[:, None], scores.shape[:2])
 
 
+def choose(press: Press, scores: jax.Array, lengths: jax.Array, layer: int, num_layers: int, room=None):
+  """(scores, counts int[B, K]): what a layer keeps of prompts of lengths int[B] scored by `press`
+  (float32 [B, K, T], -inf: padding): the press's own groups (Press.regroup) or each token on its
+  own under the budget (`counts`). A layout keeps each head's counts best, best first."""
+  grouped = press.regroup(scores, lengths)
+  return grouped if grouped is not None else (scores, counts(press, scores, lengths, layer, num_layers, room))
+
+
 def best_first(scores: jax.Array, width: int) -> jax.Array:
   """int[B, K, width]: each head's columns of scores [B, K, T] best first (ties: the earlier),
   cut or padded (with column 0) to `width` slots."""
@@ -150,6 +158,7 @@ def refusal(config: ModelConfig, cache_config) -> str | None:
       "layers keep different numbers of tokens, but a row fills one count of slots",
     ),
     (press.decode_budget > 0, "decode_budget", "it presses while decoding, and pages only grow"),
+    (press.grouped, "grouped", "how many tokens it keeps depends on its scores, which the pages must know ahead"),
     (any(model.window), "window", f"the model's window={model.window} makes some layers sliding-window ones"),
   )
   for refused, field, reason in reasons:

@@ -97,6 +97,7 @@ class PressTableStudy:
     "kvzip",
     "cur",
     "lagkv",
+    "chunkkv",
   )
   ratios: tuple[float, ...] = (0.25, 0.5, 0.75, 0.875)
   protocols: tuple[str, ...] = PROTOCOLS

@@ -14,7 +14,8 @@ from oracles import KeptForward, forward, held, masks_of
 
 from kvjax.cache import kinds
 from kvjax.cache.config import CacheConfig
-from kvjax.cache.evict import EvictedCache, kept, slots_for
+from kvjax.cache.evict import EvictedCache, slots_for
+from kvjax.cache.selection import kept
 from kvjax.cache.presses import PRESSES, TOVA, KNorm, Random, SnapKV, StreamingLLM
 from kvjax.decoding import decode
 from kvjax.model.attention import Span

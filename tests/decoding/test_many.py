@@ -17,7 +17,7 @@ from kvjax.cache import kinds
 from kvjax.cache.config import CacheConfig
 from kvjax.cache.fanout import Fanout
 from kvjax.cache.kvzip import KVzip
-from kvjax.cache.presses import PRESSES, make_press
+from kvjax.cache.presses import PRESSES, SnapKV, make_press
 from kvjax.cache.stack import stack
 from kvjax.decoding import decode
 from kvjax.decoding.many import answer_many, batch_size, prefill_many
@@ -29,7 +29,7 @@ LENGTHS = np.array([40, 33], np.int32)
 QUESTION = RNG.integers(0, 64, (2, 6)).astype(np.int32)
 ASKED = np.array([6, 4], np.int32)
 KVZIP = KVzip(sinks=2, chunk_size=16, prefix=3, repeat_ids=(5, 6, 7), resume_ids=(8, 9), suffix_ids=(10, 11))
-SETTINGS = {"snapkv": {"window": 4}}
+SETTINGS = {"snapkv": {"window": 4}, "chunkkv": {"chunk_length": 8, "scorer": SnapKV(window=4)}}
 
 
 def _configs() -> list[CacheConfig]:

@@ -91,6 +91,7 @@ BUDGETS = {  # a budget composes with any scorer: each over SnapKV's
 # What the engine's pages cannot hold (kvjax.cache.selection.refusal), by the field it names.
 REFUSED = {"kvzip": "model_level", "adaptive": "heads", "pyramid": "layers", "decode_budget": "decode_budget"}
 REFUSED["prefill_chunk"] = "decode_budget"
+REFUSED["chunkkv"] = "grouped"
 
 
 def every_press() -> dict:

@@ -43,7 +43,7 @@ PyramidKVPress, `cache.press.heads=adaptive` AdaKV's.
 
 The presses, one module each (its docstring gives the published definition it follows, and
 kvpress's reading of it): streaming_llm, snapkv, tova, observed, knorm, random, keydiff,
-expected_attention, cur, lagkv. The attention presses (snapkv, tova, observed) score arrivals above any
+expected_attention, cur, lagkv, and chunkkv (whole chunks by any scorer's scores). The attention presses (snapkv, tova, observed) score arrivals above any
 attention weight, in order of position: after the prefill's least attended tokens, the oldest
 arrivals go first.
 
@@ -63,6 +63,7 @@ from kvjax.cache.presses.keydiff import KeyDiff
 from kvjax.cache.presses.expected_attention import ExpectedAttention
 from kvjax.cache.presses.cur import CUR
 from kvjax.cache.presses.lagkv import LagKV
+from kvjax.cache.presses.chunkkv import ChunkKV
 
 __all__ = [
   "PRESSES",
@@ -81,4 +82,5 @@ __all__ = [
   "ExpectedAttention",
   "CUR",
   "LagKV",
+  "ChunkKV",
 ]

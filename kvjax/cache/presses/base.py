@@ -118,6 +118,23 @@ class Press(Named):
     the compression ratio, unless a press's heads may keep more than an even share."""
     return self.compression_ratio
 
+  def most_kept(self, n: int) -> int:
+    """The most tokens of an n-token prompt one head may keep: what the evicting cache's slots hold."""
+    return int(n * (1 - self.storage_ratio))
+
+  @property
+  def grouped(self) -> bool:
+    """Whether the press keeps tokens in groups (`regroup`), so that how many it keeps depends on
+    its scores."""
+    return False
+
+  def regroup(self, scores: jax.Array, lengths: jax.Array):
+    """For a press that keeps tokens in groups (ChunkKV's chunks): (scores float32 [B, K, T], every
+    token of a kept group above every other, counts int[B, K]: the tokens each head keeps) from its
+    scores (-inf: padding) of prompts of lengths int[B]; None (the default): each token on its own,
+    under the press's budget (kvjax.cache.selection)."""
+    return None
+
   @property
   def model_level(self) -> bool:
     """Whether the press scores a prompt in a pass of the whole model (KVzip's reconstruction)
