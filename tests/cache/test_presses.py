@@ -15,7 +15,7 @@ from kvjax.cache.config import CacheConfig
 from kvjax.cache.presses import PRESSES, TOVA, ObservedAttention, Press, Random, SnapKV, StreamingLLM, make_press
 from kvjax.fields import apply_overrides, config_keys, from_dict, to_dict
 
-NAMES = "streaming_llm, snapkv, tova, observed, knorm, random, keydiff, expected_attention, kvzip"
+NAMES = ", ".join(PRESSES)  # the registry, as the errors list it
 
 
 @dataclasses.dataclass(frozen=True)
