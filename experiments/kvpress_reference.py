@@ -45,11 +45,12 @@ import random
 import sys
 import time
 
+import numpy
 import torch
 import transformers
 
 import kvpress
-from kvpress.presses import kvzip_press
+from kvpress.presses import kvzip_press, leverage_press
 
 PROTOCOLS = ("query_agnostic", "query_aware")
 
@@ -77,6 +78,13 @@ def make_press(name: str, ratio: float):
       compression_ratio=ratio, num_sinks=4, leverage_type="kv_product", local_window_size=16
     ),
     "lagkv": lambda: kvpress.LagKVPress(compression_ratio=ratio, n_sink=4, lag_size=128),
+    "leverage": lambda: kvpress.LeverageScorePress(compression_ratio=ratio, sketch_dimension=48),
+    "compactor": lambda: kvpress.CompactorPress(
+      compression_ratio=ratio, sink_size_start=8, sink_size_end=4, chunk_size=256, sketch_dimension=48
+    ),
+    "criticalkv": lambda: kvpress.CriticalKVPress(
+      kvpress.SnapKVPress(compression_ratio=ratio, window_size=64, kernel_size=5), epsilon=1e-4, first_stage_ratio=0.5
+    ),
     "chunkkv": lambda: kvpress.ChunkKVPress(
       press=kvpress.SnapKVPress(compression_ratio=ratio, window_size=64, kernel_size=5), chunk_length=20
     ),
@@ -89,6 +97,23 @@ def make_press(name: str, ratio: float):
   if heads:
     raise SystemExit(f"--presses: {name!r}: the only suffix is ':adaptive'")
   return press
+
+
+class FixedSketch:
+  """torch, except `randn`, which gives kvjax's Gaussian sketch (kvjax.cache.presses.leverage.sketch
+  at seed 0: NumPy's default_rng(0) normals [head_dim, sketch_dimension], the same for every
+  layer, head and row) instead of a fresh draw from torch's stream; LeverageScorePress scales it by
+  1 / sqrt(sketch_dimension) as kvjax does. Handed to kvpress's leverage module, so that kvpress's
+  LeverageScorePress and CompactorPress score with kvjax's sketch and can be compared sample by sample."""
+
+  def __getattr__(self, name):
+    return getattr(torch, name)
+
+  @staticmethod
+  def randn(*shape, device=None, dtype=None):
+    *rows, dim, columns = shape
+    drawn = numpy.random.default_rng(0).standard_normal((dim, columns))
+    return torch.from_numpy(drawn).to(device=device, dtype=dtype).expand(*rows, dim, columns)
 
 
 def gguf_tokenizers(gguf: pathlib.Path) -> None:
@@ -226,6 +251,7 @@ def main(argv=None) -> int:
     args.gguf.parent, gguf_file=args.gguf.name, dtype=torch.float32, attn_implementation="sdpa"
   ).eval()
   gguf_tokenizers(args.gguf)
+  leverage_press.torch = FixedSketch()
   ends = line_end(args.gguf) if any(s.get("answer_end") == "line" for s in samples) else None
   methods = [("full", None)] if args.full else []
   for ratio in (float(r) for r in args.ratios.split(",")):

@@ -13,7 +13,8 @@ from kvjax.conversion.mla import convert_to_mla
 from kvjax.decoding.decode import decode_step, extend, generate, prefill
 from kvjax.decoding.many import answer_many, prefill_many
 from kvjax.decoding.sampling import Sampling, sample
-from kvjax.model.attention import Attention, attend, kv_head_of
+from kvjax.model.attention import Attention
+from kvjax.model.keys import attend, kv_head_of
 from kvjax.model.transformer import Transformer
 from kvjax.serving.allocator import OutOfPages, PageAllocator
 from kvjax.serving.engine import Engine, EngineConfig

@@ -36,7 +36,7 @@ from typing import Mapping, Sequence
 import jax
 
 from kvjax.config import ModelConfig
-from kvjax.model.attention import BLOCK
+from kvjax.model.keys import BLOCK
 from kvjax.model.params import param_count
 
 FLOAT32 = 4
@@ -70,7 +70,7 @@ def _kv_heads(config: ModelConfig) -> int:
 def activation_bytes(config: ModelConfig, batch_size: int, seq_len: int) -> int:
   """What the backward pass keeps for a batch of batch_size x seq_len tokens (module docstring)."""
   d, n, k, h, f = config.d_model, config.num_heads, _kv_heads(config), config.head_dim, config.mlp_dim
-  scores = (4 if seq_len < 2 * BLOCK else 6) * n * seq_len  # tiled attention (kvjax.model.attention.blocked_attend)
+  scores = (4 if seq_len < 2 * BLOCK else 6) * n * seq_len  # tiled attention (kvjax.model.keys.blocked_attend)
   per_layer = 4 * d + 3 * n * h + 4 * k * h + 6 * f + scores
   return FLOAT32 * batch_size * seq_len * (config.num_layers * per_layer + 2 * d + 3 * config.vocab_size)
 

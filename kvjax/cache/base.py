@@ -27,7 +27,8 @@ from kvjax.cache import rotation as rotations
 from kvjax.cache.codec import Codec, codec as codec_named
 from kvjax.cache.config import CacheConfig
 from kvjax.config import ModelConfig
-from kvjax.model.attention import Field, Span, Window, new_keys
+from kvjax.model.attention import Field, Span, new_keys
+from kvjax.model.keys import Window
 from kvjax.model.backend import Backend
 from kvjax.model.transformer import cache_layers, cache_payload
 

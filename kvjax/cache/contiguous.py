@@ -35,7 +35,8 @@ from kvjax.cache.codec import Codec
 from kvjax.cache.config import CacheConfig, register
 from kvjax.config import ModelConfig
 from kvjax.fields import check_positive_int
-from kvjax.model.attention import Span, Visibility, Window, attend, new_keys
+from kvjax.model.attention import Span, new_keys
+from kvjax.model.keys import Visibility, Window, attend
 from kvjax.model.backend import Backend
 from kvjax.model.transformer import cache_collection, cache_payload
 

@@ -62,7 +62,8 @@ from kvjax.cache.contiguous import ContiguousCache, attend_one, layer_spec as co
 from kvjax.cache.presses import Press, attention_weights
 from kvjax.config import ModelConfig
 from kvjax.fields import check_positive_int
-from kvjax.model.attention import Span, Visibility, new_keys
+from kvjax.model.attention import Span, new_keys
+from kvjax.model.keys import Visibility
 from kvjax.model.backend import Backend
 from kvjax.model.rope import Rope
 from kvjax.model.transformer import cache_collection
@@ -266,7 +267,13 @@ class EvictedCache(ContiguousCache):
   # Device side.
 
   def compress(
-    self, new: dict, q: jax.Array, span: Span, rope: Rope | None = None, scores: jax.Array | None = None
+    self,
+    new: dict,
+    q: jax.Array,
+    span: Span,
+    rope: Rope | None = None,
+    scores: jax.Array | None = None,
+    out: jax.Array | None = None,
   ) -> dict:
     """A layer's arrays holding the tokens the press keeps of a prompt: new {k, v} [B, K, T, H]
     at positions 0..T-1, q [B, T, N, H] every column's queries, rope the layer's (a press may
@@ -274,7 +281,7 @@ class EvictedCache(ContiguousCache):
     [B, K, T]: the press's prompt_scores when already computed (kvjax.cache.fanout shares them
     between presses of one scorer)."""
     if scores is None:
-      scores = self.press.prompt_scores(q, new["k"], new["v"], span.lengths, rope)
+      scores = self.press.prompt_scores(q, new["k"], new["v"], span.lengths, rope, out)
     scores = jnp.where(span.valid[:, None], scores.astype(jnp.float32), -jnp.inf)
     room = self.usable().sum(dtype=jnp.int32)
     scores, counts = selection.choose(self.press, scores, span.lengths, span.layer, self.num_layers, room)
@@ -342,7 +349,7 @@ class EvictedCache(ContiguousCache):
       return self.ring.attend(stored, query, q_positions, new, span, backend)
     if span.from_empty:
       out = query.attend(self.as_stored(new), new_keys(q_positions, span))
-      return self.compress(new, query.every_q, span, query.rope), out
+      return self.compress(new, query.every_q, span, query.rope, out=query.out), out
     stored = self.write(stored, new, span)
     out = self.read(stored, query, q_positions, span, backend)
     return (self.press_to_budget(stored, query, span) if self.press.decode_budget else stored), out

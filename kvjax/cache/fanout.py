@@ -7,7 +7,7 @@ K/V read back through the codec (KVCache.as_stored). A `Fanout` over caches of o
 rotation and window pattern therefore runs the model once: each layer attends over the prompt
 once, and each child cache stores what it would have stored from its own prefill, a contiguous
 child the prompt, an evicting child the tokens its press keeps. Presses that differ only in their
-budgets (compression ratio, AdaKV's heads, PyramidKV's layers: Press.scorer) score the layer once
+budgets (compression ratio, AdaKV's heads, PyramidKV's layers: Press.scoring) score the layer once
 between them; each ratio and budget is a different cut of the same scores.
 
 The children's arrays travel in one 'cache' collection, each name prefixed by the child's index
@@ -110,14 +110,16 @@ class Fanout(flax.struct.PyTreeNode):
     if not span.from_empty:
       raise ValueError("a Fanout fills empty caches with a prompt; decode each cache it returns")
     out = query.attend(self.caches[0].as_stored(new), new_keys(q_positions, span))
-    scored = {}  # Press.scorer -> the layer's prompt scores [B, K, T]
+    scored = {}  # Press.scoring -> the layer's prompt scores [B, K, T]
     arrays = {}
     for j, cache in enumerate(self.caches):
       p = prefix(j)
       if type(cache) is EvictedCache and not span.window.size:
-        scorer = cache.press.scorer
+        scorer = cache.press.scoring
         if scorer not in scored:
-          scored[scorer] = cache.press.prompt_scores(query.every_q, new["k"], new["v"], span.lengths, query.rope)
+          scored[scorer] = cache.press.prompt_scores(
+            query.every_q, new["k"], new["v"], span.lengths, query.rope, query.out
+          )
         held = cache.compress(new, query.every_q, span, query.rope, scores=scored[scorer])
       else:  # its own first call; the output it computes is the one above, unused (XLA drops it)
         mine = {name[len(p) :]: x for name, x in stored.items() if name.startswith(p)}

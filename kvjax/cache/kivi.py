@@ -33,7 +33,8 @@ from kvjax.cache.codec import KIVI_GROUP as GROUP
 from kvjax.cache.config import CacheConfig, register
 from kvjax.config import ModelConfig
 from kvjax.fields import check_positive_int
-from kvjax.model.attention import Span, Visibility, attend
+from kvjax.model.attention import Span
+from kvjax.model.keys import Visibility, attend
 from kvjax.model.backend import Backend
 from kvjax.model.transformer import cache_collection, cache_payload
 

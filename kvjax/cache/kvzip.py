@@ -53,7 +53,8 @@ from kvjax.cache.config import CacheConfig
 from kvjax.cache.contiguous import ContiguousCache
 from kvjax.cache.presses import Press
 from kvjax.fields import INT32_MAX, check_nonnegative, check_positive, check_real
-from kvjax.model.attention import NEG_INF, Span, group_queries
+from kvjax.model.attention import Span
+from kvjax.model.keys import NEG_INF, group_queries
 from kvjax.model.transformer import Transformer, apply_cached, cache_collection, cache_layers
 
 CONTINUED = 8  # tokens of the previous chunk a later chunk's replay quotes (kvpress's prev_postfix_size)
@@ -124,7 +125,7 @@ class KVzip(Press):
     """What a prompt's reconstruction reads (the repeat prompt, chunks, sinks): presses with the
     same replayer score a prompt alike, whatever their ratio, head share or ranking
     (reconstruct)."""
-    return dataclasses.replace(self.scorer, head_share=1.0, layerwise=False, compression_ratio=0.5)
+    return dataclasses.replace(self.scoring, head_share=1.0, layerwise=False, compression_ratio=0.5)
 
   def check_prompt(self, vocab_size: int) -> None:
     """Raises ValueError unless the repeat prompt's token ids are set and inside the vocabulary."""

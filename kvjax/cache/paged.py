@@ -11,7 +11,7 @@ Page 0 is the null page (kvjax.cache.pages): the writes of padding columns and i
 in it, and nothing read from it is ever used, since every read is masked to the row's valid
 positions. Which pages a row owns is decided on the host by kvjax.serving.allocator; this module
 is the device side. A windowed layer keeps every position in its pages, as a global one does;
-its reads mask to the window and sinks (kvjax.model.attention.visible).
+its reads mask to the window and sinks (kvjax.model.keys.visible).
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from kvjax.cache.config import CacheConfig, register
 from kvjax.cache.pages import NULL_PAGE
 from kvjax.config import ModelConfig
 from kvjax.fields import check_positive_int
-from kvjax.model.attention import Span, Visibility, attend
+from kvjax.model.attention import Span
+from kvjax.model.keys import Visibility, attend
 from kvjax.model.backend import Backend
 from kvjax.model.transformer import cache_collection, cache_layers, cache_payload
 

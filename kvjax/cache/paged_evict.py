@@ -45,7 +45,8 @@ from kvjax.cache.config import CacheConfig, register
 from kvjax.cache.paged import PagedCache, attend_pages, check_pool, gather, layer_spec as paged_spec, write_addresses
 from kvjax.cache.presses import Press
 from kvjax.config import ModelConfig
-from kvjax.model.attention import Span, Visibility, new_keys
+from kvjax.model.attention import Span, new_keys
+from kvjax.model.keys import Visibility
 from kvjax.model.backend import Backend
 from kvjax.model.transformer import cache_collection
 
@@ -175,10 +176,10 @@ class PagedEvictCache(PagedCache):
       )
     return out
 
-  def compress(self, stored: dict, new: dict, q: jax.Array, span: Span, rope=None) -> dict:
+  def compress(self, stored: dict, new: dict, q: jax.Array, span: Span, rope=None, out=None) -> dict:
     """The prompt's kept tokens, best first (ties: earliest), in slots [0, kept): new {k, v}
     [B, K, T, H] at span.positions, q [B, T, N, H] every column's queries, rope the layer's."""
-    scores = self.press.prompt_scores(q, new["k"], new["v"], span.lengths, rope)
+    scores = self.press.prompt_scores(q, new["k"], new["v"], span.lengths, rope, out)
     scores = jnp.where(span.valid[:, None], scores.astype(jnp.float32), -jnp.inf)  # [B, K, T]
     scores, counts = selection.choose(self.press, scores, span.lengths, span.layer, 1)
     keep = counts[:, 0]  # [B]: every head alike
@@ -213,6 +214,6 @@ class PagedEvictCache(PagedCache):
   def attend(self, stored, query, q_positions, new, span: Span, backend: Backend):
     if span.from_empty:  # the prompt reads all of itself, then keeps what the press chooses
       out = query.attend(self.as_stored(new), new_keys(q_positions, span))
-      return self.compress(stored, new, query.every_q, span, query.rope), out
+      return self.compress(stored, new, query.every_q, span, query.rope, query.out), out
     stored = self.write(stored, new, span)
     return stored, self.read(stored, query, q_positions, span, backend)

@@ -27,7 +27,7 @@ import numpy as np
 from kvjax.config import ModelConfig
 from kvjax.fields import check_positive_int
 from kvjax.conversion import pca
-from kvjax.model.attention import kv_head_of
+from kvjax.model.keys import kv_head_of
 
 METHODS = ("mean", "first", "random", "pca", "regroup")
 

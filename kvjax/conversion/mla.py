@@ -29,7 +29,7 @@ from kvjax.config import ModelConfig
 from kvjax.fields import check_positive_int
 from kvjax.conversion import pca
 from kvjax.conversion.kv_heads import check_calibration
-from kvjax.model.attention import kv_head_of
+from kvjax.model.keys import kv_head_of
 
 FACTORISATIONS = ("activation", "svd")
 

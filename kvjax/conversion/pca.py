@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 from kvjax.config import ModelConfig
-from kvjax.model.attention import kv_head_of
+from kvjax.model.keys import kv_head_of
 from kvjax.model.transformer import Transformer
 
 

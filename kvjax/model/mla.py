@@ -30,7 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.config import ModelConfig
-from kvjax.model.attention import NEG_INF, NO_CACHE, Field, Span, Visibility, cached_attention, take_rows
+from kvjax.model.attention import NO_CACHE, Field, Span, cached_attention, take_rows
+from kvjax.model.keys import NEG_INF, Visibility
 from kvjax.model.backend import XLA, Backend
 from kvjax.model.rope import apply_rope, frequencies
 from kvjax.model.weights import Dense

@@ -98,6 +98,9 @@ class PressTableStudy:
     "cur",
     "lagkv",
     "chunkkv",
+    "leverage",
+    "compactor",
+    "criticalkv",
   )
   ratios: tuple[float, ...] = (0.25, 0.5, 0.75, 0.875)
   protocols: tuple[str, ...] = PROTOCOLS

@@ -89,9 +89,10 @@ def masks_of(history, total: int, windows: tuple[tuple[int, int], ...] = ()) -> 
   return masks
 
 
-def kept_by_press(press, q, k, v, lengths, rope) -> np.ndarray:
+def kept_by_press(press, q, k, v, lengths, rope, out=None) -> np.ndarray:
   """The positions int[B, K, S] (-1: empty) an evicting cache keeps of a prompt scored by `press`:
-  q [B, T, N, H] rotated, k, v [B, K, T, H], lengths int[B] (a layer of a model of K kv heads)."""
+  q [B, T, N, H] rotated, k, v [B, K, T, H], lengths int[B] (a layer of a model of K kv heads),
+  out [N, H, D] the layer's output projection (KVQuery.out) or None."""
   from kvjax.cache.config import CacheConfig
   from kvjax.cache.evict import EvictedCache
   from kvjax.config import ModelConfig
@@ -110,7 +111,8 @@ def kept_by_press(press, q, k, v, lengths, rope) -> np.ndarray:
   )
   cache = EvictedCache.rows(config, b, t, CacheConfig(press=press), prompt=t)
   span = Span(jnp.broadcast_to(jnp.arange(t), (b, t)), jnp.asarray(lengths), from_empty=True)
-  stored = cache.compress({"k": jnp.asarray(k), "v": jnp.asarray(v)}, jnp.asarray(q), span, rope)
+  new = {"k": jnp.asarray(k), "v": jnp.asarray(v)}
+  stored = cache.compress(new, jnp.asarray(q), span, rope, out=None if out is None else jnp.asarray(out))
   return np.asarray(stored["positions"])
 
 

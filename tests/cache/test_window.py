@@ -18,7 +18,7 @@ from kvjax.cache import kinds
 from kvjax.cache.codec import codec
 from kvjax.cache.config import CacheConfig
 from kvjax.fields import apply_overrides
-from kvjax.model.attention import Window, visible
+from kvjax.model.keys import Window, visible
 from oracles import StoredForward, forward
 
 PAGE_SIZE, MAX_PAGES, NUM_PAGES = 4, 10, 34

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax.model import attention
-from kvjax.model.attention import Visibility, Window, attend, blocked_attend
+from kvjax.model import keys as key_reads
+from kvjax.model.keys import Visibility, Window, attend, blocked_attend
 
 
 def case(seed, b, t, s, n, kv, h, start=0):
@@ -59,15 +59,15 @@ def test_long_queries_take_the_blocked_path(monkeypatch):
   # attend_keys switches to tiles at 2 * BLOCK queries and keys, and the model's forward over a
   # long prompt (a prefill) then equals the masked computation.
   calls = []
-  monkeypatch.setattr(attention, "BLOCK", 8)
-  original = attention.blocked_attend
-  monkeypatch.setattr(attention, "blocked_attend", lambda *a, **kw: calls.append(1) or original(*a, block=8, **kw))
+  monkeypatch.setattr(key_reads, "BLOCK", 8)
+  original = key_reads.blocked_attend
+  monkeypatch.setattr(key_reads, "blocked_attend", lambda *a, **kw: calls.append(1) or original(*a, block=8, **kw))
   q, k, v, qp, kp = case(3, 1, 16, 16, 2, 1, 8)
   keys = Visibility(qp, kp, Window())
-  np.testing.assert_allclose(attention.attend_keys(q, k, v, keys), attend(q, k, v, keys.mask()), rtol=2e-5, atol=2e-5)
+  np.testing.assert_allclose(key_reads.attend_keys(q, k, v, keys), attend(q, k, v, keys.mask()), rtol=2e-5, atol=2e-5)
   assert calls
   calls.clear()
-  attention.attend_keys(q[:, :15], k, v, Visibility(qp[:, :15], kp, Window()))
+  key_reads.attend_keys(q[:, :15], k, v, Visibility(qp[:, :15], kp, Window()))
   assert not calls
 
 

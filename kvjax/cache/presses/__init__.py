@@ -43,9 +43,11 @@ PyramidKVPress, `cache.press.heads=adaptive` AdaKV's.
 
 The presses, one module each (its docstring gives the published definition it follows, and
 kvpress's reading of it): streaming_llm, snapkv, tova, observed, knorm, random, keydiff,
-expected_attention, cur, lagkv, and chunkkv (whole chunks by any scorer's scores). The attention presses (snapkv, tova, observed) score arrivals above any
-attention weight, in order of position: after the prefill's least attended tokens, the oldest
-arrivals go first.
+expected_attention, cur, lagkv, leverage, compactor (leverage blended with chunked attention),
+chunkkv (whole chunks by any scorer's scores) and criticalkv (any scorer's scores weighed by what
+each value adds to the layer's output). The attention presses (snapkv, tova, observed) score
+arrivals above any attention weight, in order of position: after the prefill's least attended
+tokens, the oldest arrivals go first.
 
 Ties keep the earlier position. Every score is float32 [B, K, T].
 """
@@ -64,6 +66,9 @@ from kvjax.cache.presses.expected_attention import ExpectedAttention
 from kvjax.cache.presses.cur import CUR
 from kvjax.cache.presses.lagkv import LagKV
 from kvjax.cache.presses.chunkkv import ChunkKV
+from kvjax.cache.presses.leverage import LeverageScore
+from kvjax.cache.presses.compactor import Compactor
+from kvjax.cache.presses.criticalkv import CriticalKV
 
 __all__ = [
   "PRESSES",
@@ -83,4 +88,7 @@ __all__ = [
   "CUR",
   "LagKV",
   "ChunkKV",
+  "LeverageScore",
+  "Compactor",
+  "CriticalKV",
 ]

@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.fields import INT32_MAX, Named, check_choice, check_nonnegative, check_positive, check_real
-from kvjax.model.attention import NEG_INF, group_queries, take_rows
+from kvjax.model.attention import take_rows
+from kvjax.model.keys import NEG_INF, group_queries
 from kvjax.model.rope import Rope
 
 # Arrivals of an attention press score RECENT + position: above every attention weight (at most 1,
@@ -84,9 +85,9 @@ class Press(Named):
       )
 
   @property
-  def scorer(self) -> Press:
+  def scoring(self) -> Press:
     """This press with its budgets (compression ratio, heads, layers, decode budget) at their
-    defaults: two presses with the same scorer score a prompt alike, so one scoring serves every
+    defaults: two presses with the same `scoring` score a prompt alike, so one scoring serves every
     ratio and budget of it (kvjax.cache.fanout)."""
     return dataclasses.replace(self, **{f.name: f.default for f in dataclasses.fields(Press)})
 
@@ -165,7 +166,8 @@ class Press(Named):
   def scores(self, q: jax.Array, k: jax.Array, lengths: jax.Array) -> jax.Array:
     """q [B, T, N, H], k [B, K, T, H] of a prompt (columns = positions 0..T-1), lengths int[B]
     -> float32 [B, K, T]; columns past lengths[b] may hold anything (the cache never keeps them).
-    A press that reads the values or the layer's RoPE overrides prompt_scores instead."""
+    A press that reads the values, the layer's RoPE or its output projection overrides prompt_scores
+    instead."""
     raise NotImplementedError(f"{type(self).__name__} scores through prompt_scores (values, RoPE)")
 
   def arrival_scores(self, k: jax.Array, positions: jax.Array) -> jax.Array:
@@ -178,9 +180,12 @@ class Press(Named):
     a press cannot score a rotated cache (CacheConfig.rotation, kvjax.cache.rotation)."""
     return False
 
-  def prompt_scores(self, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, rope: Rope | None) -> jax.Array:
-    """What the evicting cache calls: `scores`, with the values v [B, K, T, H] and the layer's
-    RoPE (None: learned positions) beside, for a press that reads them."""
+  def prompt_scores(
+    self, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, rope: Rope | None, out: jax.Array | None = None
+  ) -> jax.Array:
+    """What the evicting cache calls: `scores`, with the values v [B, K, T, H], the layer's RoPE
+    (None: learned positions) and its output projection out float32 [N, H, D] (KVQuery.out; None
+    where the caller has none) beside, for a press that reads them."""
     return self.scores(q, k, lengths)
 
 
@@ -190,12 +195,13 @@ def last_columns(lengths: jax.Array, window: int) -> jax.Array:
 
 
 def kept_above(scores: jax.Array, keep: jax.Array) -> jax.Array:
-  """scores [B, K, T] with the columns where keep bool[B, T] is set raised above every other
-  score of their row (to the row's maximum over all heads + 1, one value, as kvpress does):
-  head-adaptive budgets compare scores across heads."""
-  best = jnp.max(jnp.where(keep[:, None], -jnp.inf, scores), axis=(1, 2), keepdims=True)
+  """scores [B, K, T] with the columns where keep bool[B, T] (or per head, [B, K, T]) is set
+  raised above every other score of their row (to the row's maximum over all heads + 1, one
+  value, as kvpress does): head-adaptive budgets compare scores across heads."""
+  keep = keep if keep.ndim == 3 else keep[:, None]
+  best = jnp.max(jnp.where(keep, -jnp.inf, scores), axis=(1, 2), keepdims=True)
   best = jnp.where(jnp.isfinite(best), best, 0.0)
-  return jnp.where(keep[:, None], best + 1, scores)
+  return jnp.where(keep, best + 1, scores)
 
 
 PRESSES = Press.kinds  # {name: press class}, filled as each press module defines its class

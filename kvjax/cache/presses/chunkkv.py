@@ -29,7 +29,7 @@ class ChunkKV(Press):
     object.__setattr__(self, "scorer", Press.choose(self.scorer, "ChunkKV.scorer"))
     check_positive(self, "chunk_length", most=INT32_MAX)
     inner = self.scorer
-    if inner.scorer != inner or inner.model_level or isinstance(inner, ChunkKV):
+    if inner.scoring != inner or inner.model_level or isinstance(inner, ChunkKV):
       raise ValueError(
         f"ChunkKV.scorer={inner!r} must be a layer press with its budgets at their defaults "
         "(ChunkKV decides what is kept: set compression_ratio on the ChunkKV)"
@@ -60,8 +60,8 @@ class ChunkKV(Press):
   def _kept_chunks(self, chunks):
     return np.maximum(1, (np.asarray(chunks, np.float64) * (1 - self.compression_ratio)).astype(np.int64))
 
-  def prompt_scores(self, q, k, v, lengths, rope):
-    return self.scorer.prompt_scores(q, k, v, lengths, rope)
+  def prompt_scores(self, q, k, v, lengths, rope, out=None):
+    return self.scorer.prompt_scores(q, k, v, lengths, rope, out)
 
   def arrival_scores(self, k, positions):
     return self.scorer.arrival_scores(k, positions)

@@ -34,7 +34,7 @@ class CUR(Press):
   def min_slots(self) -> int:
     return self.sinks
 
-  def prompt_scores(self, q, k, v, lengths, rope):
+  def prompt_scores(self, q, k, v, lengths, rope, out=None):
     valid = jnp.arange(k.shape[2])[None, None, :] < lengths[:, None, None]  # [B, 1, T]
     k2, v2 = (jnp.where(valid, (x.astype(jnp.float32) ** 2).sum(-1), 0.0) for x in (k, v))
     k2, v2 = self._local(k2), self._local(v2)

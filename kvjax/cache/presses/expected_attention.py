@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.fields import INT32_MAX, check_nonnegative, check_positive, check_real
-from kvjax.model.attention import NEG_INF
+from kvjax.model.keys import NEG_INF
 from kvjax.cache.presses.base import Press, kept_above
 
 
@@ -41,7 +41,7 @@ class ExpectedAttention(Press):
     check_real(self, "epsilon", 0, float("inf"))
     object.__setattr__(self, "epsilon", float(self.epsilon))
 
-  def prompt_scores(self, q, k, v, lengths, rope):
+  def prompt_scores(self, q, k, v, lengths, rope, out=None):
     b, t, _, h = q.shape
     column = jnp.arange(t)[None, :]
     q = q.astype(jnp.float32)

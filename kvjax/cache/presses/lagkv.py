@@ -37,7 +37,7 @@ class LagKV(Press):
   def min_slots(self) -> int:
     return self.sinks
 
-  def prompt_scores(self, q, k, v, lengths, rope):
+  def prompt_scores(self, q, k, v, lengths, rope, out=None):
     return jax.vmap(self._row, in_axes=(0, 0, 0))(k.astype(jnp.float32), v.astype(jnp.float32), lengths)
 
   def _row(self, k, v, n):
