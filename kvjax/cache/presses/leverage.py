@@ -40,17 +40,43 @@ def unrotated(k: jax.Array, rope) -> jax.Array:
   return back.swapaxes(1, 2)
 
 
+def cholesky(gram: jax.Array) -> jax.Array:
+  """The lower Cholesky factor of symmetric positive definite gram [..., c, c], column by column
+  in XLA's own operations: jaxlib's LAPACK kernels on CPU wait on the thread pool they run in,
+  and two of them at once (two layers' presses) can hold every thread of a 2-core pool."""
+  c = gram.shape[-1]
+  index = jnp.arange(c)
+
+  def column(j, low):
+    done = (index < j).astype(gram.dtype)  # the columns already factored
+    row = low[..., j, :] * done  # [..., c]: row j of the factor left of the diagonal
+    pivot = jnp.sqrt(gram[..., j, j] - (row * row).sum(axis=-1))
+    below = (gram[..., :, j] - jnp.einsum("...ik,...k->...i", low * done, row)) / pivot[..., None]
+    return low.at[..., :, j].set(jnp.where(index > j, below, jnp.where(index == j, pivot[..., None], 0.0)))
+
+  return jax.lax.fori_loop(0, c, column, jnp.zeros_like(gram))
+
+
+def forward_solve(low: jax.Array, b: jax.Array) -> jax.Array:
+  """low^{-1} b for lower triangular low [..., c, c] and b [..., c, T], row by row (as `cholesky`)."""
+
+  def row(i, y):
+    y_i = (b[..., i, :] - jnp.einsum("...k,...kt->...t", low[..., i, :] * (jnp.arange(low.shape[-1]) < i), y))
+    return y.at[..., i, :].set(y_i / low[..., i, i][..., None])
+
+  return jax.lax.fori_loop(0, low.shape[-1], row, jnp.zeros_like(b))
+
+
 def leverage_scores(k: jax.Array, keep: jax.Array, matrix: np.ndarray) -> jax.Array:
   """Leverage of the tokens where keep bool[B, T] is set among themselves: k [B, K, T, H] float32
-  (before RoPE) -> float32 [B, K, T], 0 elsewhere."""
+  (before RoPE) -> float32 [B, K, T], 0 elsewhere. x_t G^{-1} x_t^T = |L^{-1} x_t|^2 for G = L L^T."""
   mask = keep[:, None, :, None]
   count = jnp.maximum(keep.sum(axis=-1), 1)[:, None, None, None]
   mean = jnp.where(mask, k, 0.0).sum(axis=2, keepdims=True) / count
   x = jnp.where(mask, (k - mean) @ jnp.asarray(matrix), 0.0)  # [B, K, T, c]
   gram = jnp.einsum("bkti,bktj->bkij", x, x) + RIDGE * jnp.eye(matrix.shape[1], dtype=jnp.float32)
-  factor = jnp.linalg.cholesky(gram)
-  solved = jax.scipy.linalg.cho_solve((factor, True), x.swapaxes(-1, -2))  # [B, K, c, T]
-  return jnp.where(keep[:, None], jnp.maximum((x * solved.swapaxes(-1, -2)).sum(axis=-1), 0.0), 0.0)
+  solved = forward_solve(cholesky(gram), x.swapaxes(-1, -2))  # [B, K, c, T]
+  return jnp.where(keep[:, None], (solved * solved).sum(axis=-2), 0.0)
 
 
 def z_scored(scores: jax.Array, keep: jax.Array) -> jax.Array:
