@@ -1,5 +1,5 @@
 """Where one sample of the presses table spends its time (kvjax.studies.press_table): the sample's
-cells answered together (kvjax.studies.ruler_answers.answer_cells), twice (the first run compiles), with
+cells answered together (kvjax.studies.suite.ruler_answers.answer_cells), twice (the first run compiles), with
 the seconds of the shared prefill, the stacking of caches, the question's extend and the decode
 steps by batch size, as JSON lines.
 
@@ -22,7 +22,8 @@ import jax
 from kvjax.cache import stack
 from kvjax.cli.run import load_config
 from kvjax.decoding import decode, many
-from kvjax.studies import press_table, ruler_answers
+from kvjax.studies import press_table
+from kvjax.studies.suite import ruler_answers
 
 
 def timed(totals: dict, key: str, function):

@@ -1,6 +1,6 @@
 """transformers' perplexity on the KV frontier's windows of a pretrained model, the reference for
 its full-cache row: the same held-out prose windows (kvjax.studies.real_kv.prose_windows), the
-second half of each scored after the first (as kvjax.studies.measure.perplexity reads them
+second half of each scored after the first (as kvjax.studies.base.measure.perplexity reads them
 through a cache), float32 from the same file. Prints JSON.
 
   python experiments/real_reference.py configs/kv_frontier/smollm2.py

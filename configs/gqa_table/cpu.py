@@ -10,8 +10,8 @@ runtime and results are in docs/results.md.
 from kvjax.config import ModelConfig
 from kvjax.conversion.conversions import KVHeads, ToMLA
 from kvjax.studies.gqa import GqaStudy
-from kvjax.studies.stages import TimingConfig
-from kvjax.studies.tasks import TaskConfig
+from kvjax.studies.base.stages import TimingConfig
+from kvjax.studies.base.tasks import TaskConfig
 from kvjax.training.config import DataConfig, TrainConfig
 
 BIG = ModelConfig(

@@ -10,8 +10,8 @@ layer and token, so the MLA row is at the bytes of 8 kv heads: latent 32 + 32 ro
 from kvjax.config import ModelConfig
 from kvjax.conversion.conversions import KVHeads, ToMLA
 from kvjax.studies.gqa import GqaStudy
-from kvjax.studies.stages import TimingConfig
-from kvjax.studies.tasks import TaskConfig
+from kvjax.studies.base.stages import TimingConfig
+from kvjax.studies.base.tasks import TaskConfig
 from kvjax.training.config import DataConfig, TrainConfig
 
 BIG = ModelConfig(vocab_size=256, d_model=64, num_layers=2, num_heads=16, num_kv_heads=16, mlp_dim=192, max_len=128)

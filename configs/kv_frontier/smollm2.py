@@ -1,5 +1,5 @@
 """The KV frontier on SmolLM2-135M-Instruct (float32, CPU): every family of KV compression on the
-pretrained model (kvjax.studies.variants.pretrained_variants), cut to what two CPU cores
+pretrained model (kvjax.studies.base.variants.pretrained_variants), cut to what two CPU cores
 measure in under an hour: the full cache; fp8 / int8 / int4 caches (bf16 is float32's to 0.1%),
 int4 behind a Hadamard rotation and KIVI's 2- and 4-bit layouts;
 a 256-token window on every layer without and with 4 sinks, at decode time; SnapKV at 0.75
@@ -29,9 +29,9 @@ import pathlib
 
 from kvjax.cli.run import load_config
 from kvjax.studies.kv_frontier import KVFrontierStudy
-from kvjax.studies.variants import pretrained_variants
+from kvjax.studies.base.variants import pretrained_variants
 from kvjax.studies.real_kv import Measure
-from kvjax.studies.suite import SuiteConfig
+from kvjax.studies.suite.axis import SuiteConfig
 
 
 def keep(variant) -> bool:

@@ -11,9 +11,9 @@ import pathlib
 
 from kvjax.cli.run import load_config
 from kvjax.studies.kv_frontier import KVFrontierStudy
-from kvjax.studies.variants import pretrained_variants
+from kvjax.studies.base.variants import pretrained_variants
 from kvjax.studies.real_kv import Measure
-from kvjax.studies.suite import SuiteConfig
+from kvjax.studies.suite.axis import SuiteConfig
 
 
 def get_config() -> KVFrontierStudy:

@@ -12,10 +12,10 @@ from pathlib import Path
 
 from kvjax.cli.run import load_config
 from kvjax.studies.kv_frontier import KVFrontierStudy
-from kvjax.studies.recall import RecallConfig
-from kvjax.studies.stages import TimingConfig
+from kvjax.studies.suite.recall import RecallConfig
+from kvjax.studies.base.stages import TimingConfig
 from kvjax.studies.toy_kv import ToyMeasure
-from kvjax.studies.variants import toy_variants
+from kvjax.studies.base.variants import toy_variants
 
 GQA_TABLE = Path(__file__).parents[1] / "gqa_table" / "tiny.py"
 

@@ -26,8 +26,8 @@ gives N = 40: 295 + 2,880 + 5 x 67 = 3,510 s, 58.5 minutes.
 from kvjax.conversion.conversions import KVHeads, ToMLA
 from kvjax.studies.real_gqa import RealGqaStudy
 from kvjax.studies.real_kv import Measure, Recovery
-from kvjax.studies.suite import SuiteConfig
-from kvjax.studies.stages import TimingConfig
+from kvjax.studies.suite.axis import SuiteConfig
+from kvjax.studies.base.stages import TimingConfig
 
 
 def get_config() -> RealGqaStudy:

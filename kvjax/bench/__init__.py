@@ -4,8 +4,8 @@ In layers that pyproject.toml's import contract keeps (every import points down)
   `real`          the real-model benchmark, composing codecs' and real_long's cells;
   the benchmarks  budget, codecs, decode, engine, engine_press, evict, hf, matmul, mla, nocache,
                   paged, perplexity, prefill, quant, real_long (none imports another);
-  their parts     engine_workload (the chat workload both engines serve), real_formats (the weight
+  parts/          engine_workload (the chat workload both engines serve), real_formats (the weight
                   formats on each side), real_long_side (one cell of real_long, in its own process);
-  peers           kvjax.bench.peers: transformers' model and engine, llama.cpp;
-  the harness     harness (timing in alternated rounds, greedy agreement, JSON) and registry.
+  peers/          transformers' model and engine, llama.cpp;
+  base/           harness (timing in alternated rounds, greedy agreement, JSON) and registry.
 """

@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from kvjax.bench.peers.hf_model import check_source
-from kvjax.bench.registry import PRETRAINED_MODEL, Benchmark, Kind, Option
+from kvjax.bench.base.registry import PRETRAINED_MODEL, Benchmark, Kind, Option
 from kvjax.cache import kinds
 from kvjax.cache.config import CacheConfig
 from kvjax.cache.fill import filled_evicted

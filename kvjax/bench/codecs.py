@@ -4,7 +4,7 @@ the bytes each holds.
 One model (SmolLM2-135M's shapes, random weights stored as `--weights`) decodes a contiguous
 cache of each codec (kvjax.cache.codec) whose rows hold `--context` random positions, one step
 per cache per round, the rounds alternated so that every cache sees the same machine load
-(kvjax.bench.harness.alternate_decode_steps). A step at batch 8 and 2,048 positions is bound by
+(kvjax.bench.base.harness.alternate_decode_steps). A step at batch 8 and 2,048 positions is bound by
 reading the cache, so a codec's step should follow its bytes: the target is a step within
 1.15x of (its bytes / float32's bytes) x float32's step. Reported per codec: bytes per position
 (every layer, scales included), that ratio, the step's median and its ratio to float32's (the
@@ -25,8 +25,8 @@ import statistics
 import jax
 import jax.numpy as jnp
 
-from kvjax.bench.harness import alternate_decode_steps, filled_cache, init_model
-from kvjax.bench.registry import Benchmark, Kind, Option
+from kvjax.bench.base.harness import alternate_decode_steps, filled_cache, init_model
+from kvjax.bench.base.registry import Benchmark, Kind, Option
 from kvjax.cache import kinds
 from kvjax.cache.codec import KIVI, NAMES
 from kvjax.cache.base import KVCache

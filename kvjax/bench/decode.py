@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvjax.bench.harness import (
+from kvjax.bench.base.harness import (
   BENCH_MODEL,
   STEP_REPEATS,
   check_generation,
@@ -20,7 +20,7 @@ from kvjax.bench.harness import (
   random_prompts,
   time_decode_step,
 )
-from kvjax.bench.registry import Benchmark, Option
+from kvjax.bench.base.registry import Benchmark, Option
 from kvjax.cache.config import CacheConfig
 from kvjax.config import ModelConfig
 from kvjax.decoding import decode

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import os
 
-from kvjax.bench.engine_workload import Workload, bench_engine
+from kvjax.bench.parts.engine_workload import Workload, bench_engine
 from kvjax.bench.peers.hf_model import check_source, import_torch, load_both
-from kvjax.bench.registry import PRETRAINED_MODEL, Benchmark, Kind, Option
+from kvjax.bench.base.registry import PRETRAINED_MODEL, Benchmark, Kind, Option
 from kvjax.model.weights import FORMATS
 
 

@@ -5,7 +5,7 @@ Two parts, each run without a press (layout "paged") and with one (layout "paged
   capacity: --requests prompts of --prompt tokens of held-out prose (8 new tokens each) submitted
     at once to an engine of --pool-pages pages of 16 tokens: the requests its first step admits
     and runs at once, and the pages they hold;
-  chat: the chat workload of `kvjax bench engine` (kvjax.bench.engine_workload; --chat-requests
+  chat: the chat workload of `kvjax bench engine` (kvjax.bench.parts.engine_workload; --chat-requests
     requests, Poisson arrivals) through an engine of --chat-pool-pages pages: requests and tokens
     per second, latencies, and the most requests running at once.
 A press changes the answers (it drops tokens), so no agreement is reported; its oracle is the
@@ -19,9 +19,9 @@ import time
 
 import numpy as np
 
-from kvjax.bench.engine_workload import Workload, run_kvjax_engine, summary
+from kvjax.bench.parts.engine_workload import Workload, run_kvjax_engine, summary
 from kvjax.bench.peers.hf_model import prose_prompts
-from kvjax.bench.registry import PRETRAINED_MODEL, Benchmark, Kind, Option
+from kvjax.bench.base.registry import PRETRAINED_MODEL, Benchmark, Kind, Option
 from kvjax.cache.config import CacheConfig
 from kvjax.cache.presses import PRESSES, make_press
 from kvjax.interop.importer import read_model

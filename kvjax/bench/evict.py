@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.bench.peers.hf_model import check_source
-from kvjax.bench.registry import PRETRAINED_MODEL, Benchmark, Option
+from kvjax.bench.base.registry import PRETRAINED_MODEL, Benchmark, Option
 from kvjax.cache.fill import filled, filled_evicted
 from kvjax.cache import kinds
 from kvjax.cache.codec import codec

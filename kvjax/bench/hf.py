@@ -15,9 +15,9 @@ import tempfile
 
 import numpy as np
 
-from kvjax.bench.harness import BENCH_MODEL, BenchConfig, check_generation, random_prompts
+from kvjax.bench.base.harness import BENCH_MODEL, BenchConfig, check_generation, random_prompts
 from kvjax.bench.peers.hf_model import check_source, hf_greedy_kwargs, import_torch, load_both, prose_prompts
-from kvjax.bench.registry import Benchmark, Kind, Option
+from kvjax.bench.base.registry import Benchmark, Kind, Option
 from kvjax.config import ModelConfig
 from kvjax.decoding import decode
 from kvjax.kernels import attention as attention_kernel

@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.bench.harness import BENCH_MODEL, BenchConfig
-from kvjax.bench.registry import Benchmark, Option
+from kvjax.bench.base.harness import BENCH_MODEL, BenchConfig
+from kvjax.bench.base.registry import Benchmark, Option
 from kvjax.config import ModelConfig
 from kvjax.kernels import matmul
 from kvjax.timing import timed_alternating

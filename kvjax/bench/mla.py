@@ -16,10 +16,10 @@ import statistics
 import jax
 import numpy as np
 
-from kvjax.bench.harness import BENCH_MODEL, BenchConfig, alternate_decode_steps, init_model
+from kvjax.bench.base.harness import BENCH_MODEL, BenchConfig, alternate_decode_steps, init_model
 from kvjax.cache import kinds
 from kvjax.cache.config import CacheConfig
-from kvjax.bench.registry import Benchmark, Kind, Option
+from kvjax.bench.base.registry import Benchmark, Kind, Option
 from kvjax.config import ModelConfig
 
 

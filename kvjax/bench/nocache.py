@@ -9,8 +9,8 @@ from typing import Sequence
 
 import numpy as np
 
-from kvjax.bench.harness import BENCH_MODEL, BenchConfig, check_generation, init_model, random_prompts
-from kvjax.bench.registry import Benchmark, Kind, Option
+from kvjax.bench.base.harness import BENCH_MODEL, BenchConfig, check_generation, init_model, random_prompts
+from kvjax.bench.base.registry import Benchmark, Kind, Option
 from kvjax.config import ModelConfig
 from kvjax.decoding import baselines, decode
 from kvjax.timing import timed

@@ -11,7 +11,7 @@ import math
 import numpy as np
 
 from kvjax.bench.peers.hf_model import check_source, import_torch, load_both
-from kvjax.bench.registry import PRETRAINED_MODEL, Benchmark, Option
+from kvjax.bench.base.registry import PRETRAINED_MODEL, Benchmark, Option
 from kvjax.training.config import DataConfig
 from kvjax.training.data import PROSE, eval_batches, load_dataset
 from kvjax.training.evaluate import evaluate

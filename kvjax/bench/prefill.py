@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from kvjax.bench.peers.hf_model import check_source, import_torch, load_both, prose_prompts
-from kvjax.bench.registry import PRETRAINED_MODEL, Benchmark, Kind, Option
+from kvjax.bench.base.registry import PRETRAINED_MODEL, Benchmark, Kind, Option
 from kvjax.decoding import decode
 from kvjax.model.weights import store
 from kvjax.timing import timed_alternating

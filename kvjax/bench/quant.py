@@ -12,7 +12,7 @@ bound by reading the cache, so this is the part of it that int8 changes.
 
 With `decode_step` (the default) it also times whole decode steps (kvjax.decode_step: every
 layer, the MLPs and the logits) of the same model over a float32 and an int8 contiguous cache of
-`context` positions per row, filled by each cache's own write (kvjax.bench.harness.filled_cache),
+`context` positions per row, filled by each cache's own write (kvjax.bench.base.harness.filled_cache),
 alternating the two so that both see the same machine load.
 """
 
@@ -25,10 +25,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.bench.harness import BENCH_MODEL, BenchConfig, alternate_decode_steps, filled_cache, init_model
+from kvjax.bench.base.harness import BENCH_MODEL, BenchConfig, alternate_decode_steps, filled_cache, init_model
 from kvjax.cache.codec import codec
 from kvjax.cache.config import CacheConfig
-from kvjax.bench.registry import Benchmark, Option
+from kvjax.bench.base.registry import Benchmark, Option
 from kvjax.cache.contiguous import attend_one
 from kvjax.config import ModelConfig
 from kvjax.kernels import attention as attention_kernel

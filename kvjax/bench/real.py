@@ -3,13 +3,13 @@ the jobs its speed is judged by, every figure from one run on one machine.
 
   bandwidth   the machine's memory read rate (GB/s): a jitted sum over 1 GiB of float32.
   decode      greedy generation, 128-token prompts + 128 new tokens at batch 1 and 8, format for
-              format (kvjax.bench.real_formats): rows kvjax_{float32,bfloat16,int8} beside
+              format (kvjax.bench.parts.real_formats): rows kvjax_{float32,bfloat16,int8} beside
               hf_{float32,bfloat16,int8} (transformers' model, its bfloat16 copy, its
               quantize_dynamic int8 copy; static cache) and, at batch 1 with --llamacpp-python,
               llamacpp_{f32,q8_0} (else `llamacpp_skipped` says why); all in alternating
               rounds. Each row: tokens_per_s (whole generate call), seconds (the rounds);
               agreement_with_float32 / agreement_with_kvjax_float32
-              (kvjax.bench.harness.greedy_agreement); kvjax rows: weight_gb_per_s, bandwidth_fraction,
+              (kvjax.bench.base.harness.greedy_agreement); kvjax rows: weight_gb_per_s, bandwidth_fraction,
               over_hf_same_format, over_hf_best, over_llamacpp_{f32,q8_0} (float32, int8);
               llamacpp rows: own_prefill_s, own_decode_tokens_per_s, gguf.
   perplexity  held-out prose perplexity of each weight format against float32 (kvjax's plain
@@ -45,12 +45,12 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.bench.codecs import VARIANTS
-from kvjax.bench.engine_workload import Workload, bench_engine
+from kvjax.bench.parts.engine_workload import Workload, bench_engine
 from kvjax.bench.peers.llamacpp import check_python
-from kvjax.bench.real_formats import bench_decode, bench_prefill, hf_formats
+from kvjax.bench.parts.real_formats import bench_decode, bench_prefill, hf_formats
 from kvjax.bench.real_long import bench_long_requests
 from kvjax.bench.peers.hf_model import check_source, load_both
-from kvjax.bench.registry import PRETRAINED_MODEL, Benchmark, Kind, Option
+from kvjax.bench.base.registry import PRETRAINED_MODEL, Benchmark, Kind, Option
 from kvjax.interop.gguf_file import is_gguf
 from kvjax.model.weights import FORMATS, store
 from kvjax.training.config import DataConfig

@@ -4,7 +4,7 @@ its own process.
 A cell is one request shape (batch x prompt tokens + new tokens), one weight format and one side:
 kvjax with one cache codec, or `transformers` (the same weight format) with one of its caches
 (static or dynamic). Each cell runs in a subprocess of its own (`python -m kvjax.bench.real_long
-SPEC.json`, kvjax.bench.real_long_side), so its peak resident memory is that side's alone; the
+SPEC.json`, kvjax.bench.parts.real_long_side), so its peak resident memory is that side's alone; the
 parent makes the prompts (held-out prose), gathers each cell's JSON and generated ids, and
 compares: per phase (prefill, decode, the whole request) kvjax over `transformers`' best cache in
 the same weight format, and the greedy agreement of every cell's ids with `transformers`' float32
@@ -26,10 +26,10 @@ import tempfile
 
 import numpy as np
 
-from kvjax.bench.harness import greedy_agreement
-from kvjax.bench.real_long_side import HF_CACHES, SIDES, Cell, read_tokenizer, run_spec
+from kvjax.bench.base.harness import greedy_agreement
+from kvjax.bench.parts.real_long_side import HF_CACHES, SIDES, Cell, read_tokenizer, run_spec
 from kvjax.bench.peers.hf_model import check_source, prose_prompts
-from kvjax.bench.registry import PRETRAINED_MODEL, Benchmark, Kind, Option
+from kvjax.bench.base.registry import PRETRAINED_MODEL, Benchmark, Kind, Option
 from kvjax.cache.codec import NAMES as CODECS
 from kvjax.interop.importer import read_config, resolve_source
 from kvjax.model.weights import FORMATS

@@ -1,9 +1,9 @@
 """`kvjax bench NAME [options]`: run one benchmark and print its result as JSON. Every ratio is
 measured in one run.
 
-Each benchmark is a module of kvjax.bench that declares a kvjax.bench.registry.Benchmark: its
+Each benchmark is a module of kvjax.bench that declares a kvjax.bench.base.registry.Benchmark: its
 options as data (turned into command-line options here, the one place argparse lives), the
-settings --set changes where it takes any (the benchmark model, kvjax.bench.harness.BENCH_MODEL;
+settings --set changes where it takes any (the benchmark model, kvjax.bench.base.harness.BENCH_MODEL;
 for decode also its cache), and run(). `kvjax bench NAME --help` shows one benchmark's options.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from kvjax.bench.registry import Benchmark, Kind, Option, benchmarks
+from kvjax.bench.base.registry import Benchmark, Kind, Option, benchmarks
 from kvjax.cli import options
 
 BENCHMARKS = benchmarks()

@@ -4,9 +4,9 @@ and the window length in tokens (an imported model: English prose by default).
 
 `kvjax eval --workdir DIR --recall 512,1024`: instead, the long-range recall test, printed as one
 JSON object: for a model with a tokenizer (an imported model), a pass key hidden at a random
-depth of English prose in prompts of that many tokens and asked for (kvjax.studies.passkey; the
+depth of English prose in prompts of that many tokens and asked for (kvjax.studies.suite.passkey; the
 samples and the answers written to DIR/samples.jsonl and DIR/answers.jsonl); for a byte-level
-model trained here, greedy copies of needles planted that many bytes back (kvjax.studies.recall).
+model trained here, greedy copies of needles planted that many bytes back (kvjax.studies.suite.recall).
 Both decode through the KV cache (--set cache.dtype=int8 cache.layout=paged ...).
 
 `kvjax eval --workdir DIR --ruler 1024,2048 [--tasks niah_single_1,vt] [--samples N]`: instead,
@@ -23,11 +23,11 @@ import sys
 
 from kvjax.cli import options
 from kvjax.interop.hf_files import TOKENIZER_FILE
-from kvjax.studies.passkey import PasskeyConfig
-from kvjax.studies.passkey_run import passkey_checkpoint
-from kvjax.studies.recall import RecallConfig, recall_checkpoint
+from kvjax.studies.suite.passkey import PasskeyConfig
+from kvjax.studies.suite.passkey_run import passkey_checkpoint
+from kvjax.studies.suite.recall import RecallConfig, recall_checkpoint
 from kvjax.studies.ruler import ruler_checkpoint
-from kvjax.studies.ruler_tasks import TASKS, check_tasks
+from kvjax.studies.suite.ruler_tasks import TASKS, check_tasks
 from kvjax.training.evaluate import evaluate_checkpoint
 
 
@@ -160,7 +160,7 @@ def add_parser(subparsers) -> None:
   parser.add_argument("--json", action="store_true", help="print one JSON object")
   options.add_cache_set_option(parser)  # scores a prefill through that cache instead of the plain forward
   options.add_mesh_option(parser)
-  recall = parser.add_argument_group("long-range recall (kvjax.studies.recall)")
+  recall = parser.add_argument_group("long-range recall (kvjax.studies.suite.recall)")
   recall.add_argument(
     "--recall",
     type=distances,

@@ -4,7 +4,7 @@ A config file defines `get_config()` returning a frozen config dataclass whose `
 what runs it:
   - a study: the module kvjax/studies/<job>.py, whose entry point
     `run(study, workdir, progress) -> rows` writes its report into the workdir through
-    kvjax.studies.report (WORKDIR/<job>.md, .csv, .json and its figures) and returns the rows;
+    kvjax.studies.base.report (WORKDIR/<job>.md, .csv, .json and its figures) and returns the rows;
   - the library job "train" (kvjax.training.train), which trains a model in the workdir.
 Configs live in configs/<job>/<name>.py, and a run's default workdir is runs/<job>_<name>.
 

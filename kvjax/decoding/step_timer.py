@@ -1,5 +1,5 @@
-"""The decode step's timer, shared by the benchmarks (kvjax.bench.harness) and the studies
-(kvjax.studies.measure): wall seconds of `decode_step` calls on a cache, the cache donated from
+"""The decode step's timer, shared by the benchmarks (kvjax.bench.base.harness) and the studies
+(kvjax.studies.base.measure): wall seconds of `decode_step` calls on a cache, the cache donated from
 step to step."""
 
 from __future__ import annotations

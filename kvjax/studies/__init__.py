@@ -1,12 +1,12 @@
 """Studies: the jobs `kvjax run` runs (JOBS, one module each, with a config dataclass and
 `run(study, workdir, progress) -> rows`) over a shared layer that no job is, in layers that
 pyproject.toml's import contracts keep (every import points down; no job imports another):
-  the jobs           JOBS below;
+  the jobs           JOBS below, the modules of this folder;
   their helpers      kv_frontier_report, press_board, real_kv, toy_kv, then gqa;
-  the long-context suite  suite; passkey_run, ruler_answers (answers and per-sample records);
-                     ruler_tasks; ruler_prompts; passkey, recall;
-  the measurements   measure (protocols, answers, decode steps), models, report, scoring, stages,
-                     tasks, variants."""
+  suite/             the long-context suite: the recall axis, answers and per-sample records,
+                     RULER's tasks and prompts, the pass key (kvjax/studies/suite/__init__.py);
+  base/              the measurement layer: measure (protocols, answers, decode steps), models,
+                     report, scoring, stages, tasks, variants (kvjax/studies/base/__init__.py)."""
 
 JOBS = (
   "eviction",

@@ -1,9 +1,9 @@
 """The eviction study: needle recall and perplexity of a pretrained model through every press.
 
 Each press (kvjax.cache.evict) is measured at each compression ratio, beside the full cache, by
-kvjax.studies.measure.
+kvjax.studies.base.measure.
 
-Needle recall follows kvpress's protocol: kvjax.studies.passkey's prompts of exactly `context`
+Needle recall follows kvpress's protocol: kvjax.studies.suite.passkey's prompts of exactly `context`
 tokens (the instruction, a 5-digit key sentence at a random depth, whole sentences of held-out
 prose: the context_ids; then the question in the chat template: the question_ids); greedy
 answers of the pass-key answer budget, scored as RULER scores (the key appears in the answer).
@@ -35,11 +35,11 @@ from kvjax.cache.presses import PRESSES
 from kvjax.fields import check_positive, check_nonnegative
 from kvjax.interop.importer import read_model
 from kvjax.model.transformer import Transformer
-from kvjax.studies import measure, report
-from kvjax.studies.measure import PROTOCOLS
-from kvjax.studies.passkey import PasskeyConfig, judge
-from kvjax.studies.passkey_run import all_samples, write_records
-from kvjax.studies.variants import cache
+from kvjax.studies.base import measure, report
+from kvjax.studies.base.measure import PROTOCOLS
+from kvjax.studies.suite.passkey import PasskeyConfig, judge
+from kvjax.studies.suite.passkey_run import all_samples, write_records
+from kvjax.studies.base.variants import cache
 from kvjax.training.config import DataConfig
 from kvjax.training.data import PROSE, eval_batches, load_dataset
 

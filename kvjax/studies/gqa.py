@@ -1,7 +1,7 @@
 """The GQA paper's study (Ainslie et al. 2023): pre-train MHA models, uptrain MHA-big by a list of
 conversions, and measure inference time against quality. The studies gqa_table and
 gqa_figure4/5/6 (kvjax.studies) compose these pieces and the shared stages
-(kvjax.studies.stages: pre-training, uptraining, timing), every one cached in
+(kvjax.studies.base.stages: pre-training, uptraining, timing), every one cached in
 WORKDIR/stages.json, so a rerun skips finished stages; the table and the figures share one
 GqaStudy and may share one workdir.
 
@@ -22,10 +22,10 @@ from kvjax.config import ModelConfig
 from kvjax.fields import check_positive, check_real, from_dict, to_dict
 from kvjax.conversion.conversions import KINDS, Conversion, KVHeads
 from kvjax.conversion.kv_heads import METHODS
-from kvjax.studies import report, tasks
-from kvjax.studies import stages as shared
-from kvjax.studies.stages import Stages, TimingConfig
-from kvjax.studies.tasks import TaskConfig
+from kvjax.studies.base import report, tasks
+from kvjax.studies.base import stages as shared
+from kvjax.studies.base.stages import Stages, TimingConfig
+from kvjax.studies.base.tasks import TaskConfig
 from kvjax.training import checkpoint
 from kvjax.training.config import DataConfig, TrainConfig, TrainRun
 from kvjax.training.data import load_dataset
@@ -165,7 +165,7 @@ def recorded_settings(recorded: dict) -> dict:
 
 
 def open_stages(study: GqaStudy, workdir: Path, progress: Callable[[str], None] = print) -> Stages:
-  """The study's stages in `workdir` (kvjax.studies.stages.Stages), recorded under its
+  """The study's stages in `workdir` (kvjax.studies.base.stages.Stages), recorded under its
   stage_settings: a rerun with other models, data, training or timing settings is refused.
   Each stage's progress goes to `progress`."""
   return Stages(workdir, stage_settings(study), recorded_settings, progress)
@@ -189,7 +189,7 @@ def uptrained(
 
 def task_scores(study: GqaStudy, stages: Stages, workdirs_by_name: dict[str, Path]) -> dict[str, dict]:
   """The paper's protocol (a stage per model): each model fine-tuned on each downstream task for
-  the same study.tasks.steps and scored on that task's held-out split (kvjax.studies.tasks);
+  the same study.tasks.steps and scored on that task's held-out split (kvjax.studies.base.tasks);
   {name: {task: score, ..., "avg_score": mean over tasks}}."""
   out = {}
   for name, path in workdirs_by_name.items():

@@ -15,7 +15,7 @@ from typing import Callable
 
 from kvjax.conversion.conversions import KVHeads
 from kvjax.studies import gqa as gs
-from kvjax.studies import report
+from kvjax.studies.base import report
 
 
 def run(study: gs.GqaStudy, workdir: Path, progress: Callable[[str], None]) -> list[dict]:

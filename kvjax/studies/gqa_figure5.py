@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from kvjax.studies import gqa as gs
-from kvjax.studies import report
+from kvjax.studies.base import report
 
 
 def run(study: gs.GqaStudy, workdir: Path, progress: Callable[[str], None]) -> list[dict]:

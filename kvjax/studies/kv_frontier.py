@@ -2,14 +2,14 @@
 
 The model is a toy one trained here on bytes (`gqa`: a GQA study's MHA-big and its uptrainings,
 kvjax.studies.toy_kv) or a pretrained one (`source`: kvjax.studies.real_kv's import and
-conversions). A variant (kvjax.studies.variants.Variant) names the params it runs and the cache
-it decodes them through; the families are kvjax.studies.variants.FAMILIES. Every variant's cache
+conversions). A variant (kvjax.studies.base.variants.Variant) names the params it runs and the cache
+it decodes them through; the families are kvjax.studies.base.variants.FAMILIES. Every variant's cache
 is checked against the model it runs before anything trains: one error names it.
 
-Every variant is measured alike by kvjax.studies.measure (toy_kv.measure_row, real_kv.measure_row):
+Every variant is measured alike by kvjax.studies.base.measure (toy_kv.measure_row, real_kv.measure_row):
 KV bytes per token, quality through the cache (bits per byte of a toy model, perplexity of a
 pretrained one), recall (a toy model's needles; a pretrained model's RULER-style suite,
-kvjax.studies.suite, and the pass key when asked; per-sample records kept under each row's
+kvjax.studies.suite.axis, and the pass key when asked; per-sample records kept under each row's
 "samples", a pretrained model's also as WORKDIR/samples.jsonl and answers.jsonl) and the decode
 step. A pretrained frontier may add peers: other models measured as trained, through the full
 cache (Gemma 3 270M is MQA as trained). `pareto` marks the front of quality (and of a pretrained
@@ -27,11 +27,11 @@ from typing import Callable
 from kvjax.cache.config import CacheConfig
 from kvjax.studies import gqa as gs
 from kvjax.studies import kv_frontier_report, real_kv, toy_kv
-from kvjax.studies.passkey_run import write_records
+from kvjax.studies.suite.passkey_run import write_records
 from kvjax.studies.real_kv import Measure, Recovery
-from kvjax.studies.stages import time_per_sample
+from kvjax.studies.base.stages import time_per_sample
 from kvjax.studies.toy_kv import ToyMeasure
-from kvjax.studies.variants import Variant, check_distinct, pareto
+from kvjax.studies.base.variants import Variant, check_distinct, pareto
 from kvjax.training import checkpoint
 from kvjax.training.data import load_dataset
 from kvjax.training.evaluate import evaluate

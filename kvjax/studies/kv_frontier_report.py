@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvjax.studies import report
-from kvjax.studies.variants import FAMILIES
+from kvjax.studies.base import report
+from kvjax.studies.base.variants import FAMILIES
 
 STEM = "kv_frontier"
 
@@ -88,7 +88,7 @@ def report_text(study, rows: list[dict]) -> str:
       "decode bits/byte: the same windows fed one byte per decode step, every position reading the stored "
       "cache; no-cache bits/byte: the params' own model without a cache (`kvjax eval`).",
       f"- recall @D: exact copies of {rc.needles} needles of {rc.needle_bytes} random letters and digits planted "
-      "D bytes back in held-out text (kvjax.studies.recall), greedy through the cache.",
+      "D bytes back in held-out text (kvjax.studies.suite.recall), greedy through the cache.",
       f"- decode step: median of {t.repeats} jitted `generate` calls (batch {t.batch}, prompt {t.prompt}, "
       f"{t.new_tokens} new tokens) over {t.new_tokens}, every variant timed round-robin in one run.",
       f"- front: not beaten on both KV bytes/token and bits/byte by another variant: {', '.join(front)}.",
@@ -155,7 +155,7 @@ def suite_note(study) -> str:
     else ""
   )
   return (
-    f"Recall: the RULER-style suite (kvjax.studies.suite), tasks {', '.join(c.tasks)}, {c.samples} samples per "
+    f"Recall: the RULER-style suite (kvjax.studies.suite.axis), tasks {', '.join(c.tasks)}, {c.samples} samples per "
     f"task and length, {c.protocol}, template {c.template}, seed {c.seed}; a length's score is the mean over "
     "its tasks of the share of references found in the answers; front (recall) is on its mean." + peers
   )

@@ -34,7 +34,7 @@ from kvjax.config import ModelConfig
 from kvjax.fields import check_nonnegative, check_positive, check_positive_int, check_real
 from kvjax.serving.engine import Engine, EngineConfig
 from kvjax.model.transformer import Transformer
-from kvjax.studies.report import figure, markdown_table, write_table
+from kvjax.studies.base.report import figure, markdown_table, write_table
 from kvjax.training.workdir import claim_study
 
 CSV_FIELDS = (

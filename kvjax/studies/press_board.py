@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvjax.studies import report
-from kvjax.studies.measure import PROTOCOLS
+from kvjax.studies.base import report
+from kvjax.studies.base.measure import PROTOCOLS
 
 FULL = "full"  # the full cache's method name
 

@@ -7,11 +7,11 @@ WORKDIR/<model>/samples.jsonl, with the tokenizer's stop ids so that a peer can 
 ids); the full cache once (its answers do not depend on the protocol), then each press of
 `presses` ("snapkv", "snapkv:adaptive" for AdaKV's head-adaptive budgets, "snapkv:pyramid" for
 PyramidKV's per-layer ones, which is kvpress's PyramidKVPress) at each ratio under
-each protocol (kvjax.studies.measure.PROTOCOLS), and the codec cells (a press through a codec).
+each protocol (kvjax.studies.base.measure.PROTOCOLS), and the codec cells (a press through a codec).
 
 One prefill per sample: a press compresses what a layer stores after it attended over the whole
 prompt, so each sample is prefilled once per protocol for all its cells and their answers decoded
-in one batch (kvjax.studies.ruler_answers.answer_cells over kvjax.decoding.many), the same answers as
+in one batch (kvjax.studies.suite.ruler_answers.answer_cells over kvjax.decoding.many), the same answers as
 cell by cell (shared_prefill=False, the reference). Each sample's records are appended to
 WORKDIR/<model>/records.jsonl as it finishes, so an interrupted table resumes where it stopped and
 a cell added later is answered alone; each finished cell's answers are also a file of
@@ -41,12 +41,12 @@ from kvjax.cache.config import CacheConfig, cache_name
 from kvjax.cache.presses import make_press
 from kvjax.decoding import many
 from kvjax.fields import check_nonnegative, check_positive
-from kvjax.studies import measure, report
-from kvjax.studies.measure import PROTOCOLS
+from kvjax.studies.base import measure, report
+from kvjax.studies.base.measure import PROTOCOLS
 from kvjax.studies.press_board import FULL, board, figures
-from kvjax.studies.ruler_answers import answer, answer_cells, answer_text, build, check_lengths, load
-from kvjax.studies.ruler_tasks import TASKS, check_tasks
-from kvjax.studies.scoring import check_answer_end, read_jsonl, score, write_jsonl
+from kvjax.studies.suite.ruler_answers import answer, answer_cells, answer_text, build, check_lengths, load
+from kvjax.studies.suite.ruler_tasks import TASKS, check_tasks
+from kvjax.studies.base.scoring import check_answer_end, read_jsonl, score, write_jsonl
 
 
 def press_cache(spec: str, ratio: float) -> CacheConfig:
@@ -74,10 +74,10 @@ class PressTableStudy:
   `samples` per task and length; `presses` x `ratios` x `protocols` beside the full cache, and the
   `codec_cells` (press spec with its codec, e.g. "snapkv+int8", at a ratio). `long`: (source,
   length) pairs run beside, with the full cache and every press at `long_ratios` only.
-  answer_end: where an answer ends besides a stop id (kvjax.studies.scoring): "budget" at its
+  answer_end: where an answer ends besides a stop id (kvjax.studies.base.scoring): "budget" at its
   task's budget, "line" also at its first line break.
   shared_prefill: one prefill and one batch of answers per sample for all its cells
-  (kvjax.studies.ruler_answers.answer_cells); False answers cell by cell (ruler_answers.answer), the
+  (kvjax.studies.suite.ruler_answers.answer_cells); False answers cell by cell (ruler_answers.answer), the
   reference it is timed against."""
 
   sources: tuple[str, ...] = ("smollm2-135m", "gemma3-270m")

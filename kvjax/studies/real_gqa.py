@@ -2,7 +2,7 @@
 
 The rows: the model as shipped, MQA by mean-pooling its kv heads (the paper's conversion) at
 alpha = 0 and recovered, MQA by kvjax's best conversion recovered, and MLA at MQA's bytes
-recovered; each a Variant (kvjax.studies.variants) with the full cache. With
+recovered; each a Variant (kvjax.studies.base.variants) with the full cache. With
 Recovery.distill_steps, each recovered row also gets the paper's path after it: end-to-end
 uptraining with distillation from the model as shipped, started from the layer-local recovery
 (kvjax uptrain --init), whose held-out loss against its steps is drawn as the gap it closes
@@ -12,10 +12,10 @@ Peers (`peers`): other pretrained models as trained, through the full cache, as 
 table's (Gemma 3 270M: MQA as trained, its KV bytes counting its 512-token window on five of six
 layers).
 
-Columns: KV bytes per token (kvjax.studies.measure); time per sample (one jitted `generate` of
+Columns: KV bytes per token (kvjax.studies.base.measure); time per sample (one jitted `generate` of
 timing.batch rows of timing.prompt tokens + timing.new_tokens greedy tokens, over the batch;
-models timed round-robin, kvjax.studies.stages.time_per_sample, weights stored as
-measure.weights); held-out perplexity; the RULER-style suite per length and its mean (kvjax.studies.suite), and the
+models timed round-robin, kvjax.studies.base.stages.time_per_sample, weights stored as
+measure.weights); held-out perplexity; the RULER-style suite per length and its mean (kvjax.studies.suite.axis), and the
 pass key when asked (per-sample records under "samples", and as WORKDIR/samples.jsonl and
 answers.jsonl);
 and the gap each row closes in loss per token at the longest context, ln perplexity: 0% at
@@ -34,8 +34,8 @@ from kvjax.cache.config import CacheConfig
 from kvjax.conversion.conversions import KVHeads, ToMLA
 from kvjax.conversion.curve import gap_closed
 from kvjax.model.weights import store
-from kvjax.studies import measure, report
-from kvjax.studies.passkey_run import write_records
+from kvjax.studies.base import measure, report
+from kvjax.studies.suite.passkey_run import write_records
 from kvjax.studies.real_kv import (
   Measure,
   Recovery,
@@ -50,14 +50,14 @@ from kvjax.studies.real_kv import (
   recall_inputs,
   recall_row,
 )
-from kvjax.studies.stages import TimingConfig, time_per_sample
-from kvjax.studies.variants import Variant
+from kvjax.studies.base.stages import TimingConfig, time_per_sample
+from kvjax.studies.base.variants import Variant
 
 PROTOCOL = """Protocol: {source} imported from its file (float32). MQA rows convert its {kv} kv heads to
 one: "mean" mean-pools them (Ainslie et al. 2023), the best conversion is {best}; MLA is
 kvjax.conversion.mla at the KV bytes of MQA ({mla}). Recovery: {recovery}. Perplexity: {windows}
 held-out prose windows (pydoc_data, unseen in recovery) per context, the first half prefilled
-through the cache and the second half scored. Recall: the RULER-style suite (kvjax.studies.suite),
+through the cache and the second half scored. Recall: the RULER-style suite (kvjax.studies.suite.axis),
 tasks {tasks}, {samples} samples per task and length, {protocol}, template {template}: the share of
 references found in the answer, the mean over tasks per length.{passkey}{peers} Time per sample: batch {batch}, {prompt}-token prompts + {new} greedy tokens,
 weights stored as {weights}, median of {repeats} round-robin rounds over the batch. Gap closed:

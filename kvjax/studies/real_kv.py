@@ -8,24 +8,24 @@ trained) or recovered (`{name}_{mode}`: Recovery.mode "local", layer-local recov
 end-to-end uptraining with distillation); a variant with `distill` > 0 under a layer-local
 Recovery with distill_steps is then trained end to end from that recovery with distillation from
 the source (`{name}_local_distill`: the paper's path, `kvjax uptrain --init`). Every one is a stage of WORKDIR/stages.json
-(kvjax.studies.stages), so a rerun skips what is done and an interrupted recovery resumes; with
+(kvjax.studies.base.stages), so a rerun skips what is done and an interrupted recovery resumes; with
 `models_from`, another study's finished workdir (same source and Recovery) is only read.
 
-Measurements (measure_row), each through the cache a variant names, by kvjax.studies.measure:
+Measurements (measure_row), each through the cache a variant names, by kvjax.studies.base.measure:
   kv_bytes_per_token  measure.kv_bytes_per_token at Measure.context;
   perplexity          held-out prose windows of C tokens (pydoc_data prose, which no recovery
                       trains on): the first C/2 prefilled through the cache (a press compresses
                       them, a window drops what leaves it), the last C/2 extended into it and
                       scored; the same tokens for every variant;
   suite               the recall axis: the RULER-style suite's score per context length and
-                      their mean, in % (kvjax.studies.suite, Measure.suite: by default the
+                      their mean, in % (kvjax.studies.suite.axis, Measure.suite: by default the
                       single-needle and multi-key tasks, query-aware);
   passkey             when Measure.passkey is set, pass-key recall per prompt length, in %
-                      (kvjax.studies.passkey: the needle at a random depth, the key found in the
+                      (kvjax.studies.suite.passkey: the needle at a random depth, the key found in the
                       answer; the whole prompt in one generate, so a press sees the question);
                       every sample of both drawn once per study and written to
                       WORKDIR/samples.jsonl, every variant's answers to WORKDIR/answers.jsonl
-                      (kvjax.studies.passkey_run.write_records), "method" the variant's name;
+                      (kvjax.studies.suite.passkey_run.write_records), "method" the variant's name;
   decode step         one decode step of `batch` rows holding `context` positions, weights stored
                       as Measure.weights (measure.decode_step_ms).
 
@@ -50,12 +50,13 @@ from kvjax.conversion.uptrain import uptrain
 from kvjax.config import ModelConfig
 from kvjax.fields import check_choice, check_nonnegative, check_positive, check_real, from_dict, to_dict
 from kvjax.model.weights import check_format, store
-from kvjax.studies import measure, stages, suite
-from kvjax.studies.variants import Variant
-from kvjax.studies.models import tokenized_checkpoint
-from kvjax.studies.passkey import TASK as PASSKEY, PasskeyConfig
-from kvjax.studies.passkey_run import all_samples, passkey
-from kvjax.studies.suite import SuiteConfig
+from kvjax.studies.base import measure, stages
+from kvjax.studies.suite import axis
+from kvjax.studies.base.variants import Variant
+from kvjax.studies.base.models import tokenized_checkpoint
+from kvjax.studies.suite.passkey import TASK as PASSKEY, PasskeyConfig
+from kvjax.studies.suite.passkey_run import all_samples, passkey
+from kvjax.studies.suite.axis import SuiteConfig
 from kvjax.training import checkpoint
 from kvjax.training.config import DataConfig
 from kvjax.training.data import PROSE, eval_batches, load_dataset
@@ -279,7 +280,7 @@ class Measure:
 def recall_inputs(tokenizer, settings: Measure, max_len: int, model: str = "") -> list[dict]:
   """Every recall sample of a model's tokenizer: the suite's (marked `model` when given), then
   the pass key's when measured (passkey_run.all_samples)."""
-  inputs = suite.samples(tokenizer, settings.suite, max_len, model)
+  inputs = axis.samples(tokenizer, settings.suite, max_len, model)
   if settings.passkey is not None:
     inputs += [{**s, "model": model} if model else s for s in all_samples(tokenizer, settings.passkey)]
   return inputs
@@ -290,7 +291,7 @@ def recall_row(model, params, tokenizer, cache_config: CacheConfig, settings: Me
   suite_mean, and passkey_L and passkey_mean when measured, in %; one result per sample, marked
   `method`)."""
   ruler_inputs = [s for s in inputs if s["task"] != PASSKEY]
-  row, records = suite.scores(model, params, tokenizer, cache_config, settings.suite, ruler_inputs, method)
+  row, records = axis.scores(model, params, tokenizer, cache_config, settings.suite, ruler_inputs, method)
   if settings.passkey is not None:
     keys = [s for s in inputs if s["task"] == PASSKEY]
     found = passkey(model, params, tokenizer, settings.passkey, cache_config=cache_config, inputs=keys, method=method)

@@ -1,6 +1,6 @@
 """The RULER-style long-context suite (Hsieh et al. 2024) as a job: every task at each context
 length, through the full cache and each press at each ratio, answered and scored by
-kvjax.studies.ruler_answers (the samples, the protocols, the scoring).
+kvjax.studies.suite.ruler_answers (the samples, the protocols, the scoring).
 
 Files: samples.jsonl (one sample per line, the inputs) and answers.jsonl (one result per line:
 id, task, length, method, answer, score, depth, distance), as `kvjax eval --ruler` and the study
@@ -19,15 +19,15 @@ from typing import Callable
 
 from kvjax.cache.config import CacheConfig, cache_name
 from kvjax.fields import check_nonnegative, check_positive
-from kvjax.studies import report
-from kvjax.studies.measure import PROTOCOLS
-from kvjax.studies.models import tokenized_checkpoint
-from kvjax.studies.ruler_prompts import TEMPLATES
-from kvjax.studies.ruler_tasks import TASKS, check_tasks
-from kvjax.studies.scoring import write_jsonl
-from kvjax.studies.variants import cache
+from kvjax.studies.base import report
+from kvjax.studies.base.measure import PROTOCOLS
+from kvjax.studies.base.models import tokenized_checkpoint
+from kvjax.studies.suite.ruler_prompts import TEMPLATES
+from kvjax.studies.suite.ruler_tasks import TASKS, check_tasks
+from kvjax.studies.base.scoring import write_jsonl
+from kvjax.studies.base.variants import cache
 
-from kvjax.studies.ruler_answers import NEEDS, answer, build, check_lengths, load, summary
+from kvjax.studies.suite.ruler_answers import NEEDS, answer, build, check_lengths, load, summary
 
 
 @dataclasses.dataclass(frozen=True)

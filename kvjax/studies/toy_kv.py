@@ -3,11 +3,11 @@ on bytes, and its uptrainings; and the toy measurement settings.
 
 Models. MHA-big is pre-trained (the GQA study's big, data and train) and each conversion a variant
 runs is an uptraining of it for alpha = gqa.fraction with the variant's distillation weight
-(kvjax.studies.stages), every one a stage of WORKDIR/stages.json recorded under the GQA study's
+(kvjax.studies.base.stages), every one a stage of WORKDIR/stages.json recorded under the GQA study's
 settings as a GQA study's are; with `models_from`, a finished GQA study's workdir (a GQA table's
 or another frontier's) is only read.
 
-Measurements (measure_row), each through the cache a variant names, by kvjax.studies.measure:
+Measurements (measure_row), each through the cache a variant names, by kvjax.studies.base.measure:
   kv_bytes_per_token    measure.kv_bytes_per_token at ToyMeasure.context;
   bits_per_byte         held-out bits per byte on the windows `kvjax eval` scores, from the logits
                         of every position of one prefill of each window;
@@ -15,7 +15,7 @@ Measurements (measure_row), each through the cache a variant names, by kvjax.stu
                         position reads what the cache stored, as generated tokens do (from an
                         empty cache a float kind reads the new K/V as computed, so a bfloat16
                         cache's rounding shows here only);
-  recall                kvjax.studies.recall at each distance (exact match and byte accuracy).
+  recall                kvjax.studies.suite.recall at each distance (exact match and byte accuracy).
 The decode step is timed by the study for every variant together (stages.time_per_sample).
 """
 
@@ -30,11 +30,11 @@ from typing import Callable
 from kvjax.config import ModelConfig
 from kvjax.fields import check_positive
 from kvjax.studies import gqa as gs
-from kvjax.studies import measure, stages
-from kvjax.studies import recall as byte_recall
-from kvjax.studies.recall import RecallConfig
-from kvjax.studies.stages import TimingConfig
-from kvjax.studies.variants import Variant
+from kvjax.studies.base import measure, stages
+from kvjax.studies.suite import recall as byte_recall
+from kvjax.studies.suite.recall import RecallConfig
+from kvjax.studies.base.stages import TimingConfig
+from kvjax.studies.base.variants import Variant
 from kvjax.training.data import Dataset, eval_batches
 
 MHA_BIG = "mha_big"

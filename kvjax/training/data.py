@@ -29,7 +29,7 @@ from kvjax.training.config import HELD_OUT_RULES, DataConfig
 
 VOCAB_SIZE = 256
 # Directories of the standard library that are not the library itself, and pydoc_data, whose
-# documentation text is held out of pre-training for the GQA table's prose task (kvjax.studies.tasks).
+# documentation text is held out of pre-training for the GQA table's prose task (kvjax.studies.base.tasks).
 STDLIB_SKIP = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__", "pydoc_data"})
 PROSE = "prose"
 # The documentation's split: blocks of whole paragraphs of about HELD_OUT_BLOCK bytes, every

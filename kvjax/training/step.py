@@ -3,7 +3,7 @@
 cross-entropy (optionally masked, optionally plus a distillation KL to a teacher).
 
 The state (step, float32 params, optimizer state) is donated to every step. kvjax.training.train
-runs the loop around it; kvjax.studies.tasks fine-tunes with the same step.
+runs the loop around it; kvjax.studies.base.tasks fine-tunes with the same step.
 """
 
 from __future__ import annotations

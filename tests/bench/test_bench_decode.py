@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvjax.bench import decode, harness
+from kvjax.bench import decode
+from kvjax.bench.base import harness
 from kvjax.cache.config import CacheConfig
 from kvjax.cache.kinds import bytes_per_token
 

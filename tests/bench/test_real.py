@@ -5,9 +5,9 @@ whole answers, and what transformers' int8 peer quantizes."""
 import numpy as np
 import pytest
 
-from kvjax.bench.engine_workload import Workload, latency_summary
-from kvjax.bench.harness import greedy_agreement
-from kvjax.bench.real_formats import hf_formats
+from kvjax.bench.parts.engine_workload import Workload, latency_summary
+from kvjax.bench.base.harness import greedy_agreement
+from kvjax.bench.parts.real_formats import hf_formats
 from kvjax.interop.tokenizer import TextTokenizer
 from kvjax.training.checkpoint import load_model
 
@@ -23,7 +23,7 @@ def test_latency_summary():
 
 
 def test_agreement_counts_equal_answers_tokens_and_common_prefixes():
-  """kvjax.bench.harness.greedy_agreement by hand, the one shape every benchmark reports: lists of
+  """kvjax.bench.base.harness.greedy_agreement by hand, the one shape every benchmark reports: lists of
   any lengths (the engine's requests) and rows of arrays (a batch of answers)."""
   out = greedy_agreement([[1, 2, 3, 4], [5, 6], [7, 8], [1, 2]], [[1, 2, 9, 4], [5, 6], [0, 8], [1, 2, 3]])
   assert out == {

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from kvjax.bench.real_long import compare, plan
-from kvjax.bench.real_long_side import Cell, run_spec
+from kvjax.bench.parts.real_long_side import Cell, run_spec
 from kvjax.interop.importer import read_config
 
 SOURCE = "smollm2-135m"

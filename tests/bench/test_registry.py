@@ -10,7 +10,7 @@ import pytest
 from conftest import BENCHMARK_NAMES
 
 import kvjax.bench
-from kvjax.bench.registry import Benchmark, Kind, Option, benchmarks
+from kvjax.bench.base.registry import Benchmark, Kind, Option, benchmarks
 
 NAMES = set(BENCHMARK_NAMES)
 
@@ -58,7 +58,7 @@ def test_defaults_are_of_their_kind(name):
 def test_a_new_module_is_a_new_benchmark(tmp_path, monkeypatch):
   """Adding a benchmark is adding its module; two modules with one name are refused."""
   body = (
-    "from kvjax.bench.registry import Benchmark, Option\n"
+    "from kvjax.bench.base.registry import Benchmark, Option\n"
     "def run(*, size):\n  return {'size': size}\n"
     "BENCHMARK = Benchmark(name='toy', summary='a toy', run=run, options=(Option('size', 2, 'rows'),))\n"
   )

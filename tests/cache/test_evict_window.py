@@ -16,7 +16,7 @@ from kvjax.cache import kinds
 from kvjax.cache.config import CacheConfig
 from kvjax.cache.presses import KNorm, SnapKV, StreamingLLM
 from kvjax.decoding import decode
-from kvjax.studies import measure
+from kvjax.studies.base import measure
 
 RNG = np.random.default_rng(3)
 PRESSES = {

@@ -11,7 +11,7 @@ import pytest
 from conftest import BENCHMARK_NAMES
 
 from kvjax.bench import decode, hf, nocache, paged, real
-from kvjax.bench.harness import BENCH_MODEL
+from kvjax.bench.base.harness import BENCH_MODEL
 from kvjax.cache.config import CacheConfig
 from kvjax.cli import bench
 from kvjax.cli import main as cli

@@ -30,12 +30,12 @@ import kvjax.bench.peers.hf_model
 import kvjax.decoding.stream
 import kvjax.interop.hf_export
 import kvjax.kernels.build
-import kvjax.studies.passkey_run
-import kvjax.studies.recall
+import kvjax.studies.suite.passkey_run
+import kvjax.studies.suite.recall
 import kvjax.training.checkpoint
 import kvjax.training.evaluate
 import kvjax.training.train
-from kvjax.bench.registry import Kind
+from kvjax.bench.base.registry import Kind
 from kvjax.cli import bench
 from kvjax.cli import main as cli
 from kvjax.config import ModelConfig
@@ -416,8 +416,8 @@ def tripwires(monkeypatch, files):
     (kvjax.training.train, "make_optimizer"),
     (kvjax.training.evaluate, "_eval_sums"),
     (kvjax.decoding.stream, "prefill"),
-    (kvjax.studies.recall, "recall"),
-    (kvjax.studies.passkey_run, "passkey"),
+    (kvjax.studies.suite.recall, "recall"),
+    (kvjax.studies.suite.passkey_run, "passkey"),
     (kvjax.interop.hf_export, "save_file"),
     (kvjax.training.checkpoint, "save_params"),
     (conversions.KVHeads, "convert"),
@@ -634,7 +634,7 @@ test_kv_size, test_kv_size_wide = fuzz(kv_size_case)
 
 def bench_pieces(files: dict[str, str], name: str) -> list:
   """Hostile pieces of `kvjax bench NAME`: a hostile value for each of its options (from the
-  benchmark's declaration, kvjax.bench.registry), a hostile --set item where it takes --set, and
+  benchmark's declaration, kvjax.bench.base.registry), a hostile --set item where it takes --set, and
   an option that only other benchmarks take."""
   benchmark = bench.BENCHMARKS[name]
   hostile = {

@@ -17,7 +17,7 @@ from kvjax.cli import run
 ROOT = Path(__file__).resolve().parents[2]
 
 # A study module as kvjax/studies holds them: its config dataclass, run(), its report through
-# kvjax.studies.report; it prints a line of its own, which must not reach stdout.
+# kvjax.studies.base.report; it prints a line of its own, which must not reach stdout.
 HELLO_STUDY = '''"""Greets the world: the study of the tests of `kvjax run`.
 
 Its rows hold the greeting and the kv heads of its model.
@@ -26,7 +26,7 @@ Its rows hold the greeting and the kv heads of its model.
 import dataclasses
 
 from kvjax.config import ModelConfig
-from kvjax.studies import report
+from kvjax.studies.base import report
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,7 +21,7 @@ from kvjax.cache.presses import PRESSES, SnapKV, make_press
 from kvjax.cache.stack import stack
 from kvjax.decoding import decode
 from kvjax.decoding.many import answer_many, batch_size, prefill_many
-from kvjax.studies import measure
+from kvjax.studies.base import measure
 
 RNG = np.random.default_rng(0)
 TOKENS = RNG.integers(0, 64, (2, 40)).astype(np.int32)

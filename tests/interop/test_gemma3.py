@@ -16,7 +16,7 @@ from kvjax.interop import importer
 from kvjax.interop.architectures import PRESETS, resolve
 from kvjax.interop.kv_size import plan
 from kvjax.model.params import param_count
-from kvjax.studies.measure import kv_bytes_per_token
+from kvjax.studies.base.measure import kv_bytes_per_token
 
 BOS, WINDOW = 2, 512
 PROMPT = 520  # just past the 512-token window: the local layers' masks and rings both bind

@@ -15,9 +15,10 @@ import pytest
 from kvjax.cli.run import load_config
 from kvjax.interop.importer import read_model
 from kvjax.model.transformer import Transformer
-from kvjax.studies import eviction, measure
+from kvjax.studies import eviction
+from kvjax.studies.base import measure
 from kvjax.studies.eviction import EvictionStudy
-from kvjax.studies.scoring import read_jsonl
+from kvjax.studies.base.scoring import read_jsonl
 from kvjax.training.config import DataConfig
 from kvjax.training.data import PROSE, eval_batches, load_dataset
 

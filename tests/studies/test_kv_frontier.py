@@ -20,7 +20,7 @@ from kvjax.fields import apply_overrides
 from kvjax.studies import kv_frontier as kvf
 from kvjax.studies import kv_frontier_report as kvf_report
 from kvjax.studies import toy_kv
-from kvjax.studies.variants import FAMILIES, Variant
+from kvjax.studies.base.variants import FAMILIES, Variant
 from kvjax.training.evaluate import evaluate_checkpoint
 from kvjax.training.workdir import claim_study
 from conftest import tree_state

@@ -12,8 +12,8 @@ import pytest
 
 from kvjax.cache.config import CacheConfig
 from kvjax.decoding import decode
-from kvjax.studies import measure
-from kvjax.studies.variants import cache, pareto
+from kvjax.studies.base import measure
+from kvjax.studies.base.variants import cache, pareto
 from conftest import init_params, tiny_config
 
 CONTEXT = 64

@@ -16,8 +16,8 @@ import pytest
 from kvjax.cache.config import CacheConfig
 from kvjax.cli.main import main as kvjax_main
 from kvjax.interop.tokenizer import TextTokenizer
-from kvjax.studies import measure
-from kvjax.studies.passkey import (
+from kvjax.studies.base import measure
+from kvjax.studies.suite.passkey import (
   PARAGRAPH,
   SEPARATOR,
   WORDINGS,
@@ -29,8 +29,8 @@ from kvjax.studies.passkey import (
   prose_sentences,
   samples,
 )
-from kvjax.studies.passkey_run import all_samples, passkey
-from kvjax.studies.scoring import read_jsonl
+from kvjax.studies.suite.passkey_run import all_samples, passkey
+from kvjax.studies.base.scoring import read_jsonl
 from kvjax.training.checkpoint import save_params
 from kvjax.training.data import documentation
 from conftest import init_params, tiny_config

@@ -10,10 +10,10 @@ from conftest import init_params, tiny_config
 
 from kvjax.cache.config import CacheConfig, cache_name
 from kvjax.interop.tokenizer import TextTokenizer
-from kvjax.studies import measure
+from kvjax.studies.base import measure
 from kvjax.cache.kvzip import KVzip
 from kvjax.studies.press_table import PressTableStudy, cells, press_cache, refusal, run
-from kvjax.studies.scoring import read_jsonl, write_jsonl
+from kvjax.studies.base.scoring import read_jsonl, write_jsonl
 from kvjax.training.checkpoint import load_model
 
 

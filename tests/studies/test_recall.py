@@ -6,7 +6,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvjax.studies.recall import CLOSE, MARKER, SEPARATOR, RecallConfig, examples, recall, recall_checkpoint, score
+from kvjax.studies.suite.recall import (
+  CLOSE,
+  MARKER,
+  SEPARATOR,
+  RecallConfig,
+  examples,
+  recall,
+  recall_checkpoint,
+  score,
+)
 from conftest import init_params, tiny_config
 
 FILLER = np.frombuffer(b"def f(x):\n    return x + 1\n" * 40, np.uint8)

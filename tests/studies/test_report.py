@@ -8,7 +8,7 @@ import json
 
 import matplotlib
 
-from kvjax.studies import report
+from kvjax.studies.base import report
 
 ROWS = [
   {"model": "MHA", "kv_heads": 8, "loss": 1.23456, "note": None},

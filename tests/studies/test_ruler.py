@@ -1,4 +1,4 @@
-"""The RULER-style suite (kvjax.studies.ruler, kvjax.studies.ruler_tasks) on SmolLM2's tokenizer:
+"""The RULER-style suite (kvjax.studies.ruler, kvjax.studies.suite.ruler_tasks) on SmolLM2's tokenizer:
 exact lengths, determinism, the needles where the task puts them, RULER's scoring, the templates
 and the refusals; answers through a tiny random model under both protocols."""
 
@@ -10,11 +10,11 @@ import re
 import pytest
 
 from kvjax.interop.tokenizer import TextTokenizer
-from kvjax.studies import ruler_answers
-from kvjax.studies.measure import PROTOCOLS
-from kvjax.studies.ruler_prompts import TooShort
-from kvjax.studies.ruler_tasks import TASKS, make_sample
-from kvjax.studies.scoring import score
+from kvjax.studies.suite import ruler_answers
+from kvjax.studies.base.measure import PROTOCOLS
+from kvjax.studies.suite.ruler_prompts import TooShort
+from kvjax.studies.suite.ruler_tasks import TASKS, make_sample
+from kvjax.studies.base.scoring import score
 from conftest import init_params, tiny_config
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvjax.studies.scoring import LineEnd, check_answer_end, first_line, read_jsonl, score, write_jsonl
+from kvjax.studies.base.scoring import LineEnd, check_answer_end, first_line, read_jsonl, score, write_jsonl
 
 
 def test_score_is_the_fraction_of_references_found_anywhere_in_the_answer():

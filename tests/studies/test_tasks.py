@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.studies import tasks
+from kvjax.studies.base import tasks
 from kvjax.training.step import init_state, make_optimizer, make_train_step
 
 # seq_len 64 keeps the compiled shapes small; the data tests also run the default 128.

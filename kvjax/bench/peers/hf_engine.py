@@ -13,7 +13,7 @@ most `max_batch`), padded on the left, and one `generate` with a static cache ma
 request's count of tokens for all of them. The result says which peer ran and why.
 
 Both peers produce exactly each request's count of new tokens, greedy, no stop token, and
-record the time of every token, so kvjax.bench.engine_workload.latency_summary reads both sides
+record the time of every token, so kvjax.bench.parts.engine_workload.latency_summary reads both sides
 the same way.
 """
 

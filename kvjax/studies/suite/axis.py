@@ -1,5 +1,5 @@
 """The RULER-style suite as a study's recall axis (kvjax.studies.kv_frontier, real_gqa): a few
-tasks of kvjax.studies.ruler_tasks at a few context lengths, answered through each variant's
+tasks of kvjax.studies.suite.ruler_tasks at a few context lengths, answered through each variant's
 cache and scored as RULER scores them (kvjax.studies.ruler).
 
 A row gains suite_L (the mean over the tasks of the mean score of their samples at L tokens, in %)
@@ -16,10 +16,10 @@ from kvjax.cache.config import CacheConfig
 from kvjax.fields import check_choice, check_nonnegative, check_positive
 from kvjax.interop.tokenizer import TextTokenizer
 from kvjax.model.transformer import Transformer
-from kvjax.studies import ruler_answers
-from kvjax.studies.measure import PROTOCOLS
-from kvjax.studies.ruler_prompts import TEMPLATES
-from kvjax.studies.ruler_tasks import check_tasks
+from kvjax.studies.suite import ruler_answers
+from kvjax.studies.base.measure import PROTOCOLS
+from kvjax.studies.suite.ruler_prompts import TEMPLATES
+from kvjax.studies.suite.ruler_tasks import check_tasks
 
 PREFIX = "suite_"
 

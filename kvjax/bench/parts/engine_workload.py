@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from kvjax.bench.peers.hf_engine import peer_model, run_continuous, run_static
-from kvjax.bench.harness import greedy_agreement
+from kvjax.bench.base.harness import greedy_agreement
 from kvjax.cache.config import CacheConfig
 from kvjax.serving.engine import Engine, EngineConfig
 from kvjax.training.config import DataConfig

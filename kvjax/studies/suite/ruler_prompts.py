@@ -1,4 +1,4 @@
-"""The pieces every task of the RULER-style suite (kvjax.studies.ruler_tasks) is built from:
+"""The pieces every task of the RULER-style suite (kvjax.studies.suite.ruler_tasks) is built from:
 RULER's published prompt templates, the seeded keys and values (numbers, words of Python's
 documentation, uuid4s), the chat / base-model frame around a context, and `fill`, which makes a
 haystack of an exact number of tokens with needles between its whole units."""
@@ -13,7 +13,7 @@ import uuid
 import numpy as np
 
 from kvjax.interop.tokenizer import TextTokenizer
-from kvjax.studies.passkey import PLACEHOLDER, Prose
+from kvjax.studies.suite.passkey import PLACEHOLDER, Prose
 from kvjax.training.data import documentation
 
 # RULER's templates (scripts/data/synthetic/constants.py): (template, answer prefix, tokens_to_generate).

@@ -25,7 +25,7 @@ import statistics
 import jax
 import numpy as np
 
-from kvjax.bench.harness import greedy_agreement
+from kvjax.bench.base.harness import greedy_agreement
 from kvjax.bench.peers.llamacpp import FORMATS as LLAMACPP_FORMATS
 from kvjax.bench.peers.llamacpp import LlamaCppPeer
 from kvjax.bench.peers.hf_model import hf_greedy_kwargs, import_torch, peak_memory_gib, prose_prompts, reset_peak_memory

@@ -1,16 +1,16 @@
 """The RULER-style suite's samples and answers, below the jobs that use them (kvjax.studies.ruler,
-press_table, and the suite of the real-model studies, kvjax.studies.suite): the samples of every
-task of kvjax.studies.ruler_tasks at each context length, answered greedily through the KV cache
+press_table, and the suite of the real-model studies, kvjax.studies.suite.axis): the samples of every
+task of kvjax.studies.suite.ruler_tasks at each context length, answered greedily through the KV cache
 of a CacheConfig (one at a time, `answer`, or many from one prefill, `answer_cells`) and scored
 as RULER scores them.
 
 Scoring (RULER's scripts/eval/synthetic/constants.py): string_match_all, the fraction of a
-sample's references found in its answer (case-insensitive; kvjax.studies.scoring.score, which
+sample's references found in its answer (case-insensitive; kvjax.studies.base.scoring.score, which
 the pass-key test shares), for every task here (RULER's string_match_part is for its
 question-answering tasks, which need datasets kvjax does not download). A task's score is the
 mean over its samples, in percent; the suite's is the mean over tasks.
 
-Protocols (kvjax.studies.measure.PROTOCOLS):
+Protocols (kvjax.studies.base.measure.PROTOCOLS):
   query_agnostic  kvpress's: context_ids are prefilled (and pressed) first, question_ids read
                   after into what the cache kept;
   query_aware     the whole prompt in one generate (a press sees the question).
@@ -31,12 +31,12 @@ from kvjax.decoding import many
 from kvjax.fields import check_positive_int
 from kvjax.interop.tokenizer import TextTokenizer
 from kvjax.model.transformer import Transformer
-from kvjax.studies import measure
-from kvjax.studies.measure import PROTOCOLS
-from kvjax.studies.models import tokenized_model
-from kvjax.studies.ruler_prompts import TEMPLATES
-from kvjax.studies.ruler_tasks import check_tasks, make_sample
-from kvjax.studies.scoring import LineEnd, check_answer_end, first_line, score
+from kvjax.studies.base import measure
+from kvjax.studies.base.measure import PROTOCOLS
+from kvjax.studies.base.models import tokenized_model
+from kvjax.studies.suite.ruler_prompts import TEMPLATES
+from kvjax.studies.suite.ruler_tasks import check_tasks, make_sample
+from kvjax.studies.base.scoring import LineEnd, check_answer_end, first_line, score
 
 FACTS = ("depth", "distance")
 
@@ -98,7 +98,7 @@ def answer(
 ) -> list[dict]:
   """Greedy answers of every sample through caches of cache_config -> one result per sample
   (id, task, length, method, answer, score, and the sample's depth / distance). end: where an
-  answer ends besides a stop id, "budget" or "line" (kvjax.studies.scoring)."""
+  answer ends besides a stop id, "budget" or "line" (kvjax.studies.base.scoring)."""
   if protocol not in PROTOCOLS:
     raise ValueError(f"RULER protocol must be one of {PROTOCOLS}, got {protocol!r}")
   check_answer_end(end)

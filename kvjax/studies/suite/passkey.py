@@ -34,11 +34,11 @@ the prompt is that sequence of ids (re-encoding its text may merge a token acros
 The answer budget (answer_budget) holds twice the expected answer sentence ("The secret passkey
 is 48213." in the tokenizer's ids): SmolLM2's tokenizer spends one token per digit, so a budget
 of 10 cuts "The secret passkey is 4821" before the key ends and scores a model that found the
-key as one that did not. Scored as RULER scores (kvjax.studies.scoring.score): the key appears
+key as one that did not. Scored as RULER scores (kvjax.studies.base.scoring.score): the key appears
 in the answer. Everything is drawn from a generator seeded by (seed, length): the same config
 gives the same examples for every model with the same tokenizer. The answers are decoded
 through the KV cache of a CacheConfig: a contiguous one by kvjax.generate, a paged one by the
-continuous-batching engine (kvjax.studies.measure.answers).
+continuous-batching engine (kvjax.studies.base.measure.answers).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ import numpy as np
 
 from kvjax.fields import check_nonnegative, check_positive, check_positive_int
 from kvjax.interop.tokenizer import TextTokenizer
-from kvjax.studies.scoring import score
+from kvjax.studies.base.scoring import score
 from kvjax.training.data import documentation, paragraphs_of
 
 TASK = "passkey"

@@ -1,6 +1,6 @@
-"""Running the pass-key test (kvjax.studies.passkey) through a KV cache, and writing its
+"""Running the pass-key test (kvjax.studies.suite.passkey) through a KV cache, and writing its
 per-sample records: the inputs as WORKDIR/samples.jsonl, the answers as WORKDIR/answers.jsonl
-(kvjax.studies.scoring), one line per (sample, method), so that two caches or two libraries
+(kvjax.studies.base.scoring), one line per (sample, method), so that two caches or two libraries
 can be compared sample by sample."""
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ from kvjax.fields import to_dict
 from kvjax.interop.tokenizer import TextTokenizer
 from kvjax.model.transformer import Transformer
 from kvjax.model.weights import check_format, store
-from kvjax.studies import measure, scoring
-from kvjax.studies.models import tokenized_checkpoint
-from kvjax.studies.passkey import PasskeyConfig, Prose, answer_budget, judge, samples
+from kvjax.studies.base import measure, scoring
+from kvjax.studies.base.models import tokenized_checkpoint
+from kvjax.studies.suite.passkey import PasskeyConfig, Prose, answer_budget, judge, samples
 from kvjax.training.checkpoint import latest_step
 
 
 def all_samples(tokenizer: TextTokenizer, config: PasskeyConfig) -> list[dict]:
-  """Every sample of the config, length by length (kvjax.studies.passkey.samples)."""
+  """Every sample of the config, length by length (kvjax.studies.suite.passkey.samples)."""
   prose = Prose.of(tokenizer)
   return [s for length in config.lengths for s in samples(tokenizer, config, length, prose)]
 
@@ -36,7 +36,7 @@ def passkey(
   inputs: list[dict] | None = None,
   method: str = "full",
 ) -> dict[str, dict]:
-  """Recall per prompt length through a cache of cache_config (kvjax.studies.measure.recall,
+  """Recall per prompt length through a cache of cache_config (kvjax.studies.base.measure.recall,
   config.batch_size examples at a time) -> {str(L): {"length", "recall" (the fraction of samples
   whose answer holds the key), "needles", "samples"}}; samples: one result per example
   (passkey.judge's, with "index" and `method`). inputs: all_samples(tokenizer, config), made

@@ -36,7 +36,7 @@ import math
 import numpy as np
 
 from kvjax.interop.tokenizer import TextTokenizer
-from kvjax.studies.ruler_prompts import (
+from kvjax.studies.suite.ruler_prompts import (
   CWE,
   FWE,
   NEEDLE,

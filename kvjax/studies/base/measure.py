@@ -16,7 +16,7 @@ cache of a CacheConfig costs and how well it still reads its context.
                       into what the press kept), judged per sample: one record per example kept.
   decode_step_ms      one decode step of `batch` rows holding `context` positions.
 The timed request (one jitted `generate` of a batch, models round-robin) is
-kvjax.studies.stages.time_per_sample.
+kvjax.studies.base.stages.time_per_sample.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ byte. Answer byte j is predicted at position (prompt end + j), where the needle'
 exactly D positions back: a sliding window must span D + 1 positions (the query's own included)
 to see it. So D >= MIN_DISTANCE + needle_bytes (the marker, the needle and its closing quote).
 
-Scoring is greedy decoding through the KV cache (kvjax.studies.measure.recall), so what the
+Scoring is greedy decoding through the KV cache (kvjax.studies.base.measure.recall), so what the
 model reads is what the cache kind stores: a quantized cache's rounding, a window's forgetting.
 Per distance: byte accuracy (answer bytes equal to the needle's, position by position) and exact
 match (whole needles), both in [0, 1]. Everything is drawn from a generator seeded by
@@ -33,7 +33,7 @@ from kvjax.cache.config import CacheConfig
 from kvjax.fields import check_nonnegative, check_positive, check_positive_int, from_dict
 from kvjax.interop.hf_files import TOKENIZER_FILE
 from kvjax.model.transformer import Transformer
-from kvjax.studies import measure
+from kvjax.studies.base import measure
 from kvjax.training.checkpoint import latest_step, load_model
 from kvjax.training.config import DataConfig
 from kvjax.training.data import load_dataset
@@ -118,7 +118,7 @@ def recall(
   model: Transformer, params, config: RecallConfig, filler: np.ndarray, cache_config: CacheConfig = CacheConfig()
 ) -> dict[str, dict]:
   """Greedy copies of the needles at every distance through a cache of `cache_config`
-  (kvjax.studies.measure.recall, one batch per distance) -> {str(D): {"distance",
+  (kvjax.studies.base.measure.recall, one batch per distance) -> {str(D): {"distance",
   "byte_accuracy", "exact_match", "needles", "samples"}}; samples: one record per needle
   ({"index", "needle", "answer", "byte_accuracy", "hit"}, text as str)."""
   config.check_model(model.config.max_len, model.config.vocab_size)
