@@ -61,7 +61,7 @@ def forward_solve(low: jax.Array, b: jax.Array) -> jax.Array:
   """low^{-1} b for lower triangular low [..., c, c] and b [..., c, T], row by row (as `cholesky`)."""
 
   def row(i, y):
-    y_i = (b[..., i, :] - jnp.einsum("...k,...kt->...t", low[..., i, :] * (jnp.arange(low.shape[-1]) < i), y))
+    y_i = b[..., i, :] - jnp.einsum("...k,...kt->...t", low[..., i, :] * (jnp.arange(low.shape[-1]) < i), y)
     return y.at[..., i, :].set(y_i / low[..., i, i][..., None])
 
   return jax.lax.fori_loop(0, low.shape[-1], row, jnp.zeros_like(b))
