@@ -56,7 +56,18 @@ def figures(rows: list[dict], workdir: Path, protocol: str = "query_agnostic") -
     return
   size = (6.4 * len(panels), 4.4)
   families = sorted({r["press"].split("+")[0] for r in scored})
-  cycle = [f"C{i}" for i in range(10)] + ["olive", "navy", "maroon", "teal", "black"]
+  cycle = [f"C{i}" for i in range(10)] + [
+    "olive",
+    "navy",
+    "maroon",
+    "teal",
+    "black",
+    "gold",
+    "indigo",
+    "lime",
+    "sienna",
+    "darkcyan",
+  ]
   colours = {f: cycle[i % len(cycle)] for i, f in enumerate(families)}  # a press's colour in every panel
   with report.figure(workdir / "press_table.png", len(panels), size) as axes:
     for ax, (model, length) in zip(axes, panels):

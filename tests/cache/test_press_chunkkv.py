@@ -49,7 +49,10 @@ def test_chunkkv_keeps_what_kvpress_keeps(kv_heads, ratio):
 
 
 def test_what_chunkkv_cannot_take_is_refused_by_name():
-  with pytest.raises(ValueError, match="ChunkKV.scorer=.*must be a layer press with its budgets at their defaults"):
+  with pytest.raises(
+    ValueError,
+    match="ChunkKV.scorer=.*must be a layer press that scores tokens one by one, with its budgets at their defaults",
+  ):
     ChunkKV(scorer=SnapKV(compression_ratio=0.5))
   with pytest.raises(ValueError, match="leave heads, layers and decode_budget"):
     ChunkKV(heads="adaptive")

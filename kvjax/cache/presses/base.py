@@ -204,6 +204,31 @@ def kept_above(scores: jax.Array, keep: jax.Array) -> jax.Array:
   return jnp.where(keep, best + 1, scores)
 
 
+def check_wrapper(press: Press, does: str) -> None:
+  """Checks a press over another's scores (ChunkKV, CriticalKV): its `scorer` field, chosen
+  (Press.choose) and set back, must be a layer press that scores tokens one by one with its budgets
+  at their defaults, and the wrapper's own budget one uniform budget of the prompt (`does`: what the
+  wrapper does that needs it); ValueError naming the field otherwise."""
+  name = type(press).__name__
+  object.__setattr__(press, "scorer", Press.choose(press.scorer, f"{name}.scorer"))
+  inner = press.scorer
+  if (
+    Press.scoring.fget(inner) != inner
+    or inner.model_level
+    or inner.grouped
+    or isinstance(getattr(inner, "scorer", None), Press)
+  ):
+    raise ValueError(
+      f"{name}.scorer={inner!r} must be a layer press that scores tokens one by one, with its budgets at their "
+      f"defaults ({name} decides what is kept: set compression_ratio on the {name})"
+    )
+  if press.heads != "uniform" or press.layers != "uniform" or press.decode_budget:
+    raise ValueError(
+      f"{name} {does}: leave heads, layers and decode_budget at their defaults, got heads={press.heads!r}, "
+      f"layers={press.layers!r}, decode_budget={press.decode_budget}"
+    )
+
+
 PRESSES = Press.kinds  # {name: press class}, filled as each press module defines its class
 
 

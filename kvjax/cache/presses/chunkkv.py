@@ -13,7 +13,7 @@ from typing import ClassVar
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache.presses.base import Press
+from kvjax.cache.presses.base import Press, check_wrapper
 from kvjax.cache.presses.snapkv import SnapKV
 from kvjax.fields import INT32_MAX, check_positive
 
@@ -26,20 +26,8 @@ class ChunkKV(Press):
 
   def __post_init__(self):
     super().__post_init__()
-    object.__setattr__(self, "scorer", Press.choose(self.scorer, "ChunkKV.scorer"))
+    check_wrapper(self, "keeps whole chunks, the same in every head and layer, of the prompt only")
     check_positive(self, "chunk_length", most=INT32_MAX)
-    inner = self.scorer
-    if inner.scoring != inner or inner.model_level or isinstance(inner, ChunkKV):
-      raise ValueError(
-        f"ChunkKV.scorer={inner!r} must be a layer press with its budgets at their defaults "
-        "(ChunkKV decides what is kept: set compression_ratio on the ChunkKV)"
-      )
-    if self.heads != "uniform" or self.layers != "uniform" or self.decode_budget:
-      raise ValueError(
-        f"ChunkKV keeps whole chunks, the same in every head and layer, of the prompt only: leave heads, layers "
-        f"and decode_budget at their defaults, got heads={self.heads!r}, layers={self.layers!r}, "
-        f"decode_budget={self.decode_budget}"
-      )
 
   @property
   def min_slots(self) -> int:

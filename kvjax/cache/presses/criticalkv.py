@@ -15,7 +15,7 @@ from typing import ClassVar
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache.presses.base import Press, kept_above
+from kvjax.cache.presses.base import Press, check_wrapper, kept_above
 from kvjax.cache.presses.snapkv import SnapKV
 from kvjax.fields import check_real
 
@@ -29,23 +29,11 @@ class CriticalKV(Press):
 
   def __post_init__(self):
     super().__post_init__()
-    object.__setattr__(self, "scorer", Press.choose(self.scorer, "CriticalKV.scorer"))
+    check_wrapper(self, "selects a prompt's tokens in two stages under one uniform budget")
     check_real(self, "epsilon", 0, float("inf"))
     check_real(self, "first_stage_ratio", 0, 1)
     for name in ("epsilon", "first_stage_ratio"):
       object.__setattr__(self, name, float(getattr(self, name)))
-    inner = self.scorer
-    if inner.scoring != inner or inner.model_level or inner.grouped or isinstance(inner, CriticalKV):
-      raise ValueError(
-        f"CriticalKV.scorer={inner!r} must be a layer press that scores tokens one by one, with its budgets at "
-        "their defaults (set compression_ratio on the CriticalKV)"
-      )
-    if self.heads != "uniform" or self.layers != "uniform" or self.decode_budget:
-      raise ValueError(
-        f"CriticalKV selects a prompt's tokens in two stages under one uniform budget: leave heads, layers and "
-        f"decode_budget at their defaults, got heads={self.heads!r}, layers={self.layers!r}, "
-        f"decode_budget={self.decode_budget}"
-      )
 
   @property
   def scoring(self) -> Press:
