@@ -291,11 +291,9 @@ class EvictedCache(ContiguousCache):
     """A global layer's arrays holding, per row and kv head, the counts int[B, K] best-scoring
     tokens of new {k, v} [B, K, T, H] at positions int[B, T] (scores float32 [B, K, T], -inf:
     padding), best first in slots 0, 1, ... (kvjax.cache.selection.best_first)."""
-    order = selection.best_first(scores, self.slots)  # [B, K, S]
+    order, chosen, positions = selection.gather_best(new, scores, positions, self.slots)  # [B, K, S(, H)]
     held = jnp.arange(self.slots)[None, None, :] < counts[:, :, None]
-    positions = jnp.take_along_axis(jnp.broadcast_to(positions[:, None], scores.shape), order, axis=-1)
     stored = {"positions": jnp.where(held, positions, -1), "scores": jnp.take_along_axis(scores, order, axis=-1)}
-    chosen = {name: jnp.take_along_axis(x, order[..., None], axis=2) for name, x in new.items()}  # [B, K, S, H]
     for name, x in encode(self.codec, chosen).items():
       transposed = self.fields[name.removesuffix("_scale")].transposed
       stored[name] = x.swapaxes(2, 3) if transposed and x.ndim == 4 else x

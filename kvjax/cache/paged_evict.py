@@ -183,9 +183,7 @@ class PagedEvictCache(PagedCache):
     scores = jnp.where(span.valid[:, None], scores.astype(jnp.float32), -jnp.inf)  # [B, K, T]
     scores, counts = selection.choose(self.press, scores, span.lengths, span.layer, 1)
     keep = counts[:, 0]  # [B]: every head alike
-    order = selection.best_first(scores, scores.shape[-1])
-    chosen = {name: jnp.take_along_axis(x, order[..., None], axis=2) for name, x in new.items()}
-    positions = jnp.take_along_axis(jnp.broadcast_to(span.positions[:, None], scores.shape), order, axis=-1)
+    _, chosen, positions = selection.gather_best(new, scores, span.positions, scores.shape[-1])
     return self.store(stored, chosen, positions, keep)
 
   def write(self, stored, new, span: Span):

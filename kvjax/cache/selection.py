@@ -27,13 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.cache.presses import Press
+from kvjax.cache.presses.base import kept
 from kvjax.config import ModelConfig
 from kvjax.model.transformer import cache_payload
-
-
-def kept(lengths, ratio: float) -> np.ndarray:
-  """Tokens a press keeps of prompts of `lengths` (ints or an int array): int(n * (1 - ratio))."""
-  return (np.asarray(lengths, np.float64) * (1 - ratio)).astype(np.int64)
 
 
 def layer_kept(press: Press, lengths, layer: int, num_layers: int) -> np.ndarray:
@@ -101,6 +97,15 @@ def best_first(scores: jax.Array, width: int) -> jax.Array:
   if order.shape[-1] < width:  # a prompt shorter than the slots: the rest stay empty
     order = jnp.pad(order, ((0, 0), (0, 0), (0, width - order.shape[-1])))
   return order
+
+
+def gather_best(new: dict, scores: jax.Array, positions: jax.Array, width: int):
+  """Each head's tokens of new {name: [B, K, T, H]} at positions int[B, T], best first by scores
+  float32 [B, K, T] (best_first, cut or padded to `width`) -> (order int[B, K, width], the tokens
+  {name: [B, K, width, H]}, their positions int[B, K, width])."""
+  order = best_first(scores, width)
+  chosen = {name: jnp.take_along_axis(x, order[..., None], axis=2) for name, x in new.items()}
+  return order, chosen, jnp.take_along_axis(jnp.broadcast_to(positions[:, None], scores.shape), order, axis=-1)
 
 
 def press_to_budget(positions: jax.Array, scores: jax.Array, full: jax.Array, budget: int, several: bool) -> jax.Array:

@@ -8,6 +8,7 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kvjax.fields import INT32_MAX, Named, check_choice, check_nonnegative, check_positive, check_real
 from kvjax.model.attention import take_rows
@@ -44,6 +45,12 @@ def causal_weights(q: jax.Array, k: jax.Array, columns: jax.Array, lengths: jax.
   seen = (keys[None, None, :] <= columns[:, :, None]) & (keys[None, None, :] < lengths[:, None, None])  # [B, W, T]
   seen &= (columns >= 0)[:, :, None]
   return attention_weights(take_rows(q, jnp.maximum(columns, 0)), k, seen[:, None])
+
+
+def kept(lengths, ratio: float) -> np.ndarray:
+  """Tokens a press keeps of prompts of `lengths` (ints or an int array): int(n * (1 - ratio)),
+  in float64 as Python computes it (host side; a traced length indexes a table of it)."""
+  return (np.asarray(lengths, np.float64) * (1 - ratio)).astype(np.int64)
 
 
 HEADS = ("uniform", "adaptive")
@@ -121,7 +128,7 @@ class Press(Named):
 
   def most_kept(self, n: int) -> int:
     """The most tokens of an n-token prompt one head may keep: what the evicting cache's slots hold."""
-    return int(n * (1 - self.storage_ratio))
+    return int(kept(n, self.storage_ratio))
 
   @property
   def grouped(self) -> bool:

@@ -13,7 +13,7 @@ from typing import ClassVar
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache.presses.base import Press, check_wrapper
+from kvjax.cache.presses.base import Press, check_wrapper, kept
 from kvjax.cache.presses.snapkv import SnapKV
 from kvjax.fields import INT32_MAX, check_positive
 
@@ -43,10 +43,10 @@ class ChunkKV(Press):
 
   def most_kept(self, n: int) -> int:
     chunks = -(-n // self.chunk_length)
-    return min(n, max(int(n * (1 - self.compression_ratio)), int(self._kept_chunks(chunks)) * self.chunk_length))
+    return min(n, max(int(kept(n, self.compression_ratio)), int(self._kept_chunks(chunks)) * self.chunk_length))
 
   def _kept_chunks(self, chunks):
-    return np.maximum(1, (np.asarray(chunks, np.float64) * (1 - self.compression_ratio)).astype(np.int64))
+    return np.maximum(1, kept(chunks, self.compression_ratio))
 
   def prompt_scores(self, q, k, v, lengths, rope, out=None):
     return self.scorer.prompt_scores(q, k, v, lengths, rope, out)
@@ -72,7 +72,7 @@ class ChunkKV(Press):
     counts = jnp.broadcast_to(jnp.where(chosen, sizes, 0).sum(axis=-1)[:, None], (b, heads))
     # A prompt shorter than one chunk: the scorer's own tokens, int(n * (1 - ratio)) per head.
     short = (lengths < size)[:, None]
-    alone = jnp.asarray((np.arange(t + 1) * (1 - self.compression_ratio)).astype(np.int64), jnp.int32)[lengths]
+    alone = jnp.asarray(kept(np.arange(t + 1), self.compression_ratio), jnp.int32)[lengths]
     return (
       jnp.where(short[..., None], scores, grouped),
       jnp.where(short, jnp.minimum(alone, t)[:, None], counts).astype(jnp.int32),
