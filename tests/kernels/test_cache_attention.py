@@ -13,7 +13,7 @@ from kvjax.cache.codec import codec
 from kvjax.cache.contiguous import attend_one
 from kvjax.kernels import attention as attention_kernel
 from kvjax.kernels import build as cpu_kernels
-from kvjax.model import attention
+from kvjax.model import keys as key_reads
 
 ROUTE = ("contiguous", "float32")  # ContiguousCache.route of a float32 cache
 
@@ -37,7 +37,7 @@ def reference(q, k, v, lengths):
   out = np.zeros((b, n, h))
   for row in range(b):
     for head in range(n):
-      kv = attention.kv_head_of(head, n, k.shape[1])
+      kv = key_reads.kv_head_of(head, n, k.shape[1])
       keys, values = k[row, kv, :, : lengths[row] + 1], v[row, kv, : lengths[row] + 1]
       scores = q[row, 0, head] @ keys / np.sqrt(h)
       probs = np.exp(scores - scores.max())
@@ -128,6 +128,6 @@ def test_gradients_are_xla():
   q, k, v, lengths = inputs(2, 2, 2, 8, 32, [3, 31])
   loss = lambda q, k, v: (attend_cache(q, k, v, lengths) ** 2).sum()
   mask = (np.arange(32)[None, :] <= lengths[:, None])[:, None, :]
-  xla_loss = lambda q, k, v: (attention.attend(q, k, v, mask, k_transposed=True) ** 2).sum()
+  xla_loss = lambda q, k, v: (key_reads.attend(q, k, v, mask, k_transposed=True) ** 2).sum()
   for ours, theirs in zip(jax.grad(loss, argnums=(0, 1, 2))(q, k, v), jax.grad(xla_loss, argnums=(0, 1, 2))(q, k, v)):
     np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-6)
