@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+import jax
 import jax.numpy as jnp
 
 from kvjax.cache.presses.base import Press, kept_above
@@ -96,9 +97,7 @@ class Compactor(Press):
     logits = jnp.where(
       is_real[:, None, None, :, None, :], dots, jnp.where(padded[:, None, None, :, None, :], 0.0, -jnp.inf)
     )
-    weights = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
-    weights = weights / weights.sum(axis=-1, keepdims=True)
-    weights = jnp.where(is_real[:, None, None, :, :, None], weights, 0.0)  # each real query's row
+    weights = jnp.where(is_real[:, None, None, :, :, None], jax.nn.softmax(logits, axis=-1), 0.0)  # real queries
     # [B, K, G, C, size]: the real queries' weights, and 1 / size from each padding query
     sums = weights.sum(axis=-2) + (padded.sum(axis=-1, keepdims=True) / size)[:, None, None]
     per_column = sums.mean(axis=2).reshape(b, heads, count * size)  # over the query heads of a kv head
