@@ -19,9 +19,9 @@ import os
 import sys
 
 from kvjax import sharding
-from kvjax.cli import bench, build_kernels, evaluate, export_hf, generate, import_model, kv_size, run, uptrain
+from kvjax.cli import bench, build_kernels, evaluate, export_hf, generate, import_model, kv_size, run, serve, uptrain
 
-COMMANDS = (run, evaluate, generate, uptrain, import_model, export_hf, kv_size, bench, build_kernels)
+COMMANDS = (run, evaluate, generate, serve, uptrain, import_model, export_hf, kv_size, bench, build_kernels)
 
 
 def one_line(message: str) -> str:

@@ -188,3 +188,8 @@ def nonnegative_int(text: str) -> int:
 def seed(text: str) -> int:
   """The argparse type of --seed: an integer in [0, kvjax.fields.SEED_MAX] (jax.random.key's range)."""
   return _int(text, 0, SEED_MAX, "a non-negative integer")
+
+
+def port(text: str) -> int:
+  """The argparse type of --port: a TCP port, 1 to 65,535."""
+  return _int(text, 1, 65535, "a TCP port from 1")

@@ -194,6 +194,19 @@ class Engine:
         raise RuntimeError(f"request {self.waiting[0].id} cannot be admitted into an idle engine")
     return {i: np.asarray(r.generated, np.int32) for i, r in sorted(self.finished.items())}
 
+  def cancel(self, request_id: int) -> bool:
+    """Drops a waiting or running request, freeing its pages; it never finishes. Returns False
+    when no such request is waiting or running (unknown, finished or already cancelled)."""
+    for i, request in enumerate(self.waiting):
+      if request.id == request_id:
+        del self.waiting[i]
+        return True
+    for request in self.running:
+      if request.id == request_id:
+        self._leave(request)
+        return True
+    return False
+
   def warmup(self) -> None:
     """Compiles every prompt bucket (and with a press, every extend bucket) and page-table width on
     idle rows (writes land in the null page)."""
@@ -287,10 +300,14 @@ class Engine:
         except OutOfPages:
           self._preempt(self.running[-1])
 
-  def _preempt(self, request: Request) -> None:
+  def _leave(self, request: Request) -> None:
+    """A running request's pages freed and its row emptied."""
     self.allocator.free(request.id)
     self.slots[request.slot] = None
     request.slot = None
+
+  def _preempt(self, request: Request) -> None:
+    self._leave(request)
     request.preemptions += 1
     self.stats.preemptions += 1
     bisect.insort(self.waiting, request, key=lambda r: r.id)
@@ -299,9 +316,7 @@ class Engine:
     request.generated.append(token)
     self.stats.generated_tokens += 1
     if len(request.generated) == request.max_new_tokens or token in self.config.stop_ids:
-      self.allocator.free(request.id)
-      self.slots[request.slot] = None
-      request.slot = None
+      self._leave(request)
       self.finished[request.id] = request
       finished.append(request)
 

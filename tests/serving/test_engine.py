@@ -103,6 +103,24 @@ def test_eos_stops_a_request_and_frees_its_pages(model_params):
   np.testing.assert_array_equal(tokens, full[: stop + 1])
 
 
+def test_a_cancelled_request_frees_its_pages_and_leaves_the_others_alone(model_params):
+  model, params = model_params
+  requests = workload(seed=5, count=6)
+  want = [greedy_alone(model, params, prompt, n) for prompt, n in requests]
+  engine = Engine(model, params, CONFIG)
+  ids = [engine.submit(prompt, n) for prompt, n in requests]
+  engine.step()
+  running, waiting = engine.running[0].id, engine.waiting[-1].id
+  assert engine.cancel(running) and engine.cancel(waiting)
+  assert not engine.cancel(running) and not engine.cancel(12345)  # gone, or never there
+  engine.allocator.check()
+  out = engine.run()
+  assert sorted(out) == [i for i in ids if i not in (running, waiting)]
+  for i in out:
+    np.testing.assert_array_equal(out[i], want[ids.index(i)])
+  assert engine.allocator.num_free == engine.allocator.num_usable
+
+
 def test_bad_requests_are_rejected_and_lose_nothing(model_params):
   model, params = model_params
   engine = Engine(model, params, CONFIG)
