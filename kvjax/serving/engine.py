@@ -84,10 +84,17 @@ class EngineStats:
 @jax.jit
 def _pick(logits, sampling: Sampling, seed, ids, index):
   """Per-row sampling: logits [B, V], settings [B], token index [B] -> int32[B]. Jitted apart from the
-  model so that the sampler compiles once per batch size, not once per prompt bucket or width."""
-  base = jax.random.key(seed)
-  keys = jax.vmap(lambda i, t: jax.random.fold_in(jax.random.fold_in(base, i), t))(ids, index)
-  return jax.vmap(lambda row, key, s: sample(row[None], key, s)[0])(logits, keys, sampling)
+  model so that the sampler compiles once per batch size, not once per prompt bucket or width.
+  Rows are sampled under vmap, where each row's own greedy-or-sample choice becomes a select that
+  computes both (a sort of the vocabulary per row): a batch of greedy rows takes the argmax alone."""
+
+  def draw(_):
+    base = jax.random.key(seed)
+    keys = jax.vmap(lambda i, t: jax.random.fold_in(jax.random.fold_in(base, i), t))(ids, index)
+    return jax.vmap(lambda row, key, s: sample(row[None], key, s)[0])(logits, keys, sampling)
+
+  greedy = lambda _: jnp.argmax(logits, axis=-1).astype(jnp.int32)  # noqa: E731
+  return jax.lax.cond(jnp.any(sampling.temperature > 0), draw, greedy, None)
 
 
 @functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("cache",))

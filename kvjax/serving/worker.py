@@ -48,6 +48,11 @@ class EngineWorker:
     self._thread = threading.Thread(target=self._loop, name="kvjax-engine", daemon=True)
     self._thread.start()
 
+  @property
+  def live(self) -> int:
+    """Requests submitted and not yet finished or cancelled."""
+    return len(self._live)
+
   # Any thread.
 
   def submit(self, prompt, max_new_tokens: int, sampling: Sampling | None, on_update: OnUpdate) -> Future:

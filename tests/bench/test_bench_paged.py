@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvjax.bench import paged
+from kvjax.bench.serving import paged
 
 
 def test_bench_paged_compares_equal_caches(bench_model):

@@ -10,7 +10,8 @@ import sys
 import pytest
 from conftest import BENCHMARK_NAMES
 
-from kvjax.bench import decode, hf, nocache, paged, real
+from kvjax.bench import decode, hf, nocache, real
+from kvjax.bench.serving import paged
 from kvjax.bench.base.harness import BENCH_MODEL
 from kvjax.cache.config import CacheConfig
 from kvjax.cli import bench

@@ -28,6 +28,7 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
 MAX_LEN = 1024
+PAD = 64  # the oracle's prompt width
 MODEL = "tiny-smollm2-vocab"
 PROMPTS = ("The KV cache holds", "Paged attention splits the cache into", "def fibonacci(n):")
 
@@ -62,10 +63,12 @@ def served(smollm2):
 
 
 def greedy(served, prompt_ids, max_new_tokens):
-  """`generate`'s greedy tokens alone (the contiguous cache), up to and including a stop id."""
+  """`generate`'s greedy tokens alone (the contiguous cache), up to and including a stop id; the
+  prompt right-padded to PAD and 40 tokens made, so that one compilation serves every call."""
   model, params, stops = served["model"], served["params"], served["tokenizer"].stop_ids
-  tokens = np.asarray(prompt_ids, np.int32)[None]
-  out = kvjax.generate(model, params, tokens, np.array([tokens.shape[1]]), max_new_tokens, stop_ids=stops)
+  tokens = np.zeros((1, PAD), np.int32)
+  tokens[0, : len(prompt_ids)] = prompt_ids
+  out = kvjax.generate(model, params, tokens, np.array([len(prompt_ids)]), 40, stop_ids=stops)
   ids = [int(t) for t in np.asarray(out)[0, :max_new_tokens]]
   for i, t in enumerate(ids):
     if t in stops:

@@ -69,13 +69,25 @@ class Benchmark:
       raise ValueError(f"benchmark {self.name!r}: option names must be distinct and not 'config', got {names}")
 
 
+# The folders of kvjax.bench that hold what benchmarks share, not benchmarks.
+SHARED = ("base", "parts", "peers")
+
+
 def benchmarks() -> dict[str, Benchmark]:
-  """{name: Benchmark} of every module of kvjax.bench that declares a BENCHMARK, by name."""
+  """{name: Benchmark} of every module of kvjax.bench, or of a folder of it grouping benchmarks
+  by subject (kvjax.bench.serving), that declares a BENCHMARK, by name."""
   import kvjax.bench
 
-  found = {}
+  modules = []
   for info in pkgutil.iter_modules(kvjax.bench.__path__):
-    benchmark = getattr(importlib.import_module(f"kvjax.bench.{info.name}"), "BENCHMARK", None)
+    if not info.ispkg:
+      modules.append(f"kvjax.bench.{info.name}")
+    elif info.name not in SHARED:
+      group = importlib.import_module(f"kvjax.bench.{info.name}")
+      modules += [f"{group.__name__}.{sub.name}" for sub in pkgutil.iter_modules(group.__path__)]
+  found = {}
+  for module in modules:
+    benchmark = getattr(importlib.import_module(module), "BENCHMARK", None)
     if benchmark is not None:
       if benchmark.name in found:
         raise ValueError(f"two modules of kvjax.bench declare the benchmark {benchmark.name!r}")
