@@ -8,18 +8,37 @@ PagedCache.copy_pages from the (src, dst) pairs `append` returns).
 
 Page 0 is the null page (kvjax.cache.pages.NULL_PAGE): never handed out, never freed.
 
+Prefix caching: a page that holds a whole page of a prompt is entered under the digest of the
+prompt up to the end of that page (`page_digests`: sha256 chained page by page, so a digest names
+the whole prefix, not only the page's own tokens). A later sequence whose prompt opens with the
+same tokens starts holding those pages (`allocate(..., prefix=digests)`) and computes only the
+rest. A cached page that no sequence holds stays cached and counts as free; it is handed out
+again, and forgotten by the cache, only once no plain free page is left, least recently freed first.
+
 Every operation either succeeds or raises before changing anything, so a failed request
 (OutOfPages, an unknown sequence) leaves the allocator exactly as it was.
 """
 
 from __future__ import annotations
 
+import hashlib
+from collections import OrderedDict
 from collections.abc import Hashable, Iterable
 
 import numpy as np
 
 from kvjax.cache.pages import NULL_PAGE
 from kvjax.fields import check_positive_int
+
+
+def page_digests(tokens, page_size: int) -> list[bytes]:
+  """The digest of each whole page of `tokens` (int[L]): entry j names tokens[: (j + 1) * page_size]."""
+  tokens = np.asarray(tokens, np.int64)
+  digests, digest = [], b""
+  for j in range(len(tokens) // page_size):
+    digest = hashlib.sha256(digest + tokens[j * page_size : (j + 1) * page_size].tobytes()).digest()
+    digests.append(digest)
+  return digests
 
 
 class OutOfPages(RuntimeError):
@@ -41,12 +60,31 @@ class PageAllocator:
     self._free = list(range(num_pages - 1, NULL_PAGE, -1))
     self._pages: dict[Hashable, list[int]] = {}
     self._lengths: dict[Hashable, int] = {}
+    self._cached: dict[bytes, int] = {}  # prefix digest -> page
+    self._digest: dict[int, bytes] = {}  # page -> its prefix digest
+    self._idle: OrderedDict[int, None] = OrderedDict()  # cached pages no sequence holds, oldest first
 
   # Queries.
 
   @property
   def num_free(self) -> int:
-    return len(self._free)
+    """Pages a sequence can take: the free ones and the cached ones nobody holds."""
+    return len(self._free) + len(self._idle)
+
+  @property
+  def num_cached(self) -> int:
+    return len(self._cached)
+
+  def prefix(self, digests: Iterable[bytes]) -> list[int]:
+    """The cached pages of the leading `digests` (page_digests of a prompt), up to the first one
+    not cached."""
+    pages = []
+    for digest in digests:
+      page = self._cached.get(digest)
+      if page is None:
+        break
+      pages.append(page)
+    return pages
 
   @property
   def num_usable(self) -> int:
@@ -92,14 +130,31 @@ class PageAllocator:
 
   # Operations.
 
-  def allocate(self, seq_id: Hashable, num_tokens: int) -> tuple[int, ...]:
-    """Starts sequence `seq_id` holding num_tokens tokens; returns its pages."""
+  def allocate(self, seq_id: Hashable, num_tokens: int, prefix: Iterable[bytes] = ()) -> tuple[int, ...]:
+    """Starts sequence `seq_id` holding num_tokens tokens; returns its pages. Its first pages are
+    the cached pages of the leading `prefix` digests (self.prefix), shared, the rest fresh."""
     if seq_id in self._pages:
       raise ValueError(f"sequence {seq_id!r} already exists")
     self._check_count("num_tokens", num_tokens, minimum=0)
-    self._pages[seq_id] = self._take(self.pages_for(num_tokens))
+    shared = self.prefix(prefix)[: self.pages_for(num_tokens)]
+    idle = [page for page in shared if page in self._idle]
+    fresh = self.pages_for(num_tokens) - len(shared)
+    if fresh > self.num_free - len(idle):
+      raise OutOfPages(f"need {fresh} free pages, {self.num_free - len(idle)} of {self.num_usable} are free")
+    for page in shared:
+      self._idle.pop(page, None)
+      self._refcount[page] += 1
+    self._pages[seq_id] = shared + self._take(fresh)
     self._lengths[seq_id] = num_tokens
     return tuple(self._pages[seq_id])
+
+  def cache(self, seq_id: Hashable, digests: Iterable[bytes]) -> None:
+    """Enters the sequence's first pages in the prefix cache under `digests` (page_digests of the
+    tokens written there). A digest already cached, or a page already entered, is left as it is."""
+    pages = self._pages[self._known(seq_id)]
+    for page, digest in zip(pages, digests):
+      if digest not in self._cached and page not in self._digest:
+        self._cached[digest], self._digest[page] = page, digest
 
   def reserve(self, seq_id: Hashable, capacity: int) -> tuple[int, ...]:
     """Grows the sequence's pages to hold at least `capacity` tokens without writing any
@@ -152,7 +207,10 @@ class PageAllocator:
     for page in reversed(self._pages.pop(self._known(seq_id))):
       self._refcount[page] -= 1
       if self._refcount[page] == 0:
-        self._free.append(page)
+        if page in self._digest:
+          self._idle[page] = None
+        else:
+          self._free.append(page)
     del self._lengths[seq_id]
 
   def check(self) -> None:
@@ -171,8 +229,13 @@ class PageAllocator:
     free = set(self._free)
     assert len(free) == len(self._free), "a page is on the free list twice"
     assert NULL_PAGE not in free, "the null page is on the free list"
-    idle = set(np.flatnonzero(self._refcount == 0).tolist()) - {NULL_PAGE}
-    assert free == idle, f"free list and unreferenced pages differ: {sorted(free ^ idle)}"
+    unheld = set(np.flatnonzero(self._refcount == 0).tolist()) - {NULL_PAGE}
+    assert not free & set(self._idle), "a page is both free and cached"
+    assert free | set(self._idle) == unheld, (
+      f"free and idle pages differ from the unreferenced: {sorted((free | set(self._idle)) ^ unheld)}"
+    )
+    assert all(page in self._digest for page in self._idle), "an idle page is not in the prefix cache"
+    assert {p: d for d, p in self._cached.items()} == self._digest, "the prefix cache's two maps disagree"
 
   # Internals.
 
@@ -186,9 +249,13 @@ class PageAllocator:
       raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
   def _take(self, count: int) -> list[int]:
-    if count > len(self._free):
-      raise OutOfPages(f"need {count} free pages, {len(self._free)} of {self.num_usable} are free")
-    taken = [self._free.pop() for _ in range(count)]
+    if count > self.num_free:
+      raise OutOfPages(f"need {count} free pages, {self.num_free} of {self.num_usable} are free")
+    taken = [self._free.pop() for _ in range(min(count, len(self._free)))]
+    while len(taken) < count:  # then the cached pages nobody holds, least recently freed first
+      page, _ = self._idle.popitem(last=False)
+      del self._cached[self._digest.pop(page)]
+      taken.append(page)
     for page in taken:
       assert self._refcount[page] == 0, f"page {page} on the free list is still referenced"
       self._refcount[page] = 1

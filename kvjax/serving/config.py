@@ -27,6 +27,10 @@ class EngineConfig:
   stop_ids: tuple[int, ...] = ()  # a request finishes after any of these tokens (the tokenizer's stop_ids)
   seed: int = 0
   weights: str = "float32"  # the format the engine stores the weights in (kvjax.model.weights)
+  # Pages of a prompt prefix already in the pool (a system prompt, a shared document, earlier
+  # turns of a chat) are shared, and only the rest of the prompt is computed (kvjax.serving.allocator).
+  # A pressed cache keeps what the press chose from the whole prompt: its pages are never shared.
+  prefix_caching: bool = True
 
   def __post_init__(self):
     check_positive(self, "num_slots", "num_pages")
@@ -46,6 +50,8 @@ class EngineConfig:
       raise ValueError(f"EngineConfig.num_pages={self.num_pages} leaves no page besides the null page")
     check_choice(self, "allocation", ALLOCATIONS)
     check_choice(self, "weights", FORMATS)
+    if not isinstance(self.prefix_caching, bool):
+      raise ValueError(f"EngineConfig.prefix_caching must be True or False, got {self.prefix_caching!r}")
     if isinstance(self.seed, bool) or not isinstance(self.seed, int):
       raise ValueError(f"EngineConfig.seed must be an integer, got {self.seed!r}")
     if not isinstance(self.stop_ids, (tuple, list)) or any(

@@ -42,7 +42,7 @@ from kvjax.decoding.decode import for_decoding, forward, size_bucket
 from kvjax.decoding.sampling import Sampling, sample
 from kvjax.model.transformer import Transformer
 from kvjax.model.weights import store
-from kvjax.serving.allocator import OutOfPages, PageAllocator
+from kvjax.serving.allocator import OutOfPages, PageAllocator, page_digests
 from kvjax.serving.config import EngineConfig
 
 MIN_PROMPT_BUCKET = 16
@@ -69,6 +69,8 @@ class EngineStats:
   """Counters and one entry per decode step (requests running, tokens cached, token slots allocated)."""
 
   prefills: int = 0
+  prompt_tokens: int = 0  # context tokens admitted (a preempted request's again when it returns)
+  cached_tokens: int = 0  # of those, read from the prefix cache instead of computed
   preemptions: int = 0
   generated_tokens: int = 0
   running: list[int] = dataclasses.field(default_factory=list)
@@ -134,6 +136,8 @@ class Engine:
     self.allocator = PageAllocator(config.num_pages, config.cache.page_size)
     self.max_pages = self.allocator.pages_for(self.max_len)
     self.press = config.cache.press
+    # A pressed prompt's pages hold what the press kept of the whole prompt: no prefix of them is shareable.
+    self.prefix_caching = config.prefix_caching and self.press is None
     self.cache = kinds.kind(config.cache).create(
       cfg, config.num_pages, config.cache.page_size, config.num_slots, self.max_pages, config.cache
     )
@@ -222,7 +226,7 @@ class Engine:
       bucket = size_bucket(n, self.max_len, MIN_PROMPT_BUCKET)
       idle = np.zeros((1, self.max_pages), np.int32)
       self._run_prefill(np.zeros((1, bucket), np.int32), 1, idle)
-      if self.press is not None:  # a pressed request recomputes its generated tokens by extending
+      if self.press is not None or self.prefix_caching:  # a context after cached pages, or a pressed recompute
         self._run_extend(np.zeros((1, bucket), np.int32), 1, idle, 1, 0)
       if bucket >= self.max_len:
         break
@@ -270,29 +274,40 @@ class Engine:
       request = self.waiting[0]
       context = request.context
       held = self._held(request.prompt.size, len(request.generated))
+      # A pressed prompt is pressed alone and the tokens generated before a preemption follow it,
+      # as generate keeps them; without a press the whole context is one prefill, after the pages
+      # of its prefix already cached (all but the last token's page: its logits must be computed).
+      first = request.prompt.size if self.press is not None else context.size
+      digests = page_digests(context[:first], alloc.page_size) if self.prefix_caching else []
+      shared = alloc.prefix(digests[: (first - 1) // alloc.page_size])
       pages = alloc.pages_for(self._target(held, 0))
       # Admit only if the next decode step can still grow every running request (this one too,
       # unless its prefill yields its last token): otherwise the newcomer would be preempted
-      # right after its prefill.
+      # right after its prefill. Shared pages that others hold cost nothing.
       if len(request.generated) + 1 < request.max_new_tokens:
         pages = alloc.pages_for(self._target(held + 1, pages * alloc.page_size))
-      if pages + sum(map(self._growth, self.running)) > alloc.num_free:
+      taken = pages - sum(alloc.refcount(page) > 0 for page in shared)
+      if taken + sum(map(self._growth, self.running)) > alloc.num_free:
         return
       self.waiting.pop(0)
-      alloc.allocate(request.id, held)
+      alloc.allocate(request.id, held, prefix=digests[: len(shared)])
       alloc.reserve(request.id, self._target(held, 0))
       request.slot = self.slots.index(None)
       self.slots[request.slot] = request
-      # A pressed prompt is pressed alone and the tokens generated before a preemption follow it,
-      # as generate keeps them; without a press the whole context is one prefill.
-      first = request.prompt.size if self.press is not None else context.size
       table = alloc.page_table([request.id], self.max_pages)
-      logits = self._run_prefill(_padded(context[:first], self.max_len), first, table)
+      start = len(shared) * alloc.page_size
+      if start == 0:
+        logits = self._run_prefill(_padded(context[:first], self.max_len), first, table)
+      else:
+        logits = self._run_extend(_padded(context[start:first], self.max_len), first - start, table, start, start)
+      alloc.cache(request.id, digests)
       if first < context.size:
         rest = context[first:]
         logits = self._run_extend(_padded(rest, self.max_len), rest.size, table, first, self._held(first, 0))
       token = self._sample(logits, request.sampling, request.id, len(request.generated))
       self.stats.prefills += 1
+      self.stats.prompt_tokens += first
+      self.stats.cached_tokens += start
       self._emit(request, int(token[0]), finished)
 
   def _grow(self) -> None:

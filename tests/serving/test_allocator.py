@@ -1,5 +1,6 @@
-"""Property tests for the page allocator: random interleavings of allocate / append / reserve /
-fork / free against a shadow memory that stores each sequence's tokens through its pages."""
+"""Property tests for the page allocator: random interleavings of allocate (plain, or over a
+cached prefix) / append / reserve / fork / free against a shadow memory that stores each
+sequence's tokens through its pages."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, rule
 
-from kvjax.serving.allocator import OutOfPages, PageAllocator
+from kvjax.serving.allocator import OutOfPages, PageAllocator, page_digests
 from kvjax.cache.paged import NULL_PAGE
 
 NUM_PAGES = 10
@@ -52,6 +53,25 @@ class AllocatorMachine(RuleBasedStateMachine):
       return seq  # never created: later rules on it must fail cleanly
     self.tokens[seq] = self._fresh(num_tokens)
     self._write(seq, 0)
+    return seq
+
+  @rule(target=seqs, document=st.integers(0, 1), num_tokens=st.integers(1, 12))
+  def allocate_prefixed(self, document, num_tokens):
+    """A prompt opening one of two documents: its cached pages shared (they must already read as
+    its tokens), the rest written, then its whole pages entered in the cache."""
+    seq, before = self.next_id, self._snapshot()
+    self.next_id += 1
+    tokens = [10_000 * (document + 1) + i for i in range(num_tokens)]
+    digests = page_digests(tokens, self.alloc.page_size)
+    shared = len(self.alloc.prefix(digests))
+    try:
+      self.alloc.allocate(seq, num_tokens, prefix=digests)
+    except OutOfPages:
+      assert self._snapshot() == before
+      return seq
+    self.tokens[seq] = tokens
+    self._write(seq, shared * self.alloc.page_size)
+    self.alloc.cache(seq, digests)
     return seq
 
   @rule(seq=seqs, num_tokens=st.integers(1, 6))
@@ -132,6 +152,24 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 TestAllocatorMachine = AllocatorMachine.TestCase
 TestAllocatorMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+def test_cached_pages_nobody_holds_are_reused_last_and_oldest_first():
+  alloc = PageAllocator(7, 2)  # 6 usable pages of 2 tokens
+  document = np.arange(8)
+  digests = page_digests(document, 2)
+  alloc.allocate("a", 8, prefix=digests)
+  alloc.cache("a", digests)
+  first = alloc.pages("a")
+  alloc.free("a")
+  assert alloc.num_free == 6 and alloc.num_cached == 4  # freed, still cached
+  alloc.allocate("b", 7, prefix=page_digests(document[:7], 2))  # 3 whole pages shared, 1 fresh
+  assert alloc.pages("b")[:3] == first[:3] and alloc.pages("b")[3] not in first
+  alloc.allocate("c", 4)  # the 2 plain free pages, then the one idle cached page
+  assert set(alloc.pages("c")) >= {first[3]} and alloc.num_cached == 3
+  alloc.check()
+  with pytest.raises(OutOfPages, match="need 1 free pages, 0 of 6 are free"):
+    alloc.allocate("d", 1)
 
 
 def test_null_page_is_never_handed_out():

@@ -121,6 +121,25 @@ def test_a_cancelled_request_frees_its_pages_and_leaves_the_others_alone(model_p
   assert engine.allocator.num_free == engine.allocator.num_usable
 
 
+def test_a_cached_prefix_is_shared_and_changes_no_token(model_params):
+  """Prompts opening with one 16-token document (4 pages), one of them exactly the document, one
+  a whole number of pages, some preempted and recomputed: each request's tokens are its own alone,
+  and the later requests read the document's pages instead of computing them."""
+  model, params = model_params
+  rng = np.random.default_rng(7)
+  document = rng.integers(0, 64, 16, dtype=np.int32)
+  tails = [rng.integers(0, 64, n, dtype=np.int32) for n in (0, 3, 8, 1, 5, 12)]
+  requests = [(np.concatenate([document, tail]), 14) for tail in tails]
+  want = [greedy_alone(model, params, prompt, n) for prompt, n in requests]
+  out, engine = serve(model, params, requests)
+  for tokens, expected in zip(out, want):
+    np.testing.assert_array_equal(tokens, expected)
+  assert engine.stats.cached_tokens >= 12 * 5  # every later request reads the document's first 3 pages or more
+  assert engine.stats.preemptions > 0
+  plain, off = serve(model, params, requests, EngineConfig(**{**vars(CONFIG), "prefix_caching": False}))
+  assert off.stats.cached_tokens == 0 and all((a == b).all() for a, b in zip(plain, out))
+
+
 def test_bad_requests_are_rejected_and_lose_nothing(model_params):
   model, params = model_params
   engine = Engine(model, params, CONFIG)

@@ -161,7 +161,7 @@ def test_a_pressed_pool_runs_more_long_prompts_at_once(model_params):
   """Prompts of 28 tokens in 24 usable pages: unpressed, 8 pages each with the next token's;
   at ratio 0.75, 7 kept tokens in 2 pages, 3 pages as they generate."""
   model, params = model_params
-  requests = [(np.arange(28, dtype=np.int32), 4) for _ in range(8)]
+  requests = [(np.arange(28, dtype=np.int32) + i, 4) for i in range(8)]  # distinct: no prefix to share
   counts = {}
   for press in (None, PRESSES["knorm"]):
     cache = CacheConfig(layout="paged" if press is None else "paged_evict", page_size=PAGE, press=press)
