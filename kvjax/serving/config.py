@@ -31,6 +31,10 @@ class EngineConfig:
   # turns of a chat) are shared, and only the rest of the prompt is computed (kvjax.serving.allocator).
   # A pressed cache keeps what the press chose from the whole prompt: its pages are never shared.
   prefix_caching: bool = True
+  # Context tokens computed per step, over the rows still prefilling, oldest first: a long prompt
+  # is prefilled in chunks between decode steps instead of stalling every running row at once.
+  # 0: each context whole in the step it is admitted. A pressed prompt is always computed whole.
+  prefill_chunk: int = 512
 
   def __post_init__(self):
     check_positive(self, "num_slots", "num_pages")
@@ -50,6 +54,10 @@ class EngineConfig:
       raise ValueError(f"EngineConfig.num_pages={self.num_pages} leaves no page besides the null page")
     check_choice(self, "allocation", ALLOCATIONS)
     check_choice(self, "weights", FORMATS)
+    if isinstance(self.prefill_chunk, bool) or not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 0:
+      raise ValueError(
+        f"EngineConfig.prefill_chunk must be an integer >= 0 (0: whole contexts), got {self.prefill_chunk!r}"
+      )
     if not isinstance(self.prefix_caching, bool):
       raise ValueError(f"EngineConfig.prefix_caching must be True or False, got {self.prefix_caching!r}")
     if isinstance(self.seed, bool) or not isinstance(self.seed, int):

@@ -1,10 +1,12 @@
 """Continuous batching over the paged KV cache.
 
 `num_slots` batch rows are decoded together by one jitted step. A request is admitted to a free
-row when the pages for its context are free (first come, first served), is prefilled on its
-own, and leaves as soon as it finishes, freeing its pages for the next one. When the running
-requests need more pages than are free, the newest is preempted: its pages are freed and it
-waits to be recomputed (prefill of prompt + tokens so far) once pages free up.
+row when the pages for its context are free (first come, first served); its context is computed
+in chunks of at most `prefill_chunk` tokens per step, between the decode steps of the rows
+already running, after the pages of any prefix already cached (prefix caching: the allocator
+finds them by digest); it leaves as soon as it finishes, freeing its pages for the next one.
+When the running requests need more pages than are free, the newest is preempted: its pages are
+freed and it waits to be recomputed (prefill of prompt + tokens so far) once pages free up.
 
 A request's tokens depend only on its prompt, sampling settings and id: the random key of its
 i-th token is fold_in(fold_in(key(seed), id), i). So every request completes with the tokens it
@@ -58,6 +60,15 @@ class Request:
   generated: list[int] = dataclasses.field(default_factory=list)
   slot: int | None = None
   preemptions: int = 0
+  # While admitted: the context positions its pages hold computed so far, how many its prefill
+  # computes (the pressed prompt, or the whole context), and the digests of their whole pages.
+  computed: int = 0
+  first: int = 0
+  digests: list[bytes] = dataclasses.field(default_factory=list)
+
+  @property
+  def decoding(self) -> bool:
+    return self.slot is not None and self.computed >= self.first and bool(self.generated)
 
   @property
   def context(self) -> np.ndarray:
@@ -184,15 +195,18 @@ class Engine:
 
   @property
   def running(self) -> list[Request]:
+    """The requests holding a row: prefilling or decoding."""
     return sorted((r for r in self.slots if r is not None), key=lambda r: r.id)
 
   def step(self) -> list[Request]:
-    """Admits what fits, then decodes one token for every running request. Returns the requests
-    that finished during the step."""
+    """Admits what fits; computes up to `prefill_chunk` context tokens of the rows still
+    prefilling, oldest first (a row whose context is complete samples its first token); then
+    decodes one token for every row that has one. Returns the requests that finished."""
     finished: list[Request] = []
-    self._admit(finished)
+    self._admit()
+    self._prefill(finished)
     self._grow()
-    if self.running:
+    if any(r.decoding for r in self.running):
       self._decode(finished)
     return finished
 
@@ -268,7 +282,7 @@ class Engine:
 
   # Scheduling.
 
-  def _admit(self, finished: list[Request]) -> None:
+  def _admit(self) -> None:
     alloc = self.allocator
     while self.waiting and None in self.slots:
       request = self.waiting[0]
@@ -294,26 +308,45 @@ class Engine:
       alloc.reserve(request.id, self._target(held, 0))
       request.slot = self.slots.index(None)
       self.slots[request.slot] = request
+      request.computed, request.first, request.digests = len(shared) * alloc.page_size, first, digests
+      self.stats.prefills += 1
+      self.stats.prompt_tokens += first
+      self.stats.cached_tokens += request.computed
+
+  def _prefill(self, finished: list[Request]) -> None:
+    """Spends the step's budget of context tokens on the rows still prefilling, oldest first. A
+    pressed prompt is computed whole (its press scores the whole prompt) and the tokens generated
+    before a preemption follow it, as generate keeps them."""
+    budget = self.config.prefill_chunk or self.max_len
+    alloc = self.allocator
+    for request in self.running:
+      if request.computed >= request.first:  # decoding
+        continue
+      if budget <= 0:
+        break
+      context = request.context
+      start, first = request.computed, request.first
+      end = first if self.press is not None else min(first, start + budget)
       table = alloc.page_table([request.id], self.max_pages)
-      start = len(shared) * alloc.page_size
       if start == 0:
-        logits = self._run_prefill(_padded(context[:first], self.max_len), first, table)
+        logits = self._run_prefill(_padded(context[:end], self.max_len), end, table)
       else:
-        logits = self._run_extend(_padded(context[start:first], self.max_len), first - start, table, start, start)
-      alloc.cache(request.id, digests)
+        logits = self._run_extend(_padded(context[start:end], self.max_len), end - start, table, start, start)
+      request.computed, budget = end, budget - (end - start)
+      if end < first:
+        continue
+      alloc.cache(request.id, request.digests)  # its whole pages are written: later prompts may share them
       if first < context.size:
         rest = context[first:]
         logits = self._run_extend(_padded(rest, self.max_len), rest.size, table, first, self._held(first, 0))
+        request.computed = context.size
       token = self._sample(logits, request.sampling, request.id, len(request.generated))
-      self.stats.prefills += 1
-      self.stats.prompt_tokens += first
-      self.stats.cached_tokens += start
       self._emit(request, int(token[0]), finished)
 
   def _grow(self) -> None:
-    """Makes room for one more token per running request, oldest first, preempting the newest."""
+    """Makes room for one more token per decoding request, oldest first, preempting the newest."""
     for request in self.running:
-      while request.slot is not None:
+      while request.decoding:
         alloc = self.allocator
         try:
           alloc.reserve(request.id, self._target(alloc.length(request.id) + 1, alloc.capacity(request.id)))
@@ -344,11 +377,12 @@ class Engine:
 
   def _decode(self, finished: list[Request]) -> None:
     alloc = self.allocator
-    running = self.running
+    running = [r for r in self.running if r.decoding]
     self.stats.running.append(len(running))
     self.stats.cached.append(sum(alloc.length(r.id) for r in running))
     self.stats.allocated.append(sum(alloc.capacity(r.id) for r in running))
-    tokens = self._run_decode(self.slots, self._width(max(alloc.length(r.id) for r in running)))
+    rows = [r if r is not None and r.decoding else None for r in self.slots]
+    tokens = self._run_decode(rows, self._width(max(alloc.length(r.id) for r in running)))
     for request in running:
       self._emit(request, int(tokens[request.slot]), finished)
 

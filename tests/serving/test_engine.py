@@ -121,6 +121,21 @@ def test_a_cancelled_request_frees_its_pages_and_leaves_the_others_alone(model_p
   assert engine.allocator.num_free == engine.allocator.num_usable
 
 
+@pytest.mark.parametrize("chunk", [1, 5])
+def test_prompts_prefilled_in_chunks_between_decode_steps_change_no_token(model_params, chunk):
+  """At most `chunk` context tokens per step: prompts of up to 20 tokens take several steps while
+  the rows admitted earlier keep decoding, and a preempted request's context is recomputed in chunks."""
+  model, params = model_params
+  requests = workload(seed=0)
+  want = [greedy_alone(model, params, prompt, n) for prompt, n in requests]
+  out, engine = serve(model, params, requests, EngineConfig(**{**vars(CONFIG), "prefill_chunk": chunk}))
+  for tokens, expected in zip(out, want):
+    np.testing.assert_array_equal(tokens, expected)
+  assert engine.stats.preemptions > 0
+  _, whole = serve(model, params, requests, EngineConfig(**{**vars(CONFIG), "prefill_chunk": 0}))
+  assert len(engine.stats.running) > len(whole.stats.running)  # more steps: the prompts were spread over them
+
+
 def test_a_cached_prefix_is_shared_and_changes_no_token(model_params):
   """Prompts opening with one 16-token document (4 pages), one of them exactly the document, one
   a whole number of pages, some preempted and recomputed: each request's tokens are its own alone,
