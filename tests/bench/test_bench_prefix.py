@@ -3,6 +3,8 @@ prefix cache (later prefills compute only their question) and give the answers m
 
 from __future__ import annotations
 
+import pytest
+
 from kvjax.bench.serving.prefix import first_tokens, prompts
 from kvjax.cache.config import CacheConfig
 from kvjax.interop.tokenizer import TextTokenizer
@@ -10,6 +12,7 @@ from kvjax.serving.engine import Engine, EngineConfig
 from conftest import init_params, tiny_config
 
 
+@pytest.mark.tier2  # the engine's own prefix-caching oracle is tests/serving/test_engine.py's, in the first tier
 def test_later_requests_compute_only_their_question(smollm2):
   tokenizer = TextTokenizer.load(smollm2)
   asks = prompts(tokenizer, 96, 3)
