@@ -2,9 +2,10 @@
 
 Two parts, each run without a press (layout "paged") and with one (layout "paged_evict",
 --press at --ratio-percent / 100), on the same pool:
-  capacity: --requests prompts of --prompt tokens of held-out prose (8 new tokens each) submitted
-    at once to an engine of --pool-pages pages of 16 tokens: the requests its first step admits
-    and runs at once, and the pages they hold;
+  capacity: --requests prompts of --prompt tokens of held-out prose (--new-tokens each, greedy)
+    submitted at once to an engine of --pool-pages pages of 16 tokens: the requests its first step
+    admits and runs at once, and the pages they hold; then all of them served to the end, timed
+    (requests and tokens per second: what the concurrency a press buys is worth);
   chat: the chat workload of `kvjax bench engine` (kvjax.bench.parts.engine_workload; --chat-requests
     requests, Poisson arrivals) through an engine of --chat-pool-pages pages: requests and tokens
     per second, latencies, and the most requests running at once.
@@ -29,7 +30,6 @@ from kvjax.model.transformer import Transformer
 from kvjax.serving.engine import Engine, EngineConfig
 
 PAGE = 16
-CAPACITY_NEW_TOKENS = 8
 CHAT_MAX_LEN = 768  # the chat workload's longest context (512 + 256)
 
 
@@ -37,25 +37,27 @@ def cache_for(press) -> CacheConfig:
   return CacheConfig(layout="paged" if press is None else "paged_evict", page_size=PAGE, press=press)
 
 
-def capacity(model, params, prompts: np.ndarray, pool_pages: int, press) -> dict:
+def capacity(model, params, prompts: np.ndarray, pool_pages: int, press, new_tokens: int) -> dict:
   """Every prompt (int[R, L]) submitted at once to one engine of `pool_pages` pages: the requests
-  its first step admits (each prefilled, then one decode step for all)."""
+  its first step admits (each prefilled, then one decode step for all); then the rest, to the end."""
   rows, length = prompts.shape
-  config = EngineConfig(
-    num_slots=rows, num_pages=pool_pages, max_len=length + CAPACITY_NEW_TOKENS, cache=cache_for(press)
-  )
+  config = EngineConfig(num_slots=rows, num_pages=pool_pages, max_len=length + new_tokens, cache=cache_for(press))
   engine = Engine(model, params, config)
   for prompt in prompts:
-    engine.submit(prompt, CAPACITY_NEW_TOKENS)
+    engine.submit(prompt, new_tokens)
   start = time.perf_counter()
   engine.step()
-  seconds = time.perf_counter() - start
-  return {
+  first = time.perf_counter() - start
+  out = {
     "max_running": len(engine.running),
     "pages_held": engine.allocator.num_usable - engine.allocator.num_free,
     "pages_usable": engine.allocator.num_usable,
-    "first_step_seconds": seconds,
+    "first_step_seconds": first,
   }
+  served = engine.run()
+  seconds = time.perf_counter() - start
+  generated = sum(len(t) for t in served.values())
+  return out | {"seconds": seconds, "requests_per_s": len(served) / seconds, "tokens_per_s": generated / seconds}
 
 
 def chat(model, params, requests, pool_pages: int, press) -> dict:
@@ -71,6 +73,7 @@ def run(
   press: list[str],
   ratio_percent: int,
   prompt: int,
+  new_tokens: int,
   requests: int,
   pool_pages: int,
   chat_requests: int,
@@ -86,13 +89,14 @@ def run(
   workload = Workload(requests=max(1, chat_requests))
   chat_requests_built = workload.build(tokenizer)
   out = {"benchmark": "engine_press", "source": str(path), "press": repr(chosen), "page_size": PAGE}
-  out["capacity"] = {"prompt_tokens": prompt, "requests": requests, "pool_pages": pool_pages}
+  out["capacity"] = {"prompt_tokens": prompt, "new_tokens": new_tokens, "requests": requests, "pool_pages": pool_pages}
   if requests:
     prompts = prose_prompts(tokenizer, requests, prompt)
     for name, value in (("full", None), ("pressed", chosen)):
-      out["capacity"][name] = capacity(transformer, params, prompts, pool_pages, value)
+      out["capacity"][name] = capacity(transformer, params, prompts, pool_pages, value, new_tokens)
     full, pressed = out["capacity"]["full"], out["capacity"]["pressed"]
-    out["capacity"]["running_over_full"] = pressed["max_running"] / full["max_running"]
+    for key in ("max_running", "requests_per_s", "tokens_per_s"):
+      out["capacity"][f"{key}_over_full"] = pressed[key] / full[key]
   if not chat_requests:
     return out
   out["chat"] = {"workload": dataclasses.asdict(workload), "pool_pages": chat_pool_pages}
@@ -113,6 +117,7 @@ BENCHMARK = Benchmark(
     Option("press", ["snapkv"], "the press", Kind.NAMES, choices=tuple(PRESSES)),
     Option("ratio_percent", 75, "the press's compression ratio, in percent"),
     Option("prompt", 2048, "prompt tokens of each capacity request"),
+    Option("new_tokens", 128, "tokens each capacity request generates"),
     Option("requests", 16, "capacity requests, submitted at once (0: no capacity part)", Kind.NONNEGATIVE),
     Option("pool_pages", 513, "pages of 16 tokens of the capacity engine (the null page included)"),
     Option(
