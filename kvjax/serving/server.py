@@ -11,7 +11,9 @@ failure ends the requests it held with a 500 and the server refuses new ones wit
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import threading
 import time
 import uuid
 
@@ -110,6 +112,27 @@ def create_app(worker: EngineWorker, tokenizer: TextTokenizer, model: str) -> St
     Route("/v1/chat/completions", chat, methods=["POST"]),
   ]
   return Starlette(routes=routes, exception_handlers={HTTPException: not_found})
+
+
+@contextlib.contextmanager
+def running(app, host: str = "127.0.0.1", port: int = 0):
+  """Serves `app` with uvicorn on a thread of this process until the block ends (port 0: a free
+  one); yields the port it listens on. For research code and tests that talk to a server they
+  started themselves."""
+  import uvicorn
+
+  server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="error"))
+  thread = threading.Thread(target=server.run, name="kvjax-server", daemon=True)
+  thread.start()
+  while not server.started:
+    if not thread.is_alive():
+      raise OSError(f"kvjax serve could not listen on {host}:{port}")
+    time.sleep(0.05)
+  try:
+    yield server.servers[0].sockets[0].getsockname()[1]
+  finally:
+    server.should_exit = True
+    thread.join()
 
 
 class _Gone(Exception):

@@ -25,7 +25,6 @@ from kvjax.serving.worker import EngineWorker
 from conftest import init_params, tiny_config
 
 openai = pytest.importorskip("openai")
-uvicorn = pytest.importorskip("uvicorn")
 
 MAX_LEN = 1024
 PAD = 64  # the oracle's prompt width
@@ -35,7 +34,7 @@ PROMPTS = ("The KV cache holds", "Paged attention splits the cache into", "def f
 
 @pytest.fixture(scope="module")
 def served(smollm2):
-  from kvjax.serving.server import create_app
+  from kvjax.serving.server import create_app, running
 
   tokenizer = TextTokenizer.load(smollm2)
   model, params = init_params(tiny_config(2, vocab_size=tokenizer.vocab_size, max_len=MAX_LEN))
@@ -47,18 +46,9 @@ def served(smollm2):
     stop_ids=tuple(tokenizer.stop_ids),
   )
   worker = EngineWorker(Engine(model, params, config))
-  server = uvicorn.Server(
-    uvicorn.Config(create_app(worker, tokenizer, MODEL), host="127.0.0.1", port=0, log_level="error")
-  )
-  thread = threading.Thread(target=server.run, daemon=True)
-  thread.start()
-  while not server.started:
-    time.sleep(0.05)
-  port = server.servers[0].sockets[0].getsockname()[1]
-  client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0, timeout=120)
-  yield {"client": client, "port": port, "worker": worker, "tokenizer": tokenizer, "model": model, "params": params}
-  server.should_exit = True
-  thread.join()
+  with running(create_app(worker, tokenizer, MODEL)) as port:
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0, timeout=120)
+    yield {"client": client, "port": port, "worker": worker, "tokenizer": tokenizer, "model": model, "params": params}
   worker.close()
 
 

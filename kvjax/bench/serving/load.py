@@ -133,9 +133,8 @@ def _rss_mib() -> float:
 def load_test(model: Transformer, params, tokenizer, load: Load = Load()) -> dict:
   """Serves `model` on a loopback port, runs the load against it and checks it (module docstring)."""
   import openai
-  import uvicorn
 
-  from kvjax.serving.server import create_app
+  from kvjax.serving.server import create_app, running
 
   stops = tuple(int(t) for t in tokenizer.stop_ids)
   texts = prompts(load, tokenizer)
@@ -148,15 +147,17 @@ def load_test(model: Transformer, params, tokenizer, load: Load = Load()) -> dic
   engine = Engine(model, params, load.engine_config(stops))
   engine.warmup()  # every bucket compiled first: what memory grows by later is what the server keeps
   worker = EngineWorker(engine)
-  server = uvicorn.Server(
-    uvicorn.Config(create_app(worker, tokenizer, MODEL), host="127.0.0.1", port=0, log_level="error")
-  )
-  thread = threading.Thread(target=server.run, daemon=True)
-  thread.start()
-  while not server.started:
-    time.sleep(0.05)
-  port = server.servers[0].sockets[0].getsockname()[1]
-  client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0, timeout=600)
+  with running(create_app(worker, tokenizer, MODEL)) as port:
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0, timeout=600)
+    out = _drive(load, client, worker, requests, texts)
+  worker.close()
+  return report(load, requests, texts, oracle, tokenizer, **out)
+
+
+def _drive(load: Load, client, worker: EngineWorker, requests: list[dict], texts: list[list[int]]) -> dict:
+  """The requests sent by `load.clients` concurrent clients; what each got, and the engine's state
+  once they are all answered."""
+  import openai
 
   memory, free, done = [], [], threading.Event()
 
@@ -207,13 +208,15 @@ def load_test(model: Transformer, params, tokenizer, load: Load = Load()) -> dic
     time.sleep(0.1)
     state = worker.call(_state).result()
   worker.call(lambda e: e.allocator.check()).result()
-  cancelled_by_worker, live = worker.cancelled, worker.live
-  server.should_exit = True
-  thread.join()
-  worker.close()
-  return report(
-    load, requests, results, texts, oracle, tokenizer, seconds, state, free, memory, cancelled_by_worker, live
-  )
+  return {
+    "results": results,
+    "seconds": seconds,
+    "state": state,
+    "free": free,
+    "memory": memory,
+    "cancelled_by_worker": worker.cancelled,
+    "live": worker.live,
+  }
 
 
 def _state(engine: Engine) -> dict:
@@ -231,8 +234,9 @@ def _state(engine: Engine) -> dict:
 
 
 def report(
-  load, requests, results, texts, oracle, tokenizer, seconds, state, free, memory, cancelled_by_worker, live
+  load, requests, texts, oracle, tokenizer, *, results, seconds, state, free, memory, cancelled_by_worker, live
 ) -> dict:
+  """The checks and figures (module docstring) from what _drive saw."""
   stops = set(tokenizer.stop_ids)
   checks, wrong = {}, []
   finished = cancelled = refused = tokens = 0
