@@ -35,6 +35,7 @@ class EngineConfig:
   # is prefilled in chunks between decode steps instead of stalling every running row at once.
   # 0: each context whole in the step it is admitted. A pressed prompt is always computed whole.
   prefill_chunk: int = 512
+  trace_steps: bool = False  # EngineStats keeps one entry per decode step (the KV-memory study's trace)
 
   def __post_init__(self):
     check_positive(self, "num_slots", "num_pages")
@@ -58,8 +59,9 @@ class EngineConfig:
       raise ValueError(
         f"EngineConfig.prefill_chunk must be an integer >= 0 (0: whole contexts), got {self.prefill_chunk!r}"
       )
-    if not isinstance(self.prefix_caching, bool):
-      raise ValueError(f"EngineConfig.prefix_caching must be True or False, got {self.prefix_caching!r}")
+    for name in ("prefix_caching", "trace_steps"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"EngineConfig.{name} must be True or False, got {getattr(self, name)!r}")
     if isinstance(self.seed, bool) or not isinstance(self.seed, int):
       raise ValueError(f"EngineConfig.seed must be an integer, got {self.seed!r}")
     if not isinstance(self.stop_ids, (tuple, list)) or any(

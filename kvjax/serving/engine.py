@@ -77,13 +77,18 @@ class Request:
 
 @dataclasses.dataclass
 class EngineStats:
-  """Counters and one entry per decode step (requests running, tokens cached, token slots allocated)."""
+  """Counters, and with EngineConfig.trace_steps one entry per decode step (requests decoding,
+  tokens cached, token slots allocated; a server leaves it off, so its memory stays flat)."""
 
   prefills: int = 0
   prompt_tokens: int = 0  # context tokens admitted (a preempted request's again when it returns)
   cached_tokens: int = 0  # of those, read from the prefix cache instead of computed
   preemptions: int = 0
   generated_tokens: int = 0
+  decode_steps: int = 0
+  max_running: int = 0
+  cached_total: int = 0  # tokens cached, summed over the decode steps
+  allocated_total: int = 0  # token slots allocated, summed over the decode steps
   running: list[int] = dataclasses.field(default_factory=list)
   cached: list[int] = dataclasses.field(default_factory=list)
   allocated: list[int] = dataclasses.field(default_factory=list)
@@ -91,7 +96,7 @@ class EngineStats:
   @property
   def utilisation(self) -> float:
     """KV slots holding real tokens / slots allocated, summed over the decode steps."""
-    return sum(self.cached) / max(1, sum(self.allocated))
+    return self.cached_total / max(1, self.allocated_total)
 
 
 @jax.jit
@@ -378,9 +383,19 @@ class Engine:
   def _decode(self, finished: list[Request]) -> None:
     alloc = self.allocator
     running = [r for r in self.running if r.decoding]
-    self.stats.running.append(len(running))
-    self.stats.cached.append(sum(alloc.length(r.id) for r in running))
-    self.stats.allocated.append(sum(alloc.capacity(r.id) for r in running))
+    stats, cached, allocated = (
+      self.stats,
+      sum(alloc.length(r.id) for r in running),
+      sum(alloc.capacity(r.id) for r in running),
+    )
+    stats.decode_steps += 1
+    stats.max_running = max(stats.max_running, len(running))
+    stats.cached_total += cached
+    stats.allocated_total += allocated
+    if self.config.trace_steps:
+      stats.running.append(len(running))
+      stats.cached.append(cached)
+      stats.allocated.append(allocated)
     rows = [r if r is not None and r.decoding else None for r in self.slots]
     tokens = self._run_decode(rows, self._width(max(alloc.length(r.id) for r in running)))
     for request in running:

@@ -227,7 +227,12 @@ def run(study: KVMemoryStudy, workdir: str | Path, progress: Callable[[str], Non
       cache = CacheConfig(layout="paged", dtype=cache_dtype, page_size=page_size)
       pages = budget_bytes // (page_size * kinds.bytes_per_token(cfg, cache))
       engine_config = EngineConfig(
-        num_slots=study.num_slots, num_pages=pages + 1, cache=cache, allocation=allocation, seed=study.seed
+        num_slots=study.num_slots,
+        num_pages=pages + 1,
+        cache=cache,
+        allocation=allocation,
+        seed=study.seed,
+        trace_steps=True,
       )
       row, outputs = serve(model, params, workload, engine_config)
       reference = outputs if reference is None else reference

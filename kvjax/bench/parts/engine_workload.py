@@ -90,7 +90,7 @@ def run_kvjax_engine(model, params, requests, engine_config: EngineConfig) -> di
   return {
     "stamps": [stamps[i] for i in range(len(requests))],
     "tokens": [tokens[i] for i in range(len(requests))],
-    "max_running": max(engine.stats.running),
+    "max_running": engine.stats.max_running,
   }
 
 
