@@ -47,12 +47,20 @@ def first_tokens(engine: Engine, prompts: list[np.ndarray], new_tokens: int) -> 
     before = engine.stats.prompt_tokens - engine.stats.cached_tokens
     start = time.perf_counter()
     rid = engine.submit(prompt, new_tokens)
-    engine.step()  # admits it: its prefill and its first token
+    while not _answered(engine, rid):  # its prefill, in chunks of prefill_chunk tokens, and its first token
+      engine.step()
     seconds.append(time.perf_counter() - start)
     computed.append(engine.stats.prompt_tokens - engine.stats.cached_tokens - before)
     answers.append(engine.run()[rid].tolist())
     engine.finished.clear()
   return {"first_token_s": seconds, "answers": answers, "computed_tokens": computed}
+
+
+def _answered(engine: Engine, request_id: int) -> bool:
+  """Whether the request has its first token (it may have finished with it)."""
+  if request_id in engine.finished:
+    return True
+  return any(r.id == request_id and r.generated for r in engine.running)
 
 
 def run(*, model: str, document: int, questions: int, new_tokens: int) -> dict:
