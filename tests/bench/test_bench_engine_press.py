@@ -11,6 +11,7 @@ from kvjax.cache.presses import make_press
 from conftest import init_params, tiny_config
 
 
+@pytest.mark.tier2  # the pressed engine's oracles (tests/serving/test_engine_press.py) are in the first tier
 def test_a_press_runs_more_prompts_at_once_and_serves_them_all():
   model, params = init_params(tiny_config(2, max_len=96))
   prompts = np.random.default_rng(0).integers(0, 64, (6, 64), dtype=np.int32)

@@ -26,6 +26,7 @@ def check(out: dict, load: Load) -> None:
   assert out["fewest_free_pages"] < 8  # the pool ran out: requests waited for pages
 
 
+@pytest.mark.tier2  # the server's own oracles (tests/serving/test_server.py) are in the first tier
 def test_a_small_load_loses_nothing(smollm2):
   # 12 pages: two of the longest requests (8 pages) cannot run at once; an oversize one needs 16.
   load = Load(

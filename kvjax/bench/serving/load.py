@@ -316,6 +316,7 @@ def run(*, model: str, requests: int, clients: int) -> dict:
 BENCHMARK = Benchmark(
   name="load",
   summary="a bounded load test of `kvjax serve` over loopback (nothing lost, pages freed, latency)",
+  description=__doc__,
   run=run,
   options=(
     PRETRAINED_MODEL,
