@@ -140,6 +140,7 @@ def test_stop_sequences_cut_the_text_and_end_the_request(served):
   assert held == 0 and free == usable
 
 
+@pytest.mark.tier2  # Engine.cancel's oracle is in the first tier (tests/serving/test_engine.py)
 def test_a_client_that_leaves_frees_its_pages(served):
   worker = served["worker"]
   held = lambda: worker.call(lambda e: len(e.running) + len(e.waiting)).result()  # noqa: E731
