@@ -269,15 +269,22 @@ def response(call: Call, rid: str, created: int, model: str, text: str, finish: 
   return {"id": rid, "object": call.kind, "created": created, "model": model, "choices": [choice], "usage": used}
 
 
+def _chunk_object(call: Call) -> str:
+  return COMPLETIONS if call.kind == COMPLETIONS else "chat.completion.chunk"
+
+
+def usage_chunk(call: Call, rid: str, created: int, model: str, used: dict) -> dict:
+  """The last event of a stream asked for with stream_options.include_usage: no choices, the usage."""
+  return {"id": rid, "object": _chunk_object(call), "created": created, "model": model, "choices": [], "usage": used}
+
+
 def chunk(call: Call, rid: str, created: int, model: str, text: str | None, finish: str | None, first: bool) -> dict:
   """One server-sent event's body while streaming: a piece of text, or the finish reason."""
   if call.kind == COMPLETIONS:
     choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-    kind = COMPLETIONS
   else:
     delta = {} if text is None else {"content": text}
     if first:
       delta = {"role": "assistant", **delta}
     choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-    kind = "chat.completion.chunk"
-  return {"id": rid, "object": kind, "created": created, "model": model, "choices": [choice]}
+  return {"id": rid, "object": _chunk_object(call), "created": created, "model": model, "choices": [choice]}

@@ -87,17 +87,7 @@ def create_app(worker: EngineWorker, tokenizer: TextTokenizer, model: str) -> St
         if finish is not None:
           yield _sse(api.chunk(call, rid, now, model, None, finish, first))
           if call.include_usage:
-            used = api.usage(call.prompt.size, answer.generated)
-            yield _sse(
-              {
-                "id": rid,
-                "object": api.chunk(call, rid, now, model, None, None, False)["object"],
-                "created": now,
-                "model": model,
-                "choices": [],
-                "usage": used,
-              }
-            )
+            yield _sse(api.usage_chunk(call, rid, now, model, api.usage(call.prompt.size, answer.generated)))
       yield "data: [DONE]\n\n"
     finally:  # the client gone mid-stream: the generator is closed here
       answer.cancel()
