@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -40,14 +39,14 @@ import numpy as np
 from kvjax.cache import kinds
 from kvjax.cache.paged_evict import kept_slots
 from kvjax.fields import check_positive_int
-from kvjax.decoding.decode import for_decoding, forward, size_bucket
-from kvjax.decoding.sampling import Sampling, sample
+from kvjax.decoding.decode import for_decoding, size_bucket
+from kvjax.decoding.sampling import Sampling
 from kvjax.model.transformer import Transformer
 from kvjax.model.weights import store
 from kvjax.serving.allocator import OutOfPages, PageAllocator, page_digests
+from kvjax.serving import steps
 from kvjax.serving.config import EngineConfig
 
-MIN_PROMPT_BUCKET = 16
 GREEDY = (0.0, 0, 1.0)
 
 
@@ -97,47 +96,6 @@ class EngineStats:
   def utilisation(self) -> float:
     """KV slots holding real tokens / slots allocated, summed over the decode steps."""
     return self.cached_total / max(1, self.allocated_total)
-
-
-@jax.jit
-def _pick(logits, sampling: Sampling, seed, ids, index):
-  """Per-row sampling: logits [B, V], settings [B], token index [B] -> int32[B]. Jitted apart from the
-  model so that the sampler compiles once per batch size, not once per prompt bucket or width.
-  Rows are sampled under vmap, where each row's own greedy-or-sample choice becomes a select that
-  computes both (a sort of the vocabulary per row): a batch of greedy rows takes the argmax alone."""
-
-  def draw(_):
-    base = jax.random.key(seed)
-    keys = jax.vmap(lambda i, t: jax.random.fold_in(jax.random.fold_in(base, i), t))(ids, index)
-    return jax.vmap(lambda row, key, s: sample(row[None], key, s)[0])(logits, keys, sampling)
-
-  greedy = lambda _: jnp.argmax(logits, axis=-1).astype(jnp.int32)  # noqa: E731
-  return jax.lax.cond(jnp.any(sampling.temperature > 0), draw, greedy, None)
-
-
-@functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("cache",))
-def _prefill(model, params, cache, tokens, lengths):
-  """One request's context into its (empty) pages -> (next-token logits [1, V], cache)."""
-  return forward(model, params, cache, tokens, lengths, last=True, from_empty=True)
-
-
-@functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("cache",))
-def _extend(model, params, cache, tokens, lengths):
-  """More of one request's context after what its pages hold -> (next-token logits [1, V], cache)."""
-  return forward(model, params, cache, tokens, lengths, last=True)
-
-
-@functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("cache",))
-def _decode(model, params, cache, tokens):
-  """One token for every row -> (logits [B, V], cache)."""
-  logits, cache = forward(model, params, cache, tokens[:, None], jnp.ones_like(tokens))
-  return logits[:, 0], cache
-
-
-def _stack(settings: list[tuple[float, int, float]]) -> Sampling:
-  """Per-row sampling settings as one Sampling of [B] arrays."""
-  temperature, top_k, top_p = zip(*settings)
-  return Sampling(jnp.asarray(temperature, jnp.float32), jnp.asarray(top_k, jnp.int32), jnp.asarray(top_p, jnp.float32))
 
 
 class Engine:
@@ -240,9 +198,9 @@ class Engine:
   def warmup(self) -> None:
     """Compiles every prompt bucket (and with a press, every extend bucket) and page-table width on
     idle rows (writes land in the null page)."""
-    n = MIN_PROMPT_BUCKET
+    n = steps.MIN_PROMPT_BUCKET
     while True:
-      bucket = size_bucket(n, self.max_len, MIN_PROMPT_BUCKET)
+      bucket = size_bucket(n, self.max_len, steps.MIN_PROMPT_BUCKET)
       idle = np.zeros((1, self.max_pages), np.int32)
       self._run_prefill(np.zeros((1, bucket), np.int32), 1, idle)
       if self.press is not None or self.prefix_caching:  # a context after cached pages, or a pressed recompute
@@ -282,7 +240,7 @@ class Engine:
   def _width(self, positions: int) -> int:
     """Page-table columns a decode step reads to cover `positions` positions: attention gathers
     and reads only these pages, and bucketing them bounds the number of compilations."""
-    floor = self.allocator.pages_for(MIN_PROMPT_BUCKET)
+    floor = self.allocator.pages_for(steps.MIN_PROMPT_BUCKET)
     return size_bucket(self.allocator.pages_for(positions), self.max_pages, floor)
 
   # Scheduling.
@@ -334,16 +292,16 @@ class Engine:
       end = first if self.press is not None else min(first, start + budget)
       table = alloc.page_table([request.id], self.max_pages)
       if start == 0:
-        logits = self._run_prefill(_padded(context[:end], self.max_len), end, table)
+        logits = self._run_prefill(steps.padded(context[:end], self.max_len), end, table)
       else:
-        logits = self._run_extend(_padded(context[start:end], self.max_len), end - start, table, start, start)
+        logits = self._run_extend(steps.padded(context[start:end], self.max_len), end - start, table, start, start)
       request.computed, budget = end, budget - (end - start)
       if end < first:
         continue
       alloc.cache(request.id, request.digests)  # its whole pages are written: later prompts may share them
       if first < context.size:
         rest = context[first:]
-        logits = self._run_extend(_padded(rest, self.max_len), rest.size, table, first, self._held(first, 0))
+        logits = self._run_extend(steps.padded(rest, self.max_len), rest.size, table, first, self._held(first, 0))
         request.computed = context.size
       token = self._sample(logits, request.sampling, request.id, len(request.generated))
       self._emit(request, int(token[0]), finished)
@@ -406,19 +364,27 @@ class Engine:
   def _run_prefill(self, tokens, length: int, page_table) -> jax.Array:
     """One request's first `length` tokens (tokens int[1, bucket]) into its empty pages -> logits [1, V]."""
     cache = self.cache.with_rows(page_table, np.zeros(1, np.int32), np.zeros(1, np.int32))
-    logits, self.cache = _prefill(self.model, self.params, cache, jnp.asarray(tokens), jnp.array([length], jnp.int32))
+    logits, self.cache = steps.prefill(
+      self.model, self.params, cache, jnp.asarray(tokens), jnp.array([length], jnp.int32)
+    )
     return logits
 
   def _run_extend(self, tokens, length: int, page_table, position: int, filled: int) -> jax.Array:
     """`length` more tokens after a request's `position` positions held in `filled` slots -> logits [1, V]."""
     cache = self.cache.with_rows(page_table, np.array([position], np.int32), np.array([filled], np.int32))
-    logits, self.cache = _extend(self.model, self.params, cache, jnp.asarray(tokens), jnp.array([length], jnp.int32))
+    logits, self.cache = steps.extend(
+      self.model, self.params, cache, jnp.asarray(tokens), jnp.array([length], jnp.int32)
+    )
     return logits
 
   def _sample(self, logits, sampling, request_id: int, index: int) -> np.ndarray:
     return np.asarray(
-      _pick(
-        logits, _stack([sampling]), self.config.seed, jnp.array([request_id], jnp.int32), jnp.array([index], jnp.int32)
+      steps.pick(
+        logits,
+        steps.stack_sampling([sampling]),
+        self.config.seed,
+        jnp.array([request_id], jnp.int32),
+        jnp.array([index], jnp.int32),
       )
     )
 
@@ -431,11 +397,11 @@ class Engine:
     filled = np.array([0 if r is None else alloc.length(r.id) - 1 for r in slots], np.int32)
     tokens = np.array([0 if r is None else r.generated[-1] for r in slots], np.int32)
     index = np.array([0 if r is None else len(r.generated) for r in slots], np.int32)
-    sampling = _stack([GREEDY if r is None else r.sampling for r in slots])
+    sampling = steps.stack_sampling([GREEDY if r is None else r.sampling for r in slots])
     cache = self.cache.with_rows(table, lengths, filled)
-    logits, self.cache = _decode(self.model, self.params, cache, jnp.asarray(tokens))
+    logits, self.cache = steps.decode(self.model, self.params, cache, jnp.asarray(tokens))
     return np.asarray(
-      _pick(
+      steps.pick(
         logits,
         sampling,
         self.config.seed,
@@ -443,10 +409,3 @@ class Engine:
         jnp.asarray(index),
       )
     )
-
-
-def _padded(tokens: np.ndarray, max_len: int) -> np.ndarray:
-  """tokens int[L] right-padded to their prompt bucket -> int32[1, bucket]."""
-  out = np.zeros((1, size_bucket(tokens.size, max_len, MIN_PROMPT_BUCKET)), np.int32)
-  out[0, : tokens.size] = tokens
-  return out
