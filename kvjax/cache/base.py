@@ -283,18 +283,4 @@ def scatter_rows(buffer: jax.Array, new: jax.Array, slots: jax.Array, axis: int)
   index[axis] = slots
   # The two advanced indices (rows, slots) broadcast to [B, T] and lead the update's axes.
   update = jnp.moveaxis(new, axis, 1).astype(buffer.dtype)  # [B, T, ...]
-  return set_bits(buffer, tuple(index), update)
-
-
-def set_bits(buffer: jax.Array, index: tuple, update: jax.Array) -> jax.Array:
-  """buffer.at[index].set(update, mode="drop"), for a narrow float buffer (bfloat16, float8) on its
-  bits: XLA's CPU backend scatters those by widening the whole buffer to float32 and back, a
-  copy of the cache per write, where a scatter of unsigned integers of the same width moves only
-  the new entries."""
-  dtype = jnp.dtype(buffer.dtype)
-  if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize >= 4 or dtype == jnp.float16:
-    return buffer.at[index].set(update, mode="drop")
-  bits = jnp.dtype(f"uint{8 * dtype.itemsize}")
-  view = jax.lax.bitcast_convert_type(buffer, bits)
-  view = view.at[index].set(jax.lax.bitcast_convert_type(update.astype(dtype), bits), mode="drop")
-  return jax.lax.bitcast_convert_type(view, dtype)
+  return buffer.at[tuple(index)].set(update, mode="drop")

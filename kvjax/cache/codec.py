@@ -4,7 +4,8 @@ A codec works on vectors along the last axis, x [..., W] (a head's key or value,
 whatever the layout that holds them. It stores `values` [..., W'] in `stored_dtype` and, when
 quantized, float32 `scale` beside them: [...] (one per vector) or [..., W / group] (grouped).
 
-  float32, bfloat16, float16   the vector cast to that dtype, no scale
+  float32, float16   the vector cast to that dtype, no scale
+  bfloat16       the vector rounded to bfloat16, stored as its bits (uint16), no scale
   int8           symmetric absmax: q = round(x / s) in [-127, 127], s = max|x| / 127 per vector
   int4           asymmetric in groups of `int4_group_size(W)` elements: q = round(x / s) + z in
                  [0, 15], s = (max - min) / 15 over the group and 0, z = round(-min / s) (an
@@ -16,7 +17,13 @@ quantized, float32 `scale` beside them: [...] (one per vector) or [..., W / grou
                  +23% symmetric with one scale per 32, +8% with the zero point)
   float8_e4m3fn  x / s cast to e4m3 (round to nearest), s = max|x| / 448 per vector: the scale puts
                  each vector's largest element at e4m3's largest finite value, so no vector
-                 overflows (e4m3fn has no infinity) and small vectors keep their mantissa bits
+                 overflows (e4m3fn has no infinity) and small vectors keep their mantissa bits;
+                 stored as its bits (uint8)
+
+bfloat16 and e4m3 are stored as unsigned integers of their width because XLA's CPU backend
+scatters a buffer of either by widening all of it to float32 and back (a copy of the cache per
+write); a scatter of its bits moves only the new entries, and a read reinterprets them (a bitcast,
+or the CPU kernel's own load).
 
 An all-zero vector (a cache's empty slots) gets scale 0 (and int4 zero point 0) and decodes to
 zeros. Decoding is values * scale in float32 (int4: (q - z) * s, exact integers times the step),
@@ -94,6 +101,28 @@ class Codec:
     return self.decode(*self.encode(x)).astype(x.dtype)
 
 
+def bits_of(dtype) -> np.dtype:
+  """The unsigned integer dtype of `dtype`'s width: how a narrow float is stored."""
+  return np.dtype(f"uint{8 * np.dtype(dtype).itemsize}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Bfloat16(Codec):
+  """bfloat16 values stored as their bits (module docstring)."""
+
+  name: str = "bfloat16"
+
+  @property
+  def stored_dtype(self) -> np.dtype:
+    return bits_of(jnp.bfloat16)
+
+  def encode(self, x):
+    return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), self.stored_dtype), None
+
+  def decode(self, values, scale, axis=-1):
+    return jax.lax.bitcast_convert_type(values, jnp.bfloat16)
+
+
 @dataclasses.dataclass(frozen=True)
 class Int8(Codec):
   name: str = "int8"
@@ -113,12 +142,22 @@ class Int8(Codec):
 
 @dataclasses.dataclass(frozen=True)
 class Fp8(Int8):
+  """e4m3 values stored as their bits (module docstring)."""
+
   name: str = "float8_e4m3fn"
+
+  @property
+  def stored_dtype(self) -> np.dtype:
+    return bits_of(jnp.float8_e4m3fn)
 
   def encode(self, x):
     x = x.astype(jnp.float32)
     scale = jnp.max(jnp.abs(x), axis=-1) / FP8_MAX
-    return (x / _safe(scale)[..., None]).astype(jnp.float8_e4m3fn), scale
+    e4m3 = (x / _safe(scale)[..., None]).astype(jnp.float8_e4m3fn)
+    return jax.lax.bitcast_convert_type(e4m3, self.stored_dtype), scale
+
+  def decode(self, values, scale, axis=-1):
+    return super().decode(jax.lax.bitcast_convert_type(values, jnp.float8_e4m3fn), scale, axis)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,7 +236,13 @@ class Kivi(Codec):
 
 KIVI = {"kivi2": Kivi("kivi2", 2), "kivi4": Kivi("kivi4", 4)}
 
-CODECS = {**{name: Codec(name) for name in DTYPES}, "int8": Int8(), "int4": Int4(), "float8_e4m3fn": Fp8()}
+CODECS = {
+  **{name: Codec(name) for name in DTYPES},
+  "bfloat16": Bfloat16(),
+  "int8": Int8(),
+  "int4": Int4(),
+  "float8_e4m3fn": Fp8(),
+}
 NAMES = tuple(CODECS)
 QUANTIZED = tuple(name for name, codec in CODECS.items() if codec.quantized)
 # Short names a command line may use.

@@ -7,7 +7,7 @@ decode scores are a plain [G, H] x [H, S] product with S contiguous (the sequenc
 [B, S, K, H] makes XLA's CPU dot transpose the whole cache every step). A quantized codec's
 scales sit beside them with the same sequence axis: [B, heads, S] (one per vector), or
 [B, heads, S, G] ([B, heads, G, S] transposed) for grouped scales. New vectors are scattered
-into place (`scatter_rows`; a bfloat16 or fp8 buffer on its bits, `set_bits`), in place since the
+into place (`scatter_rows`; bfloat16 and fp8 are stored as their bits, kvjax.cache.codec), in place since the
 cache is donated.
 
 A global layer keeps S = max_len positions. A sliding-window layer (the cache's window) keeps a

@@ -55,7 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import memory
-from kvjax.cache.base import encode, set_bits, size_bucket
+from kvjax.cache.base import encode, size_bucket
 from kvjax.cache import selection
 from kvjax.cache.config import CacheConfig, register
 from kvjax.cache.contiguous import ContiguousCache, attend_one, layer_spec as contiguous_spec
@@ -107,7 +107,7 @@ def scatter_heads(buffer: jax.Array, update: jax.Array, slots: jax.Array, axis: 
   index[0] = jnp.arange(buffer.shape[0])[:, None, None]
   index[1] = jnp.arange(buffer.shape[1])[None, :, None]
   index[axis] = slots
-  return set_bits(buffer, tuple(index), update.astype(buffer.dtype))
+  return buffer.at[tuple(index)].set(update.astype(buffer.dtype), mode="drop")
 
 
 @register("evict")

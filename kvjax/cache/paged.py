@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import memory
-from kvjax.cache.base import KVCache, encode, layer_arrays, scale_shape, set_bits, size_bucket
+from kvjax.cache.base import KVCache, encode, layer_arrays, scale_shape, size_bucket
 from kvjax.cache.codec import Codec
 from kvjax.cache.config import CacheConfig, register
 from kvjax.cache.pages import NULL_PAGE
@@ -263,7 +263,7 @@ class PagedCache(KVCache):
     pages, slots = write_addresses(self.page_table, span, page_size)
     # x [B, heads, T, ...] -> the pool's [heads, B, T, ...] at each column's page and slot.
     return {
-      name: set_bits(stored[name], (slice(None), pages, slots), jnp.swapaxes(x, 0, 1).astype(stored[name].dtype))
+      name: stored[name].at[:, pages, slots].set(jnp.swapaxes(x, 0, 1).astype(stored[name].dtype), mode="drop")
       for name, x in encode(self.codec, new).items()
     }
 

@@ -40,7 +40,7 @@ import numpy as np
 
 from kvjax import memory
 from kvjax.cache import evict, selection
-from kvjax.cache.base import encode, layer_arrays, set_bits
+from kvjax.cache.base import encode, layer_arrays
 from kvjax.cache.config import CacheConfig, register
 from kvjax.cache.paged import PagedCache, attend_pages, check_pool, gather, layer_spec as paged_spec, write_addresses
 from kvjax.cache.presses import Press
@@ -171,9 +171,7 @@ class PagedEvictCache(PagedCache):
     pages, offsets = write_addresses(self.page_table, slots, stored["k"].shape[2])
     out = dict(stored)
     for name, x in (encode(self.codec, new) | {POSITIONS: positions}).items():  # [B, K, T, ...]
-      out[name] = set_bits(
-        stored[name], (slice(None), pages, offsets), jnp.swapaxes(x, 0, 1).astype(stored[name].dtype)
-      )
+      out[name] = stored[name].at[:, pages, offsets].set(jnp.swapaxes(x, 0, 1).astype(stored[name].dtype), mode="drop")
     return out
 
   def compress(self, stored: dict, new: dict, q: jax.Array, span: Span, rope=None, out=None) -> dict:

@@ -11,10 +11,10 @@ backend plugs in (kvjax.model.backend); the cache kind names its storage by a ro
 
   codec          stored as         H'      k_scale, v_scale (float32; contiguous / paged)
   float32        float32           H       none
-  bfloat16       bfloat16          H       none
+  bfloat16       uint16 (its bits) H       none
   float16        float16           H       none
   int8           int8              H       one per (position, kv head): [B, K, S] / [K, P, Z]
-  float8_e4m3fn  float8_e4m3fn     H       as int8
+  float8_e4m3fn  uint8 (its bits)  H       as int8
   int4           uint8, 2 codes    H / 2   G groups' steps then zero points: k [B, K, 2G, S] and
                                            v [B, K, S, 2G] / both [K, P, Z, 2G]
 
@@ -39,10 +39,10 @@ from kvjax.kernels import build
 # being None, "vector" (one per stored vector) or "grouped" (int4's steps and zero points).
 CODECS = {
   "float32": (jnp.float32, 1, None),
-  "bfloat16": (jnp.bfloat16, 1, None),
+  "bfloat16": (jnp.uint16, 1, None),
   "float16": (jnp.float16, 1, None),
   "int8": (jnp.int8, 1, "vector"),
-  "float8_e4m3fn": (jnp.float8_e4m3fn, 1, "vector"),
+  "float8_e4m3fn": (jnp.uint8, 1, "vector"),
   "int4": (jnp.uint8, 2, "grouped"),
 }
 SUFFIXES = {

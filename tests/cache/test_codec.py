@@ -74,7 +74,7 @@ def test_roundtrip_error_within_half_a_step(fmt, width):
   x[0, 0, 0] = 0
   x = x.astype(np.float32)
   values, scale = c.encode(jnp.asarray(x))
-  assert values.dtype == c.stored_dtype == {"int8": np.int8, "int4": np.uint8, "float8_e4m3fn": jnp.float8_e4m3fn}[fmt]
+  assert values.dtype == c.stored_dtype == {"int8": np.int8, "int4": np.uint8, "float8_e4m3fn": np.uint8}[fmt]
   groups = 2 * (width // int4_group_size(width)) if fmt == "int4" else None
   assert values.shape == (4, 3, 6, width // 2 if fmt == "int4" else width)
   assert scale.shape == ((4, 3, 6, groups) if groups else (4, 3, 6)) and scale.dtype == jnp.float32
@@ -93,7 +93,8 @@ def test_float_codecs_cast_and_names_resolve():
   x = jnp.asarray(np.random.default_rng(2).standard_normal((2, 5, 8)), jnp.float32)
   for name in ("float32", "bfloat16", "float16"):
     values, scale = codec(name).encode(x)
-    assert scale is None and values.dtype == jnp.dtype(name)
+    stored = np.uint16 if name == "bfloat16" else name  # bfloat16 as its bits: a write moves only them
+    assert scale is None and values.dtype == jnp.dtype(stored) == codec(name).stored_dtype
     np.testing.assert_array_equal(codec(name).roundtrip(x), x.astype(name).astype(jnp.float32))
   assert [codec(a).name for a in ("fp32", "bf16", "fp16", "fp8")] == ["float32", "bfloat16", "float16", "float8_e4m3fn"]
   assert set(NAMES) == {"float32", "bfloat16", "float16", "int8", "int4", "float8_e4m3fn"}

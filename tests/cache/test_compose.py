@@ -47,13 +47,14 @@ def widths_by_hand(payload: str) -> dict[str, tuple[int, int]]:
 
 def stored_by_hand(dtype: str, width: int) -> tuple[int, np.dtype, int]:
   """(values per vector, their dtype, float32 scales per vector) of `dtype`: int4 packs two per
-  byte with a step and a zero point per group, and widths 8 and 12 are one group each."""
+  byte with a step and a zero point per group, and widths 8 and 12 are one group each; bfloat16 and
+  e4m3 are stored as their bits."""
   return {
     "float32": (width, np.float32, 0),
-    "bfloat16": (width, jax.numpy.bfloat16, 0),
+    "bfloat16": (width, np.uint16, 0),
     "float16": (width, np.float16, 0),
     "int8": (width, np.int8, 1),
-    "float8_e4m3fn": (width, jax.numpy.float8_e4m3fn, 1),
+    "float8_e4m3fn": (width, np.uint8, 1),
     "int4": (width // 2, np.uint8, 2),
   }[dtype]
 

@@ -133,7 +133,7 @@ def test_pool_size_follows_bytes_per_token():
     cache = kvjax.PagedCache.create(config, 9, 16, 2, 4, bf16)
     assert cache.nbytes == 9 * 16 * per_token
     assert (cache.num_pages, cache.page_size, cache.capacity) == (9, 16, 64)
-    assert cache_layers(cache.layers)[0]["k"].dtype == np.dtype("bfloat16")
+    assert cache_layers(cache.layers)[0]["k"].dtype == np.dtype("uint16")  # bfloat16's bits
     rows = kvjax.PagedCache.rows(config, 2, 40, bf16)  # 3 pages per row
     np.testing.assert_array_equal(rows.page_table, [[1, 2, 3], [4, 5, 6]])
     assert rows.nbytes == 7 * 16 * per_token and rows.capacity == 48

@@ -151,7 +151,9 @@ def test_storage_unlike_its_route_stays_with_xla():
     return jax.jit(lambda *a, **kw: attention_kernel.cache_attention(route, *a, xla, **kw)).lower(*a, **kw).as_text()
 
   k16, v16 = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
-  assert "kvjax_paged_attention_bf16" in lowered(("paged", "bfloat16"), q, k16, v16, lengths, **addressing)
+  bits = [jax.lax.bitcast_convert_type(a, jnp.uint16) for a in (k16, v16)]  # how the codec stores bfloat16
+  assert "kvjax_paged_attention_bf16" in lowered(("paged", "bfloat16"), q, *bits, lengths, **addressing)
+  assert "kvjax_paged_attention" not in lowered(("paged", "bfloat16"), q, k16, v16, lengths, **addressing)
   assert "kvjax_paged_attention" not in lowered(("paged", "float16"), q, k16, v16, lengths, **addressing)
   assert "kvjax_paged_attention" not in lowered(("paged", "float32"), q, k16, v16, lengths, **addressing)
   assert "kvjax_paged_attention" in lowered(("paged", "float32"), q, k, v, lengths, **addressing)

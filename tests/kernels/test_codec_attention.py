@@ -63,9 +63,9 @@ def storage(name, batch, kv_heads, groups, head_dim, page_size, pages, lengths, 
 
   fill = GARBAGE[name]
   if not scales:
-    fill = np.asarray(fill, np.float32).astype(k_codes.dtype)
+    fill = np.asarray(codec.encode(jnp.asarray(fill, jnp.float32))[0])  # NaN as the codec stores it
   elif name == "float8_e4m3fn":
-    fill = np.asarray(0x7F, np.uint8).view(k_codes.dtype)
+    fill = np.asarray(0x7F, np.uint8)
   addressing = {n: paginate(a, np.nan) for n, a in scales.items()}
   addressing["page_table"] = np.where(used, table, 0).astype(np.int32)
   return q, paginate(k_codes, fill), paginate(v_codes, fill), lengths, addressing, (k_float, v_float)
@@ -105,12 +105,17 @@ def test_fp8_reads_every_code():
   q = np.ones((2, 1, 1, 2), np.float32)
   lengths = np.array([253, 100], np.int32)
   route, xla = ("contiguous", "float8_e4m3fn"), functools.partial(attend_one, codec=codec_named("float8_e4m3fn"))
-  out = np.asarray(attention_kernel.cache_attention(route, q, k, v, lengths, xla, k_scale=scale, v_scale=scale))
+  bits = lambda a: a.view(np.uint8)  # how the codec stores e4m3
+  out = np.asarray(
+    attention_kernel.cache_attention(route, q, bits(k), bits(v), lengths, xla, k_scale=scale, v_scale=scale)
+  )
   expected = [v[b, 0, : lengths[b] + 1].astype(np.float64).mean(0) for b in range(2)]
   np.testing.assert_allclose(out[:, 0, 0], expected, rtol=1e-5, atol=1e-7)
   v[0, 0, 7, 0] = np.uint8(0x7F).view(jnp.float8_e4m3fn)
   scale[0, 0, 7] = np.nan
-  out = np.asarray(attention_kernel.cache_attention(route, q, k, v, lengths, xla, k_scale=scale, v_scale=scale))
+  out = np.asarray(
+    attention_kernel.cache_attention(route, q, bits(k), bits(v), lengths, xla, k_scale=scale, v_scale=scale)
+  )
   assert np.isnan(out[0, 0, 0, 0]) and np.isfinite(out[1]).all()
 
 

@@ -680,14 +680,14 @@ bool Is(const Dims& d, std::initializer_list<int64_t> want) {
   return d.size() == want.size() && std::equal(want.begin(), want.end(), d.begin());
 }
 
-// The XLA element type each stored type is bound as.
+// The XLA element type each stored type is bound as: bfloat16 and e4m3 come as their bits
+// (kvjax/cache/codec.py stores them so), int4 as its bytes.
 template <typename T>
-constexpr ffi::DataType kElement = std::is_same_v<T, float>        ? ffi::F32
-                                   : std::is_same_v<T, int8_t>     ? ffi::S8
-                                   : std::is_same_v<T, BFloat16>   ? ffi::BF16
-                                   : std::is_same_v<T, Float16>    ? ffi::F16
-                                   : std::is_same_v<T, Float8E4M3> ? ffi::F8E4M3FN
-                                                                   : ffi::U8;
+constexpr ffi::DataType kElement = std::is_same_v<T, float>      ? ffi::F32
+                                   : std::is_same_v<T, int8_t>   ? ffi::S8
+                                   : std::is_same_v<T, BFloat16> ? ffi::U16
+                                   : std::is_same_v<T, Float16>  ? ffi::F16
+                                                                 : ffi::U8;
 
 // A target's scales: none, one per vector (the data's dimensions without H: 3 axes), or int4's
 // groups (4 axes: 2G floats where the data has H / 2 entries; transposed keys' on axis 2).
