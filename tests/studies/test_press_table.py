@@ -8,10 +8,13 @@ import dataclasses
 import pytest
 from conftest import init_params, tiny_config
 
+from kvjax.cache import kinds
 from kvjax.cache.config import CacheConfig, cache_name
 from kvjax.interop.tokenizer import TextTokenizer
 from kvjax.studies.base import measure
 from kvjax.cache.kvzip import KVzip
+from kvjax.studies.suite import ruler_answers
+from kvjax.studies.suite.ruler_tasks import make_sample
 from kvjax.studies.press_table import PressTableStudy, cells, press_cache, refusal, run
 from kvjax.studies.base.scoring import read_jsonl, write_jsonl
 from kvjax.training.checkpoint import load_model
@@ -99,6 +102,19 @@ def test_one_prefill_per_sample_answers_as_cell_by_cell(table, tmp_path):
 
 
 @pytest.mark.tier2
+def test_cells_answered_in_parts_answer_as_in_one(smollm2):
+  """answer_cells over parts of its configs (a memory limit that admits one cache at a time) gives
+  the answers of one part holding them all: each cache is its own prefill's either way."""
+  model, params, tokenizer, _ = ruler_answers.load(str(smollm2))
+  sample = make_sample(tokenizer, "niah_single_1", 256, 0)
+  configs = [press_cache("snapkv", 0.5), press_cache("knorm", 0.75), CacheConfig(dtype="int8"), CacheConfig()]
+  whole = ruler_answers.answer_cells(model, params, tokenizer, sample, configs, memory_limit=2**40)
+  parts = ruler_answers.answer_cells(model, params, tokenizer, sample, configs, memory_limit=1)
+  assert [r["answer"] for r in parts] == [r["answer"] for r in whole]
+  assert len(ruler_answers.cell_parts(model.config, configs, 300, 256, 1)) == len(configs)
+
+
+@pytest.mark.tier2
 def test_report_only_reads_the_records_and_answers_nothing(table, tmp_path):
   study, workdir, rows = table
   folder = [p for p in workdir.iterdir() if p.is_dir()][0]
@@ -109,6 +125,19 @@ def test_report_only_reads_the_records_and_answers_nothing(table, tmp_path):
   partial = run(dataclasses.replace(study, report_only=True), tmp_path, lambda line: None)
   assert [r["samples"] for r in partial] == [2, 0] and partial[0]["score"] == rows[0]["score"]
   assert partial[1]["score"] is None and not (copy / "cells" / "snapkv@0.5_query_agnostic_256.jsonl").exists()
+
+
+def test_cell_parts_keep_the_order_and_bound_each_part():
+  config = tiny_config(2)
+  configs = [CacheConfig(), press_cache("snapkv", 0.5), press_cache("snapkv", 0.75), CacheConfig(dtype="int8")] * 3
+  size = [kinds.cache_bytes(config, c, 1, 64, prompt=48) for c in configs]
+  for limit in (1, max(size), size[0] + size[1] + size[2], sum(size)):
+    parts = ruler_answers.cell_parts(config, configs, 64, 48, limit)
+    assert [c for part in parts for c in part] == configs
+    held = [sum(kinds.cache_bytes(config, c, 1, 64, prompt=48) for c in part) for part in parts]
+    assert all(h <= limit or len(p) == 1 for h, p in zip(held, parts))
+    assert all(a + b > limit for a, b in zip(held, held[1:]))  # a part ends only when the next cache would not fit
+  assert len(ruler_answers.cell_parts(config, configs, 64, 48, sum(size))) == 1
 
 
 def test_codec_cells_and_names():

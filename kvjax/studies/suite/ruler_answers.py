@@ -26,6 +26,8 @@ from typing import Callable, Iterable
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import memory
+from kvjax.cache import kinds
 from kvjax.cache.config import CacheConfig, cache_name
 from kvjax.decoding import many
 from kvjax.fields import check_positive_int
@@ -131,11 +133,14 @@ def answer_cells(
   *,
   protocol: str = "query_agnostic",
   end: str = "budget",
+  memory_limit: int | None = None,
 ) -> list[dict]:
   """Greedy answers of one sample through a cache of each of cache_configs, as `answer` gives
   them cell by cell, from one prefill (kvjax.decoding.many.prefill_many: every press scores once,
   each ratio a cut of its scores) and one batch of answers (answer_many, a row stopped where its
-  answer ends) -> one result per config, in order."""
+  answer ends) -> one result per config, in order. The configs are taken in consecutive parts
+  whose caches hold at most `memory_limit` bytes together (default `cache_memory()`; `cell_parts`),
+  a prefill and a batch of answers per part, so that many caches of a long prompt fit in memory."""
   if protocol not in PROTOCOLS:
     raise ValueError(f"RULER protocol must be one of {PROTOCOLS}, got {protocol!r}")
   check_answer_end(end)
@@ -145,15 +150,46 @@ def answer_cells(
   budget = sample["answer_tokens"]
   max_len = len(context) + len(question) + budget
   tokens, lengths, asked = measure.protocol_inputs(protocol, [context], [question])
-  prefilled = many.prefill_many(model, params, tokens, lengths, max_len, configs)
-  if protocol == "query_aware":
-    asked = {"first": [np.asarray(jnp.argmax(logits, axis=-1)) for logits, _ in prefilled]}
-  caches = [c for _, c in prefilled]
-  got = many.answer_many(model, params, caches, budget, stop_ids=tokenizer.stop_ids, until=until, **asked)
+  got = []
+  limit = cache_memory() if memory_limit is None else memory_limit
+  for part in cell_parts(model.config, configs, max_len, tokens.shape[1], limit):
+    prefilled = many.prefill_many(model, params, tokens, lengths, max_len, part)
+    if protocol == "query_aware":
+      asked = {"first": [np.asarray(jnp.argmax(logits, axis=-1)) for logits, _ in prefilled]}
+    caches = [c for _, c in prefilled]
+    del prefilled
+    got += many.answer_many(model, params, caches, budget, stop_ids=tokenizer.stop_ids, until=until, **asked)
   return [
     record(sample, cache_name(config), answer_text(tokenizer, ids, budget, end))
     for config, (ids,) in zip(cache_configs, got)
   ]
+
+
+# The share of free memory one part of answer_cells' caches may take: the caches, their stacked
+# copy for the batch of answers and the prefill's own buffers are each about as large.
+CACHE_MEMORY_SHARE = 8
+CACHE_MEMORY_FLOOR = 2**28  # 256 MiB where free memory is unknown or small
+
+
+def cache_memory() -> int:
+  """Bytes of caches one part of answer_cells holds: free memory / CACHE_MEMORY_SHARE."""
+  free = memory.available_bytes()
+  return max(CACHE_MEMORY_FLOOR, (free or 0) // CACHE_MEMORY_SHARE)
+
+
+def cell_parts(config, configs: list[CacheConfig], max_len: int, prompt: int, limit: int) -> list[list[CacheConfig]]:
+  """configs in consecutive parts whose caches (kinds.cache_bytes of one row) add up to at most
+  `limit` bytes; a config over the limit alone is a part of its own."""
+  parts: list[list[CacheConfig]] = []
+  held = 0
+  for c in configs:
+    size = kinds.cache_bytes(config, c, 1, max_len, prompt=prompt)
+    if not parts or held + size > limit:
+      parts.append([])
+      held = 0
+    parts[-1].append(c)
+    held += size
+  return parts
 
 
 def answer_text(tokenizer: TextTokenizer, ids, budget: int, end: str) -> str:
