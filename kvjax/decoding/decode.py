@@ -199,7 +199,7 @@ def prefill(
   """Runs right-padded prompts through the model into a new cache of `cache_config` (default:
   contiguous, in the model's dtype) of max_len positions per row (at most
   ModelConfig.max_positions): `extend` on an empty cache (kvjax.cache.kinds.create). The cache's
-  storage is a bucket's (max_len rounded up to a power of two), so prefills of nearby lengths
+  storage is a bucket's (max_len rounded up to the ladder of kvjax.cache.base.size_bucket), so prefills of nearby lengths
   share compiled functions; it takes max_len positions all the same and refuses more
   (KVCache.limit).
 

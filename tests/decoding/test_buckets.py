@@ -26,15 +26,17 @@ ROUNDS = 50  # per half; each round is a prefill, an extend and a decode_step
 
 def sizes(j: int, shift: int) -> tuple[int, int, int]:
   """(prompt width, max_len, extend chunk) of round j: odd in the first half (shift 0), one more
-  in the second (shift 1). An odd n >= 1 and n + 1 share their power-of-two bucket, so the second
+  in the second (shift 1). An odd n >= 1 and n + 1 share their bucket (every rung is even), so the second
   half's sizes, never seen before, fall in buckets the first half has seen."""
   width, chunk = 2 * (j % 15) + 1, 2 * (j % 4) + 1
   return width + shift, width + 2 * (j % 8) + 16 + shift, chunk + shift
 
 
 def buckets(n: int) -> int:
-  """Powers of two from 16 (the bucket a size falls in), for the bound on compilations."""
-  return max(16, 1 << (n - 1).bit_length())
+  """The rung of the ladder a size falls in (four rungs per octave from 16: 16, 20, 24, 28, 32,
+  40, ...), for the bound on compilations."""
+  step = max(1, (1 << (n - 1).bit_length()) // 8)
+  return max(16, -(-n // step) * step)
 
 
 class Compilations:
@@ -137,7 +139,8 @@ def test_bucketed_calls_give_the_unbucketed_logits_and_hold_what_was_asked(case)
   ref = kinds.create(model.config, cache_config, 2, MAX_LEN, prompt=PROMPT)
   want, ref = exact(model, params, ref, jnp.asarray(prompt, jnp.int32), jnp.asarray(PROMPT_LENGTHS), from_empty=True)
   assert logits.shape == (2, PROMPT, 64) and cache.capacity == MAX_LEN
-  assert cache.nbytes > ref.nbytes  # the storage is a bucket's, larger than asked
+  # The storage is a bucket's, larger than asked (an evicting cache's slots, 24 here, may be a rung).
+  assert cache.nbytes > ref.nbytes or (case.startswith("evict") and cache.nbytes == ref.nbytes)
   for row, n in enumerate(PROMPT_LENGTHS):
     np.testing.assert_allclose(logits[row, :n], want[row, :n], atol=1e-5)
 
