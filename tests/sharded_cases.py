@@ -126,7 +126,7 @@ def test_prefill_decode_generate_match_one_device(config, data, model_axis, kv_s
     4 // data,
     config.num_kv_heads // (model_axis if kv_spec[1] else 1),
     config.head_dim,
-    32,  # max_len=24 in a bucket's storage
+    24,  # max_len=24, a bucket's size (kvjax.cache.base.size_bucket)
   )
   # Greedy decoding step by step on one device is the reference for the sharded generate.
   step_tokens = np.argmax(np.asarray(ref_logits)[np.arange(4), lengths - 1], -1).astype(np.int32)
@@ -187,11 +187,11 @@ def test_mla_decode_on_a_mesh_matches_one_device(cache_config):
   )
   for name, x in layer.items():
     shard = x.addressable_shards[0].data.shape
-    # max_len=24 in a bucket's storage: 32 positions, 4 pages of 8 per row and the null page
+    # max_len=24 is a bucket's size (kvjax.cache.base.size_bucket): 24 positions, 3 pages of 8 per row and the null page
     if cache_config.layout == "contiguous":  # [B, 1, S, W]
-      assert spec(x) == ("data", None, None, None) and shard == (2, 1, 32, x.shape[3]), name
+      assert spec(x) == ("data", None, None, None) and shard == (2, 1, 24, x.shape[3]), name
     else:  # [1, P, Z, ...]
-      assert spec(x) == (None,) * x.ndim and shard == x.shape and x.shape[1:3] == (17, 8), name
+      assert spec(x) == (None,) * x.ndim and shard == x.shape and x.shape[1:3] == (13, 8), name
   step_tokens = np.argmax(np.asarray(ref_logits)[np.arange(4), lengths - 1], -1).astype(np.int32)
   greedy = [step_tokens]
   for _ in range(NEW_TOKENS - 1):
