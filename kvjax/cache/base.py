@@ -247,7 +247,7 @@ class KVCache(flax.struct.PyTreeNode, kw_only=True):
     read of the same cache gives; MLA reads it in the expanded form, as training does."""
     stored = self.write(stored, new, span)
     if span.from_empty:
-      return stored, query.attend(self.as_stored(new), new_keys(q_positions, span))
+      return stored, query.attend(self.as_stored(new), new_keys(q_positions, span), backend=backend)
     return stored, self.read(stored, query, q_positions, span, backend)
 
   def decoded(self, stored: dict, width_axes: dict[str, int]) -> dict:

@@ -346,7 +346,7 @@ class EvictedCache(ContiguousCache):
     if span.window.size:  # a windowed layer: its ring, never pressed
       return self.ring.attend(stored, query, q_positions, new, span, backend)
     if span.from_empty:
-      out = query.attend(self.as_stored(new), new_keys(q_positions, span))
+      out = query.attend(self.as_stored(new), new_keys(q_positions, span), backend=backend)
       return self.compress(new, query.every_q, span, query.rope, out=query.out), out
     stored = self.write(stored, new, span)
     out = self.read(stored, query, q_positions, span, backend)

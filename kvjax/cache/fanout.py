@@ -109,7 +109,7 @@ class Fanout(flax.struct.PyTreeNode):
     """A first call: the prompt attends over itself once; each child stores its share of it."""
     if not span.from_empty:
       raise ValueError("a Fanout fills empty caches with a prompt; decode each cache it returns")
-    out = query.attend(self.caches[0].as_stored(new), new_keys(q_positions, span))
+    out = query.attend(self.caches[0].as_stored(new), new_keys(q_positions, span), backend=backend)
     scored = {}  # Press.scoring -> the layer's prompt scores [B, K, T]
     arrays = {}
     for j, cache in enumerate(self.caches):

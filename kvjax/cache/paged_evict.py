@@ -209,7 +209,7 @@ class PagedEvictCache(PagedCache):
 
   def attend(self, stored, query, q_positions, new, span: Span, backend: Backend):
     if span.from_empty:  # the prompt reads all of itself, then keeps what the press chooses
-      out = query.attend(self.as_stored(new), new_keys(q_positions, span))
+      out = query.attend(self.as_stored(new), new_keys(q_positions, span), backend=backend)
       return self.compress(stored, new, query.every_q, span, query.rope, query.out), out
     stored = self.write(stored, new, span)
     return stored, self.read(stored, query, q_positions, span, backend)

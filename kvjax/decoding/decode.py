@@ -33,7 +33,7 @@ from kvjax.fields import check_positive_int
 from kvjax.decoding.sampling import Sampling, check_sampling, sample
 from kvjax.kernels import attention as attention_kernel
 from kvjax.kernels import build, matmul
-from kvjax.model.backend import XLA, Backend, xla_cache_attention, xla_matmul
+from kvjax.model.backend import XLA, Backend, xla_cache_attention, xla_matmul, xla_prompt_attention
 from kvjax.model.transformer import Transformer, apply_cached
 
 LOGITS = ("all", "last")
@@ -45,6 +45,7 @@ def cpu_backend() -> Backend:
   return Backend(
     matmul=matmul.matmul if build.available("matmul") else xla_matmul,
     cache_attention=(attention_kernel.cache_attention if build.available("attention") else xla_cache_attention),
+    prompt_attention=(attention_kernel.prompt_attention if build.available("attention") else xla_prompt_attention),
   )
 
 

@@ -32,6 +32,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kvjax.kernels import build
 
@@ -179,3 +180,52 @@ def cache_attention(
 
   kernel.defjvp(lambda primals, tangents: (kernel(*primals), jax.jvp(reference, primals, tangents)[1]))
   return jax.lax.platform_dependent(q, k_cache, v_cache, lengths, *extra, cpu=kernel, default=reference)
+
+
+PROMPT_TARGET = "kvjax_prompt_attention"
+PROMPT_HEAD_MULTIPLE = 4  # the kernel takes head_dim in steps of 4 channels
+
+
+def prompt_kernel_fits(q, k, v, keys, k_transposed: bool) -> bool:
+  """Whether the prompt kernel takes these operands (csrc/prompt_attention.cc): float32 q [B, T, N, H]
+  and keys and values [B, K, S, H] (not transposed), K dividing N, H a multiple of 4, key positions
+  per row or shared [1, S]."""
+  if k_transposed or q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
+    return False
+  b, t, n, h = q.shape
+  kv, s = k.shape[1], k.shape[2]
+  return (
+    all(x.dtype == jnp.float32 for x in (q, k, v))
+    and k.shape == (b, kv, s, h)
+    and kv > 0
+    and n % kv == 0
+    and h % PROMPT_HEAD_MULTIPLE == 0
+    and keys.q_positions.ndim == 2
+    and keys.key_positions.ndim == 2
+    and keys.key_positions.shape[1] == s
+    and keys.key_positions.shape[0] in (1, b)
+  )
+
+
+def prompt_attention(q, k, v, keys, xla: Callable, *, k_transposed: bool = False) -> jax.Array:
+  """A call's queries q [B, T, N, H] over its own keys and values [B, K, S, H] as `keys` (a
+  kvjax.model.keys.Visibility) says (kvjax.model.backend.Backend.prompt_attention), in the CPU
+  kernel where it takes them (`prompt_kernel_fits`, a single CPU device), else `xla(q, k, v, keys,
+  k_transposed=...)`, the same computation in XLA; gradients are XLA's."""
+  if not (prompt_kernel_fits(q, k, v, keys, k_transposed) and build.single_cpu() and build.available("attention")):
+    return xla(q, k, v, keys, k_transposed=k_transposed)
+  b, t = q.shape[:2]
+  q_pos = jnp.broadcast_to(keys.q_positions, (b, t)).astype(jnp.int32)
+  k_pos = jnp.broadcast_to(keys.key_positions, (b, k.shape[2])).astype(jnp.int32)
+  window = keys.window
+
+  def reference(q, k, v, q_pos, k_pos):
+    return xla(q, k, v, type(keys)(q_pos, k_pos, window))
+
+  @jax.custom_jvp
+  def kernel(q, k, v, q_pos, k_pos):
+    call = jax.ffi.ffi_call(PROMPT_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential")
+    return call(q, k, v, q_pos, k_pos, window=np.int64(window.size), sinks=np.int64(window.sinks))
+
+  kernel.defjvp(lambda primals, tangents: (kernel(*primals), jax.jvp(reference, primals, tangents)[1]))
+  return jax.lax.platform_dependent(q, k, v, q_pos, k_pos, cpu=kernel, default=reference)

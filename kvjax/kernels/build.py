@@ -44,7 +44,8 @@ KERNELS = {
       ("_fp8", "Fp8"),
       ("_int4", "Int4"),
     )
-  },
+  }
+  | {"kvjax_prompt_attention": "KvjaxPromptAttention"},
 }
 
 

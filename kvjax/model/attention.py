@@ -77,9 +77,12 @@ class KVQuery:
     """The queries a decode kernel takes (backend.cache_attention)."""
     return self.q
 
-  def attend(self, arrays: dict, keys: "Visibility", *, transposed: bool = False, absorb: bool = False) -> jax.Array:
-    """Reads k and v [B, K, S, H] (k [B, K, H, S] when `transposed`) as `keys` says -> [B, Tq, N, H]."""
-    return attend_keys(self.q, arrays["k"], arrays["v"], keys, k_transposed=transposed)
+  def attend(
+    self, arrays: dict, keys: "Visibility", *, transposed: bool = False, absorb: bool = False, backend: Backend = XLA
+  ) -> jax.Array:
+    """Reads k and v [B, K, S, H] (k [B, K, H, S] when `transposed`) as `keys` says -> [B, Tq, N, H],
+    through `backend`'s prompt attention (a call over its own keys passes its backend)."""
+    return backend.prompt_attention(self.q, arrays["k"], arrays["v"], keys, attend_keys, k_transposed=transposed)
 
 
 @flax.struct.dataclass

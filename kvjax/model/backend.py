@@ -26,6 +26,11 @@ def xla_cache_attention(route, q, k_cache, v_cache, lengths, xla: Callable, **ad
   return xla(q, k_cache, v_cache, lengths, **addressing)
 
 
+def xla_prompt_attention(q, k, v, keys, xla: Callable, *, k_transposed: bool = False):
+  """The default route of a call's queries over its own keys: XLA's computation, `xla`, as it is."""
+  return xla(q, k, v, keys, k_transposed=k_transposed)
+
+
 @dataclasses.dataclass(frozen=True)
 class Backend:
   """Routes for the products a forward pass computes. Hashable: it is part of the jitted model.
@@ -40,10 +45,15 @@ class Backend:
     (kvjax.cache.paged); a quantized codec adds its scales as k_scale and v_scale. `xla` is the
     reference computation (xla(q, k_cache, v_cache, lengths, **addressing)), which a route falls
     back to for what it does not take.
+  prompt_attention: (q [B, T, N, H], k, v [B, K, S, H] (k [B, K, H, S] with k_transposed), keys
+    kvjax.model.keys.Visibility, xla, *, k_transposed) -> [B, T, N, H]: a call's queries over its
+    own new keys (a prefill from an empty cache); `xla` (kvjax.model.keys.attend_keys) is the
+    reference computation, with the same arguments.
   """
 
   matmul: Callable = xla_matmul
   cache_attention: Callable = xla_cache_attention
+  prompt_attention: Callable = xla_prompt_attention
 
 
 XLA = Backend()

@@ -77,9 +77,11 @@ class LatentQuery:
     """No decode kernel reads latents: every read is the absorbed (or expanded) form."""
     return None
 
-  def attend(self, arrays: dict, keys: Visibility, *, transposed: bool = False, absorb: bool = False) -> jax.Array:
+  def attend(
+    self, arrays: dict, keys: Visibility, *, transposed: bool = False, absorb: bool = False, backend=None
+  ) -> jax.Array:
     """Reads the latent [B, 1, S, R] and rope_key [B, 1, S, K*W] a cache holds (or this call's)
-    as `keys` says, absorbed or expanded -> [B, Tq, N, H]."""
+    as `keys` says, absorbed or expanded -> [B, Tq, N, H]; in XLA whatever the backend."""
     mask = keys.mask()
     latent = arrays["latent"][:, 0]
     rope_key = arrays["rope_key"][:, 0] if "rope_key" in arrays else jnp.zeros(latent.shape[:2] + (0,), latent.dtype)

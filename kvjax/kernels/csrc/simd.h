@@ -211,6 +211,27 @@ inline Vec LoadPartAs(const T* p, int64_t n) {
 }
 
 
+// e^x for x <= 0 (scores minus their maximum), to about 2 ulp: x = n ln2 + r with |r| <= ln2 / 2,
+// e^r by its degree-6 minimax polynomial, 2^n put in the exponent bits. Below -87, where e^x
+// leaves the normal floats, it returns e^-87; a NaN stays NaN.
+inline Vec Exp(Vec x) {
+  x = x < Vec{} - 87.0f ? Vec{} - 87.0f : x;
+  const Vec shifter = Vec{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const Vec n = (x * 1.44269504f + shifter) - shifter;
+  const Vec r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  Vec p = Vec{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const IVec bits = (__builtin_convertvector(n, IVec) + 127) << 23;
+  Vec scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
 }  // namespace kvjax
 
 #endif  // KVJAX_CSRC_SIMD_H_
