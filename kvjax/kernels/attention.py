@@ -1,4 +1,6 @@
-"""One query token per row against a cache, in kvjax's CPU kernel (csrc/decode_attention.cc).
+"""Attention in kvjax's CPU kernels: one query token per row against a cache
+(csrc/decode_attention.cc, `cache_attention`), and a call's queries over its own keys, a prefill
+(csrc/prompt_attention.cc, `prompt_attention`, at the end of this module).
 
 The kernel reads only each row's valid positions, in place, where XLA's masked attention reads
 the whole buffer (and over pages, a gathered copy of it). `cache_attention` is the route a decode
