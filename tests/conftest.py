@@ -48,6 +48,7 @@ BENCHMARK_NAMES = (
   "paged",
   "perplexity",
   "prefill",
+  "products",
   "prefix",
   "quant",
   "real",

@@ -25,7 +25,7 @@ import statistics
 import jax
 import jax.numpy as jnp
 
-from kvjax.bench.base.harness import alternate_decode_steps, filled_cache, init_model
+from kvjax.bench.base.harness import SMOLLM2_SHAPES, alternate_decode_steps, filled_cache, init_model
 from kvjax.bench.base.registry import Benchmark, Kind, Option
 from kvjax.cache import kinds
 from kvjax.cache.codec import KIVI, NAMES
@@ -40,22 +40,6 @@ from kvjax.model.transformer import cache_layers
 from kvjax.model.weights import FORMATS, store
 from kvjax.timing import timed_alternating
 
-# SmolLM2-135M's shapes (kvjax.interop reads the same from its GGUF); tied embeddings, RoPE.
-SMOLLM2_SHAPES = ModelConfig(
-  vocab_size=49152,
-  d_model=576,
-  num_layers=30,
-  num_heads=9,
-  num_kv_heads=3,
-  head_dim=64,
-  mlp_dim=1536,
-  activation="swiglu",
-  norm="rmsnorm",
-  positions="rope",
-  rope_theta=100000.0,
-  tie_embeddings=True,
-  max_len=8192,
-)
 TARGET_SLACK = 1.3  # a codec's attention may take this much more than its bytes' share of float32's
 # The caches by name: each codec, the quantized ones also rotated (kvjax.cache.rotation), KIVI's.
 VARIANTS = {

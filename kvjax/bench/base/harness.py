@@ -30,6 +30,24 @@ BENCH_MODEL = ModelConfig(
 )
 
 
+# SmolLM2-135M's shapes (kvjax.interop reads the same from its GGUF); tied embeddings, RoPE.
+SMOLLM2_SHAPES = ModelConfig(
+  vocab_size=49152,
+  d_model=576,
+  num_layers=30,
+  num_heads=9,
+  num_kv_heads=3,
+  head_dim=64,
+  mlp_dim=1536,
+  activation="swiglu",
+  norm="rmsnorm",
+  positions="rope",
+  rope_theta=100000.0,
+  tie_embeddings=True,
+  max_len=8192,
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class BenchConfig:
   """What --set changes in a benchmark on the benchmark model: the model (model.FIELD)."""
