@@ -101,26 +101,35 @@ class Codec:
     return self.decode(*self.encode(x)).astype(x.dtype)
 
 
-def bits_of(dtype) -> np.dtype:
-  """The unsigned integer dtype of `dtype`'s width: how a narrow float is stored."""
-  return np.dtype(f"uint{8 * np.dtype(dtype).itemsize}")
+class AsBits:
+  """A codec whose values are a narrow float (`narrow`) stored as the unsigned integers of its
+  width (module docstring): `bits` and `unbits` convert, without changing a bit."""
 
-
-@dataclasses.dataclass(frozen=True)
-class Bfloat16(Codec):
-  """bfloat16 values stored as their bits (module docstring)."""
-
-  name: str = "bfloat16"
+  narrow: type
 
   @property
   def stored_dtype(self) -> np.dtype:
-    return bits_of(jnp.bfloat16)
+    return np.dtype(f"uint{8 * np.dtype(self.narrow).itemsize}")
+
+  def bits(self, x: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(x.astype(self.narrow), self.stored_dtype)
+
+  def unbits(self, values: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(values, self.narrow)
+
+
+@dataclasses.dataclass(frozen=True)
+class Bfloat16(AsBits, Codec):
+  """bfloat16 values stored as their bits."""
+
+  name: str = "bfloat16"
+  narrow = jnp.bfloat16
 
   def encode(self, x):
-    return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), self.stored_dtype), None
+    return self.bits(x), None
 
   def decode(self, values, scale, axis=-1):
-    return jax.lax.bitcast_convert_type(values, jnp.bfloat16)
+    return self.unbits(values)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,23 +150,19 @@ class Int8(Codec):
 
 
 @dataclasses.dataclass(frozen=True)
-class Fp8(Int8):
-  """e4m3 values stored as their bits (module docstring)."""
+class Fp8(AsBits, Int8):
+  """e4m3 values, one scale per vector as int8's, stored as their bits."""
 
   name: str = "float8_e4m3fn"
-
-  @property
-  def stored_dtype(self) -> np.dtype:
-    return bits_of(jnp.float8_e4m3fn)
+  narrow = jnp.float8_e4m3fn
 
   def encode(self, x):
     x = x.astype(jnp.float32)
     scale = jnp.max(jnp.abs(x), axis=-1) / FP8_MAX
-    e4m3 = (x / _safe(scale)[..., None]).astype(jnp.float8_e4m3fn)
-    return jax.lax.bitcast_convert_type(e4m3, self.stored_dtype), scale
+    return self.bits(x / _safe(scale)[..., None]), scale
 
   def decode(self, values, scale, axis=-1):
-    return super().decode(jax.lax.bitcast_convert_type(values, jnp.float8_e4m3fn), scale, axis)
+    return super().decode(self.unbits(values), scale, axis)
 
 
 @dataclasses.dataclass(frozen=True)
