@@ -15,7 +15,8 @@
 // (broadcast against the query lanes), a tile of kTile keys at a time with an online softmax, and
 // the weighted values accumulated into the transposed output, kHeadBlock channels at a time. Key
 // tiles that no query of the task may read (above the causal diagonal, outside every window) are
-// skipped; the others are masked element by element. Tasks are claimed longest first (the last
+// skipped, those that every query reads whole are not masked, and the others are masked element
+// by element. Tasks are claimed longest first (the last
 // queries read the most keys).
 
 #include <algorithm>
@@ -70,10 +71,12 @@ void Task(const Shape& s, const float* q, const float* k, const float* v, const 
   float* ot = w.out.data();
   alignas(64) int32_t positions[kRows];
   int32_t first = std::numeric_limits<int32_t>::max(), last = -1;
+  bool every_row = rows == kRows;  // every lane a query with a position (none of them padding)
   for (int64_t i = 0; i < kRows; ++i) {
     const bool real = i < rows;
     positions[i] = real ? q_pos[b * s.queries + t0 + i] : -1;
     if (positions[i] >= 0) first = std::min(first, positions[i]), last = std::max(last, positions[i]);
+    every_row &= positions[i] >= 0;
     const float* row = q + ((b * s.queries + t0 + i) * s.heads + n) * h_dim;
     for (int64_t h = 0; h < h_dim; ++h) qt[h * kRows + i] = real ? row[h] * scale : 0.0f;
   }
@@ -92,14 +95,20 @@ void Task(const Shape& s, const float* q, const float* k, const float* v, const 
     const int64_t count = std::min(kTile, s.keys - j0);
     int32_t low = std::numeric_limits<int32_t>::max(), high = -1;
     bool sink = false;
+    int64_t held = 0;
     for (int64_t j = 0; j < count; ++j) {
       const int32_t p = kp[j0 + j];
       if (p < 0) continue;
       low = std::min(low, p), high = std::max(high, p);
       sink |= p < s.sinks;
+      ++held;
     }
     if (high < 0 || low > last) continue;  // no key, or every key after every query
     if (s.window > 0 && !sink && int64_t{high} <= int64_t{first} - s.window) continue;  // behind every window
+    // Every query reads every key of the tile (below the causal diagonal, inside every window):
+    // no mask to apply.
+    const bool whole = every_row && held == count && high <= first &&
+                       (s.window == 0 || int64_t{last} - int64_t{low} < s.window || int64_t{high} < s.sinks);
     // Scores, kKeys keys at a time (keys past the tile's end read key 0 and are masked).
     const int64_t padded = (count + kKeys - 1) / kKeys * kKeys;
     for (int64_t j = 0; j < padded; j += kKeys) {
@@ -123,11 +132,13 @@ void Task(const Shape& s, const float* q, const float* k, const float* v, const 
     for (int64_t j = 0; j < count; ++j) {
       const int32_t p = kp[j0 + j];
       for (int64_t r = 0; r < kVectors; ++r) {
-        IVec seen = (Broadcast(p) >= 0) & (Broadcast(p) <= qp[r]);
-        if (s.window > 0 && p >= s.sinks) seen &= (qp[r] - p) < Broadcast(int32_t(s.window));
         Vec x = Load(st + j * kRows + r * kLanes);
-        x = seen ? x : Vec{} + kNone;
-        Store(st + j * kRows + r * kLanes, x);
+        if (!whole) {
+          IVec seen = (Broadcast(p) >= 0) & (Broadcast(p) <= qp[r]);
+          if (s.window > 0 && p >= s.sinks) seen &= (qp[r] - p) < Broadcast(int32_t(s.window));
+          x = seen ? x : Vec{} + kNone;
+          Store(st + j * kRows + r * kLanes, x);
+        }
         top[r] = x > top[r] ? x : top[r];
       }
     }
