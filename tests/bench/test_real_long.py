@@ -8,6 +8,7 @@ import pytest
 
 from kvjax.bench.real_long import compare, plan
 from kvjax.bench.parts.real_long_side import Cell, run_spec
+from kvjax.cache.base import size_bucket
 from kvjax.interop.importer import read_config
 
 SOURCE = "smollm2-135m"
@@ -59,9 +60,10 @@ def test_both_sides_run_one_request_and_agree(tmp_path):
   np.testing.assert_array_equal(ids["hf", "dynamic"], ids["hf", "static"])
   config = read_config(SOURCE)
   per_position = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4  # float32 k and v
-  # kvjax stores a power-of-two bucket of positions; transformers' static cache prompt + new,
-  # its dynamic one the positions fed (the last token is never fed).
-  assert results["kvjax", "float32"]["kv_bytes"] == batch * 32 * per_position
+  # kvjax stores a bucket of positions (prompt + new - 1 rounded up, kvjax.cache.base.size_bucket);
+  # transformers' static cache prompt + new, its dynamic one the positions fed (the last token is never fed).
+  bucket = size_bucket(prompt + new - 1, config.max_len)
+  assert bucket < 32 and results["kvjax", "float32"]["kv_bytes"] == batch * bucket * per_position
   assert results["hf", "static"]["kv_bytes"] == batch * (prompt + new) * per_position
   assert results["hf", "dynamic"]["kv_bytes"] == batch * (prompt + new - 1) * per_position
   row = results["kvjax", "float32"]
