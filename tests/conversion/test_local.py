@@ -90,6 +90,7 @@ def source(tmp_path_factory, smollm2) -> Path:
   return root
 
 
+@pytest.mark.tier2  # the uptrain command end to end; the recovery's oracles above stay in the first tier
 def test_uptrain_recovery_local_from_the_command_line(source, tmp_path, capsys):
   args = ["uptrain", "--from", str(source), "--workdir", str(tmp_path / "mqa"), "--kv-heads", "1", "--method", "pca"]
   args += ["--recovery", "local", "--fraction", "1", "--set", "train.steps=4", "train.batch_size=2"]

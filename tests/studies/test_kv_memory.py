@@ -19,6 +19,7 @@ from kvjax.studies.kv_memory import CSV_FIELDS, KVMemoryStudy, WorkloadConfig, m
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.tier2  # the whole study end to end
 def test_tiny_study_writes_its_results(tmp_path):
   study = load_config(ROOT / "configs/kv_memory/tiny.py")
   assert study.job == "kv_memory"
