@@ -28,6 +28,7 @@ physical pages), capped by a cgroup memory limit, shared by all CPU devices.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import os
 from pathlib import Path
@@ -154,6 +155,20 @@ def available_bytes(devices: Sequence[jax.Device] | None = None) -> int | None:
   """Bytes free on `devices` (default: the first device), per `device_limit`; None if unknown."""
   limit = device_limit(devices)
   return None if limit is None else limit.bytes
+
+
+def release_free() -> bool:
+  """Returns the memory this process has freed to the system where the C library keeps it (glibc's
+  malloc_trim): a loop that frees gigabytes per step (the presses table's parts of caches) otherwise
+  holds its largest step's memory, and more, resident (measured: 6.0 GB resident after a sample of 30
+  of those caches at 2,048 tokens, 2.8 GB with this after each part). False where the C library has no
+  such call."""
+  try:
+    trim = ctypes.CDLL(None).malloc_trim
+  except (OSError, AttributeError):
+    return False
+  trim(0)
+  return True
 
 
 def check_fits(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import os
 import re
 import subprocess
 import sys
@@ -304,3 +305,23 @@ def test_forward_estimate_bounds_what_xla_plans():
   if plan is None:
     pytest.skip("this backend gives no memory analysis")
   assert plan.temp_size_in_bytes + plan.output_size_in_bytes <= memory.forward_bytes(config, 8, 256)
+
+
+def resident_bytes() -> int:
+  with open("/proc/self/status") as f:
+    return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the resident set from /proc")
+def test_release_free_gives_a_freed_heap_back():
+  """200 MB of small heap blocks, freed but for every 100th (so the heap cannot shrink from its
+  end): the C library keeps the freed pages resident until release_free hands them back."""
+  blocks = [bytearray(2000) for _ in range(100_000)]
+  for block in blocks:
+    block[::512] = b"x" * len(block[::512])  # touch every page
+  kept = blocks[::100]
+  del blocks
+  before = resident_bytes()
+  assert memory.release_free()
+  assert before - resident_bytes() > 100 * 2**20
+  assert len(kept) == 1000

@@ -160,6 +160,7 @@ def answer_cells(
     del prefilled
     got += many.answer_many(model, params, caches, budget, stop_ids=tokenizer.stop_ids, until=until, **asked)
     del caches  # before the next part's prefill
+    memory.release_free()  # what the part freed goes back to the system (kvjax.memory.release_free)
   return [
     record(sample, cache_name(config), answer_text(tokenizer, ids, budget, end))
     for config, (ids,) in zip(cache_configs, got)
