@@ -268,7 +268,7 @@ def size_bucket(n: int, limit: int, floor: int = 16) -> int:
   64, 80, ...: 2^k + j 2^(k-2)), at least floor, at most limit, never below n: padding sizes to
   buckets makes jitted functions compile once per bucket rather than once per size, and a bucket
   holds at most 1.25x what it was asked for (a power of two held up to 2x)."""
-  step = max(1, (1 << (n - 1).bit_length()) // 8) if n > 1 else 1  # n in (2^k, 2^(k+1)]: rungs 2^(k-2) apart
+  step = max(1, (1 << (n - 1).bit_length()) // 8)  # n in (2^k, 2^(k+1)]: rungs 2^(k-2) apart
   return max(min(max(floor, -(-n // step) * step), limit), n)
 
 

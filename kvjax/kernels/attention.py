@@ -146,6 +146,14 @@ def kernel_target(route, q, k_cache, v_cache, addressing: dict) -> str | None:
   return TARGETS[route]
 
 
+def on_cpu(kernel: Callable, reference: Callable, *operands) -> jax.Array:
+  """kernel(*operands) when lowered for the CPU, reference(*operands) elsewhere; the kernel only
+  runs forward, so its derivatives are the reference's."""
+  kernel = jax.custom_jvp(kernel)
+  kernel.defjvp(lambda primals, tangents: (kernel(*primals), jax.jvp(reference, primals, tangents)[1]))
+  return jax.lax.platform_dependent(*operands, cpu=kernel, default=reference)
+
+
 def cache_attention(
   route: tuple[str, str],
   q: jax.Array,
@@ -171,7 +179,6 @@ def cache_attention(
   def reference(q, k_cache, v_cache, lengths, *extra):
     return xla(q, k_cache, v_cache, lengths, **dict(zip(names, extra)))
 
-  @jax.custom_jvp
   def kernel(q, k_cache, v_cache, lengths, *extra):
     b, _, n, h = q.shape
     grouped = q.reshape(b, kv_heads, n // kv_heads, h) * (h**-0.5)  # [B, K, G, H]: query head n reads kv head n // G
@@ -180,8 +187,7 @@ def cache_attention(
     )
     return out.reshape(b, 1, n, h)
 
-  kernel.defjvp(lambda primals, tangents: (kernel(*primals), jax.jvp(reference, primals, tangents)[1]))
-  return jax.lax.platform_dependent(q, k_cache, v_cache, lengths, *extra, cpu=kernel, default=reference)
+  return on_cpu(kernel, reference, q, k_cache, v_cache, lengths, *extra)
 
 
 PROMPT_TARGET = "kvjax_prompt_attention"
@@ -224,10 +230,8 @@ def prompt_attention(q, k, v, keys, xla: Callable, *, k_transposed: bool = False
   def reference(q, k, v, q_pos, k_pos):
     return xla(q, k, v, type(keys)(q_pos, k_pos, window))
 
-  @jax.custom_jvp
   def kernel(q, k, v, q_pos, k_pos):
     call = jax.ffi.ffi_call(PROMPT_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential")
     return call(q, k, v, q_pos, k_pos, window=np.int64(window.size), sinks=np.int64(window.sinks))
 
-  kernel.defjvp(lambda primals, tangents: (kernel(*primals), jax.jvp(reference, primals, tangents)[1]))
-  return jax.lax.platform_dependent(q, k, v, q_pos, k_pos, cpu=kernel, default=reference)
+  return on_cpu(kernel, reference, q, k, v, q_pos, k_pos)
