@@ -108,14 +108,14 @@ def gather_best(new: dict, scores: jax.Array, positions: jax.Array, width: int):
   return order, chosen, jnp.take_along_axis(jnp.broadcast_to(positions[:, None], scores.shape), order, axis=-1)
 
 
-def press_to_budget(positions: jax.Array, scores: jax.Array, full: jax.Array, budget: int, several: bool) -> jax.Array:
+def press_to_budget(positions: jax.Array, scores: jax.Array, full, budget: int, several) -> jax.Array:
   """The positions int[B, K, S] a layer holds after a call (-1: empty): where a row holds `full`
-  tokens (budget + decode_interval, or its slots) or the call brought `several`, each head keeps its
-  `budget` best-scoring held tokens (scores float32 [B, K, S]), dropping the lowest first and, of
-  equal scores, the earlier position."""
+  tokens (budget + decode_interval, or its slots) or the call brought `several` (a bool, or bool
+  [B, 1] per row) and more than the budget, each head keeps its `budget` best-scoring held tokens
+  (scores float32 [B, K, S]), dropping the lowest first and, of equal scores, the earlier position."""
   held = positions >= 0
   count = held.sum(axis=-1)  # [B, K]
-  press = count >= full if not several else count > budget
+  press = jnp.where(several, count > budget, count >= full)
   excess = jnp.where(press, jnp.maximum(count - budget, 0), 0)
   by_position = jnp.argsort(jnp.where(held, positions, jnp.iinfo(jnp.int32).max), axis=-1, stable=True)
   ranked = jnp.take_along_axis(jnp.where(held, scores, jnp.inf), by_position, axis=-1)
@@ -162,7 +162,11 @@ def refusal(config: ModelConfig, cache_config) -> str | None:
       "layers",
       "layers keep different numbers of tokens, but a row fills one count of slots",
     ),
-    (press.decode_budget > 0, "decode_budget", "it presses while decoding, and pages only grow"),
+    (
+      press.prefill_chunk > 0,
+      "prefill_chunk",
+      "it presses the prompt chunk by chunk, and the engine computes a pressed prompt in one call",
+    ),
     (press.grouped, "grouped", "how many tokens it keeps depends on its scores, which the pages must know ahead"),
     (any(model.window), "window", f"the model's window={model.window} makes some layers sliding-window ones"),
   )

@@ -6,8 +6,9 @@ server-sent events) over the continuous-batching engine, for an imported model's
 then any OpenAI client: `OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="-")`, model name
 the workdir's folder name unless --model-name. The engine's settings beyond these options are
 --set KEY=VALUE over kvjax.serving.config.EngineConfig (num_slots=16, num_pages=..., weights=int8,
-cache.page_size=32, cache.press.window=32, ...). By default the pool holds num_slots requests of
-max_len tokens each.
+cache.page_size=32, cache.press.window=32, cache.press.decode_budget=1024 (a pressed request then
+holds at most 1024 + decode_interval tokens however long it generates), ...). By default the pool
+holds num_slots requests of max_len tokens each.
 """
 
 from __future__ import annotations

@@ -24,7 +24,9 @@ prompt is pressed as it is prefilled and only its kept tokens stay, in as many p
 about 1 / (1 - compression_ratio) times as many long prompts. Decoding appends to the request's
 pages, and a preempted request recomputes by pressing its prompt again and appending its
 generated tokens after it: the tokens of `generate` with the same press, which keeps every token
-generated after the pressed prompt.
+generated after the pressed prompt. Under the press's decode budget a request holds at most
+budget + interval slots however long it generates (the row is pressed back to the budget as it
+decodes), and a recomputed request appends its generated tokens one at a time, as it decoded them.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.cache import kinds
-from kvjax.cache.paged_evict import kept_slots
+from kvjax.cache.paged_evict import capacity, held_slots
 from kvjax.fields import check_positive_int
 from kvjax.decoding.decode import for_decoding, size_bucket
 from kvjax.decoding.sampling import Sampling
@@ -219,8 +221,9 @@ class Engine:
 
   def _held(self, prompt: int, generated: int) -> int:
     """Tokens (slots) a request of a `prompt`-token prompt and `generated` tokens holds in its
-    pages: every one, or with a press the prompt's kept ones and every generated one."""
-    return (prompt if self.press is None else kept_slots(prompt, self.press)) + generated
+    pages: every one, or with a press the prompt's kept ones and every generated one (at most the
+    decode budget's capacity)."""
+    return prompt + generated if self.press is None else held_slots(prompt, generated, self.press)
 
   def _target(self, tokens: int, capacity: int) -> int:
     """Token capacity the allocation policy holds for `tokens` cached, given `capacity` now."""
@@ -235,6 +238,8 @@ class Engine:
     """Pages the request's next decode step will add."""
     alloc = self.allocator
     length, held = alloc.length(request.id), len(alloc.pages(request.id))
+    if self.press is not None and length >= (capacity(self.press) or length + 1):  # a decode budget's full row
+      return 0
     return max(0, alloc.pages_for(self._target(length + 1, alloc.capacity(request.id))) - held)
 
   def _width(self, positions: int) -> int:
@@ -300,8 +305,7 @@ class Engine:
         continue
       alloc.cache(request.id, request.digests)  # its whole pages are written: later prompts may share them
       if first < context.size:
-        rest = context[first:]
-        logits = self._run_extend(steps.padded(rest, self.max_len), rest.size, table, first, self._held(first, 0))
+        logits = self._recompute(context, first, table)
         request.computed = context.size
       token = self._sample(logits, request.sampling, request.id, len(request.generated))
       self._emit(request, int(token[0]), finished)
@@ -311,6 +315,8 @@ class Engine:
     for request in self.running:
       while request.decoding:
         alloc = self.allocator
+        if alloc.length(request.id) >= self._held(request.prompt.size, len(request.generated)):
+          break  # a full row under a decode budget: the token fills a hole the last pressing left
         try:
           alloc.reserve(request.id, self._target(alloc.length(request.id) + 1, alloc.capacity(request.id)))
           alloc.append(request.id, 1)
@@ -369,6 +375,19 @@ class Engine:
     )
     return logits
 
+  def _recompute(self, context: np.ndarray, first: int, table) -> jax.Array:
+    """A preempted request's generated tokens context[first:] after its pressed prompt -> the last
+    one's logits [1, V]: one call, or under a decode budget one call per token (the row is pressed
+    as it was when it decoded them)."""
+    if not self.press.decode_budget:
+      rest = context[first:]
+      return self._run_extend(steps.padded(rest, self.max_len), rest.size, table, first, self._held(first, 0))
+    for i in range(first, context.size):
+      logits = self._run_extend(
+        steps.padded(context[i : i + 1], self.max_len), 1, table, i, self._held(first, i - first)
+      )
+    return logits
+
   def _run_extend(self, tokens, length: int, page_table, position: int, filled: int) -> jax.Array:
     """`length` more tokens after a request's `position` positions held in `filled` slots -> logits [1, V]."""
     cache = self.cache.with_rows(page_table, np.array([position], np.int32), np.array([filled], np.int32))
@@ -394,7 +413,7 @@ class Engine:
     ids = [None if r is None else r.id for r in slots]
     table = alloc.page_table(ids, self.max_pages)[:, :width]
     lengths = np.array([0 if r is None else r.prompt.size + len(r.generated) - 1 for r in slots], np.int32)
-    filled = np.array([0 if r is None else alloc.length(r.id) - 1 for r in slots], np.int32)
+    filled = np.array([0 if r is None else self._held(r.prompt.size, len(r.generated) - 1) for r in slots], np.int32)
     tokens = np.array([0 if r is None else r.generated[-1] for r in slots], np.int32)
     index = np.array([0 if r is None else len(r.generated) for r in slots], np.int32)
     sampling = steps.stack_sampling([GREEDY if r is None else r.sampling for r in slots])

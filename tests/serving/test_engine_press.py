@@ -3,6 +3,8 @@ gives it alone with the same press, and holds only the pages its kept tokens nee
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -89,8 +91,7 @@ BUDGETS = {  # a budget composes with any scorer: each over SnapKV's
   "prefill_chunk": {"decode_budget": 8, "prefill_chunk": 8},
 }
 # What the engine's pages cannot hold (kvjax.cache.selection.refusal), by the field it names.
-REFUSED = {"kvzip": "model_level", "adaptive": "heads", "pyramid": "layers", "decode_budget": "decode_budget"}
-REFUSED["prefill_chunk"] = "decode_budget"
+REFUSED = {"kvzip": "model_level", "adaptive": "heads", "pyramid": "layers", "prefill_chunk": "prefill_chunk"}
 REFUSED["chunkkv"] = "grouped"
 
 
@@ -104,7 +105,7 @@ def every_press() -> dict:
 
 # The presses whose scores read the most (values and RoPE, attention, key geometry) run in the
 # first tier; the rest of the registry in the second.
-FIRST_TIER = set(REFUSED) | {"expected_attention", "observed", "keydiff"}
+FIRST_TIER = set(REFUSED) | {"expected_attention", "observed", "keydiff", "decode_budget"}
 
 
 @pytest.mark.parametrize(
@@ -123,6 +124,38 @@ def test_the_engine_serves_every_press_and_budget_as_generate_or_refuses_it_by_n
   got, _ = serve(model, params, requests, pressed(press, num_pages=40))
   for tokens, want in zip(got, generate_each(model, params, requests, press)):
     np.testing.assert_array_equal(tokens, want)
+
+
+BUDGETED = {  # (press, decode budget, interval, pages): one-token reads on the paged decode route, and with holes
+  "knorm": (KNorm(compression_ratio=0.5), 8, 1, 9),
+  "snapkv_interval_3": (SnapKV(compression_ratio=0.5, window=4), 8, 3, 9),
+  # Its held scores read each call's attention: a preempted request's tokens recomputed in one call
+  # would be pressed otherwise than when it decoded them (these pages make it matter).
+  "tova": (make_press("tova", compression_ratio=0.5), 5, 4, 8),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BUDGETED))
+def test_a_decode_budget_bounds_every_request_and_keeps_generates_tokens(model_params, name):
+  """Under a decode budget every request holds at most budget + interval slots while it decodes
+  (pressed back as generate presses it), preempted ones too, and gets generate's tokens."""
+  model, params = model_params
+  scorer, budget, interval, pages = BUDGETED[name]
+  press = dataclasses.replace(scorer, decode_budget=budget, decode_interval=interval)
+  requests = workload(seed=4, count=10)  # generations of 4-16 tokens over budgets of 7-8: many pressings
+  engine = Engine(model, params, pressed(press, num_pages=pages))  # rows of 3 pages at most
+  ids = [engine.submit(prompt, n) for prompt, n in requests]
+  most = 0
+  while engine.waiting or engine.running:
+    engine.step()
+    for r in engine.running:
+      most = max(most, engine.allocator.length(r.id))
+      assert len(engine.allocator.pages(r.id)) <= -(-(budget + interval) // PAGE)
+  assert most == budget + interval and engine.stats.preemptions > 0
+  engine.allocator.check()
+  assert engine.allocator.num_free == engine.allocator.num_usable
+  for i, want in zip(ids, generate_each(model, params, requests, press)):
+    np.testing.assert_array_equal(engine.finished[i].generated, want)
 
 
 def test_a_request_holds_the_pages_of_its_kept_tokens(model_params):

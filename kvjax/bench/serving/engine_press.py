@@ -9,6 +9,9 @@ Two parts, each run without a press (layout "paged") and with one (layout "paged
   chat: the chat workload of `kvjax bench engine` (kvjax.bench.parts.engine_workload; --chat-requests
     requests, Poisson arrivals) through an engine of --chat-pool-pages pages: requests and tokens
     per second, latencies, and the most requests running at once.
+With --decode-budget N the press also presses each request back to N tokens as it decodes (every
+--decode-interval tokens; kvjax.cache.selection), so a long generation holds at most N + interval
+slots: `--prompt 256 --new-tokens 1024 --decode-budget 256` measures what that buys.
 A press changes the answers (it drops tokens), so no agreement is reported; its oracle is the
 engine's tests (the engine with a press gives `generate`'s tokens with that press).
 """
@@ -78,12 +81,16 @@ def run(
   pool_pages: int,
   chat_requests: int,
   chat_pool_pages: int,
+  decode_budget: int,
+  decode_interval: int,
 ) -> dict:
   if len(press) != 1:
     raise ValueError(f"--press takes one press, got {','.join(press)}")
   if not 0 < ratio_percent < 100:
     raise ValueError(f"--ratio-percent must be in (0, 100), got {ratio_percent}")
-  chosen = make_press(press[0], compression_ratio=ratio_percent / 100)
+  chosen = make_press(
+    press[0], compression_ratio=ratio_percent / 100, decode_budget=decode_budget, decode_interval=decode_interval
+  )
   params, config, tokenizer, path = read_model(model)
   transformer = Transformer(config)
   workload = Workload(requests=max(1, chat_requests))
@@ -124,6 +131,10 @@ BENCHMARK = Benchmark(
       "chat_requests", 24, "requests of the chat workload (4 per second on average; 0: no chat part)", Kind.NONNEGATIVE
     ),
     Option("chat_pool_pages", 97, "pages of 16 tokens of the chat engine (the null page included)"),
+    Option(
+      "decode_budget", 0, "tokens a pressed request holds while it decodes (0: every generated token)", Kind.NONNEGATIVE
+    ),
+    Option("decode_interval", 1, "generated tokens between two pressings under --decode-budget"),
   ),
   description=__doc__,
 )
