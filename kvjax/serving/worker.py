@@ -17,7 +17,8 @@ from concurrent.futures import Future
 from typing import Any, Callable
 
 from kvjax.decoding.sampling import Sampling
-from kvjax.serving.engine import Engine, Request
+from kvjax.serving.engine import Engine
+from kvjax.serving.requests import Request
 
 # on_update(tokens, finished, error): the tokens sampled since the last call; finished once, at the
 # end (a stop id, max_new_tokens, or an engine failure, whose message is `error`).

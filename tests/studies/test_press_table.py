@@ -127,16 +127,28 @@ def test_report_only_reads_the_records_and_answers_nothing(table, tmp_path):
   assert partial[1]["score"] is None and not (copy / "cells" / "snapkv@0.5_query_agnostic_256.jsonl").exists()
 
 
-def test_cell_parts_keep_the_order_and_bound_each_part():
+def test_cell_parts_keep_the_order_bound_each_part_and_keep_a_scorer_whole():
   config = tiny_config(2)
   configs = [CacheConfig(), press_cache("snapkv", 0.5), press_cache("snapkv", 0.75), CacheConfig(dtype="int8")] * 3
   size = [kinds.cache_bytes(config, c, 1, 64, prompt=48) for c in configs]
-  for limit in (1, max(size), size[0] + size[1] + size[2], sum(size)):
+  pair = size[1] + size[2]  # SnapKV's two ratios: one scoring
+  for limit in (1, max(size), pair, size[0] + pair, sum(size)):
     parts = ruler_answers.cell_parts(config, configs, 64, 48, limit)
     assert [c for part in parts for c in part] == configs
     held = [sum(kinds.cache_bytes(config, c, 1, 64, prompt=48) for c in part) for part in parts]
     assert all(h <= limit or len(p) == 1 for h, p in zip(held, parts))
-    assert all(a + b > limit for a, b in zip(held, held[1:]))  # a part ends only when the next cache would not fit
+    starts = [c for part in parts for c in part[:1]]
+    if limit >= pair:  # the pair is never cut
+      assert press_cache("snapkv", 0.75) not in starts
+    # A part ends only when what comes next (the pair as a whole, or one cache) would not fit.
+    for part, h, following in zip(parts, held, parts[1:]):
+      nxt = following[0]
+      whole = (
+        pair
+        if nxt == press_cache("snapkv", 0.5) and limit >= pair
+        else kinds.cache_bytes(config, nxt, 1, 64, prompt=48)
+      )
+      assert h + whole > limit
   assert len(ruler_answers.cell_parts(config, configs, 64, 48, sum(size))) == 1
 
 

@@ -183,16 +183,29 @@ def cache_memory() -> int:
 
 def cell_parts(config, configs: list[CacheConfig], max_len: int, prompt: int, limit: int) -> list[list[CacheConfig]]:
   """configs in consecutive parts whose caches (kinds.cache_bytes of one row) add up to at most
-  `limit` bytes; a config over the limit alone is a part of its own."""
+  `limit` bytes. Consecutive configs of one press's scoring (Press.scoring: its ratios, budgets and
+  codecs, which one prefill scores once) stay in one part unless together they pass the limit;
+  a config over the limit alone is a part of its own."""
+  groups: list[tuple[object, list[CacheConfig]]] = []
+  for c in configs:
+    key = None if c.press is None else c.press.scoring
+    if groups and key is not None and groups[-1][0] == key:
+      groups[-1][1].append(c)
+    else:
+      groups.append((key, [c]))
   parts: list[list[CacheConfig]] = []
   held = 0
-  for c in configs:
-    size = kinds.cache_bytes(config, c, 1, max_len, prompt=prompt)
-    if not parts or held + size > limit:
+  for _, group in groups:
+    sizes = [kinds.cache_bytes(config, c, 1, max_len, prompt=prompt) for c in group]
+    if parts and held + sum(sizes) > limit and sum(sizes) <= limit:  # the whole group in a part of its own
       parts.append([])
       held = 0
-    parts[-1].append(c)
-    held += size
+    for c, size in zip(group, sizes):  # a group over the limit is cut where it must be
+      if not parts or held + size > limit:
+        parts.append([])
+        held = 0
+      parts[-1].append(c)
+      held += size
   return parts
 
 
