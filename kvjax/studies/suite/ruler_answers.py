@@ -28,6 +28,7 @@ import numpy as np
 
 from kvjax import memory
 from kvjax.cache import kinds
+from kvjax.cache.base import size_bucket
 from kvjax.cache.config import CacheConfig, cache_name
 from kvjax.decoding import many
 from kvjax.fields import check_positive_int
@@ -152,7 +153,11 @@ def answer_cells(
   tokens, lengths, asked = measure.protocol_inputs(protocol, [context], [question])
   got = []
   limit = cache_memory() if memory_limit is None else memory_limit
-  for part in cell_parts(model.config, configs, max_len, tokens.shape[1], limit):
+  # Parts sized at the bucketed lengths the caches are made at: samples of one length part alike,
+  # so each part's prefill and answers compile once for the whole table.
+  room = max(model.config.max_positions, max_len)
+  sized = (size_bucket(max_len, room), size_bucket(tokens.shape[1], room))
+  for part in cell_parts(model.config, configs, *sized, limit):
     prefilled = many.prefill_many(model, params, tokens, lengths, max_len, part)
     if protocol == "query_aware":
       asked = {"first": [np.asarray(jnp.argmax(logits, axis=-1)) for logits, _ in prefilled]}
@@ -175,8 +180,11 @@ CACHE_MEMORY_SHARE = 24
 CACHE_MEMORY_FLOOR = 2**28  # 256 MiB where free memory is unknown or small
 
 
+@functools.cache
 def cache_memory() -> int:
-  """Bytes of caches one part of answer_cells holds: free memory / CACHE_MEMORY_SHARE."""
+  """Bytes of caches one part of answer_cells holds: free memory / CACHE_MEMORY_SHARE, taken once
+  per process (free memory moves from sample to sample; parts that moved with it would compile
+  new shapes for every sample)."""
   free = memory.available_bytes()
   return max(CACHE_MEMORY_FLOOR, (free or 0) // CACHE_MEMORY_SHARE)
 
