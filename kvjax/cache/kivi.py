@@ -15,13 +15,15 @@ Per layer, for a model of K kv heads of width H, rows of S = max_len rounded up 
   k_residual, v_residual  float32 [B, K, GROUP, H]: the positions of the group being filled
 A write stages the residual and the call's tokens side by side (positions from the residual's
 group start), quantizes the groups the call fills and keeps the last, partial one as the new
-residual. A read decodes every position and attends in XLA (no decode kernel takes this layout):
-a query at position t reads the groups filled by t + 1 tokens decoded and the rest exact, as a
+residual. A decode step at 4 bits reads the codes in place (kvjax.kernels.attention's KIVI_ROUTE,
+csrc/kivi_attention.cc); other reads decode every position and attend in XLA: a query at position t reads the groups filled by t + 1 tokens decoded and the rest exact, as a
 decode step at t does, so prefill, extend and decode give the same logits. Global K/V layers only: a sliding window's ring and an MLA latent are refused, as are
 the paged and evicting layouts (CacheConfig).
 """
 
 from __future__ import annotations
+
+import functools
 
 import flax.struct
 import jax
@@ -70,6 +72,46 @@ def unpack(packed: jax.Array, bits: int) -> jax.Array:
   per, mask = 8 // bits, 2**bits - 1
   codes = jnp.stack([(packed.astype(jnp.int32) >> (j * bits)) & mask for j in range(per)], axis=-1)
   return codes.reshape(*packed.shape[:-1], -1)
+
+
+def dequantized(stored: dict, bits: int) -> dict:
+  """{k, v: float32 [B, K, S, H]}: every slot's codes of a layer's arrays decoded (zeros where none is written)."""
+  out = {}
+  for name in ("k", "v"):
+    codes = unpack(stored[name], bits)  # [B, K, S, H]
+    if name == "k":
+      scale = jnp.repeat(stored["k_scale"], GROUP, axis=2)  # [B, K, S, 2, H]
+      out[name] = dequantize(codes[:, :, :, None], scale, axis=3)[:, :, :, 0]
+    else:
+      grouped = codes.reshape(*codes.shape[:3], -1, 1, GROUP)  # [B, K, S, H/G, 1, G]
+      scale = stored["v_scale"].swapaxes(3, 4)[..., None]  # [B, K, S, H/G, 2, 1]
+      out[name] = dequantize(grouped, scale, axis=4)[..., 0, :].reshape(codes.shape)
+  return out
+
+
+def readable(stored: dict, held: jax.Array, bits: int) -> dict:
+  """{k, v: float32 [B, K, S, H]} as a query at a row's last position reads a layer's arrays once
+  the rows hold `held` int[B] tokens: filled groups decoded, the group being filled from the residual."""
+  slots = stored["k"].shape[2]
+  position = jnp.arange(slots)[None, :]
+  residual_start = (held // GROUP * GROUP)[:, None]  # [B, 1]
+  in_residual = (position >= residual_start)[:, None, :, None]  # [B, 1, S, 1]
+  index = jnp.clip(position - residual_start, 0, GROUP - 1)[:, None, :, None]  # [B, 1, S, 1]
+  decoded = dequantized(stored, bits)
+  return {
+    name: jnp.where(in_residual, jnp.take_along_axis(stored[name + "_residual"], index, axis=2), decoded[name])
+    for name in ("k", "v")
+  }
+
+
+def xla_read(q, k, v, lengths, *, bits: int, **addressing) -> jax.Array:
+  """A decode read in XLA (Backend.cache_attention's `xla` for KIVI's route): q [B, 1, N, H] over
+  each row's positions [0, lengths[b]] of codes k, v [B, K, S, H * bits / 8] and their addressing
+  (k_scale, v_scale, k_residual, v_residual) -> [B, 1, N, H]."""
+  held = lengths + 1
+  arrays = readable({"k": k, "v": v} | addressing, held, bits)
+  mask = jnp.arange(k.shape[2])[None, None, :] < held[:, None, None]
+  return attend(q, arrays["k"], arrays["v"], mask)
 
 
 def layer_spec(config: ModelConfig, bits: int, batch: int, slots: int) -> dict:
@@ -177,31 +219,12 @@ class KiviCache(KVCache):
 
   def dequantized(self, stored: dict) -> dict:
     """{k, v: float32 [B, K, S, H]}: every slot's codes decoded (zeros where none is written)."""
-    out = {}
-    for name in ("k", "v"):
-      codes = unpack(stored[name], self.bits)  # [B, K, S, H]
-      if name == "k":
-        scale = jnp.repeat(stored["k_scale"], GROUP, axis=2)  # [B, K, S, 2, H]
-        out[name] = dequantize(codes[:, :, :, None], scale, axis=3)[:, :, :, 0]
-      else:
-        grouped = codes.reshape(*codes.shape[:3], -1, 1, GROUP)  # [B, K, S, H/G, 1, G]
-        scale = stored["v_scale"].swapaxes(3, 4)[..., None]  # [B, K, S, H/G, 2, 1]
-        out[name] = dequantize(grouped, scale, axis=4)[..., 0, :].reshape(codes.shape)
-    return out
+    return dequantized(stored, self.bits)
 
   def readable(self, stored: dict, held: jax.Array) -> dict:
     """{k, v: float32 [B, K, S, H]} as a query at a row's last position reads them once the rows
-    hold `held` int[B] tokens: filled groups decoded, the group being filled from the residual."""
-    slots = stored["k"].shape[2]
-    position = jnp.arange(slots)[None, :]
-    residual_start = (held // GROUP * GROUP)[:, None]  # [B, 1]
-    in_residual = (position >= residual_start)[:, None, :, None]  # [B, 1, S, 1]
-    index = jnp.clip(position - residual_start, 0, GROUP - 1)[:, None, :, None]  # [B, 1, S, 1]
-    decoded = self.dequantized(stored)
-    return {
-      name: jnp.where(in_residual, jnp.take_along_axis(stored[name + "_residual"], index, axis=2), decoded[name])
-      for name in ("k", "v")
-    }
+    hold `held` int[B] tokens (module function `readable`)."""
+    return readable(stored, held, self.bits)
 
   def read(self, stored, query, q_positions, span: Span, backend: Backend):
     """As KVCache.read, for queries at each row's last position."""
@@ -209,12 +232,24 @@ class KiviCache(KVCache):
     keys = Visibility(q_positions, jnp.arange(stored["k"].shape[2])[None, :], span.window)
     return query.attend(self.readable(stored, held), keys)
 
+  def decode_read(self, stored, query, span: Span, backend: Backend):
+    """One query per row over what the row holds after the call, through Backend.cache_attention
+    (kvjax.kernels.attention.KIVI_ROUTE reads the codes in place for 4 bits; `xla_read` is its XLA form)."""
+    addressing = {name: stored[name] for name in ("k_scale", "v_scale", "k_residual", "v_residual")}
+    held = span.positions[:, 0] + span.lengths
+    xla = functools.partial(xla_read, bits=self.bits)
+    return backend.cache_attention(
+      self.route, query.kernel_query, stored["k"], stored["v"], held - 1, xla, **addressing
+    )
+
   def attend(self, stored, query, q_positions, new, span: Span, backend: Backend):
     """Writes, then each query at t reads what a decode step at t reads: the groups filled by
     position t decoded (s < (t + 1) // GROUP * GROUP), the later keys up to t in float, from the
     staged tokens (which hold every position a query of the call may read in float). So a
     prefill's logits are its decode steps', and a row's store depends on the tokens alone."""
     stored, staged, start = self.staged_write(stored, new, span)
+    if q_positions.shape[1] == 1 and query.kernel_query is not None:  # a decode step: the backend's route
+      return stored, self.decode_read(stored, query, span, backend)
     decoded = self.dequantized(stored)
     t = q_positions[:, :, None]  # [B, Tq, 1]
     cut = (t + 1) // GROUP * GROUP

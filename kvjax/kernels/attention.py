@@ -63,10 +63,17 @@ TARGETS = {
   for codec in CODECS
 }
 TARGET = TARGETS["contiguous", "float32"]
+# KIVI's 4-bit layout (kvjax.cache.kivi; csrc/kivi_attention.cc): codes [B, K, S, H / 2] with keys'
+# per-channel scales [B, K, S / 32, 2, H], values' per-token ones [B, K, S, 2, H / 32] and the float
+# residuals [B, K, 32, H] of each row's last partial group.
+KIVI_ROUTE = ("kivi", "kivi4")
+TARGETS[KIVI_ROUTE] = "kvjax_kivi_attention"
+KIVI_GROUP = 32
+KIVI_ADDRESSING = ("k_scale", "v_scale", "k_residual", "v_residual")
 # The kernel addresses a page pool with int32 offsets: pools of this many entries or more stay with XLA.
 MAX_POOL_ENTRIES = 2**31 - 4
 # The addressing arrays in the kernel's operand order (after q, k_cache, v_cache).
-ADDRESSING = ("k_scale", "v_scale", "page_table")
+ADDRESSING = ("k_scale", "v_scale", "page_table", "k_residual", "v_residual")
 
 
 def uses_kernel(compute_dtype, route: tuple[str, str]) -> bool:
@@ -90,9 +97,35 @@ def scale_shapes(paged: bool, scales: str | None, k_shape: tuple, v_shape: tuple
   return {"k_scale": tuple(k_scale), "v_scale": (*v_shape[:3], 2 * groups)}
 
 
+def kivi_fits(q, k_cache, v_cache, addressing: dict) -> bool:
+  """Whether the operands are KIVI's 4-bit layout as KIVI_ROUTE's kernel takes it (H a multiple of 32)."""
+  if set(addressing) != set(KIVI_ADDRESSING) or q.ndim != 4 or k_cache.ndim != 4 or q.dtype != jnp.float32:
+    return False
+  b, _, n, h = q.shape
+  kv, s = k_cache.shape[1], k_cache.shape[2]
+  want = {
+    "k_scale": (b, kv, s // KIVI_GROUP, 2, h),
+    "v_scale": (b, kv, s, 2, h // KIVI_GROUP),
+    "k_residual": (b, kv, KIVI_GROUP, h),
+    "v_residual": (b, kv, KIVI_GROUP, h),
+  }
+  return (
+    kv > 0
+    and n % kv == 0
+    and n // kv <= 64
+    and h % KIVI_GROUP == 0
+    and s % KIVI_GROUP == 0
+    and k_cache.dtype == v_cache.dtype == jnp.uint8
+    and k_cache.shape == v_cache.shape == (b, kv, s, h // 2)
+    and all(addressing[name].dtype == jnp.float32 and addressing[name].shape == shape for name, shape in want.items())
+  )
+
+
 def kernel_layout(route, q, k_cache, v_cache, addressing: dict) -> tuple[bool, str] | None:
   """(paged, codec) when `route` is one of the kernel's and the operands are as the module
   docstring says it stores them (names, dtypes and shapes), else None."""
+  if route == KIVI_ROUTE:
+    return (False, route[1]) if kivi_fits(q, k_cache, v_cache, addressing) else None
   if route not in TARGETS:
     return None
   paged, codec = route[0] == "paged", route[1]

@@ -45,7 +45,7 @@ KERNELS = {
       ("_int4", "Int4"),
     )
   }
-  | {"kvjax_prompt_attention": "KvjaxPromptAttention"},
+  | {"kvjax_prompt_attention": "KvjaxPromptAttention", "kvjax_kivi_attention": "KvjaxKiviAttention"},
 }
 
 

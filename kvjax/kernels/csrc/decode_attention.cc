@@ -55,6 +55,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 using kvjax::BFloat16;
+using kvjax::BitReversed;
 using kvjax::Exp;
 using kvjax::Float16;
 using kvjax::Float8E4M3;
@@ -67,6 +68,7 @@ using kvjax::LoadPartAs;
 using kvjax::Store;
 using kvjax::Storage;
 using kvjax::StorePart;
+using kvjax::SumEach;
 using kvjax::Vec;
 
 constexpr int64_t kScoreVectors = 4;  // positions per score tile, in vectors
@@ -185,39 +187,7 @@ void ScoreTile(const float* q, const Keys& keys, float* scores, int64_t head_dim
 }
 
 // Paged keys are stored by position, a row of head_dim entries each: their scores are dot
-// products along the rows, kLanes rows at a time, whose kLanes vector sums are then folded into
-// one vector of kLanes scores (lane i: position i).
-
-// Lane i of the result: the sum of a's block (of 2 * kHalf lanes) holding lane i folded in half
-// if i is in its block's lower half, else b's.
-template <int kHalf>
-inline Vec Fold(Vec a, Vec b) {
-  IVec x, y;  // constants once inlined: each shuffle is one instruction
-#pragma GCC unroll 16
-  for (int i = 0; i < kLanes; ++i) {
-    const bool low = i % (2 * kHalf) < kHalf;
-    x[i] = low ? i : kLanes + i;
-    y[i] = low ? i + kHalf : kLanes + i - kHalf;
-  }
-  return __builtin_shuffle(a, b, x) + __builtin_shuffle(a, b, y);
-}
-
-// Lane i of the result: the sum of the lanes of v[kBitReversed[i]] (v is overwritten). Folding
-// pairs of vectors, then pairs of those, ... leaves the sums in bit-reversed order.
-template <int kHalf = kLanes / 2>
-inline Vec SumEach(Vec* v) {
-  constexpr int n = 2 * kHalf;  // vectors left at this level
-#pragma GCC unroll 16
-  for (int i = 0; i < n / 2; ++i) v[i] = Fold<kHalf>(v[2 * i], v[2 * i + 1]);
-  if constexpr (kHalf > 1) return SumEach<kHalf / 2>(v);
-  else return v[0];
-}
-
-constexpr int BitReversed(int i) {
-  int r = 0;
-  for (int bit = 1; bit < kLanes; bit <<= 1) r = (r << 1) | ((i & bit) ? 1 : 0);
-  return r;
-}
+// products along the rows, kLanes rows at a time (kvjax::SumEach, simd.h).
 
 // scores[0:kLanes] = q . (the rows at pool + offsets[0:kLanes]), each of head_dim entries.
 template <typename T>

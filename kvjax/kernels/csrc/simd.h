@@ -211,6 +211,40 @@ inline Vec LoadPartAs(const T* p, int64_t n) {
 }
 
 
+// Dot products along rows, kLanes rows at a time: accumulate row i's products in acc[BitReversed(i)],
+// then SumEach(acc) folds the kLanes vector sums into one vector (lane i: row i's sum).
+
+// Lane i of the result: the sum of a's block (of 2 * kHalf lanes) holding lane i folded in half
+// if i is in its block's lower half, else b's.
+template <int kHalf>
+inline Vec Fold(Vec a, Vec b) {
+  IVec x, y;  // constants once inlined: each shuffle is one instruction
+#pragma GCC unroll 16
+  for (int i = 0; i < kLanes; ++i) {
+    const bool low = i % (2 * kHalf) < kHalf;
+    x[i] = low ? i : kLanes + i;
+    y[i] = low ? i + kHalf : kLanes + i - kHalf;
+  }
+  return __builtin_shuffle(a, b, x) + __builtin_shuffle(a, b, y);
+}
+
+// Lane i of the result: the sum of the lanes of v[kBitReversed[i]] (v is overwritten). Folding
+// pairs of vectors, then pairs of those, ... leaves the sums in bit-reversed order.
+template <int kHalf = kLanes / 2>
+inline Vec SumEach(Vec* v) {
+  constexpr int n = 2 * kHalf;  // vectors left at this level
+#pragma GCC unroll 16
+  for (int i = 0; i < n / 2; ++i) v[i] = Fold<kHalf>(v[2 * i], v[2 * i + 1]);
+  if constexpr (kHalf > 1) return SumEach<kHalf / 2>(v);
+  else return v[0];
+}
+
+constexpr int BitReversed(int i) {
+  int r = 0;
+  for (int bit = 1; bit < kLanes; bit <<= 1) r = (r << 1) | ((i & bit) ? 1 : 0);
+  return r;
+}
+
 // e^x for x <= 0 (scores minus their maximum), to about 2 ulp: x = n ln2 + r with |r| <= ln2 / 2,
 // e^r by its degree-6 minimax polynomial, 2^n put in the exponent bits. Below -87, where e^x
 // leaves the normal floats, it returns e^-87; a NaN stays NaN.

@@ -1,0 +1,223 @@
+// kvjax's decode attention over KIVI's 4-bit layout (kvjax.cache.kivi), on the CPU: one query
+// token per sequence against its keys quantized per channel and its values per token, read in
+// place, and its last partial group of positions in float.
+//
+//   kvjax_kivi_attention  q [B, K, G, H], k and v [B, K, S, H / 2], k_scale [B, K, S / 32, 2, H],
+//                         v_scale [B, K, S, 2, H / 32], k_residual and v_residual [B, K, 32, H],
+//                         valid int32 [B] -> out [B, K, G, H]
+//
+// q: the step's queries grouped by kv head, already scaled (float32). Codes are packed two to a
+// byte along the channels (element 2j in the low nibble of byte j); a code c stands for
+// (c - zero) * step. Keys: each channel's 32 consecutive positions share a step and zero point
+// (k_scale: the group's H steps, then its H zero points); values: each position's 32-channel
+// groups (v_scale: the position's H / 32 steps, then its zero points). Row b attends to its
+// positions [0, valid[b]): the groups below valid[b] / 32 * 32 from the codes, the rest (fewer
+// than 32) from the residuals, whose entry i is position valid[b] / 32 * 32 + i.
+//
+// For a key group: q . ((c - z) * step) = (q * step) . c - (q * step) . z, so the query is scaled
+// by the group's steps once and each position costs a dot product with its widened codes, kLanes
+// positions at a time (kvjax::SumEach). Values: sum_s p_s step_s (c_s - z_s) accumulates
+// p_s step_s c_s and p_s step_s z_s per 32-channel group. One task per (row, kv head).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "parallel.h"
+#include "simd.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using kvjax::BitReversed;
+using kvjax::Exp;
+using kvjax::kLanes;
+using kvjax::Load;
+using kvjax::LoadNibbles;
+using kvjax::Store;
+using kvjax::SumEach;
+using kvjax::Vec;
+
+constexpr int64_t kGroup = 32;  // kvjax.cache.codec.KIVI_GROUP
+
+struct Shape {
+  int64_t batch, kv_heads, groups, head_dim, slots;
+};
+
+struct Scratch {
+  std::vector<float> scores;  // groups x the row's positions, padded to kLanes
+  std::vector<float> scaled;  // groups x head_dim: the queries times a key group's steps
+  std::vector<float> rows;    // kLanes x head_dim: a tile's key codes, widened
+  std::vector<float> out;     // groups x head_dim: the values' sum
+  std::vector<float> zeros;   // groups x head_dim / 32: the values' zero points' sum
+};
+
+void Task(const Shape& s, const float* q, const uint8_t* k, const float* k_scale, const uint8_t* v,
+          const float* v_scale, const float* k_res, const float* v_res, const int32_t* valid, float* out, int64_t b,
+          int64_t kv, Scratch& scratch) {
+  const int64_t h_dim = s.head_dim, bytes = h_dim / 2, pair = b * s.kv_heads + kv;
+  const int64_t len = std::clamp<int64_t>(valid[b], 0, s.slots), coded = len / kGroup * kGroup;
+  const int64_t padded = (len + kLanes - 1) / kLanes * kLanes, v_groups = h_dim / kGroup;
+  const float* qp = q + pair * s.groups * h_dim;
+  float* op = out + pair * s.groups * h_dim;
+  if (len == 0) {
+    std::fill(op, op + s.groups * h_dim, 0.0f);
+    return;
+  }
+  scratch.scores.assign(s.groups * padded, -std::numeric_limits<float>::infinity());
+  float* scores = scratch.scores.data();
+
+  // Scores of the coded groups, kLanes positions at a time.
+  const uint8_t* keys = k + pair * s.slots * bytes;
+  for (int64_t g0 = 0; g0 < coded; g0 += kGroup) {
+    const float* step = k_scale + (pair * (s.slots / kGroup) + g0 / kGroup) * 2 * h_dim;
+    const float* zero = step + h_dim;
+    float bias[64];  // per query head: (q * step) . zero (groups <= 64, checked)
+    for (int64_t g = 0; g < s.groups; ++g) {
+      float* scaled = scratch.scaled.data() + g * h_dim;
+      Vec acc{};
+      for (int64_t h = 0; h < h_dim; h += kLanes) {
+        const Vec x = Load(qp + g * h_dim + h) * Load(step + h);
+        Store(scaled + h, x);
+        acc += x * Load(zero + h);
+      }
+      bias[g] = 0;
+      for (int i = 0; i < kLanes; ++i) bias[g] += acc[i];
+    }
+    for (int64_t t0 = g0; t0 < g0 + kGroup; t0 += kLanes) {
+      float* rows = scratch.rows.data();
+      for (int64_t i = 0; i < kLanes; ++i)
+        for (int64_t h = 0; h < h_dim; h += kLanes) Store(rows + i * h_dim + h, LoadNibbles(keys + (t0 + i) * bytes + h / 2));
+      for (int64_t g = 0; g < s.groups; ++g) {
+        const float* scaled = scratch.scaled.data() + g * h_dim;
+        Vec acc[kLanes] = {};
+        for (int64_t h = 0; h < h_dim; h += kLanes) {
+          const Vec qv = Load(scaled + h);
+#pragma GCC unroll 16
+          for (int i = 0; i < kLanes; ++i) acc[BitReversed(i)] += qv * Load(rows + i * h_dim + h);
+        }
+        Store(scores + g * padded + t0, SumEach(acc) - bias[g]);
+      }
+    }
+  }
+  // The residual's positions, in float.
+  const float* k_rows = k_res + pair * kGroup * h_dim;
+  for (int64_t t = coded; t < len; ++t)
+    for (int64_t g = 0; g < s.groups; ++g) {
+      Vec acc{};
+      for (int64_t h = 0; h < h_dim; h += kLanes) acc += Load(qp + g * h_dim + h) * Load(k_rows + (t - coded) * h_dim + h);
+      float sum = 0;
+      for (int i = 0; i < kLanes; ++i) sum += acc[i];
+      scores[g * padded + t] = sum;
+    }
+
+  // Softmax weights, unnormalised (positions past len: weight 0).
+  float total[64];
+  for (int64_t g = 0; g < s.groups; ++g) {
+    float* row = scores + g * padded;
+    const float top = *std::max_element(row, row + len);
+    for (int64_t t = 0; t < padded; t += kLanes) Store(row + t, Exp(Load(row + t) - top));
+    std::fill(row + len, row + padded, 0.0f);  // Exp's floor is e^-87, not 0
+    Vec sum{};
+    for (int64_t t = 0; t < padded; t += kLanes) sum += Load(row + t);
+    total[g] = 0;
+    for (int i = 0; i < kLanes; ++i) total[g] += sum[i];
+  }
+
+  // Values: the coded positions' codes and zero points weighted apart, then the residual's.
+  scratch.out.assign(s.groups * h_dim, 0.0f);
+  scratch.zeros.assign(s.groups * v_groups, 0.0f);
+  float* acc = scratch.out.data();
+  float* zeros = scratch.zeros.data();
+  const uint8_t* values = v + pair * s.slots * bytes;
+  const float* v_scales = v_scale + pair * s.slots * 2 * v_groups;
+  for (int64_t t = 0; t < coded; ++t) {
+    const uint8_t* row = values + t * bytes;
+    const float* step = v_scales + t * 2 * v_groups;
+    __builtin_prefetch(row + 16 * bytes);
+    for (int64_t g = 0; g < s.groups; ++g) {
+      const float p = scores[g * padded + t];
+      for (int64_t j = 0; j < v_groups; ++j) {
+        const float w = p * step[j];
+        zeros[g * v_groups + j] += w * step[v_groups + j];
+        for (int64_t h = j * kGroup; h < (j + 1) * kGroup; h += kLanes)
+          Store(acc + g * h_dim + h, Load(acc + g * h_dim + h) + w * LoadNibbles(row + h / 2));
+      }
+    }
+  }
+  const float* v_rows = v_res + pair * kGroup * h_dim;
+  for (int64_t t = coded; t < len; ++t)
+    for (int64_t g = 0; g < s.groups; ++g) {
+      const float p = scores[g * padded + t];
+      for (int64_t h = 0; h < h_dim; h += kLanes)
+        Store(acc + g * h_dim + h, Load(acc + g * h_dim + h) + p * Load(v_rows + (t - coded) * h_dim + h));
+    }
+  for (int64_t g = 0; g < s.groups; ++g) {
+    const float inverse = 1.0f / total[g];
+    for (int64_t h = 0; h < h_dim; ++h) op[g * h_dim + h] = (acc[g * h_dim + h] - zeros[g * v_groups + h / kGroup]) * inverse;
+  }
+}
+
+template <typename Dims>
+bool Is(const Dims& d, std::initializer_list<int64_t> want) {
+  return d.size() == want.size() && std::equal(want.begin(), want.end(), d.begin());
+}
+
+// Named types: the registration macro below splits its arguments at commas.
+using Queries = ffi::Buffer<ffi::F32, 4>;
+using Codes = ffi::Buffer<ffi::U8, 4>;
+using KeyScales = ffi::Buffer<ffi::F32, 5>;
+using Residual = ffi::Buffer<ffi::F32, 4>;
+using Valid = ffi::Buffer<ffi::S32, 1>;
+using Result = ffi::ResultBuffer<ffi::F32, 4>;
+
+ffi::Error KiviAttention(ffi::ThreadPool pool, Queries q, Codes k, Codes v, KeyScales k_scale, KeyScales v_scale,
+                         Residual k_res, Residual v_res, Valid valid, Result out) {
+  const auto qd = q.dimensions(), kd = k.dimensions();
+  const Shape s{qd[0], qd[1], qd[2], qd[3], kd[2]};
+  const int64_t h = s.head_dim;
+  if (h % kGroup || h % kLanes || s.slots % kGroup || s.groups > 64 ||
+      !Is(kd, {s.batch, s.kv_heads, s.slots, h / 2}) || !Is(v.dimensions(), {s.batch, s.kv_heads, s.slots, h / 2}) ||
+      !Is(k_scale.dimensions(), {s.batch, s.kv_heads, s.slots / kGroup, 2, h}) ||
+      !Is(v_scale.dimensions(), {s.batch, s.kv_heads, s.slots, 2, h / kGroup}) ||
+      !Is(k_res.dimensions(), {s.batch, s.kv_heads, kGroup, h}) || !Is(v_res.dimensions(), {s.batch, s.kv_heads, kGroup, h}) ||
+      !Is(valid.dimensions(), {s.batch}) || !Is(out->dimensions(), {s.batch, s.kv_heads, s.groups, h}))
+    return ffi::Error::InvalidArgument(
+        "kvjax_kivi_attention expects q [B, K, G, H] (G <= 64, H a multiple of 32 and of the vector width), "
+        "k and v [B, K, S, H / 2] (S a multiple of 32), k_scale [B, K, S / 32, 2, H], v_scale [B, K, S, 2, H / 32], "
+        "residuals [B, K, 32, H], valid [B] (kvjax/kernels/csrc/kivi_attention.cc)");
+  const int64_t tasks = s.batch * s.kv_heads;
+  if (tasks == 0) return ffi::Error::Success();
+  const int64_t workers = std::min<int64_t>(std::max<int64_t>(1, pool.num_threads()), tasks);
+  std::vector<Scratch> scratch(workers);
+  for (auto& sc : scratch) {
+    sc.scaled.resize(s.groups * h);
+    sc.rows.resize(kLanes * h);
+  }
+  kvjax::ParallelFor(pool, tasks, workers, [&](int64_t task, int64_t worker) {
+    Task(s, q.typed_data(), k.typed_data(), k_scale.typed_data(), v.typed_data(), v_scale.typed_data(),
+         k_res.typed_data(), v_res.typed_data(), valid.typed_data(), out->typed_data(), task / s.kv_heads,
+         task % s.kv_heads, scratch[worker]);
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxKiviAttention, KiviAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Queries>()
+                                  .Arg<Codes>()
+                                  .Arg<Codes>()
+                                  .Arg<KeyScales>()
+                                  .Arg<KeyScales>()
+                                  .Arg<Residual>()
+                                  .Arg<Residual>()
+                                  .Arg<Valid>()
+                                  .Ret<Queries>());
