@@ -33,9 +33,9 @@ from kvjax.cache.base import KVCache
 from kvjax.cache.config import CacheConfig
 from kvjax.cache.contiguous import attend_one
 from kvjax.config import ModelConfig
+from kvjax.decoding import decode
 from kvjax.kernels import attention as attention_kernel
 from kvjax.model.attention import KVQuery, Span
-from kvjax.model.backend import Backend
 from kvjax.model.transformer import cache_layers
 from kvjax.model.weights import FORMATS, store
 from kvjax.timing import timed_alternating
@@ -51,15 +51,15 @@ VARIANTS = {
 
 def attention_call(cache: KVCache, q: jax.Array, lengths: jax.Array):
   """A call of every layer's one-token attention over a contiguous K/V cache's arrays in turn,
-  q [B, 1, N, H] the first layer's query, each output the next layer's query. KIVI's layout,
-  which no kernel takes, reads through its own XLA read."""
+  q [B, 1, N, H] the first layer's query, each output the next layer's query. KIVI's layout reads
+  through its decode route (its kernel at 4 bits, XLA at 2)."""
   if cache.layout == "kivi":
     span = Span(positions=lengths[:, None], lengths=jnp.ones_like(lengths))
 
     @jax.jit
     def read(q, layers):
       for layer in layers:
-        q = cache.read(layer, KVQuery(q), lengths[:, None], span, Backend())
+        q = cache.decode_read(layer, KVQuery(q), span, decode.cpu_backend())
       return q
 
     stored = cache_layers(cache.layers)

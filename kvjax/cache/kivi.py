@@ -232,6 +232,26 @@ class KiviCache(KVCache):
     keys = Visibility(q_positions, jnp.arange(stored["k"].shape[2])[None, :], span.window)
     return query.attend(self.readable(stored, held), keys)
 
+  def write_one(self, stored: dict, new: dict, span: Span) -> dict:
+    """staged_write for a call of one token per row (or none): the token joins its row's
+    residual, and only when some row's call fills a group is anything quantized (most steps
+    write one residual entry)."""
+    held = span.positions[:, 0]
+    fills = jnp.any((span.lengths > 0) & ((held + span.lengths) % GROUP == 0))
+
+    def residual_only(stored):
+      rows = jnp.arange(held.shape[0])
+      index = jnp.where(span.lengths > 0, held % GROUP, GROUP)  # a row without a token writes nothing
+      out = dict(stored)
+      for name in ("k", "v"):
+        residual = stored[name + "_residual"]  # [B, K, G, H]
+        out[name + "_residual"] = residual.at[rows, :, index].set(
+          new[name][:, :, 0].astype(residual.dtype), mode="drop"
+        )
+      return out
+
+    return jax.lax.cond(fills, lambda stored: self.staged_write(stored, new, span)[0], residual_only, stored)
+
   def decode_read(self, stored, query, span: Span, backend: Backend):
     """One query per row over what the row holds after the call, through Backend.cache_attention
     (kvjax.kernels.attention.KIVI_ROUTE reads the codes in place for 4 bits; `xla_read` is its XLA form)."""
@@ -247,9 +267,10 @@ class KiviCache(KVCache):
     position t decoded (s < (t + 1) // GROUP * GROUP), the later keys up to t in float, from the
     staged tokens (which hold every position a query of the call may read in float). So a
     prefill's logits are its decode steps', and a row's store depends on the tokens alone."""
-    stored, staged, start = self.staged_write(stored, new, span)
     if q_positions.shape[1] == 1 and query.kernel_query is not None:  # a decode step: the backend's route
+      stored = self.write_one(stored, new, span)
       return stored, self.decode_read(stored, query, span, backend)
+    stored, staged, start = self.staged_write(stored, new, span)
     decoded = self.dequantized(stored)
     t = q_positions[:, :, None]  # [B, Tq, 1]
     cut = (t + 1) // GROUP * GROUP

@@ -57,6 +57,49 @@ struct Scratch {
   std::vector<float> zeros;   // groups x head_dim / 32: the values' zero points' sum
 };
 
+// fn(std::integral_constant<int, n>) for 1 <= n <= kMax: a run-time count as a template argument.
+template <int kMax, typename Fn>
+inline void WithConstant(int64_t n, Fn fn) {
+  if constexpr (kMax > 1)
+    if (n < kMax) return WithConstant<kMax - 1>(n, fn);
+  fn(std::integral_constant<int, kMax>{});
+}
+
+constexpr int64_t kBlockHeads = 4;     // query heads whose value sums stay in registers together
+constexpr int64_t kBlockChannels = 64;  // channels of a value row decoded at a time (two groups)
+
+// The coded positions' weighted values for GB query heads over channels [h0, h0 + 64) (or to
+// head_dim): acc[g, h] += sum_t p[g, t] step[t, h / 32] c[t, h] and zeros[g, h / 32] +=
+// sum_t p[g, t] step[t, h / 32] zero[t, h / 32], each row's codes widened once for every head.
+template <int GB>
+void ValueBlock(const float* probs, int64_t probs_stride, const uint8_t* values, const float* v_scales, int64_t coded,
+                int64_t h_dim, int64_t h0, float* acc, float* zeros) {
+  constexpr int64_t kVectors = kBlockChannels / kLanes;
+  const int64_t vectors = std::min(kBlockChannels, h_dim - h0) / kLanes, v_groups = h_dim / kGroup;
+  const int64_t bytes = h_dim / 2, j0 = h0 / kGroup, groups = vectors * kLanes / kGroup;
+  Vec sum[GB][kVectors] = {};
+  float zero_sum[GB][kBlockChannels / kGroup] = {};
+  for (int64_t t = 0; t < coded; ++t) {
+    const uint8_t* row = values + t * bytes + h0 / 2;
+    const float* step = v_scales + t * 2 * v_groups + j0;
+    __builtin_prefetch(row + 16 * bytes);
+    Vec c[kVectors];
+    for (int64_t i = 0; i < vectors; ++i) c[i] = LoadNibbles(row + i * kLanes / 2);
+    for (int g = 0; g < GB; ++g) {
+      const float p = probs[g * probs_stride + t];
+      for (int64_t j = 0; j < groups; ++j) {
+        const float w = p * step[j];
+        zero_sum[g][j] += w * step[v_groups + j];
+        for (int64_t i = j * kGroup / kLanes; i < (j + 1) * kGroup / kLanes; ++i) sum[g][i] += w * c[i];
+      }
+    }
+  }
+  for (int g = 0; g < GB; ++g) {
+    for (int64_t i = 0; i < vectors; ++i) Store(acc + g * h_dim + h0 + i * kLanes, sum[g][i]);
+    for (int64_t j = 0; j < groups; ++j) zeros[g * v_groups + j0 + j] = zero_sum[g][j];
+  }
+}
+
 void Task(const Shape& s, const float* q, const uint8_t* k, const float* k_scale, const uint8_t* v,
           const float* v_scale, const float* k_res, const float* v_res, const int32_t* valid, float* out, int64_t b,
           int64_t kv, Scratch& scratch) {
@@ -136,20 +179,14 @@ void Task(const Shape& s, const float* q, const uint8_t* k, const float* k_scale
   float* zeros = scratch.zeros.data();
   const uint8_t* values = v + pair * s.slots * bytes;
   const float* v_scales = v_scale + pair * s.slots * 2 * v_groups;
-  for (int64_t t = 0; t < coded; ++t) {
-    const uint8_t* row = values + t * bytes;
-    const float* step = v_scales + t * 2 * v_groups;
-    __builtin_prefetch(row + 16 * bytes);
-    for (int64_t g = 0; g < s.groups; ++g) {
-      const float p = scores[g * padded + t];
-      for (int64_t j = 0; j < v_groups; ++j) {
-        const float w = p * step[j];
-        zeros[g * v_groups + j] += w * step[v_groups + j];
-        for (int64_t h = j * kGroup; h < (j + 1) * kGroup; h += kLanes)
-          Store(acc + g * h_dim + h, Load(acc + g * h_dim + h) + w * LoadNibbles(row + h / 2));
-      }
+  for (int64_t h0 = 0; h0 < h_dim; h0 += kBlockChannels)
+    for (int64_t g0 = 0; g0 < s.groups; g0 += kBlockHeads) {
+      const int64_t heads = std::min(kBlockHeads, s.groups - g0);
+      WithConstant<kBlockHeads>(heads, [&](auto n) {
+        ValueBlock<decltype(n)::value>(scores + g0 * padded, padded, values, v_scales, coded, h_dim, h0,
+                                       acc + g0 * h_dim, zeros + g0 * v_groups);
+      });
     }
-  }
   const float* v_rows = v_res + pair * kGroup * h_dim;
   for (int64_t t = coded; t < len; ++t)
     for (int64_t g = 0; g < s.groups; ++g) {
