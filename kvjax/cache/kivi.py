@@ -8,8 +8,10 @@ tokens (its last len % GROUP) sit in a float residual, exact. Quantization is as
 s = (max - min) / (2^bits - 1) over the group and 0, z = round(-min / s); x = (q - z) * s.
 
 Per layer, for a model of K kv heads of width H, rows of S = max_len rounded up to GROUP:
-  k, v            uint8 [B, K, S, H * bits / 8]: the codes, packed along the channels (8 / bits per
-                  byte, element j of a byte's run in bits j * bits and up)
+  k               uint8 [B, K, H * bits / 8, S]: the key codes, packed along the channels (8 / bits
+                  per byte, element j of a byte's run in bits j * bits and up), transposed: each
+                  byte row runs along the positions, as a group's per-channel scales do
+  v               uint8 [B, K, S, H * bits / 8]: the value codes, packed alike, by position
   k_scale         float32 [B, K, S / GROUP, 2, H]: each token group's per-channel steps, zero points
   v_scale         float32 [B, K, S, 2, H / GROUP]: each token's per-group steps, zero points
   k_residual, v_residual  float32 [B, K, GROUP, H]: the positions of the group being filled
@@ -78,7 +80,7 @@ def dequantized(stored: dict, bits: int) -> dict:
   """{k, v: float32 [B, K, S, H]}: every slot's codes of a layer's arrays decoded (zeros where none is written)."""
   out = {}
   for name in ("k", "v"):
-    codes = unpack(stored[name], bits)  # [B, K, S, H]
+    codes = unpack(stored[name] if name == "v" else stored[name].swapaxes(2, 3), bits)  # [B, K, S, H]
     if name == "k":
       scale = jnp.repeat(stored["k_scale"], GROUP, axis=2)  # [B, K, S, 2, H]
       out[name] = dequantize(codes[:, :, :, None], scale, axis=3)[:, :, :, 0]
@@ -92,7 +94,7 @@ def dequantized(stored: dict, bits: int) -> dict:
 def readable(stored: dict, held: jax.Array, bits: int) -> dict:
   """{k, v: float32 [B, K, S, H]} as a query at a row's last position reads a layer's arrays once
   the rows hold `held` int[B] tokens: filled groups decoded, the group being filled from the residual."""
-  slots = stored["k"].shape[2]
+  slots = stored["v"].shape[2]
   position = jnp.arange(slots)[None, :]
   residual_start = (held // GROUP * GROUP)[:, None]  # [B, 1]
   in_residual = (position >= residual_start)[:, None, :, None]  # [B, 1, S, 1]
@@ -106,11 +108,11 @@ def readable(stored: dict, held: jax.Array, bits: int) -> dict:
 
 def xla_read(q, k, v, lengths, *, bits: int, **addressing) -> jax.Array:
   """A decode read in XLA (Backend.cache_attention's `xla` for KIVI's route): q [B, 1, N, H] over
-  each row's positions [0, lengths[b]] of codes k, v [B, K, S, H * bits / 8] and their addressing
+  each row's positions [0, lengths[b]] of codes k [B, K, H * bits / 8, S], v [B, K, S, H * bits / 8] and their addressing
   (k_scale, v_scale, k_residual, v_residual) -> [B, 1, N, H]."""
   held = lengths + 1
   arrays = readable({"k": k, "v": v} | addressing, held, bits)
-  mask = jnp.arange(k.shape[2])[None, None, :] < held[:, None, None]
+  mask = jnp.arange(v.shape[2])[None, None, :] < held[:, None, None]
   return attend(q, arrays["k"], arrays["v"], mask)
 
 
@@ -119,7 +121,7 @@ def layer_spec(config: ModelConfig, bits: int, batch: int, slots: int) -> dict:
   k, h = config.num_kv_heads, config.head_dim
   f32, u8 = jnp.dtype(jnp.float32), jnp.dtype(jnp.uint8)
   return {
-    "k": ((batch, k, slots, h * bits // 8), u8),
+    "k": ((batch, k, h * bits // 8, slots), u8),
     "k_scale": ((batch, k, slots // GROUP, 2, h), f32),
     "v": ((batch, k, slots, h * bits // 8), u8),
     "v_scale": ((batch, k, slots, 2, h // GROUP), f32),
@@ -189,7 +191,7 @@ class KiviCache(KVCache):
     """Stages [residual | this call's tokens] from the residual's group start, quantizes the
     groups the call fills into their slots and keeps the group being filled as the new residual
     -> (new arrays, the staged float {k, v} [B, K, L, H], the staged first position int[B])."""
-    slots = stored["k"].shape[2]
+    slots = stored["v"].shape[2]
     held = span.positions[:, 0]  # int[B]: tokens each row held before the call
     end = held + span.lengths
     start = held // GROUP * GROUP
@@ -211,7 +213,11 @@ class KiviCache(KVCache):
       else:  # per token over groups of channels
         codes, scale = quantize(x.reshape(*x.shape[:3], -1, GROUP), self.bits, axis=4)  # [B, K, L, H/G, 2]
         out["v_scale"] = scatter_rows(stored["v_scale"], scale.swapaxes(3, 4), token_slots, axis=2)
-      out[name] = scatter_rows(stored[name], pack(codes.reshape(x.shape), self.bits), token_slots, axis=2)
+      packed = pack(codes.reshape(x.shape), self.bits)  # [B, K, L, H * bits / 8]
+      if name == "k":  # stored transposed: each byte row of channels along the positions
+        out[name] = scatter_rows(stored[name], packed.swapaxes(2, 3), token_slots, axis=3)
+      else:
+        out[name] = scatter_rows(stored[name], packed, token_slots, axis=2)
       last = ((end - start) // GROUP)[:, None, None, None, None]  # the group being filled
       out[name + "_residual"] = jnp.take_along_axis(grouped, last, axis=2)[:, :, 0]
       staged[name] = x
@@ -229,7 +235,7 @@ class KiviCache(KVCache):
   def read(self, stored, query, q_positions, span: Span, backend: Backend):
     """As KVCache.read, for queries at each row's last position."""
     held = span.positions[:, 0] + span.lengths
-    keys = Visibility(q_positions, jnp.arange(stored["k"].shape[2])[None, :], span.window)
+    keys = Visibility(q_positions, jnp.arange(stored["v"].shape[2])[None, :], span.window)
     return query.attend(self.readable(stored, held), keys)
 
   def write_one(self, stored: dict, new: dict, span: Span) -> dict:

@@ -63,8 +63,8 @@ TARGETS = {
   for codec in CODECS
 }
 TARGET = TARGETS["contiguous", "float32"]
-# KIVI's 4-bit layout (kvjax.cache.kivi; csrc/kivi_attention.cc): codes [B, K, S, H / 2] with keys'
-# per-channel scales [B, K, S / 32, 2, H], values' per-token ones [B, K, S, 2, H / 32] and the float
+# KIVI's 4-bit layout (kvjax.cache.kivi; csrc/kivi_attention.cc): key codes [B, K, H / 2, S] (transposed)
+# and value codes [B, K, S, H / 2], with keys' per-channel scales [B, K, S / 32, 2, H], values' per-token ones [B, K, S, 2, H / 32] and the float
 # residuals [B, K, 32, H] of each row's last partial group.
 KIVI_ROUTE = ("kivi", "kivi4")
 TARGETS[KIVI_ROUTE] = "kvjax_kivi_attention"
@@ -102,7 +102,7 @@ def kivi_fits(q, k_cache, v_cache, addressing: dict) -> bool:
   if set(addressing) != set(KIVI_ADDRESSING) or q.ndim != 4 or k_cache.ndim != 4 or q.dtype != jnp.float32:
     return False
   b, _, n, h = q.shape
-  kv, s = k_cache.shape[1], k_cache.shape[2]
+  kv, s = v_cache.shape[1], v_cache.shape[2]
   want = {
     "k_scale": (b, kv, s // KIVI_GROUP, 2, h),
     "v_scale": (b, kv, s, 2, h // KIVI_GROUP),
@@ -116,7 +116,8 @@ def kivi_fits(q, k_cache, v_cache, addressing: dict) -> bool:
     and h % KIVI_GROUP == 0
     and s % KIVI_GROUP == 0
     and k_cache.dtype == v_cache.dtype == jnp.uint8
-    and k_cache.shape == v_cache.shape == (b, kv, s, h // 2)
+    and k_cache.shape == (b, kv, h // 2, s)
+    and v_cache.shape == (b, kv, s, h // 2)
     and all(addressing[name].dtype == jnp.float32 and addressing[name].shape == shape for name, shape in want.items())
   )
 

@@ -65,6 +65,7 @@ def kivi_storage(batch, kv_heads, groups, head_dim, slots, lengths, seed=0):
     for r in residual.values():
       r[b, :, n - coded :] = np.nan
   packed = {n: (c[..., 0::2] | c[..., 1::2] << 4).astype(np.uint8) for n, c in codes.items()}
+  packed["k"] = packed["k"].swapaxes(2, 3)  # keys stored transposed: [B, K, H / 2, S]
   addressing = {"k_scale": k_scale, "v_scale": v_scale, "k_residual": residual["k"], "v_residual": residual["v"]}
   return q, packed["k"], packed["v"], lengths, addressing, (keys, values)
 

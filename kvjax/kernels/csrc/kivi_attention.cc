@@ -2,12 +2,13 @@
 // token per sequence against its keys quantized per channel and its values per token, read in
 // place, and its last partial group of positions in float.
 //
-//   kvjax_kivi_attention  q [B, K, G, H], k and v [B, K, S, H / 2], k_scale [B, K, S / 32, 2, H],
+//   kvjax_kivi_attention  q [B, K, G, H], k [B, K, H / 2, S], v [B, K, S, H / 2], k_scale [B, K, S / 32, 2, H],
 //                         v_scale [B, K, S, 2, H / 32], k_residual and v_residual [B, K, 32, H],
 //                         valid int32 [B] -> out [B, K, G, H]
 //
 // q: the step's queries grouped by kv head, already scaled (float32). Codes are packed two to a
-// byte along the channels (element 2j in the low nibble of byte j); a code c stands for
+// byte along the channels (element 2j in the low nibble of byte j), the keys' transposed (byte
+// row j: channels 2j and 2j + 1 of every position); a code c stands for
 // (c - zero) * step. Keys: each channel's 32 consecutive positions share a step and zero point
 // (k_scale: the group's H steps, then its H zero points); values: each position's 32-channel
 // groups (v_scale: the position's H / 32 steps, then its zero points). Row b attends to its
@@ -15,8 +16,8 @@
 // than 32) from the residuals, whose entry i is position valid[b] / 32 * 32 + i.
 //
 // For a key group: q . ((c - z) * step) = (q * step) . c - (q * step) . z, so the query is scaled
-// by the group's steps once and each position costs a dot product with its widened codes, kLanes
-// positions at a time (kvjax::SumEach). Values: sum_s p_s step_s (c_s - z_s) accumulates
+// by the group's steps once and the scores of kLanes positions (in vector lanes) accumulate from
+// each byte row widened once for up to 8 query heads. Values: sum_s p_s step_s (c_s - z_s) accumulates
 // p_s step_s c_s and p_s step_s z_s per 32-channel group. One task per (row, kv head).
 
 #include <algorithm>
@@ -34,13 +35,11 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-using kvjax::BitReversed;
 using kvjax::Exp;
 using kvjax::kLanes;
 using kvjax::Load;
 using kvjax::LoadNibbles;
 using kvjax::Store;
-using kvjax::SumEach;
 using kvjax::Vec;
 
 constexpr int64_t kGroup = 32;  // kvjax.cache.codec.KIVI_GROUP
@@ -52,7 +51,6 @@ struct Shape {
 struct Scratch {
   std::vector<float> scores;  // groups x the row's positions, padded to kLanes
   std::vector<float> scaled;  // groups x head_dim: the queries times a key group's steps
-  std::vector<float> rows;    // kLanes x head_dim: a tile's key codes, widened
   std::vector<float> out;     // groups x head_dim: the values' sum
   std::vector<float> zeros;   // groups x head_dim / 32: the values' zero points' sum
 };
@@ -100,6 +98,24 @@ void ValueBlock(const float* probs, int64_t probs_stride, const uint8_t* values,
   }
 }
 
+constexpr int64_t kKeyHeads = 8;  // query heads whose key scores stay in registers together
+
+// scores[g, t0:t0 + kLanes] = scaled[g] . (the codes of positions t0..) - bias[g] for GB query
+// heads (scores' rows `stride` apart), positions in lanes: each byte row of the transposed codes
+// (channels h and h + 1 of kLanes positions) is widened once for every head.
+template <int GB>
+void KeyTile(const float* scaled, const float* bias, const uint8_t* keys, int64_t slots, int64_t t0, int64_t h_dim,
+             float* scores, int64_t stride) {
+  Vec acc[GB] = {};
+  for (int64_t h = 0; h < h_dim; h += 2) {
+    const uint8_t* row = keys + h / 2 * slots + t0;
+    __builtin_prefetch(row + 4 * kLanes);
+    const Vec low = kvjax::LoadNibbleLanes(row, false), high = kvjax::LoadNibbleLanes(row, true);
+    for (int g = 0; g < GB; ++g) acc[g] += scaled[g * h_dim + h] * low + scaled[g * h_dim + h + 1] * high;
+  }
+  for (int g = 0; g < GB; ++g) Store(scores + g * stride + t0, acc[g] - bias[g]);
+}
+
 void Task(const Shape& s, const float* q, const uint8_t* k, const float* k_scale, const uint8_t* v,
           const float* v_scale, const float* k_res, const float* v_res, const int32_t* valid, float* out, int64_t b,
           int64_t kv, Scratch& scratch) {
@@ -115,38 +131,30 @@ void Task(const Shape& s, const float* q, const uint8_t* k, const float* k_scale
   scratch.scores.assign(s.groups * padded, -std::numeric_limits<float>::infinity());
   float* scores = scratch.scores.data();
 
-  // Scores of the coded groups, kLanes positions at a time.
-  const uint8_t* keys = k + pair * s.slots * bytes;
+  // Scores of the coded groups, kLanes positions at a time, positions in lanes.
+  const uint8_t* keys = k + pair * bytes * s.slots;
+  float* scaled = scratch.scaled.data();
+  float bias[64];  // per query head: (q * step) . zero over the group (groups <= 64, checked)
   for (int64_t g0 = 0; g0 < coded; g0 += kGroup) {
     const float* step = k_scale + (pair * (s.slots / kGroup) + g0 / kGroup) * 2 * h_dim;
     const float* zero = step + h_dim;
-    float bias[64];  // per query head: (q * step) . zero (groups <= 64, checked)
     for (int64_t g = 0; g < s.groups; ++g) {
-      float* scaled = scratch.scaled.data() + g * h_dim;
       Vec acc{};
       for (int64_t h = 0; h < h_dim; h += kLanes) {
         const Vec x = Load(qp + g * h_dim + h) * Load(step + h);
-        Store(scaled + h, x);
+        Store(scaled + g * h_dim + h, x);
         acc += x * Load(zero + h);
       }
       bias[g] = 0;
       for (int i = 0; i < kLanes; ++i) bias[g] += acc[i];
     }
-    for (int64_t t0 = g0; t0 < g0 + kGroup; t0 += kLanes) {
-      float* rows = scratch.rows.data();
-      for (int64_t i = 0; i < kLanes; ++i)
-        for (int64_t h = 0; h < h_dim; h += kLanes) Store(rows + i * h_dim + h, LoadNibbles(keys + (t0 + i) * bytes + h / 2));
-      for (int64_t g = 0; g < s.groups; ++g) {
-        const float* scaled = scratch.scaled.data() + g * h_dim;
-        Vec acc[kLanes] = {};
-        for (int64_t h = 0; h < h_dim; h += kLanes) {
-          const Vec qv = Load(scaled + h);
-#pragma GCC unroll 16
-          for (int i = 0; i < kLanes; ++i) acc[BitReversed(i)] += qv * Load(rows + i * h_dim + h);
-        }
-        Store(scores + g * padded + t0, SumEach(acc) - bias[g]);
+    for (int64_t t0 = g0; t0 < g0 + kGroup; t0 += kLanes)
+      for (int64_t h0 = 0; h0 < s.groups; h0 += kKeyHeads) {
+        WithConstant<kKeyHeads>(std::min(kKeyHeads, s.groups - h0), [&](auto n) {
+          KeyTile<decltype(n)::value>(scaled + h0 * h_dim, bias + h0, keys, s.slots, t0, h_dim, scores + h0 * padded,
+                                      padded);
+        });
       }
-    }
   }
   // The residual's positions, in float.
   const float* k_rows = k_res + pair * kGroup * h_dim;
@@ -216,17 +224,17 @@ using Result = ffi::ResultBuffer<ffi::F32, 4>;
 ffi::Error KiviAttention(ffi::ThreadPool pool, Queries q, Codes k, Codes v, KeyScales k_scale, KeyScales v_scale,
                          Residual k_res, Residual v_res, Valid valid, Result out) {
   const auto qd = q.dimensions(), kd = k.dimensions();
-  const Shape s{qd[0], qd[1], qd[2], qd[3], kd[2]};
+  const Shape s{qd[0], qd[1], qd[2], qd[3], kd[3]};
   const int64_t h = s.head_dim;
   if (h % kGroup || h % kLanes || s.slots % kGroup || s.groups > 64 ||
-      !Is(kd, {s.batch, s.kv_heads, s.slots, h / 2}) || !Is(v.dimensions(), {s.batch, s.kv_heads, s.slots, h / 2}) ||
+      !Is(kd, {s.batch, s.kv_heads, h / 2, s.slots}) || !Is(v.dimensions(), {s.batch, s.kv_heads, s.slots, h / 2}) ||
       !Is(k_scale.dimensions(), {s.batch, s.kv_heads, s.slots / kGroup, 2, h}) ||
       !Is(v_scale.dimensions(), {s.batch, s.kv_heads, s.slots, 2, h / kGroup}) ||
       !Is(k_res.dimensions(), {s.batch, s.kv_heads, kGroup, h}) || !Is(v_res.dimensions(), {s.batch, s.kv_heads, kGroup, h}) ||
       !Is(valid.dimensions(), {s.batch}) || !Is(out->dimensions(), {s.batch, s.kv_heads, s.groups, h}))
     return ffi::Error::InvalidArgument(
         "kvjax_kivi_attention expects q [B, K, G, H] (G <= 64, H a multiple of 32 and of the vector width), "
-        "k and v [B, K, S, H / 2] (S a multiple of 32), k_scale [B, K, S / 32, 2, H], v_scale [B, K, S, 2, H / 32], "
+        "k [B, K, H / 2, S] and v [B, K, S, H / 2] (S a multiple of 32), k_scale [B, K, S / 32, 2, H], v_scale [B, K, S, 2, H / 32], "
         "residuals [B, K, 32, H], valid [B] (kvjax/kernels/csrc/kivi_attention.cc)");
   const int64_t tasks = s.batch * s.kv_heads;
   if (tasks == 0) return ffi::Error::Success();
@@ -234,7 +242,6 @@ ffi::Error KiviAttention(ffi::ThreadPool pool, Queries q, Codes k, Codes v, KeyS
   std::vector<Scratch> scratch(workers);
   for (auto& sc : scratch) {
     sc.scaled.resize(s.groups * h);
-    sc.rows.resize(kLanes * h);
   }
   kvjax::ParallelFor(pool, tasks, workers, [&](int64_t task, int64_t worker) {
     Task(s, q.typed_data(), k.typed_data(), k_scale.typed_data(), v.typed_data(), v_scale.typed_data(),
