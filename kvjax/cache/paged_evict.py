@@ -68,6 +68,7 @@ from kvjax.model.backend import Backend
 from kvjax.model.transformer import cache_collection
 
 POSITIONS, SCORES = "positions", "scores"
+DROP_PASSES = 8  # decode intervals up to this drop their tokens by passes of minima, longer ones by a sort
 
 
 def layer_spec(config: ModelConfig, codec, num_pages: int, page_size: int, scored: bool = False) -> dict:
@@ -297,7 +298,10 @@ class PagedEvictCache(PagedCache):
     priority = jnp.where(positions < 0, -jnp.inf, scores)
     priority = jnp.where(slot < self.capacity, priority, jnp.inf)
     t = span.positions.shape[1]
-    victims = jax.lax.top_k(-priority, min(t, width))[1]
+    if t == 1:  # a decode step: the one victim (argmax takes the lowest slot of equals, as top_k)
+      victims = jnp.argmax(-priority, axis=-1)[..., None]
+    else:
+      victims = jax.lax.top_k(-priority, min(t, width))[1]
     victims = jnp.pad(victims, ((0, 0), (0, 0), (0, t - victims.shape[-1])), constant_values=-1)
     victims = jnp.where(span.valid[:, None], victims, -1)  # [B, K, T]
     arrived = {
@@ -317,7 +321,18 @@ class PagedEvictCache(PagedCache):
       mask = Visibility(span.positions, positions, span.window).mask() & span.valid[:, None, :, None]
       weights = attention_weights(query.every_q, keys, mask)
       scores = self.press.held_scores(scores, weights, span.valid, positions >= span.positions[:, :1, None])
-    several = (span.lengths > 1)[:, None]  # [B, 1]: a call of several tokens presses past the budget
-    kept = selection.press_to_budget(positions, scores, self.capacity, self.press.decode_budget, several)
+    budget, interval = self.press.decode_budget, self.press.decode_interval
+    held = (positions >= 0).sum(axis=-1)  # [B, K]
+    if t == 1 and interval <= DROP_PASSES:  # a full row drops its `interval` worst, found by minima
+      excess = jnp.where(held >= self.capacity, held - budget, 0)
+      kept = selection.drop_lowest(positions, scores, excess, interval)
+    else:  # sorting the slots, only in a call where some row is pressed
+      several = (span.lengths > 1)[:, None]  # [B, 1]: a call of several tokens presses past the budget
+      pressed = jnp.any(held >= self.capacity) | jnp.any(several & (held > budget))
+      kept = jax.lax.cond(
+        pressed,
+        lambda: selection.press_to_budget(positions, scores, self.capacity, budget, several),
+        lambda: positions,
+      )
     every = jnp.broadcast_to(jnp.where(slot < self.capacity, slot, -1), positions.shape)
     return self.store_heads(stored, {POSITIONS: kept, SCORES: scores}, every), out

@@ -124,6 +124,21 @@ def press_to_budget(positions: jax.Array, scores: jax.Array, full, budget: int, 
   return jnp.where(rank < excess[..., None], -1, positions)
 
 
+def drop_lowest(positions: jax.Array, scores: jax.Array, excess: jax.Array, most: int) -> jax.Array:
+  """press_to_budget's drop for at most `most` (static, small) tokens a head: excess int[B, K]
+  (at most `most`) of each head's held tokens (positions int[B, K, S], -1 empty) dropped, the
+  lowest score first and, of equal scores, the earlier position, by `most` passes of minima
+  instead of sorting the slots."""
+  out = positions
+  for i in range(most):
+    held = out >= 0
+    s = jnp.where(held, scores, jnp.inf)
+    tie = held & (s == s.min(axis=-1, keepdims=True))
+    first = jnp.where(tie, out, jnp.iinfo(jnp.int32).max).min(axis=-1, keepdims=True)
+    out = jnp.where(tie & (out == first) & (i < excess)[..., None], -1, out)
+  return out
+
+
 def refusal(config: ModelConfig, cache_config) -> str | None:
   """Why a model of `config` cannot keep what cache_config's press keeps in cache_config's layout
   ("evict" or "paged_evict"), from the press's declared properties; None when it can."""

@@ -132,6 +132,7 @@ BUDGETED = {  # (press, decode budget, interval, pages): one-token reads on the 
   # Its held scores read each call's attention: a preempted request's tokens recomputed in one call
   # would be pressed otherwise than when it decoded them (these pages make it matter).
   "tova": (make_press("tova", compression_ratio=0.5), 5, 4, 8),
+  "knorm_interval_9": (KNorm(compression_ratio=0.5), 6, 9, 13),  # past DROP_PASSES: a sort
 }
 
 
