@@ -54,6 +54,8 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using kvjax::Is;
+using kvjax::WithConstant;
 using kvjax::BFloat16;
 using kvjax::BitReversed;
 using kvjax::Exp;
@@ -96,14 +98,6 @@ inline float Sum(Vec v) {
   float s = 0;
   for (int i = 0; i < kLanes; ++i) s += v[i];
   return s;
-}
-
-// fn(std::integral_constant<int, n>) for 1 <= n <= kMax: a run-time count as a template argument.
-template <int kMax, typename Fn>
-inline void WithConstant(int64_t n, Fn fn) {
-  if constexpr (kMax > 1)
-    if (n < kMax) return WithConstant<kMax - 1>(n, fn);
-  fn(std::integral_constant<int, kMax>{});
 }
 
 // Contiguous keys are stored transposed ([H, S] with row stride max_len), so that positions lie in
@@ -624,11 +618,6 @@ using Scales4 = ffi::Buffer<ffi::F32, 4>;
 using Result4 = ffi::ResultBuffer<ffi::F32, 4>;
 using Lengths = ffi::Buffer<ffi::S32, 1>;
 using Table = ffi::Buffer<ffi::S32, 2>;
-
-template <typename Dims>
-bool Is(const Dims& d, std::initializer_list<int64_t> want) {
-  return d.size() == want.size() && std::equal(want.begin(), want.end(), d.begin());
-}
 
 // The XLA element type each stored type is bound as: bfloat16 and e4m3 come as their bits
 // (kvjax/cache/codec.py stores them so), int4 as its bytes.

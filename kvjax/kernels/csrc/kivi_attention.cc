@@ -35,6 +35,8 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using kvjax::Is;
+using kvjax::WithConstant;
 using kvjax::Exp;
 using kvjax::kLanes;
 using kvjax::Load;
@@ -54,14 +56,6 @@ struct Scratch {
   std::vector<float> out;     // groups x head_dim: the values' sum
   std::vector<float> zeros;   // groups x head_dim / 32: the values' zero points' sum
 };
-
-// fn(std::integral_constant<int, n>) for 1 <= n <= kMax: a run-time count as a template argument.
-template <int kMax, typename Fn>
-inline void WithConstant(int64_t n, Fn fn) {
-  if constexpr (kMax > 1)
-    if (n < kMax) return WithConstant<kMax - 1>(n, fn);
-  fn(std::integral_constant<int, kMax>{});
-}
 
 constexpr int64_t kBlockHeads = 4;     // query heads whose value sums stay in registers together
 constexpr int64_t kBlockChannels = 64;  // channels of a value row decoded at a time (two groups)
@@ -206,11 +200,6 @@ void Task(const Shape& s, const float* q, const uint8_t* k, const float* k_scale
     const float inverse = 1.0f / total[g];
     for (int64_t h = 0; h < h_dim; ++h) op[g * h_dim + h] = (acc[g * h_dim + h] - zeros[g * v_groups + h / kGroup]) * inverse;
   }
-}
-
-template <typename Dims>
-bool Is(const Dims& d, std::initializer_list<int64_t> want) {
-  return d.size() == want.size() && std::equal(want.begin(), want.end(), d.begin());
 }
 
 // Named types: the registration macro below splits its arguments at commas.

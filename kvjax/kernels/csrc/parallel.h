@@ -1,10 +1,14 @@
-// Work sharing for kvjax's CPU kernels over XLA's intra-op thread pool.
+// Work sharing for kvjax's CPU kernels over XLA's intra-op thread pool, and the small helpers
+// every kernel's entry point shares (shape checks, run-time counts as template arguments).
 
 #ifndef KVJAX_CSRC_PARALLEL_H_
 #define KVJAX_CSRC_PARALLEL_H_
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <initializer_list>
+#include <type_traits>
 #include <memory>
 #include <thread>
 
@@ -34,6 +38,20 @@ void ParallelFor(xla::ffi::ThreadPool& pool, int64_t tasks, int64_t workers, con
   for (int64_t i = 1; i < workers; ++i) pool.Schedule([work, i] { work(i); });
   work(0);
   while (counters->finished.load(std::memory_order_acquire) < tasks) std::this_thread::yield();
+}
+
+// Whether an FFI buffer's dimensions are `want`: a kernel's shape check.
+template <typename Dims>
+bool Is(const Dims& d, std::initializer_list<int64_t> want) {
+  return d.size() == want.size() && std::equal(want.begin(), want.end(), d.begin());
+}
+
+// fn(std::integral_constant<int, n>) for 1 <= n <= kMax: a run-time count as a template argument.
+template <int kMax, typename Fn>
+inline void WithConstant(int64_t n, Fn fn) {
+  if constexpr (kMax > 1)
+    if (n < kMax) return WithConstant<kMax - 1>(n, fn);
+  fn(std::integral_constant<int, kMax>{});
 }
 
 }  // namespace kvjax

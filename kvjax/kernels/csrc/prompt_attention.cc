@@ -35,6 +35,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using kvjax::Is;
 using kvjax::Exp;
 using kvjax::IVec;
 using kvjax::kLanes;
@@ -180,11 +181,6 @@ void Task(const Shape& s, const float* q, const float* k, const float* v, const 
     const float inverse = total[i] > 0.0f ? 1.0f / total[i] : 0.0f;
     for (int64_t h = 0; h < h_dim; ++h) row[h] = ot[h * kRows + i] * inverse;
   }
-}
-
-template <typename Dims>
-bool Is(const Dims& d, std::initializer_list<int64_t> want) {
-  return d.size() == want.size() && std::equal(want.begin(), want.end(), d.begin());
 }
 
 // Named types: the registration macro below splits its arguments at commas.
