@@ -102,7 +102,8 @@ def test_all_logits_cut_to_the_prompt(model):
 
 @pytest.mark.parametrize(
   "protocol, every",
-  [("query_agnostic", False), ("query_aware", False)]
+  [("query_agnostic", False)]  # the query-aware protocol's answers: the second tier, and tests/studies/test_measure.py
+  + [pytest.param("query_aware", False, marks=pytest.mark.tier2)]
   + [pytest.param(p, True, marks=pytest.mark.tier2) for p in ("query_agnostic", "query_aware")],
 )
 def test_answers_in_one_batch_equal_each_caches_own(model, protocol, every):
