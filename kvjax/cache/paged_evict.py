@@ -335,4 +335,6 @@ class PagedEvictCache(PagedCache):
         lambda: positions,
       )
     every = jnp.broadcast_to(jnp.where(slot < self.capacity, slot, -1), positions.shape)
-    return self.store_heads(stored, {POSITIONS: kept, SCORES: scores}, every), out
+    # The scores change after the arrivals' write only where the press reads the call's attention.
+    back = {POSITIONS: kept} | ({SCORES: scores} if self.press.reads_attention else {})
+    return self.store_heads(stored, back, every), out

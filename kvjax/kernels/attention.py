@@ -68,7 +68,7 @@ TARGET = TARGETS["contiguous", "float32"]
 # residuals [B, K, 32, H] of each row's last partial group.
 KIVI_ROUTE = ("kivi", "kivi4")
 TARGETS[KIVI_ROUTE] = "kvjax_kivi_attention"
-KIVI_GROUP = 32
+KIVI_GROUP = 32  # the kernel's kGroup; kvjax.cache.codec.KIVI_GROUP is the layout's (a cache above kernels)
 KIVI_ADDRESSING = ("k_scale", "v_scale", "k_residual", "v_residual")
 # The kernel addresses a page pool with int32 offsets: pools of this many entries or more stay with XLA.
 MAX_POOL_ENTRIES = 2**31 - 4
