@@ -117,6 +117,10 @@ class KVCache(flax.struct.PyTreeNode, kw_only=True):
     """(layout, codec): how this kind names its storage to a decode kernel (Backend.cache_attention)."""
     return (self.layout, self.codec.name)
 
+  def call_positions(self, t: int) -> jax.Array:
+    """int32[B, t]: the positions of a call of t columns, row b's from lengths[b] on."""
+    return self.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)
+
   # Host side.
 
   @property

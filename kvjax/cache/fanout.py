@@ -96,6 +96,9 @@ class Fanout(flax.struct.PyTreeNode):
   # What the model's layers call (kvjax.model.attention.cached_attention): the first child speaks
   # for all of them where they agree (shares_prefill).
 
+  def call_positions(self, t: int) -> jax.Array:
+    return self.caches[0].replace(lengths=self.lengths).call_positions(t)
+
   def layer_window(self, config, layer: int):
     return self.caches[0].layer_window(config, layer)
 

@@ -77,6 +77,12 @@ class KVQuery:
     """The queries a decode kernel takes (backend.cache_attention)."""
     return self.q
 
+  def map_tokens(self, fn) -> "KVQuery":
+    """The query with fn applied to its queries ([B, Tq, ...] -> [B', Tq', ...]): how a packed
+    call's queries are cut into rows (kvjax.serving.mixed). call_q is dropped: no press reads a
+    packed call."""
+    return self.replace(q=fn(self.q), call_q=None)
+
   def attend(
     self, arrays: dict, keys: "Visibility", *, transposed: bool = False, absorb: bool = False, backend: Backend = XLA
   ) -> jax.Array:

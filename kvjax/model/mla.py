@@ -77,6 +77,10 @@ class LatentQuery:
     """No decode kernel reads latents: every read is the absorbed (or expanded) form."""
     return None
 
+  def map_tokens(self, fn) -> "LatentQuery":
+    """The query with fn applied to its per-token arrays (KVQuery.map_tokens)."""
+    return self.replace(nope=fn(self.nope), rope=fn(self.rope))
+
   def attend(
     self, arrays: dict, keys: Visibility, *, transposed: bool = False, absorb: bool = False, backend=None
   ) -> jax.Array:

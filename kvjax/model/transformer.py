@@ -167,7 +167,8 @@ class Transformer(nn.Module):
       tokens: int[B, T]; row b's new tokens are tokens[b, :lengths[b]].
       cache: a cache kind (kvjax.cache) whose `lengths` int[B] are the tokens each row holds,
         its arrays in the 'cache' collection (apply with mutable=['cache']); None for a plain
-        causal forward pass.
+        causal forward pass. Its `call_positions(T)` int32[B, T] are the positions of the call's
+        columns (row b's from lengths[b] on; a packed call's its own: kvjax.serving.mixed).
       lengths: int[B] new tokens per row (default: all T).
       logits_at: int[B, T'] columns whose logits are wanted (default: all T). The last layer
         computes its attention output and MLP only there.
@@ -176,9 +177,8 @@ class Transformer(nn.Module):
       float32 [B, T, V], or [B, T', V] at logits_at.
     """
     b, t = tokens.shape
-    starts = jnp.zeros((b,), jnp.int32) if cache is None else cache.lengths
     span = Span(
-      positions=starts[:, None] + jnp.arange(t, dtype=jnp.int32),
+      positions=jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)) if cache is None else cache.call_positions(t),
       lengths=jnp.full((b,), t, jnp.int32) if lengths is None else lengths.astype(jnp.int32),
       from_empty=cache is None or from_empty,
     )

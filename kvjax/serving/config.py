@@ -35,6 +35,10 @@ class EngineConfig:
   # is prefilled in chunks between decode steps instead of stalling every running row at once.
   # 0: each context whole in the step it is admitted. A pressed prompt is always computed whole.
   prefill_chunk: int = 512
+  # A step with decoding rows and a context still being computed runs both in one call: the rows'
+  # tokens and the context's next chunk packed in one row (kvjax.serving.mixed). False: the chunk
+  # is a call of its own before the decode step.
+  mixed_steps: bool = True
   trace_steps: bool = False  # EngineStats keeps one entry per decode step (the KV-memory study's trace)
 
   def __post_init__(self):
@@ -59,7 +63,7 @@ class EngineConfig:
       raise ValueError(
         f"EngineConfig.prefill_chunk must be an integer >= 0 (0: whole contexts), got {self.prefill_chunk!r}"
       )
-    for name in ("prefix_caching", "trace_steps"):
+    for name in ("prefix_caching", "mixed_steps", "trace_steps"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"EngineConfig.{name} must be True or False, got {getattr(self, name)!r}")
     if isinstance(self.seed, bool) or not isinstance(self.seed, int):

@@ -2,9 +2,12 @@
 
 `num_slots` batch rows are decoded together by one jitted step. A request is admitted to a free
 row when the pages for its context are free (first come, first served); its context is computed
-in chunks of at most `prefill_chunk` tokens per step, between the decode steps of the rows
-already running, after the pages of any prefix already cached (prefix caching: the allocator
-finds them by digest); it leaves as soon as it finishes, freeing its pages for the next one.
+in chunks of at most `prefill_chunk` tokens per step after the pages of any prefix already cached
+(prefix caching: the allocator finds them by digest); it leaves as soon as it finishes, freeing
+its pages for the next one. A step that has both decoding rows and a context still being
+computed runs them in one call (`mixed_steps`, kvjax.serving.mixed): every decoding row's token
+and the next chunk of the oldest such context, packed in one row, so that a long prompt never
+stalls the running rows and its products share each weight read with theirs.
 When the running requests need more pages than are free, the newest is preempted: its pages are
 freed and it waits to be recomputed (prefill of prompt + tokens so far) once pages free up.
 
@@ -45,7 +48,7 @@ from kvjax.decoding.sampling import Sampling
 from kvjax.model.transformer import Transformer
 from kvjax.model.weights import store
 from kvjax.serving.allocator import OutOfPages, PageAllocator, page_digests
-from kvjax.serving import steps
+from kvjax.serving import mixed, steps
 from kvjax.serving.config import EngineConfig
 from kvjax.serving.requests import EngineStats, Request
 
@@ -121,6 +124,11 @@ class Engine:
     decodes one token for every row that has one. Returns the requests that finished."""
     finished: list[Request] = []
     self._admit()
+    if self._mixes():
+      self._grow()  # may preempt the context being computed
+      if self._mixes():
+        self._mixed(finished)
+        return finished
     self._prefill(finished)
     self._grow()
     if any(r.decoding for r in self.running):
@@ -259,7 +267,7 @@ class Engine:
       if first < context.size:
         logits = self._recompute(context, first, table)
         request.computed = context.size
-      token = self._sample(logits, request.sampling, request.id, len(request.generated))
+      token = self._pick(logits, [request])
       self._emit(request, int(token[0]), finished)
 
   def _grow(self) -> None:
@@ -296,7 +304,54 @@ class Engine:
       self.finished[request.id] = request
       finished.append(request)
 
-  def _decode(self, finished: list[Request]) -> None:
+  def _mixes(self) -> bool:
+    """Whether this step runs as one mixed call: decoding rows and a context still to compute,
+    without a press (a pressed prompt is pressed whole, in a call of its own)."""
+    running = self.running
+    return (
+      self.config.mixed_steps
+      and self.press is None
+      and any(r.decoding for r in running)
+      and any(r.computed < r.first for r in running)
+    )
+
+  def _mixed(self, finished: list[Request]) -> None:
+    """Every decoding row's next token and the next chunk (at most prefill_chunk tokens) of the
+    oldest context still being computed, in one call; the context's first token is sampled
+    when its chunk ends it."""
+    alloc = self.allocator
+    request = next(r for r in self.running if r.computed < r.first)
+    start = request.computed
+    end = min(request.first, start + (self.config.prefill_chunk or self.max_len))
+    running = self._count_step()
+    rows = [r if r is not None and r.decoding else None for r in self.slots]
+    positions = max(end, max(alloc.length(r.id) for r in running))
+    width = min(self.max_pages, 1 << (alloc.pages_for(positions) - 1).bit_length())
+    chunk = np.zeros((1, self._chunk_bucket(end - start)), np.int32)
+    chunk[0, : end - start] = request.context[start:end]
+    decode = self._decode_inputs(rows)
+    table = alloc.page_table(decode["ids"] + [request.id], self.max_pages)[:, :width]
+    cache = self.cache.with_rows(table, np.append(decode["lengths"], start))
+    logits, self.cache = mixed.step(
+      self.model, self.params, cache, jnp.asarray(decode["tokens"]), jnp.asarray(chunk), jnp.array([end - start])
+    )
+    tokens = self._pick(logits, rows + [request])
+    self.stats.mixed_steps += 1
+    request.computed = end
+    for r in running:
+      self._emit(r, int(tokens[r.slot]), finished)
+    if end == request.first:
+      alloc.cache(request.id, request.digests)  # its whole pages are written: later prompts may share them
+      self._emit(request, int(tokens[-1]), finished)
+
+  def _chunk_bucket(self, tokens: int) -> int:
+    """Columns of a mixed call's chunk of `tokens`: a power of two from MIN_PROMPT_BUCKET up to
+    the one holding prefill_chunk (or max_len), so the call compiles for few widths."""
+    widest = 1 << ((self.config.prefill_chunk or self.max_len) - 1).bit_length()
+    return min(widest, max(steps.MIN_PROMPT_BUCKET, 1 << (tokens - 1).bit_length()))
+
+  def _count_step(self) -> list[Request]:
+    """Counts a decode step in the stats -> the requests decoding in it."""
     alloc = self.allocator
     running = [r for r in self.running if r.decoding]
     stats, cached, allocated = (
@@ -312,8 +367,12 @@ class Engine:
       stats.running.append(len(running))
       stats.cached.append(cached)
       stats.allocated.append(allocated)
+    return running
+
+  def _decode(self, finished: list[Request]) -> None:
+    running = self._count_step()
     rows = [r if r is not None and r.decoding else None for r in self.slots]
-    tokens = self._run_decode(rows, self._width(max(alloc.length(r.id) for r in running)))
+    tokens = self._run_decode(rows, self._width(max(self.allocator.length(r.id) for r in running)))
     for request in running:
       self._emit(request, int(tokens[request.slot]), finished)
 
@@ -348,35 +407,32 @@ class Engine:
     )
     return logits
 
-  def _sample(self, logits, sampling, request_id: int, index: int) -> np.ndarray:
+  def _decode_inputs(self, slots: list[Request | None]) -> dict:
+    """A decode step's rows (None: idle) -> their ids, the positions each holds before its token
+    (lengths), the slots it fills (filled), and the tokens they take."""
+    return dict(
+      ids=[None if r is None else r.id for r in slots],
+      lengths=np.array([0 if r is None else r.prompt.size + len(r.generated) - 1 for r in slots], np.int32),
+      filled=np.array([0 if r is None else self._held(r.prompt.size, len(r.generated) - 1) for r in slots], np.int32),
+      tokens=np.array([0 if r is None else r.generated[-1] for r in slots], np.int32),
+    )
+
+  def _pick(self, logits, rows: list[Request | None]) -> np.ndarray:
+    """Each row's next token from its logits [B, V] under its sampling (an idle row greedily)."""
     return np.asarray(
       steps.pick(
         logits,
-        steps.stack_sampling([sampling]),
+        steps.stack_sampling([GREEDY if r is None else r.sampling for r in rows]),
         self.config.seed,
-        jnp.array([request_id], jnp.int32),
-        jnp.array([index], jnp.int32),
+        jnp.asarray([0 if r is None else r.id for r in rows], jnp.int32),
+        jnp.asarray([0 if r is None else len(r.generated) for r in rows], jnp.int32),
       )
     )
 
   def _run_decode(self, slots: list[Request | None], width: int) -> np.ndarray:
     """One decode step over all rows; a request's pages already hold the slot it writes."""
-    alloc = self.allocator
-    ids = [None if r is None else r.id for r in slots]
-    table = alloc.page_table(ids, self.max_pages)[:, :width]
-    lengths = np.array([0 if r is None else r.prompt.size + len(r.generated) - 1 for r in slots], np.int32)
-    filled = np.array([0 if r is None else self._held(r.prompt.size, len(r.generated) - 1) for r in slots], np.int32)
-    tokens = np.array([0 if r is None else r.generated[-1] for r in slots], np.int32)
-    index = np.array([0 if r is None else len(r.generated) for r in slots], np.int32)
-    sampling = steps.stack_sampling([GREEDY if r is None else r.sampling for r in slots])
-    cache = self.cache.with_rows(table, lengths, filled)
-    logits, self.cache = steps.decode(self.model, self.params, cache, jnp.asarray(tokens))
-    return np.asarray(
-      steps.pick(
-        logits,
-        sampling,
-        self.config.seed,
-        jnp.asarray([0 if i is None else i for i in ids], jnp.int32),
-        jnp.asarray(index),
-      )
-    )
+    rows = self._decode_inputs(slots)
+    table = self.allocator.page_table(rows["ids"], self.max_pages)[:, :width]
+    cache = self.cache.with_rows(table, rows["lengths"], rows["filled"])
+    logits, self.cache = steps.decode(self.model, self.params, cache, jnp.asarray(rows["tokens"]))
+    return self._pick(logits, slots)

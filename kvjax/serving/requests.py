@@ -43,6 +43,7 @@ class EngineStats:
   preemptions: int = 0
   generated_tokens: int = 0
   decode_steps: int = 0
+  mixed_steps: int = 0  # of those, steps that also computed a chunk of a context (kvjax.serving.mixed)
   max_running: int = 0
   cached_total: int = 0  # tokens cached, summed over the decode steps
   allocated_total: int = 0  # token slots allocated, summed over the decode steps

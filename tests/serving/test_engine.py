@@ -132,6 +132,7 @@ def test_prompts_prefilled_in_chunks_between_decode_steps_change_no_token(model_
   for tokens, expected in zip(out, want):
     np.testing.assert_array_equal(tokens, expected)
   assert engine.stats.preemptions > 0
+  assert engine.stats.mixed_steps > 0  # chunks ran in the decode rows' calls
   _, whole = serve(model, params, requests, EngineConfig(**{**vars(CONFIG), "prefill_chunk": 0}))
   assert engine.stats.decode_steps > whole.stats.decode_steps  # more steps: the prompts were spread over them
 
