@@ -61,7 +61,7 @@ def test_a_mixed_call_equals_its_rows_own_calls(case):
   cache, tokens = filled(model, params, empty, rng)
   chunk = np.zeros((1, 16), np.int32)
   chunk[0, :CHUNK] = rng.integers(0, 64, CHUNK)
-  copy = lambda c: jax.tree.map(jnp.copy, c)  # noqa: E731: the calls donate their cache
+  copy = lambda c: jax.tree.map(jnp.copy, c)  # noqa: E731 (the calls donate their cache)
   pages = table()
 
   decoded, alone = steps.decode(model, params, copy(cache).with_rows(pages[:3], HELD), jnp.asarray(tokens))
