@@ -158,8 +158,9 @@ class Engine:
     return False
 
   def warmup(self) -> None:
-    """Compiles every prompt bucket (and with a press, every extend bucket) and page-table width on
-    idle rows (writes land in the null page)."""
+    """Compiles every prompt bucket (and with a press, every extend bucket), page-table width and
+    mixed call (chunk bucket by the widths its chunk can reach) on idle rows (writes land in the
+    null page)."""
     n = steps.MIN_PROMPT_BUCKET
     while True:
       bucket = size_bucket(n, self.max_len, steps.MIN_PROMPT_BUCKET)
@@ -176,6 +177,22 @@ class Engine:
       if width >= self.max_pages:
         break
       width = self._width(width * self.config.cache.page_size + 1)
+    if not self.config.mixed_steps or self.press is not None:
+      return
+    idle = [None] * self.config.num_slots
+    widest = self._chunk_bucket(self.max_len)
+    bucket = steps.MIN_PROMPT_BUCKET
+    while True:  # a chunk of a bucket holds more than half of it, so needs that many positions
+      least = 1 if bucket == steps.MIN_PROMPT_BUCKET else bucket // 2 + 1
+      width = self._mixed_width(least)
+      while True:
+        self._run_mixed(idle, None, np.zeros(bucket, np.int32), width)
+        if width >= self.max_pages:
+          break
+        width = self._mixed_width(width * self.config.cache.page_size + 1)
+      if bucket >= widest:
+        break
+      bucket *= 2
 
   # Memory policy.
 
@@ -326,16 +343,7 @@ class Engine:
     running = self._count_step()
     rows = [r if r is not None and r.decoding else None for r in self.slots]
     positions = max(end, max(alloc.length(r.id) for r in running))
-    width = min(self.max_pages, 1 << (alloc.pages_for(positions) - 1).bit_length())
-    chunk = np.zeros((1, self._chunk_bucket(end - start)), np.int32)
-    chunk[0, : end - start] = request.context[start:end]
-    decode = self._decode_inputs(rows)
-    table = alloc.page_table(decode["ids"] + [request.id], self.max_pages)[:, :width]
-    cache = self.cache.with_rows(table, np.append(decode["lengths"], start))
-    logits, self.cache = mixed.step(
-      self.model, self.params, cache, jnp.asarray(decode["tokens"]), jnp.asarray(chunk), jnp.array([end - start])
-    )
-    tokens = self._pick(logits, rows + [request])
+    tokens = self._run_mixed(rows, request, request.context[start:end], self._mixed_width(positions))
     self.stats.mixed_steps += 1
     request.computed = end
     for r in running:
@@ -343,6 +351,11 @@ class Engine:
     if end == request.first:
       alloc.cache(request.id, request.digests)  # its whole pages are written: later prompts may share them
       self._emit(request, int(tokens[-1]), finished)
+
+  def _mixed_width(self, positions: int) -> int:
+    """Page-table columns of a mixed call covering `positions`: a power of two (at most max_pages),
+    so that with the chunk's width the call compiles for few shapes."""
+    return min(self.max_pages, 1 << (self.allocator.pages_for(positions) - 1).bit_length())
 
   def _chunk_bucket(self, tokens: int) -> int:
     """Columns of a mixed call's chunk of `tokens`: a power of two from MIN_PROMPT_BUCKET up to
@@ -428,6 +441,22 @@ class Engine:
         jnp.asarray([0 if r is None else len(r.generated) for r in rows], jnp.int32),
       )
     )
+
+  def _run_mixed(self, slots: list[Request | None], request: Request | None, chunk, width: int) -> np.ndarray:
+    """One mixed call: every row's decode token (None: idle) and `chunk` int[C'] of `request`'s
+    context after what its pages hold (None: an idle chunk row) -> each row's next token, then the
+    chunk's."""
+    rows = self._decode_inputs(slots)
+    padded = np.zeros((1, self._chunk_bucket(chunk.size)), np.int32)
+    padded[0, : chunk.size] = chunk
+    ids = rows["ids"] + [None if request is None else request.id]
+    table = self.allocator.page_table(ids, self.max_pages)[:, :width]
+    start = 0 if request is None else request.computed
+    cache = self.cache.with_rows(table, np.append(rows["lengths"], start))
+    logits, self.cache = mixed.step(
+      self.model, self.params, cache, jnp.asarray(rows["tokens"]), jnp.asarray(padded), jnp.array([chunk.size])
+    )
+    return self._pick(logits, slots + [request])
 
   def _run_decode(self, slots: list[Request | None], width: int) -> np.ndarray:
     """One decode step over all rows; a request's pages already hold the slot it writes."""

@@ -94,10 +94,15 @@ def run_kvjax_engine(model, params, requests, engine_config: EngineConfig) -> di
   }
 
 
-def engine_config(weights: str) -> EngineConfig:
+def engine_config(weights: str, mixed_steps: bool = True) -> EngineConfig:
   """16 rows, pages for 16 requests of the workload's longest context (768 tokens)."""
   return EngineConfig(
-    num_slots=16, num_pages=16 * 48 + 1, max_len=768, cache=CacheConfig(layout="paged", page_size=16), weights=weights
+    num_slots=16,
+    num_pages=16 * 48 + 1,
+    max_len=768,
+    cache=CacheConfig(layout="paged", page_size=16),
+    weights=weights,
+    mixed_steps=mixed_steps,
   )
 
 
@@ -131,18 +136,33 @@ def bench_engine(
   weights: str = "float32",
   time_limit: float = 1800.0,
   peer: str = "continuous",
+  steps: tuple[str, ...] = ("mixed",),
 ) -> dict:
-  """kvjax.Engine and its peer on the workload, the weights in `weights` on both sides."""
+  """kvjax.Engine and its peer on the workload, the weights in `weights` on both sides. `steps`:
+  the engine's runs in order, "mixed" (EngineConfig.mixed_steps) or "separate" (a context's chunk
+  in a call of its own); the first is "kvjax", each later one "kvjax_<steps>_<i>" beside its ratio
+  of tokens per second over the first's. peer "none": the engine alone."""
   requests = workload.build(tokenizer)
-  config = engine_config(weights)
+  config = engine_config(weights, steps[0] == "mixed")
   ours = run_kvjax_engine(model, params, requests, config)
-  theirs = run_peer(hf_model, requests, weights, time_limit, peer)
-  served = len(theirs["stamps"])
   result = {
     "workload": dataclasses.asdict(workload),
     "weights": weights,
     "engine": dataclasses.asdict(config),
     "kvjax": summary(requests, ours["stamps"]),
+  }
+  for i, kind in enumerate(steps[1:], 1):
+    again = run_kvjax_engine(model, params, requests, engine_config(weights, kind == "mixed"))
+    result[f"kvjax_{kind}_{i}"] = summary(requests, again["stamps"])
+    result[f"kvjax_{kind}_{i}"]["same_answers_as_first"] = sum(a == b for a, b in zip(again["tokens"], ours["tokens"]))
+    result[f"tokens_per_s_{kind}_{i}_over_first"] = (
+      result[f"kvjax_{kind}_{i}"]["tokens_per_s"] / result["kvjax"]["tokens_per_s"]
+    )
+  if peer == "none":
+    return result
+  theirs = run_peer(hf_model, requests, weights, time_limit, peer)
+  served = len(theirs["stamps"])
+  result |= {
     "hf": {
       "peer": theirs["peer"],
       **{k: theirs[k] for k in ("reason", "timed_out") if k in theirs},

@@ -6,6 +6,8 @@ continuous batching does not finish within --time-limit seconds (the JSON says w
 --peer static asks for it directly). Each side reports requests and tokens per second, time to
 first token, per-request latency (arrival to last token) and per-token latency (p50 / p99); the
 greedy agreement of the answers, request by request; the ratios of throughput and p99 latency.
+--steps runs the engine more than once, with its mixed steps on or off (`--peer none`: the engine
+alone), each later run's tokens per second beside the first's.
 """
 
 from __future__ import annotations
@@ -18,18 +20,26 @@ from kvjax.bench.base.registry import PRETRAINED_MODEL, Benchmark, Kind, Option
 from kvjax.model.weights import FORMATS
 
 
-def run(*, model: str, requests: int, weights: list[str], time_limit: int, peer: list[str]) -> dict:
+def run(*, model: str, requests: int, weights: list[str], time_limit: int, peer: list[str], steps: list[str]) -> dict:
   torch, _ = import_torch()
   torch.set_num_threads(os.cpu_count() or 1)  # every core, as XLA uses them
   check_source(model)
   if len(peer) != 1:
-    raise ValueError(f"--peer takes one of continuous, static, got {','.join(peer)}")
+    raise ValueError(f"--peer takes one of continuous, static, none, got {','.join(peer)}")
   kvjax_model, params, tokenizer, hf_model, versions = load_both(model)
   workload = Workload(requests=requests)
   out = {"benchmark": "engine", **versions}
   for name in weights:
     out[name] = bench_engine(
-      kvjax_model, params, tokenizer, hf_model, workload, weights=name, time_limit=time_limit, peer=peer[0]
+      kvjax_model,
+      params,
+      tokenizer,
+      hf_model,
+      workload,
+      weights=name,
+      time_limit=time_limit,
+      peer=peer[0],
+      steps=tuple(steps),
     )
   return out
 
@@ -48,9 +58,17 @@ BENCHMARK = Benchmark(
     Option(
       "peer",
       ["continuous"],
-      "transformers' continuous or static batching",
+      "transformers' continuous or static batching, or none (the engine alone)",
       Kind.NAMES,
-      choices=("continuous", "static"),
+      choices=("continuous", "static", "none"),
+    ),
+    Option(
+      "steps",
+      ["mixed"],
+      "the engine's runs in order: mixed (a context's chunk in the decode rows' call) or separate "
+      "(in a call of its own); e.g. mixed,separate,mixed,separate alternates them",
+      Kind.NAMES,
+      choices=("mixed", "separate"),
     ),
   ),
   description=__doc__,
