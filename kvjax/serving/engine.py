@@ -158,14 +158,14 @@ class Engine:
     return False
 
   def warmup(self) -> None:
-    """Compiles every prompt bucket (and with a press, every extend bucket), page-table width and
-    mixed call (chunk bucket by the widths its chunk can reach) on idle rows (writes land in the
-    null page)."""
+    """Compiles every prompt bucket (and with a press, every extend bucket), page-table width,
+    mixed call (chunk bucket by the widths its chunk can reach) and sampler on idle rows (writes
+    land in the null page)."""
     n = steps.MIN_PROMPT_BUCKET
     while True:
       bucket = size_bucket(n, self.max_len, steps.MIN_PROMPT_BUCKET)
       idle = np.zeros((1, self.max_pages), np.int32)
-      self._run_prefill(np.zeros((1, bucket), np.int32), 1, idle)
+      self._pick(self._run_prefill(np.zeros((1, bucket), np.int32), 1, idle), [None])
       if self.press is not None or self.prefix_caching:  # a context after cached pages, or a pressed recompute
         self._run_extend(np.zeros((1, bucket), np.int32), 1, idle, 1, 0)
       if bucket >= self.max_len:
@@ -180,17 +180,17 @@ class Engine:
     if not self.config.mixed_steps or self.press is not None:
       return
     idle = [None] * self.config.num_slots
-    widest = self._chunk_bucket(self.max_len)
+    widest = 1 << (min(self.config.prefill_chunk or self.max_len, self.max_len).bit_length() - 1)
     bucket = steps.MIN_PROMPT_BUCKET
-    while True:  # a chunk of a bucket holds more than half of it, so needs that many positions
-      least = 1 if bucket == steps.MIN_PROMPT_BUCKET else bucket // 2 + 1
+    while True:  # a chunk wider than the smallest bucket fills it, so needs that many positions
+      least = 1 if bucket == steps.MIN_PROMPT_BUCKET else bucket
       width = self._mixed_width(least)
       while True:
-        self._run_mixed(idle, None, np.zeros(bucket, np.int32), width)
+        self._run_mixed(idle, None, np.zeros(least, np.int32), width)
         if width >= self.max_pages:
           break
         width = self._mixed_width(width * self.config.cache.page_size + 1)
-      if bucket >= widest:
+      if bucket * 2 > widest:
         break
       bucket *= 2
 
@@ -258,11 +258,12 @@ class Engine:
       self.stats.prompt_tokens += first
       self.stats.cached_tokens += request.computed
 
-  def _prefill(self, finished: list[Request]) -> None:
-    """Spends the step's budget of context tokens on the rows still prefilling, oldest first. A
-    pressed prompt is computed whole (its press scores the whole prompt) and the tokens generated
-    before a preemption follow it, as generate keeps them."""
-    budget = self.config.prefill_chunk or self.max_len
+  def _prefill(self, finished: list[Request], budget: int = 0) -> None:
+    """Spends the step's budget of context tokens (or what a mixed call left of it) on the rows
+    still prefilling, oldest first, a call each. A pressed prompt is computed whole (its press
+    scores the whole prompt) and the tokens generated before a preemption follow it, as generate
+    keeps them."""
+    budget = budget or self.config.prefill_chunk or self.max_len
     alloc = self.allocator
     for request in self.running:
       if request.computed >= request.first:  # decoding
@@ -333,13 +334,19 @@ class Engine:
     )
 
   def _mixed(self, finished: list[Request]) -> None:
-    """Every decoding row's next token and the next chunk (at most prefill_chunk tokens) of the
-    oldest context still being computed, in one call; the context's first token is sampled
-    when its chunk ends it."""
+    """Every decoding row's next token and the next chunk of the oldest context still being
+    computed, in one call; the context's first token is sampled when its chunk ends it. The chunk
+    is the most of the step's budget (prefill_chunk) that a power of two of tokens takes, so no
+    column of it is padding unless fewer than MIN_PROMPT_BUCKET are left; what it leaves of the
+    budget goes to the contexts still being computed, a call each (`_prefill`)."""
     alloc = self.allocator
     request = next(r for r in self.running if r.computed < r.first)
     start = request.computed
-    end = min(request.first, start + (self.config.prefill_chunk or self.max_len))
+    budget = self.config.prefill_chunk or self.max_len
+    take = min(request.first - start, budget)
+    if take > steps.MIN_PROMPT_BUCKET:
+      take = 1 << (take.bit_length() - 1)
+    end = start + take
     running = self._count_step()
     rows = [r if r is not None and r.decoding else None for r in self.slots]
     positions = max(end, max(alloc.length(r.id) for r in running))
@@ -351,6 +358,8 @@ class Engine:
     if end == request.first:
       alloc.cache(request.id, request.digests)  # its whole pages are written: later prompts may share them
       self._emit(request, int(tokens[-1]), finished)
+    if budget > take and any(r.computed < r.first for r in self.running):
+      self._prefill(finished, budget - take)
 
   def _mixed_width(self, positions: int) -> int:
     """Page-table columns of a mixed call covering `positions`: a power of two (at most max_pages),
@@ -358,10 +367,9 @@ class Engine:
     return min(self.max_pages, 1 << (self.allocator.pages_for(positions) - 1).bit_length())
 
   def _chunk_bucket(self, tokens: int) -> int:
-    """Columns of a mixed call's chunk of `tokens`: a power of two from MIN_PROMPT_BUCKET up to
-    the one holding prefill_chunk (or max_len), so the call compiles for few widths."""
-    widest = 1 << ((self.config.prefill_chunk or self.max_len) - 1).bit_length()
-    return min(widest, max(steps.MIN_PROMPT_BUCKET, 1 << (tokens - 1).bit_length()))
+    """Columns of a mixed call's chunk of `tokens` (a power of two, or fewer than
+    MIN_PROMPT_BUCKET): at least MIN_PROMPT_BUCKET."""
+    return max(steps.MIN_PROMPT_BUCKET, 1 << (tokens - 1).bit_length())
 
   def _count_step(self) -> list[Request]:
     """Counts a decode step in the stats -> the requests decoding in it."""

@@ -7,6 +7,7 @@ import pytest
 
 import kvjax
 from kvjax.cache.config import CacheConfig
+from kvjax.serving import mixed, steps
 from kvjax.serving.engine import Engine, EngineConfig
 from conftest import init_params, tiny_config
 
@@ -192,3 +193,18 @@ def test_bad_requests_are_rejected_and_lose_nothing(model_params):
   # The engine's pool is its CacheConfig's: pages of page_size tokens in its codec.
   int8 = Engine(model, params, EngineConfig(**{**vars(CONFIG), "cache": CONFIG.cache.replace(dtype="int8")}))
   assert (int8.cache.page_size, int8.cache.num_pages, int8.cache.route) == (4, 17, ("paged", "int8"))
+
+
+def test_warmup_compiles_every_call_a_workload_makes(model_params):
+  """After warmup, serving (prefills, chunks after cached pages, mixed steps, decode steps at every
+  width) compiles nothing more: the calls' shapes are bounded and warmup covers them."""
+  model, params = model_params
+  engine = Engine(model, params, CONFIG)
+  engine.warmup()
+  calls = (steps.prefill, steps.extend, steps.decode, steps.pick, mixed.step)
+  compiled = [call._cache_size() for call in calls]
+  for prompt, n in workload(seed=3, count=12):
+    engine.submit(prompt, n)
+  engine.run()
+  assert engine.stats.mixed_steps > 0 and engine.stats.preemptions > 0
+  assert [call._cache_size() for call in calls] == compiled
