@@ -9,8 +9,9 @@ Every product before and after attention works token by token, so it runs once o
 row and reads each weight once for the decode rows and the chunks together. Attention works row
 by row, so `Mixed` hands the paged cache each part as the rows it is: the decode tokens as B rows
 of one token, each chunk as a row of C, all over the same pools. Each part writes its new keys
-and values into its own pages, then reads them as it would in a call of its own, so a row's
-result is the one of a decode step or an extension of its own.
+and values into its own pages and reads them as it would in a call of its own (a layout whose
+`attend` is its `write`, then its `read`: the paged one), so a row's result is the one of a
+decode step or an extension of its own.
 """
 
 from __future__ import annotations
@@ -84,22 +85,12 @@ class Mixed(flax.struct.PyTreeNode):
     chunk_span = span.replace(
       positions=rows.lengths[b:, None] + jnp.arange(width, dtype=jnp.int32), lengths=self.new[b:]
     )
-    stored, decoded = decode.attend(
-      stored,
-      query.map_tokens(lambda x: decode_part(x, 1)),
-      decode_part(q_positions, 1),
-      {name: decode_part(x, 2) for name, x in new.items()},
-      decode_span,
-      backend,
-    )
-    stored, chunked = chunk.attend(
-      stored,
-      query.map_tokens(lambda x: chunk_part(x, 1, outputs)),
-      chunk_part(q_positions, 1, outputs),
-      {name: chunk_part(x, 2, width) for name, x in new.items()},
-      chunk_span,
-      backend,
-    )
+    # Both parts write before either reads: a pool written after a read would be copied whole.
+    queries = (query.map_tokens(lambda x: decode_part(x, 1)), query.map_tokens(lambda x: chunk_part(x, 1, outputs)))
+    stored = decode.write(stored, {name: decode_part(x, 2) for name, x in new.items()}, decode_span)
+    stored = chunk.write(stored, {name: chunk_part(x, 2, width) for name, x in new.items()}, chunk_span)
+    decoded = decode.read(stored, queries[0], decode_part(q_positions, 1), decode_span, backend)
+    chunked = chunk.read(stored, queries[1], chunk_part(q_positions, 1, outputs), chunk_span, backend)
     out = jnp.concatenate([decoded.reshape((b,) + decoded.shape[2:]), chunked.reshape((-1,) + chunked.shape[2:])])
     return stored, out[None]
 
