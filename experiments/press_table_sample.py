@@ -19,7 +19,7 @@ import time
 
 import jax
 
-from kvjax.cache import stack
+from kvjax.cache.layouts import stack
 from kvjax.cli.run import load_config
 from kvjax.decoding import decode, many
 from kvjax.studies import press_table

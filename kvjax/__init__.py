@@ -1,10 +1,10 @@
 """kvjax: KV-cache-efficient decoding for decoder-only transformers in JAX/Flax."""
 
 from kvjax.cache.base import KVCache
-from kvjax.cache.contiguous import ContiguousCache
+from kvjax.cache.layouts.contiguous import ContiguousCache
 from kvjax.cache.config import CacheConfig, cache_name
 from kvjax.cache.kinds import create as create_cache
-from kvjax.cache.paged import PagedCache
+from kvjax.cache.layouts.paged import PagedCache
 from kvjax.config import ModelConfig
 from kvjax.fields import apply_overrides, from_dict, to_dict
 from kvjax.conversion.conversions import KVHeads, ToMLA

@@ -19,7 +19,7 @@ import pytest
 from kvjax import memory
 from kvjax.cache import kinds
 from kvjax.cache.config import CacheConfig
-from kvjax.cache.paged import PagedCache
+from kvjax.cache.layouts.paged import PagedCache
 from kvjax.config import ModelConfig
 from kvjax.model.params import abstract_params, param_count
 from kvjax.model.transformer import Transformer

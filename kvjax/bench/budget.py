@@ -29,7 +29,7 @@ from kvjax.bench.peers.hf_model import check_source
 from kvjax.bench.base.registry import PRETRAINED_MODEL, Benchmark, Kind, Option
 from kvjax.cache import kinds
 from kvjax.cache.config import CacheConfig
-from kvjax.cache.fill import filled_evicted
+from kvjax.cache.layouts.fill import filled_evicted
 from kvjax.cache.presses import PRESSES, make_press
 from kvjax.decoding import decode
 from kvjax.interop.importer import read_model

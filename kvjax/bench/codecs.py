@@ -31,7 +31,7 @@ from kvjax.cache import kinds
 from kvjax.cache.codec import KIVI, NAMES
 from kvjax.cache.base import KVCache
 from kvjax.cache.config import CacheConfig
-from kvjax.cache.contiguous import attend_one
+from kvjax.cache.layouts.contiguous import attend_one
 from kvjax.config import ModelConfig
 from kvjax.decoding import decode
 from kvjax.kernels import attention as attention_kernel

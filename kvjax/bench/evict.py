@@ -1,4 +1,4 @@
-"""`kvjax bench evict`: a decode step over a full cache and over evicted caches (kvjax.cache.evict)
+"""`kvjax bench evict`: a decode step over a full cache and over evicted caches (kvjax.cache.layouts.evict)
 of a pretrained model at a long context, in one run.
 
 Each cache holds `context` positions per row, written at random (no prefill: the time of a step
@@ -18,11 +18,11 @@ import numpy as np
 
 from kvjax.bench.peers.hf_model import check_source
 from kvjax.bench.base.registry import PRETRAINED_MODEL, Benchmark, Option
-from kvjax.cache.fill import filled, filled_evicted
+from kvjax.cache.layouts.fill import filled, filled_evicted
 from kvjax.cache import kinds
 from kvjax.cache.codec import codec
 from kvjax.cache.config import CacheConfig
-from kvjax.cache.contiguous import attend_one
+from kvjax.cache.layouts.contiguous import attend_one
 from kvjax.cache.selection import kept
 from kvjax.cache.presses import make_press
 from kvjax.decoding import decode

@@ -3,7 +3,7 @@
 Every layer's contiguous cache (k [B, K, H, S], v [B, K, S, H]) is filled with random values
 quantized by the int8 codec (kvjax.cache.codec: one absmax scale per position and
 kv head, the storage the kernel reads, kvjax.kernels.attention); the float32 cache holds the
-dequantized values (kvjax.cache.contiguous.dequantized), so both
+dequantized values (kvjax.cache.layouts.contiguous.dequantized), so both
 compute the same attention and their outputs are compared. A timed step runs the one-token
 attention of every layer in turn (each layer's output feeding the next one's query) through
 kvjax.kernels.attention.cache_attention, the route a decode step takes; the two caches
@@ -29,7 +29,7 @@ from kvjax.bench.base.harness import BENCH_MODEL, BenchConfig, alternate_decode_
 from kvjax.cache.codec import codec
 from kvjax.cache.config import CacheConfig
 from kvjax.bench.base.registry import Benchmark, Option
-from kvjax.cache.contiguous import attend_one
+from kvjax.cache.layouts.contiguous import attend_one
 from kvjax.config import ModelConfig
 from kvjax.kernels import attention as attention_kernel
 from kvjax.timing import timed_alternating

@@ -6,7 +6,7 @@
   codec    how each vector is stored (kvjax.cache.codec): float, int8, int4, fp8; a quantized
            codec keeps float32 scales beside the values, under "{name}_scale".
   layout   where a token's vectors go and how a read gathers them: the subclasses
-           (contiguous rows and rings, kvjax.cache.contiguous; pages, kvjax.cache.paged).
+           (contiguous rows and rings, kvjax.cache.layouts.contiguous; pages, kvjax.cache.layouts.paged).
 
 A cache is plain data (a flax.struct pytree) returned new by every call: its per-layer arrays,
 which travel into the model as the Flax 'cache' collection, plus per-row bookkeeping. One write
@@ -27,7 +27,7 @@ from kvjax.cache import rotation as rotations
 from kvjax.cache.codec import Codec, codec as codec_named
 from kvjax.cache.config import CacheConfig
 from kvjax.config import ModelConfig
-from kvjax.model.attention import Field, Span, new_keys
+from kvjax.model.attention import Field, Span, new_keys, row_positions
 from kvjax.model.keys import Window
 from kvjax.model.backend import Backend
 from kvjax.model.transformer import cache_layers, cache_payload
@@ -119,7 +119,7 @@ class KVCache(flax.struct.PyTreeNode, kw_only=True):
 
   def call_positions(self, t: int) -> jax.Array:
     """int32[B, t]: the positions of a call of t columns, row b's from lengths[b] on."""
-    return self.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)
+    return row_positions(self.lengths, t)
 
   # Host side.
 
@@ -198,7 +198,7 @@ class KVCache(flax.struct.PyTreeNode, kw_only=True):
 
   def first_call(self, model, params, tokens: jax.Array, lengths: jax.Array, logits_at=None):
     """The first call from an empty cache when it is not the model's plain forward pass (a
-    model-level press: kvjax.cache.evict): (logits at logits_at, the new cache); None (the
+    model-level press: kvjax.cache.layouts.evict): (logits at logits_at, the new cache); None (the
     default) for the plain forward. Traced, inside the decode functions' jit."""
     return None
 

@@ -206,12 +206,12 @@ class Int4(Codec):
     return jnp.moveaxis((q * step[..., None]).reshape(*values.shape[:-1], -1), -1, axis)
 
 
-KIVI_GROUP = 32  # tokens per key group and channels per value group of KIVI's layout (kvjax.cache.kivi)
+KIVI_GROUP = 32  # tokens per key group and channels per value group of KIVI's layout (kvjax.cache.layouts.kivi)
 
 
 @dataclasses.dataclass(frozen=True)
 class Kivi(Codec):
-  """KIVI's codes at `bits` (kvjax.cache.kivi): the layout, not this class, quantizes (keys per
+  """KIVI's codes at `bits` (kvjax.cache.layouts.kivi): the layout, not this class, quantizes (keys per
   channel over token groups, values per token), so it only names the storage and its bytes.
   Widths must be a multiple of KIVI_GROUP."""
 

@@ -37,14 +37,14 @@ class CacheConfig:
   """How a KV cache stores what the model's attention hands it.
 
   layout: "contiguous" (each row preallocates its positions; a sliding-window layer keeps a ring
-    of window + sinks slots), "paged" (page pools shared by the rows, kvjax.cache.paged) or
-    "evict" (a press's budget of slots, kvjax.cache.evict) or "paged_evict" (a press's kept tokens
-    in the engine's pages, kvjax.cache.paged_evict). Left None it is derived, here and
+    of window + sinks slots), "paged" (page pools shared by the rows, kvjax.cache.layouts.paged) or
+    "evict" (a press's budget of slots, kvjax.cache.layouts.evict) or "paged_evict" (a press's kept tokens
+    in the engine's pages, kvjax.cache.layouts.paged_evict). Left None it is derived, here and
     nowhere else: "evict" with a press, "contiguous" without. A stated layout must agree with
     the press: "evict" needs one, and the other layouts keep every token.
   dtype: the codec (kvjax.cache.codec): a float dtype, "int8", "int4" or "float8_e4m3fn"; None
     stores the model's compute dtype. "kivi2" / "kivi4" are KIVI's 2- and 4-bit layout
-    (kvjax.cache.kivi; layout "kivi", which an unset or "contiguous" layout becomes).
+    (kvjax.cache.layouts.kivi; layout "kivi", which an unset or "contiguous" layout becomes).
   page_size: tokens per page of a paged cache.
   paged_read: how a paged decode step reads its pages ("gather"; "pallas" is JAX's GPU kernel,
     "pallas_interpret" the same kernel interpreted on the CPU).

@@ -6,7 +6,8 @@ class (with `rows` and `bytes_for`, kvjax.cache.base) is registered by name
 from __future__ import annotations
 
 from kvjax.cache.base import KVCache
-from kvjax.cache import contiguous, evict, kivi, kvzip, paged, paged_evict  # noqa: F401  (each registers its layout; kvzip its press)
+from kvjax.cache import kvzip  # noqa: F401  (its press registers)
+from kvjax.cache.layouts import contiguous, evict, kivi, paged, paged_evict  # noqa: F401  (each registers its layout)
 from kvjax.cache.config import LAYOUTS, CacheConfig
 from kvjax.config import ModelConfig
 
@@ -24,7 +25,7 @@ def create(
   bucket: bool = False,
 ) -> KVCache:
   """An empty cache of `cache_config` for `batch` rows of max_len positions of a model of `config`;
-  `prompt`, the length of the first call, sizes an evicting cache (kvjax.cache.evict). With
+  `prompt`, the length of the first call, sizes an evicting cache (kvjax.cache.layouts.evict). With
   `bucket`, its storage is rounded up to a bucket (kvjax.cache.base.size_bucket) and it holds
   max_len positions all the same (KVCache.limit): caches of one bucket share compiled functions."""
   return kind(cache_config).rows(config, batch, max_len, cache_config, prompt, bucket=bucket)

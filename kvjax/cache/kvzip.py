@@ -19,7 +19,7 @@ runs, in this module
      head together (`layerwise`: over every kv head of each layer), as many as the ratio leaves:
      total - int(total * compression_ratio) of total = layers x kv heads x its tokens
      (per layer: kv heads x tokens), kvpress's KVzipPress rule.
-The cache stores them as an evicting cache does (kvjax.cache.evict), per layer and kv head in its
+The cache stores them as an evicting cache does (kvjax.cache.layouts.evict), per layer and kv head in its
 slots, read by positions (heads hold different numbers). A head's slots are static while its
 share is known only once the row is scored: `head_share` bounds it, a head keeping at most
 int(n * head_share) of a row's n tokens, and the slots are sized for that (Press.storage_ratio).
@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.cache.config import CacheConfig
-from kvjax.cache.contiguous import ContiguousCache
+from kvjax.cache.layouts.contiguous import ContiguousCache
 from kvjax.cache.presses import Press
 from kvjax.fields import INT32_MAX, check_nonnegative, check_positive, check_real
 from kvjax.model.attention import Span
@@ -268,7 +268,7 @@ class ReplayCache(ContiguousCache):
 
 
 def pressed_layer(cache, new: dict, scores: jax.Array, keep: jax.Array) -> dict:
-  """An evicting cache's arrays (kvjax.cache.evict: slots, positions, scores) of one layer
+  """An evicting cache's arrays (kvjax.cache.layouts.evict: slots, positions, scores) of one layer
   holding the kept tokens: new {k, v} [B, K, T, H] at positions 0..T-1, scores float32 [B, K, T],
   keep bool [B, K, T]."""
   b, _, t = scores.shape
@@ -299,7 +299,7 @@ def reconstruct(model: Transformer, params, press: KVzip, tokens: jax.Array, len
 
 
 def fill(config, cache, full: ContiguousCache, scores: jax.Array, lengths: jax.Array):
-  """The empty evicting cache `cache` (kvjax.cache.evict, of a model of `config`) holding what its press keeps of the prompt in `full`, scored
+  """The empty evicting cache `cache` (kvjax.cache.layouts.evict, of a model of `config`) holding what its press keeps of the prompt in `full`, scored
   by `scores` (reconstruct's)."""
   t = scores.shape[-1]
   keep = cache.press.kept(scores, lengths, cache.usable().sum(dtype=jnp.int32))

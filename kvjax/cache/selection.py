@@ -1,4 +1,4 @@
-"""Which tokens a press keeps, for every evicting layout (kvjax.cache.evict, kvjax.cache.paged_evict,
+"""Which tokens a press keeps, for every evicting layout (kvjax.cache.layouts.evict, kvjax.cache.layouts.paged_evict,
 KVzip's model-level prefill), and which press a layout and a model can take.
 
 A layer's press scores a prompt's tokens per row and kv head (kvjax.cache.presses); this module

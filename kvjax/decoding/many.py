@@ -2,7 +2,7 @@
 
 prefill_many(model, params, tokens, lengths, max_len, cache_configs) returns, for each cache
 config, the (logits, cache) that `prefill` with that config returns, array for array, but runs
-the model once for all the configs that can share a prefill (kvjax.cache.fanout): a press
+the model once for all the configs that can share a prefill (kvjax.cache.layouts.fanout): a press
 compresses what a layer stores after the layer has attended over the whole prompt, so the
 prompt's hidden states are those of the full cache whatever the press; presses differing only in
 ratio or budget (AdaKV heads, pyramid layers) score each layer once; KVzip's reconstruction runs
@@ -13,7 +13,7 @@ shares with the int8 full cache, not with float32). A config that prefills on it
 row's own pressed cache), and the layouts that do not press (paged, KIVI).
 
 answer_many(model, params, caches, ...) decodes greedy answers of many prefilled caches
-(contiguous or evicting, one codec) in one batch (kvjax.cache.stack): the question, for the
+(contiguous or evicting, one codec) in one batch (kvjax.cache.layouts.stack): the question, for the
 query-agnostic protocol, read into every row by one extend; then decode steps of every row still
 answering. A row stops at a stop id, its budget or when `until` says its answer has ended;
 once half the batch has stopped, the rows left are taken into a smaller batch, so a step costs
@@ -32,10 +32,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache import kinds, stack as stacking
+from kvjax.cache import kinds
+
+from kvjax.cache.layouts import stack as stacking
 from kvjax.cache.base import size_bucket
 from kvjax.cache.config import CacheConfig
-from kvjax.cache.fanout import Fanout, shares_prefill
+from kvjax.cache.layouts.fanout import Fanout, shares_prefill
 from kvjax.cache import kvzip
 from kvjax.cache.kvzip import KVzip
 from kvjax.decoding import decode

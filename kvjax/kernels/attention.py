@@ -63,7 +63,7 @@ TARGETS = {
   for codec in CODECS
 }
 TARGET = TARGETS["contiguous", "float32"]
-# KIVI's 4-bit layout (kvjax.cache.kivi; csrc/kivi_attention.cc): key codes [B, K, H / 2, S] (transposed)
+# KIVI's 4-bit layout (kvjax.cache.layouts.kivi; csrc/kivi_attention.cc): key codes [B, K, H / 2, S] (transposed)
 # and value codes [B, K, S, H / 2], with keys' per-channel scales [B, K, S / 32, 2, H], values' per-token ones [B, K, S, 2, H / 32] and the float
 # residuals [B, K, 32, H] of each row's last partial group.
 KIVI_ROUTE = ("kivi", "kivi4")

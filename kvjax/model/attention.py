@@ -37,7 +37,7 @@ from kvjax.model.weights import Dense, make_norm
 class Field:
   """One array a layer's attention hands its cache per token: `heads` vectors of `width`.
   transposed: read as the right operand of the scores, so a contiguous cache stores it
-  [B, heads, width, S] (kvjax.cache.contiguous)."""
+  [B, heads, width, S] (kvjax.cache.layouts.contiguous)."""
 
   heads: int
   width: int
@@ -118,13 +118,24 @@ class Span:
     return jnp.arange(self.positions.shape[1])[None, :] < self.lengths[:, None]
 
 
+def row_positions(lengths: jax.Array, t: int) -> jax.Array:
+  """int32[B, t]: the positions of a call of t columns after the lengths int[B] each row holds."""
+  return lengths[:, None] + jnp.arange(t, dtype=jnp.int32)
+
+
 def new_keys(q_positions: jax.Array, span: Span) -> Visibility:
   """Queries at q_positions over this call's valid keys, in span.window."""
   return Visibility(q_positions, jnp.where(span.valid, span.positions, -1), span.window)
 
 
 class NoCache:
-  """The cache kind of a plain forward pass: stores nothing; queries read this call's payload."""
+  """The cache kind of a plain forward pass: stores nothing; queries read this call's payload.
+  A subclass handed to the model as its cache (a test's reference) sets `lengths` int32[B]."""
+
+  lengths: jax.Array | None = None
+
+  def call_positions(self, t: int) -> jax.Array:
+    return row_positions(self.lengths, t)
 
   def layer_window(self, config: ModelConfig, layer: int) -> Window:
     return Window.of_layer(config, layer)

@@ -40,9 +40,9 @@ class Backend:
   cache_attention: (route, q [B, 1, N, H], k_cache, v_cache, lengths int32[B], xla, **addressing)
     -> [B, 1, N, H], one query token per row reading positions [0, lengths[b]] of a K/V cache.
     `route` is what the cache kind says it is: (layout, codec name), e.g. ("contiguous", "int8")
-    with k_cache [B, K, H, S] and v_cache [B, K, S, H] (kvjax.cache.contiguous) or ("paged",
+    with k_cache [B, K, H, S] and v_cache [B, K, S, H] (kvjax.cache.layouts.contiguous) or ("paged",
     "float32") with page pools [K, P, Z, H] and the keyword page_table int32[B, M]
-    (kvjax.cache.paged); a quantized codec adds its scales as k_scale and v_scale. `xla` is the
+    (kvjax.cache.layouts.paged); a quantized codec adds its scales as k_scale and v_scale. `xla` is the
     reference computation (xla(q, k_cache, v_cache, lengths, **addressing)), which a route falls
     back to for what it does not take.
   prompt_attention: (q [B, T, N, H], k, v [B, K, S, H] (k [B, K, H, S] with k_transposed), keys

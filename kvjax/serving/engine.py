@@ -23,7 +23,7 @@ memory baselines of the KV-memory study:
 
 With a press (EngineConfig.cache = CacheConfig(layout="paged_evict", press=...)), a request's
 prompt is pressed as it is prefilled and only its kept tokens stay, in as many pages as they need
-(kvjax.cache.paged_evict): the allocator counts slots, not positions, so the same pool holds
+(kvjax.cache.layouts.paged_evict): the allocator counts slots, not positions, so the same pool holds
 about 1 / (1 - compression_ratio) times as many long prompts. Decoding appends to the request's
 pages, and a preempted request recomputes by pressing its prompt again and appending its
 generated tokens after it: the tokens of `generate` with the same press, which keeps every token
@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.cache import kinds
-from kvjax.cache.paged_evict import capacity, held_slots
+from kvjax.cache.layouts.paged_evict import capacity, held_slots
 from kvjax.fields import check_positive_int
 from kvjax.decoding.decode import for_decoding, size_bucket
 from kvjax.decoding.sampling import Sampling

@@ -22,7 +22,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from kvjax.cache.paged import PagedCache
+from kvjax.cache.layouts.paged import PagedCache
 from kvjax.model.attention import Span
 from kvjax.model.backend import Backend
 from kvjax.model.transformer import Transformer, apply_cached

@@ -1,6 +1,6 @@
 """The eviction study: needle recall and perplexity of a pretrained model through every press.
 
-Each press (kvjax.cache.evict) is measured at each compression ratio, beside the full cache, by
+Each press (kvjax.cache.layouts.evict) is measured at each compression ratio, beside the full cache, by
 kvjax.studies.base.measure.
 
 Needle recall follows kvpress's protocol: kvjax.studies.suite.passkey's prompts of exactly `context`

@@ -94,7 +94,7 @@ def kept_by_press(press, q, k, v, lengths, rope, out=None) -> np.ndarray:
   q [B, T, N, H] rotated, k, v [B, K, T, H], lengths int[B] (a layer of a model of K kv heads),
   out [N, H, D] the layer's output projection (KVQuery.out) or None."""
   from kvjax.cache.config import CacheConfig
-  from kvjax.cache.evict import EvictedCache
+  from kvjax.cache.layouts.evict import EvictedCache
   from kvjax.config import ModelConfig
   from kvjax.model.attention import Span
 

@@ -14,7 +14,7 @@ from oracles import KeptForward, forward, held, masks_of
 
 from kvjax.cache import kinds
 from kvjax.cache.config import CacheConfig
-from kvjax.cache.evict import EvictedCache
+from kvjax.cache.layouts.evict import EvictedCache
 from kvjax.cache.presses import PRESSES, TOVA, KNorm, ObservedAttention, SnapKV, StreamingLLM
 from kvjax.decoding import decode
 from kvjax.model.attention import KVQuery, Span

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.cache import kinds, paged
+from kvjax.cache import kinds
+from kvjax.cache.layouts import paged
 from kvjax.cache.codec import NAMES, codec
 from kvjax.cache.config import CacheConfig
 from kvjax.model.transformer import cache_layers, cache_payload

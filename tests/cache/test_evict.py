@@ -1,4 +1,4 @@
-"""The evicting layout and its presses (kvjax.cache.evict, kvjax.cache.presses): ratio 0 is the
+"""The evicting layout and its presses (kvjax.cache.layouts.evict, kvjax.cache.presses): ratio 0 is the
 contiguous cache; each press keeps what a NumPy reading of its definition keeps; decoding through
 an evicted cache is the full forward pass masked to the tokens each layer and head holds."""
 
@@ -14,7 +14,7 @@ from oracles import KeptForward, forward, held, masks_of
 
 from kvjax.cache import kinds
 from kvjax.cache.config import CacheConfig
-from kvjax.cache.evict import EvictedCache, slots_for
+from kvjax.cache.layouts.evict import EvictedCache, slots_for
 from kvjax.cache.selection import kept
 from kvjax.cache.presses import PRESSES, TOVA, KNorm, Random, SnapKV, StreamingLLM
 from kvjax.decoding import decode

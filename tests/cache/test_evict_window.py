@@ -1,4 +1,4 @@
-"""The evicting layout on models with sliding-window layers (kvjax.cache.evict): a press presses
+"""The evicting layout on models with sliding-window layers (kvjax.cache.layouts.evict): a press presses
 the global layers only and each windowed layer keeps its window and sinks, so decoding equals the
 full forward masked to the kept positions of each global layer and to the window of each local
 one; ratio 0 is the contiguous cache; the bytes count windowed layers at their ring."""

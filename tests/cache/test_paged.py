@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.cache import kinds, paged
+from kvjax.cache import kinds
+from kvjax.cache.layouts import paged
 from kvjax.cache.config import CacheConfig
 from kvjax.cache.pages import NULL_PAGE
 from kvjax.model.transformer import cache_layers

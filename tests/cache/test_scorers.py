@@ -13,7 +13,7 @@ from oracles import KeptForward, forward, held, masks_of
 
 from kvjax.cache import kinds, selection
 from kvjax.cache.config import CacheConfig
-from kvjax.cache.evict import EvictedCache
+from kvjax.cache.layouts.evict import EvictedCache
 from kvjax.cache.presses import ExpectedAttention, KeyDiff, SnapKV, make_press
 from kvjax.decoding import decode
 from kvjax.fields import apply_overrides

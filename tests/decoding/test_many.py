@@ -15,10 +15,10 @@ from conftest import init_params, tiny_config
 
 from kvjax.cache import kinds
 from kvjax.cache.config import CacheConfig
-from kvjax.cache.fanout import Fanout
+from kvjax.cache.layouts.fanout import Fanout
 from kvjax.cache.kvzip import KVzip
 from kvjax.cache.presses import PRESSES, SnapKV, make_press
-from kvjax.cache.stack import stack
+from kvjax.cache.layouts.stack import stack
 from kvjax.decoding import decode
 from kvjax.decoding.many import answer_many, batch_size, prefill_many
 from kvjax.studies.base import measure

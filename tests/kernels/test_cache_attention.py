@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from kvjax.cache.codec import codec
-from kvjax.cache.contiguous import attend_one
+from kvjax.cache.layouts.contiguous import attend_one
 from kvjax.kernels import attention as attention_kernel
 from kvjax.kernels import build as cpu_kernels
 from kvjax.model import keys as key_reads

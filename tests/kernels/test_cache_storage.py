@@ -14,8 +14,8 @@ from hypothesis import given, settings, strategies as st
 
 from kvjax.cache.codec import codec
 from kvjax.cache.config import CacheConfig
-from kvjax.cache.contiguous import ContiguousCache, attend_one
-from kvjax.cache.paged import PagedCache, attend_pages
+from kvjax.cache.layouts.contiguous import ContiguousCache, attend_one
+from kvjax.cache.layouts.paged import PagedCache, attend_pages
 from kvjax.config import ModelConfig
 from kvjax.decoding.decode import for_decoding, forward
 from kvjax.kernels import attention as attention_kernel

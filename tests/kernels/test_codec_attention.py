@@ -14,8 +14,8 @@ import pytest
 from conftest import init_params, tiny_config
 from kvjax.cache.codec import codec as codec_named
 from kvjax.cache.config import CacheConfig
-from kvjax.cache.contiguous import attend_one
-from kvjax.cache.paged import attend_pages
+from kvjax.cache.layouts.contiguous import attend_one
+from kvjax.cache.layouts.paged import attend_pages
 from kvjax.decoding import decode
 from kvjax.kernels import attention as attention_kernel
 from kvjax.model.backend import XLA

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import init_params, tiny_config
-from kvjax.cache import kivi
+from kvjax.cache.layouts import kivi
 from kvjax.cache.config import CacheConfig
 from kvjax.decoding import decode
 from kvjax.kernels import attention as attention_kernel

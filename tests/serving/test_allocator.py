@@ -10,7 +10,7 @@ from hypothesis import settings, strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, rule
 
 from kvjax.serving.allocator import OutOfPages, PageAllocator, page_digests
-from kvjax.cache.paged import NULL_PAGE
+from kvjax.cache.layouts.paged import NULL_PAGE
 
 NUM_PAGES = 10
 

@@ -187,7 +187,7 @@ def test_bad_requests_are_rejected_and_lose_nothing(model_params):
     EngineConfig(cache=CacheConfig(page_size=4))
   with pytest.raises(ValueError, match=r"EngineConfig.cache must be a CacheConfig .* got \{'layout': 'paged'\}"):
     EngineConfig(cache={"layout": "paged"})
-  if not kvjax.cache.paged.pallas_available():
+  if not kvjax.cache.layouts.paged.pallas_available():
     with pytest.raises(ValueError, match="needs a GPU backend"):
       Engine(model, params, EngineConfig(cache=CacheConfig(layout="paged", paged_read="pallas")))
   # The engine's pool is its CacheConfig's: pages of page_size tokens in its codec.

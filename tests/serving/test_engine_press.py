@@ -1,4 +1,4 @@
-"""The engine with a press (kvjax.cache.paged_evict): every request gets the tokens `generate`
+"""The engine with a press (kvjax.cache.layouts.paged_evict): every request gets the tokens `generate`
 gives it alone with the same press, and holds only the pages its kept tokens need."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import kvjax
 from kvjax.cache import selection
 from kvjax.cache.config import CacheConfig
-from kvjax.cache.paged_evict import PagedEvictCache
+from kvjax.cache.layouts.paged_evict import PagedEvictCache
 from kvjax.cache.presses import PRESSES as REGISTERED, KNorm, SnapKV, StreamingLLM, make_press
 from kvjax.serving.engine import Engine, EngineConfig
 from conftest import init_params, tiny_config

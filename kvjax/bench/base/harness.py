@@ -16,7 +16,7 @@ import numpy as np
 from kvjax.cache import kinds
 from kvjax.cache.base import KVCache
 from kvjax.cache.config import CacheConfig
-from kvjax.cache.fill import filled
+from kvjax.cache.layouts.fill import filled
 from kvjax.config import ModelConfig
 from kvjax.decoding import decode
 from kvjax.decoding.step_timer import decode_step_seconds

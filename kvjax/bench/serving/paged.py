@@ -14,10 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.bench.base.harness import BENCH_MODEL, BenchConfig, alternate_decode_steps, filled_cache, init_model
-from kvjax.cache.fill import filled
+from kvjax.cache.layouts.fill import filled
 from kvjax.cache.config import CacheConfig
 from kvjax.bench.base.registry import Benchmark, Option
-from kvjax.cache.paged import PagedCache, pallas_available
+from kvjax.cache.layouts.paged import PagedCache, pallas_available
 from kvjax.config import ModelConfig
 from kvjax.kernels import attention as attention_kernel
 

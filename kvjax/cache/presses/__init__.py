@@ -1,4 +1,4 @@
-"""Presses: how an evicting cache (kvjax.cache.evict) scores the tokens it may keep.
+"""Presses: how an evicting cache (kvjax.cache.layouts.evict) scores the tokens it may keep.
 
 A press is a value, CacheConfig.press (e.g. SnapKV(compression_ratio=0.75, window=64)): a frozen
 dataclass holding its settings, each checked in __post_init__. It scores every token of a prompt
@@ -32,7 +32,7 @@ At a pressing a row drops its lowest-scoring held tokens (ties: the earlier posi
 are the arrival scores, except for the decode-time rules of TOVA (the attention of the call's last
 query, averaged over every query head) and H2O (`observed`: each held token's score accumulates
 the attention it receives at every call, averaged over its group; an arrival starts from the
-attention of its own call), which need the call's attention weights (kvjax.cache.evict reads them
+attention of its own call), which need the call's attention weights (kvjax.cache.layouts.evict reads them
 through XLA).
 A press is one module of this package holding its class (its `name` enters it in PRESSES,
 kvjax.fields.Named, when the class is defined), and one import line below: adding a press touches

@@ -95,7 +95,7 @@ class Press(Named):
   def scoring(self) -> Press:
     """This press with its budgets (compression ratio, heads, layers, decode budget) at their
     defaults: two presses with the same `scoring` score a prompt alike, so one scoring serves every
-    ratio and budget of it (kvjax.cache.fanout)."""
+    ratio and budget of it (kvjax.cache.layouts.fanout)."""
     return dataclasses.replace(self, **{f.name: f.default for f in dataclasses.fields(Press)})
 
   @property
@@ -122,7 +122,7 @@ class Press(Named):
 
   @property
   def storage_ratio(self) -> float:
-    """The fraction of a prompt the evicting cache's slots leave out (kvjax.cache.evict.slots_for):
+    """The fraction of a prompt the evicting cache's slots leave out (kvjax.cache.layouts.evict.slots_for):
     the compression ratio, unless a press's heads may keep more than an even share."""
     return self.compression_ratio
 

@@ -32,7 +32,7 @@ import optax
 
 from kvjax.cache import kinds
 from kvjax.cache.config import CacheConfig
-from kvjax.cache.fill import filled, filled_evicted
+from kvjax.cache.layouts.fill import filled, filled_evicted
 from kvjax.decoding import decode
 from kvjax.decoding.step_timer import decode_step_seconds
 from kvjax.model.transformer import Transformer

@@ -229,7 +229,7 @@ class PagedCache(KVCache):
   def with_rows(self, page_table, lengths, filled=None) -> "PagedCache":
     """The same pools addressed by another batch of rows: page_table int[B', M'], lengths int[B']
     (tokens each row already holds in its pages). filled, the slots each row holds, is the paged
-    evicting layout's (kvjax.cache.paged_evict); a paged row holds every position, so lengths."""
+    evicting layout's (kvjax.cache.layouts.paged_evict); a paged row holds every position, so lengths."""
     return self.replace(page_table=jnp.asarray(page_table, jnp.int32), lengths=jnp.asarray(lengths, jnp.int32))
 
   def check_room(self, new_lengths: np.ndarray) -> None:

@@ -2,7 +2,7 @@
 in one batch (kvjax.decoding.many): a decode step of 40 rows reads the weights once where five
 steps of 8 rows read them five times.
 
-`stack` takes prefilled caches of one codec, rotation and window pattern (kvjax.cache.fanout:
+`stack` takes prefilled caches of one codec, rotation and window pattern (kvjax.cache.layouts.fanout:
 shares_prefill): the full cache (contiguous), and evicting caches of any press, ratio and prompt
 budget (no decode budget: a decode-time rule differs per press). Each row keeps exactly what it
 held: an evicting row its slots, positions and scores, a contiguous row its positions 0..n-1 in
@@ -26,9 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.cache.base import KVCache
-from kvjax.cache.contiguous import ContiguousCache, seq_axis
-from kvjax.cache.evict import BOOKKEEPING, EvictedCache
-from kvjax.cache.fanout import READ_ALIKE, shares_prefill
+from kvjax.cache.layouts.contiguous import ContiguousCache, seq_axis
+from kvjax.cache.layouts.evict import BOOKKEEPING, EvictedCache
+from kvjax.cache.layouts.fanout import READ_ALIKE, shares_prefill
 from kvjax.cache.presses import StreamingLLM
 from kvjax.model.transformer import cache_collection, cache_layers
 
@@ -52,7 +52,7 @@ def uneven(cache: KVCache) -> bool:
 
 
 def joins(a: KVCache, b: KVCache) -> bool:
-  """Whether caches a and b can be stacked: read alike (kvjax.cache.fanout) over as many positions."""
+  """Whether caches a and b can be stacked: read alike (kvjax.cache.layouts.fanout) over as many positions."""
   return shares_prefill(a, b) and a.max_len == b.max_len
 
 

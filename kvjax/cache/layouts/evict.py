@@ -2,7 +2,7 @@
 (kvjax.cache.presses) scores highest, so the cache is the budget, not max_len.
 
 Per layer, beside the codec's arrays of the contiguous layout ([B, K, H', S] keys, [B, K, S, H']
-values, their scales; kvjax.cache.contiguous) with S = the slots:
+values, their scales; kvjax.cache.layouts.contiguous) with S = the slots:
   positions  int32[B, K, S], the position each slot holds (-1: empty);
   scores     float32[B, K, S], the press's score of that token.
 
@@ -33,7 +33,7 @@ global layers (window 0), and a windowed layer keeps exactly what its window can
 later query (a query at t >= the prompt's length reads s > t - window and the sinks): after the
 prompt its last `window` positions and its sink_tokens first ones, then, decoding, at most
 window + sinks tokens, its oldest non-sink token going first. That is the contiguous layout's
-ring of min(max_len, window + sinks) slots (kvjax.cache.contiguous, `ring`), without positions
+ring of min(max_len, window + sinks) slots (kvjax.cache.layouts.contiguous, `ring`), without positions
 or scores, so a windowed layer loses nothing a windowed model reads. For such a model a
 compression ratio is the fraction of the global layers' prompt dropped; the windowed layers
 keep their window whatever the ratio, and the cache's bytes count them at their ring.
@@ -58,7 +58,7 @@ from kvjax import memory
 from kvjax.cache.base import encode, size_bucket
 from kvjax.cache import selection
 from kvjax.cache.config import CacheConfig, register
-from kvjax.cache.contiguous import ContiguousCache, attend_one, layer_spec as contiguous_spec
+from kvjax.cache.layouts.contiguous import ContiguousCache, attend_one, layer_spec as contiguous_spec
 from kvjax.cache.presses import Press, attention_weights
 from kvjax.config import ModelConfig
 from kvjax.fields import check_positive_int
@@ -278,7 +278,7 @@ class EvictedCache(ContiguousCache):
     """A layer's arrays holding the tokens the press keeps of a prompt: new {k, v} [B, K, T, H]
     at positions 0..T-1, q [B, T, N, H] every column's queries, rope the layer's (a press may
     un-rotate q); layer span.layer keeps selection.counts of each row's tokens. `scores` float32
-    [B, K, T]: the press's prompt_scores when already computed (kvjax.cache.fanout shares them
+    [B, K, T]: the press's prompt_scores when already computed (kvjax.cache.layouts.fanout shares them
     between presses of one scorer)."""
     if scores is None:
       scores = self.press.prompt_scores(q, new["k"], new["v"], span.lengths, rope, out)

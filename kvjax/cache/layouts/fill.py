@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from kvjax.cache import kinds
 from kvjax.cache.base import KVCache
 from kvjax.cache.config import CacheConfig
-from kvjax.cache.evict import EvictedCache
+from kvjax.cache.layouts.evict import EvictedCache
 from kvjax.cache.selection import kept
 from kvjax.config import ModelConfig
 from kvjax.model.attention import Span

@@ -4,9 +4,9 @@ The continuous-batching engine (kvjax.serving.engine) keeps each request's press
 many pages as the kept tokens need, so one page pool serves more long prompts at once. A row's
 pages hold its slots 0, 1, ... in order (slot j in page j // Z at offset j % Z, as the paged
 layout holds positions), and each slot carries the position of the token it holds, per kv head:
-a press keeps different tokens in different heads (kvjax.cache.evict's rule).
+a press keeps different tokens in different heads (kvjax.cache.layouts.evict's rule).
 
-Per layer, beside the paged layout's pools (kvjax.cache.paged: [K, P, Z, W'] and the codec's
+Per layer, beside the paged layout's pools (kvjax.cache.layouts.paged: [K, P, Z, W'] and the codec's
 scales):
   positions  int32[K, P, Z], the position the slot holds in that kv head.
 Per row, beside lengths (the positions seen, which place the next token and turn RoPE):
@@ -14,7 +14,7 @@ Per row, beside lengths (the positions seen, which place the next token and turn
 
 The first call from an empty cache (the prompt) attends over all its tokens, then each layer's
 press keeps row b's int(n_b * (1 - ratio)) best tokens, best first, in slots [0, kept): the
-tokens, their order and so every later read are those of the evicting layout (kvjax.cache.evict)
+tokens, their order and so every later read are those of the evicting layout (kvjax.cache.layouts.evict)
 for the same press. Later tokens (decode, or the generated tokens a preempted request
 recomputes) take the next slots; without a decode budget nothing is evicted after the prompt, so
 the row grows by pages as a paged row does, and the evicting layout's cache of kept + generated
@@ -48,10 +48,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import memory
-from kvjax.cache import evict, selection
+from kvjax.cache import selection
+from kvjax.cache.layouts import evict
 from kvjax.cache.base import SCALE, encode, layer_arrays
 from kvjax.cache.config import CacheConfig, register
-from kvjax.cache.paged import (
+from kvjax.cache.layouts.paged import (
   NULL_PAGE,
   PagedCache,
   attend_pages,

@@ -1,7 +1,7 @@
 """One prefill, many caches: a cache that hands every layer's prompt to several caches at once.
 
 A press compresses what a layer stores after the layer has attended over the whole prompt
-(kvjax.cache.evict: a prompt's first call reads its own keys and values, as a plain forward pass
+(kvjax.cache.layouts.evict: a prompt's first call reads its own keys and values, as a plain forward pass
 does), so the hidden states of a prefill do not depend on the press, only on how the prompt's
 K/V read back through the codec (KVCache.as_stored). A `Fanout` over caches of one codec,
 rotation and window pattern therefore runs the model once: each layer attends over the prompt
@@ -21,8 +21,8 @@ import flax.struct
 import jax
 
 from kvjax.cache.base import KVCache
-from kvjax.cache.evict import EvictedCache
-from kvjax.model.attention import Span, new_keys
+from kvjax.cache.layouts.evict import EvictedCache
+from kvjax.model.attention import Span, new_keys, row_positions
 from kvjax.model.backend import Backend
 from kvjax.cache.kvzip import KVzip
 from kvjax.model.transformer import cache_layers
@@ -97,7 +97,7 @@ class Fanout(flax.struct.PyTreeNode):
   # for all of them where they agree (shares_prefill).
 
   def call_positions(self, t: int) -> jax.Array:
-    return self.caches[0].replace(lengths=self.lengths).call_positions(t)
+    return row_positions(self.lengths, t)
 
   def layer_window(self, config, layer: int):
     return self.caches[0].layer_window(config, layer)
