@@ -41,10 +41,6 @@ class Mixed(flax.struct.PyTreeNode):
   new: jax.Array
   decode_rows: int = flax.struct.field(pytree_node=False, default=0)
 
-  @property
-  def lengths(self) -> jax.Array:
-    return self.rows.lengths
-
   def call_positions(self, t: int) -> jax.Array:
     """int32[1, t]: each decode token at its row's length, each chunk's columns after its row's."""
     b = self.decode_rows
@@ -101,6 +97,8 @@ def step(model: Transformer, params, cache: PagedCache, tokens, chunks, chunk_le
   of its last R rows (chunks int32[R, C], chunk_lengths int32[R] real, each at least 1), written
   after what each row holds -> (next-token logits float32 [B + R, V]: each decode row's, then each
   chunk's after its last real token; the cache)."""
+  if cache.layout != "paged":
+    raise ValueError(f"a mixed step runs over the paged layout (a write, then a read), not {cache.layout!r}")
   b, (r, c) = tokens.shape[0], chunks.shape
   packed = jnp.concatenate([tokens, chunks.reshape(-1)])[None]
   logits_at = jnp.concatenate([jnp.arange(b), b + jnp.arange(r) * c + chunk_lengths - 1])[None]

@@ -79,3 +79,16 @@ def test_a_mixed_call_equals_its_rows_own_calls(case):
   for want, got in zip(jax.tree.leaves(alone.layers), jax.tree.leaves(together.layers)):
     # Page 0 is the null page: what padding and idle rows write there is never read.
     np.testing.assert_allclose(np.asarray(got)[:, 1:], np.asarray(want)[:, 1:], atol=2e-5, rtol=1e-5)
+
+
+def test_a_mixed_call_over_another_layout_is_refused_by_name():
+  """The mixed call writes, then reads, as the paged layout's attend does; a pressed layout's attend
+  is its own, so it is refused, naming the layout."""
+  from kvjax.cache.presses import KNorm
+
+  config = tiny_config(2)
+  model, params = init_params(config)
+  cache_config = CacheConfig(layout="paged_evict", page_size=PAGE, press=KNorm(compression_ratio=0.5))
+  pressed = kinds.kind(cache_config).create(config, NUM_PAGES, PAGE, 2, MAX_PAGES, cache_config)
+  with pytest.raises(ValueError, match="paged_evict"):
+    mixed.step(model, params, pressed, np.zeros(1, np.int32), np.zeros((1, 16), np.int32), np.array([1]))
