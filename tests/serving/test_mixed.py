@@ -11,6 +11,7 @@ import pytest
 
 from kvjax.cache import kinds
 from kvjax.cache.config import CacheConfig
+from kvjax.cache.presses import KNorm
 from kvjax.decoding.decode import for_decoding
 from kvjax.serving import mixed, steps
 from conftest import init_params, tiny_config
@@ -84,8 +85,6 @@ def test_a_mixed_call_equals_its_rows_own_calls(case):
 def test_a_mixed_call_over_another_layout_is_refused_by_name():
   """The mixed call writes, then reads, as the paged layout's attend does; a pressed layout's attend
   is its own, so it is refused, naming the layout."""
-  from kvjax.cache.presses import KNorm
-
   config = tiny_config(2)
   model, params = init_params(config)
   cache_config = CacheConfig(layout="paged_evict", page_size=PAGE, press=KNorm(compression_ratio=0.5))
