@@ -21,6 +21,9 @@ converting and the three quality figures before training about 3 minutes. So per
 gives N = 40: 295 + 2,880 + 5 x 67 = 3,510 s, 58.5 minutes.
 
   kvjax run configs/real_gqa/smollm2.py --workdir runs/real_gqa
+
+The MQA row alone distilled (the table's other rows still made and measured):
+  kvjax run configs/real_gqa/smollm2.py --workdir runs/real_gqa --set "distilled=('best',)"
 """
 
 from kvjax.conversion.conversions import KVHeads, ToMLA

@@ -65,10 +65,14 @@ weights stored as {weights}, median of {repeats} round-robin rounds over the bat
 {longest} tokens."""
 
 
+RECOVERED = ("mean", "best", "mla")  # the recovered rows, as RealGqaStudy.distilled names them
+
+
 @dataclasses.dataclass(frozen=True)
 class RealGqaStudy:
   """The study `kvjax run` runs for job "real_gqa"; models_from and peers (rows of other models as
-  trained, e.g. ("gemma3-270m",), MQA as trained) as KVFrontierStudy's."""
+  trained, e.g. ("gemma3-270m",), MQA as trained) as KVFrontierStudy's. distilled: which recovered
+  rows are then distilled end to end when recovery.distill_steps > 0 ("mean", "best", "mla")."""
 
   job: str = "real_gqa"
   source: str = "smollm2-135m"
@@ -82,10 +86,15 @@ class RealGqaStudy:
   )
   models_from: str = ""
   peers: tuple[str, ...] = ()
+  distilled: tuple[str, ...] = RECOVERED
 
   def __post_init__(self):
     if self.job != "real_gqa":
       raise ValueError(f"RealGqaStudy.job must be 'real_gqa', got {self.job!r}")
+    if not isinstance(self.distilled, tuple) or not set(self.distilled) <= set(RECOVERED):
+      raise ValueError(
+        f"RealGqaStudy.distilled must be a tuple of recovered rows among {RECOVERED}, got {self.distilled!r}"
+      )
     check_peers(self.peers, "RealGqaStudy.peers")
     if not isinstance(self.best, KVHeads) or self.best.num_kv_heads != 1:
       raise ValueError(f"RealGqaStudy.best must be a KVHeads conversion to one kv head (MQA), got {self.best!r}")
@@ -98,19 +107,20 @@ class RealGqaStudy:
   def variants(self, num_kv_heads: int) -> list[Variant]:
     """The table's rows, named for a source of num_kv_heads kv heads."""
     mean, mode, r = KVHeads(1), self.recovery.mode, self.recovery
-    recovered = [
-      Variant(f"MQA mean + {mode} recovery", "heads", conversion=mean, recovered=True),
-      Variant(f"MQA {self.best.label} + {mode} recovery", "heads", conversion=self.best, recovered=True),
-      Variant(f"MLA {self.mla.label} (MQA bytes) + {mode} recovery", "mla", conversion=self.mla, recovered=True),
-    ]
+    recovered = {
+      "mean": Variant(f"MQA mean + {mode} recovery", "heads", conversion=mean, recovered=True),
+      "best": Variant(f"MQA {self.best.label} + {mode} recovery", "heads", conversion=self.best, recovered=True),
+      "mla": Variant(f"MLA {self.mla.label} (MQA bytes) + {mode} recovery", "mla", conversion=self.mla, recovered=True),
+    }
     distilled = [
       dataclasses.replace(v, name=f"{v.name} + distillation ({r.distill_steps} steps)", distill=r.distill)
-      for v in (recovered if r.distill_steps else [])
+      for key, v in recovered.items()
+      if r.distill_steps and key in self.distilled
     ]
     return [
       Variant(f"as shipped (GQA-{num_kv_heads})", "full"),
       Variant("MQA mean, alpha 0", "heads", conversion=mean),
-      *recovered,
+      *recovered.values(),
       *distilled,
     ]
 

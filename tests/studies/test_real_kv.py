@@ -264,6 +264,18 @@ def test_bad_suite_and_peer_settings_name_the_field():
     KVFrontierStudy(source="x", variants=full, peers=("runs/full",))
   with pytest.raises(ValueError, match="RealGqaStudy.peers must be a tuple"):
     real_gqa.RealGqaStudy(peers=("",))
+  with pytest.raises(ValueError, match="RealGqaStudy.distilled must be a tuple of recovered rows"):
+    real_gqa.RealGqaStudy(distilled=("pca",))
+
+
+def test_distilled_picks_the_recovered_rows_that_train_end_to_end():
+  recovery = real_kv.Recovery(distill_steps=8)
+  names = lambda study: [v.name for v in study.variants(3) if v.distill]  # noqa: E731
+  assert len(names(real_gqa.RealGqaStudy(recovery=recovery))) == 3
+  assert names(real_gqa.RealGqaStudy(recovery=recovery, distilled=("best",))) == [
+    "MQA pca + local recovery + distillation (8 steps)"
+  ]
+  assert names(real_gqa.RealGqaStudy(distilled=("best",))) == []  # no distill_steps: none
 
 
 def test_a_peer_is_named_for_its_attention():
