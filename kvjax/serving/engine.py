@@ -10,6 +10,7 @@ and the next chunk of the oldest such context, packed in one row, so that a long
 stalls the running rows and its products share each weight read with theirs.
 When the running requests need more pages than are free, the newest is preempted: its pages are
 freed and it waits to be recomputed (prefill of prompt + tokens so far) once pages free up.
+The engine is the scheduler; its calls on the device are a `Runner`'s (kvjax.serving.runner).
 
 A request's tokens depend only on its prompt, sampling settings and id: the random key of its
 i-th token is fold_in(fold_in(key(seed), id), i). So every request completes with the tokens it
@@ -36,42 +37,32 @@ from __future__ import annotations
 
 import bisect
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache import kinds
-from kvjax.cache.layouts.paged_evict import capacity, held_slots
+from kvjax.cache.layouts.paged_evict import capacity
 from kvjax.fields import check_positive_int
-from kvjax.decoding.decode import for_decoding, size_bucket
 from kvjax.decoding.sampling import Sampling
 from kvjax.model.transformer import Transformer
-from kvjax.model.weights import store
+from kvjax.serving import steps
 from kvjax.serving.allocator import OutOfPages, PageAllocator, page_digests
-from kvjax.serving import mixed, steps
 from kvjax.serving.config import EngineConfig
 from kvjax.serving.requests import EngineStats, Request
-
-GREEDY = (0.0, 0, 1.0)
+from kvjax.serving.runner import GREEDY, Runner
 
 
 class Engine:
   """Continuous-batching generation: `submit` requests, then `step` or `run`."""
 
   def __init__(self, model: Transformer, params, config: EngineConfig = EngineConfig()):
-    cfg = model.config
-    self.model, self.params, self.config = for_decoding(model), store(params, config.weights), config
+    cfg, self.config = model.config, config
     self.max_len = config.max_len or cfg.max_len
     if self.max_len > cfg.max_len:
       raise ValueError(f"EngineConfig.max_len={self.max_len} exceeds ModelConfig.max_len={cfg.max_len}")
     self.allocator = PageAllocator(config.num_pages, config.cache.page_size)
-    self.max_pages = self.allocator.pages_for(self.max_len)
-    self.press = config.cache.press
+    self.runner = Runner(model, params, config, self.allocator, self.max_len)
+    self.max_pages, self.press = self.runner.max_pages, config.cache.press
     # A pressed prompt's pages hold what the press kept of the whole prompt: no prefix of them is shareable.
     self.prefix_caching = config.prefix_caching and self.press is None
-    self.cache = kinds.kind(config.cache).create(
-      cfg, config.num_pages, config.cache.page_size, config.num_slots, self.max_pages, config.cache
-    )
     self.waiting: list[Request] = []  # by id: preempted requests go back in arrival order
     self.slots: list[Request | None] = [None] * config.num_slots
     self.finished: dict[int, Request] = {}
@@ -83,7 +74,7 @@ class Engine:
   def submit(self, prompt, max_new_tokens: int, sampling: Sampling | None = None) -> int:
     """Queues a request; returns its id. prompt int[L]; sampling defaults to greedy."""
     prompt = np.asarray(prompt)
-    vocab = self.model.config.vocab_size
+    vocab = self.runner.model.config.vocab_size
     if prompt.ndim != 1 or not np.issubdtype(prompt.dtype, np.integer) or prompt.size == 0:
       raise ValueError(f"prompt must be a non-empty 1-D integer array, got {prompt.dtype}{list(prompt.shape)}")
     if ((prompt < 0) | (prompt >= vocab)).any():
@@ -112,6 +103,11 @@ class Engine:
     self._next_id += 1
     self.waiting.append(request)
     return request.id
+
+  @property
+  def cache(self):
+    """The page pools (kvjax.cache.layouts.paged), as the last call left them."""
+    return self.runner.cache
 
   @property
   def running(self) -> list[Request]:
@@ -158,49 +154,13 @@ class Engine:
     return False
 
   def warmup(self) -> None:
-    """Compiles every prompt bucket (and with a press, every extend bucket), page-table width,
-    mixed call (chunk bucket by the widths its chunk can reach) and sampler on idle rows (writes
-    land in the null page)."""
-    n = steps.MIN_PROMPT_BUCKET
-    while True:
-      bucket = size_bucket(n, self.max_len, steps.MIN_PROMPT_BUCKET)
-      idle = np.zeros((1, self.max_pages), np.int32)
-      self._pick(self._run_prefill(np.zeros((1, bucket), np.int32), 1, idle), [None])
-      if self.press is not None or self.prefix_caching:  # a context after cached pages, or a pressed recompute
-        self._run_extend(np.zeros((1, bucket), np.int32), 1, idle, 1, 0)
-      if bucket >= self.max_len:
-        break
-      n = bucket + 1
-    width = self._width(1)
-    while True:
-      self._run_decode([None] * self.config.num_slots, width)
-      if width >= self.max_pages:
-        break
-      width = self._width(width * self.config.cache.page_size + 1)
-    if not self.config.mixed_steps or self.press is not None:
-      return
-    idle = [None] * self.config.num_slots
-    widest = 1 << (min(self.config.prefill_chunk or self.max_len, self.max_len).bit_length() - 1)
-    bucket = steps.MIN_PROMPT_BUCKET
-    while True:  # a chunk wider than the smallest bucket fills it, so needs that many positions
-      least = 1 if bucket == steps.MIN_PROMPT_BUCKET else bucket
-      width = self._mixed_width(least)
-      while True:
-        self._run_mixed(idle, None, np.zeros(least, np.int32), width)
-        if width >= self.max_pages:
-          break
-        width = self._mixed_width(width * self.config.cache.page_size + 1)
-      if bucket * 2 > widest:
-        break
-      bucket *= 2
+    """Compiles every call a workload can make (Runner.warmup), so that serving compiles nothing."""
+    self.runner.warmup(extends=self.press is not None or self.prefix_caching)
 
   # Memory policy.
 
   def _held(self, prompt: int, generated: int) -> int:
-    """Tokens (slots) a request of a `prompt`-token prompt and `generated` tokens holds in its
-    pages: every one, or with a press the prompt's kept ones and every generated one (at most the
-    decode budget's capacity)."""
-    return prompt + generated if self.press is None else held_slots(prompt, generated, self.press)
+    return self.runner.held(prompt, generated)
 
   def _target(self, tokens: int, capacity: int) -> int:
     """Token capacity the allocation policy holds for `tokens` cached, given `capacity` now."""
@@ -218,12 +178,6 @@ class Engine:
     if self.press is not None and length >= (capacity(self.press) or length + 1):  # a decode budget's full row
       return 0
     return max(0, alloc.pages_for(self._target(length + 1, alloc.capacity(request.id))) - held)
-
-  def _width(self, positions: int) -> int:
-    """Page-table columns a decode step reads to cover `positions` positions: attention gathers
-    and reads only these pages, and bucketing them bounds the number of compilations."""
-    floor = self.allocator.pages_for(steps.MIN_PROMPT_BUCKET)
-    return size_bucket(self.allocator.pages_for(positions), self.max_pages, floor)
 
   # Scheduling.
 
@@ -275,17 +229,17 @@ class Engine:
       end = first if self.press is not None else min(first, start + budget)
       table = alloc.page_table([request.id], self.max_pages)
       if start == 0:
-        logits = self._run_prefill(steps.padded(context[:end], self.max_len), end, table)
+        logits = self.runner.prefill(context[:end], table)
       else:
-        logits = self._run_extend(steps.padded(context[start:end], self.max_len), end - start, table, start, start)
+        logits = self.runner.extend(context[start:end], table, start, start)
       request.computed, budget = end, budget - (end - start)
       if end < first:
         continue
       alloc.cache(request.id, request.digests)  # its whole pages are written: later prompts may share them
       if first < context.size:
-        logits = self._recompute(context, first, table)
+        logits = self.runner.recompute(context, first, table)
         request.computed = context.size
-      token = self._pick(logits, [request])
+      token = self.runner.pick(logits, [request])
       self._emit(request, int(token[0]), finished)
 
   def _grow(self) -> None:
@@ -350,7 +304,7 @@ class Engine:
     running = self._count_step()
     rows = [r if r is not None and r.decoding else None for r in self.slots]
     positions = max(end, max(alloc.length(r.id) for r in running))
-    tokens = self._run_mixed(rows, request, request.context[start:end], self._mixed_width(positions))
+    tokens = self.runner.mixed(rows, request, request.context[start:end], self.runner.mixed_width(positions))
     self.stats.mixed_steps += 1
     request.computed = end
     for r in running:
@@ -360,16 +314,6 @@ class Engine:
       self._emit(request, int(tokens[-1]), finished)
     if budget > take and any(r.computed < r.first for r in self.running):
       self._prefill(finished, budget - take)
-
-  def _mixed_width(self, positions: int) -> int:
-    """Page-table columns of a mixed call covering `positions`: a power of two (at most max_pages),
-    so that with the chunk's width the call compiles for few shapes."""
-    return min(self.max_pages, 1 << (self.allocator.pages_for(positions) - 1).bit_length())
-
-  def _chunk_bucket(self, tokens: int) -> int:
-    """Columns of a mixed call's chunk of `tokens` (a power of two, or fewer than
-    MIN_PROMPT_BUCKET): at least MIN_PROMPT_BUCKET."""
-    return max(steps.MIN_PROMPT_BUCKET, 1 << (tokens - 1).bit_length())
 
   def _count_step(self) -> list[Request]:
     """Counts a decode step in the stats -> the requests decoding in it."""
@@ -393,83 +337,6 @@ class Engine:
   def _decode(self, finished: list[Request]) -> None:
     running = self._count_step()
     rows = [r if r is not None and r.decoding else None for r in self.slots]
-    tokens = self._run_decode(rows, self._width(max(self.allocator.length(r.id) for r in running)))
+    tokens = self.runner.decode(rows, self.runner.width(max(self.allocator.length(r.id) for r in running)))
     for request in running:
       self._emit(request, int(tokens[request.slot]), finished)
-
-  # Device calls.
-
-  def _run_prefill(self, tokens, length: int, page_table) -> jax.Array:
-    """One request's first `length` tokens (tokens int[1, bucket]) into its empty pages -> logits [1, V]."""
-    cache = self.cache.with_rows(page_table, np.zeros(1, np.int32), np.zeros(1, np.int32))
-    logits, self.cache = steps.prefill(
-      self.model, self.params, cache, jnp.asarray(tokens), jnp.array([length], jnp.int32)
-    )
-    return logits
-
-  def _recompute(self, context: np.ndarray, first: int, table) -> jax.Array:
-    """A preempted request's generated tokens context[first:] after its pressed prompt -> the last
-    one's logits [1, V]: one call, or under a decode budget one call per token (the row is pressed
-    as it was when it decoded them)."""
-    if not self.press.decode_budget:
-      rest = context[first:]
-      return self._run_extend(steps.padded(rest, self.max_len), rest.size, table, first, self._held(first, 0))
-    for i in range(first, context.size):
-      logits = self._run_extend(
-        steps.padded(context[i : i + 1], self.max_len), 1, table, i, self._held(first, i - first)
-      )
-    return logits
-
-  def _run_extend(self, tokens, length: int, page_table, position: int, filled: int) -> jax.Array:
-    """`length` more tokens after a request's `position` positions held in `filled` slots -> logits [1, V]."""
-    cache = self.cache.with_rows(page_table, np.array([position], np.int32), np.array([filled], np.int32))
-    logits, self.cache = steps.extend(
-      self.model, self.params, cache, jnp.asarray(tokens), jnp.array([length], jnp.int32)
-    )
-    return logits
-
-  def _decode_inputs(self, slots: list[Request | None]) -> dict:
-    """A decode step's rows (None: idle) -> their ids, the positions each holds before its token
-    (lengths), the slots it fills (filled), and the tokens they take."""
-    return dict(
-      ids=[None if r is None else r.id for r in slots],
-      lengths=np.array([0 if r is None else r.prompt.size + len(r.generated) - 1 for r in slots], np.int32),
-      filled=np.array([0 if r is None else self._held(r.prompt.size, len(r.generated) - 1) for r in slots], np.int32),
-      tokens=np.array([0 if r is None else r.generated[-1] for r in slots], np.int32),
-    )
-
-  def _pick(self, logits, rows: list[Request | None]) -> np.ndarray:
-    """Each row's next token from its logits [B, V] under its sampling (an idle row greedily)."""
-    return np.asarray(
-      steps.pick(
-        logits,
-        steps.stack_sampling([GREEDY if r is None else r.sampling for r in rows]),
-        self.config.seed,
-        jnp.asarray([0 if r is None else r.id for r in rows], jnp.int32),
-        jnp.asarray([0 if r is None else len(r.generated) for r in rows], jnp.int32),
-      )
-    )
-
-  def _run_mixed(self, slots: list[Request | None], request: Request | None, chunk, width: int) -> np.ndarray:
-    """One mixed call: every row's decode token (None: idle) and `chunk` int[C'] of `request`'s
-    context after what its pages hold (None: an idle chunk row) -> each row's next token, then the
-    chunk's."""
-    rows = self._decode_inputs(slots)
-    padded = np.zeros((1, self._chunk_bucket(chunk.size)), np.int32)
-    padded[0, : chunk.size] = chunk
-    ids = rows["ids"] + [None if request is None else request.id]
-    table = self.allocator.page_table(ids, self.max_pages)[:, :width]
-    start = 0 if request is None else request.computed
-    cache = self.cache.with_rows(table, np.append(rows["lengths"], start))
-    logits, self.cache = mixed.step(
-      self.model, self.params, cache, jnp.asarray(rows["tokens"]), jnp.asarray(padded), jnp.array([chunk.size])
-    )
-    return self._pick(logits, slots + [request])
-
-  def _run_decode(self, slots: list[Request | None], width: int) -> np.ndarray:
-    """One decode step over all rows; a request's pages already hold the slot it writes."""
-    rows = self._decode_inputs(slots)
-    table = self.allocator.page_table(rows["ids"], self.max_pages)[:, :width]
-    cache = self.cache.with_rows(table, rows["lengths"], rows["filled"])
-    logits, self.cache = steps.decode(self.model, self.params, cache, jnp.asarray(rows["tokens"]))
-    return self._pick(logits, slots)
