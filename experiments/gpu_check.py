@@ -181,18 +181,15 @@ def part_engine(cfg, model, params, requests: int, prompt: int, quick: bool) -> 
   }
 
 
-def run_part(record: dict, name: str, fn, out: Path) -> None:
-  """Runs one part into record[name] (its error instead, when it fails) and writes --out."""
+def run_part(results: dict, record: dict, name: str, fn, out: Path) -> None:
+  """Runs one part into record[name] (its error instead, when it fails) and writes all results to `out`."""
   start = time.perf_counter()
   try:
     record[name] = fn()
   except Exception as err:  # a device run goes on to the next part: its time is scarce
     record[name] = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc(limit=4)}
   print(f"gpu_check: {record['model']} {name} {time.perf_counter() - start:.1f}s", file=sys.stderr)
-  out.write_text(json.dumps(RESULTS, indent=1))
-
-
-RESULTS: dict = {}
+  out.write_text(json.dumps(results, indent=1))
 
 
 def main() -> None:
@@ -209,22 +206,23 @@ def main() -> None:
   prompt, layers = (128, 2) if args.quick else (args.prompt, None)
   batches = [int(b) for b in args.batches.split(",")]
   requests = 4 if args.quick else args.requests
-  RESULTS.update(backend=jax.default_backend(), pallas_available=pallas_available(), bandwidth=bandwidth())
-  RESULTS["models"] = []
+  results = dict(backend=jax.default_backend(), pallas_available=pallas_available(), bandwidth=bandwidth(), models=[])
   for entry in args.models.split(","):
     name, _, path = entry.partition("=")
     cfg = model_config(name, path or None, max(2 * prompt, 2048), layers)
     model, params = init_model(cfg)
     stored = store(params, "bfloat16")
     record = {"model": name, "config": cfg.to_dict(), "bfloat16_weight_bytes": weight_bytes(stored)}
-    RESULTS["models"].append(record)
-    run_part(
-      record, "prefill", lambda: part_prefill(cfg, model, stored, args.prefill_batch, prompt, args.repeats), args.out
-    )
-    run_part(record, "decode", lambda: part_decode(cfg, model, stored, batches, prompt, RESULTS["bandwidth"]), args.out)
-    run_part(record, "paged", lambda: bench_paged(cfg, batch=8, context=prompt, repeats=args.repeats), args.out)
-    run_part(record, "engine", lambda: part_engine(cfg, model, params, requests, prompt, args.quick), args.out)
-  print(json.dumps(RESULTS, indent=1))
+    results["models"].append(record)
+    parts = {
+      "prefill": lambda: part_prefill(cfg, model, stored, args.prefill_batch, prompt, args.repeats),
+      "decode": lambda: part_decode(cfg, model, stored, batches, prompt, results["bandwidth"]),
+      "paged": lambda: bench_paged(cfg, batch=8, context=prompt, repeats=args.repeats),
+      "engine": lambda: part_engine(cfg, model, params, requests, prompt, args.quick),
+    }
+    for part, fn in parts.items():
+      run_part(results, record, part, fn, args.out)
+  print(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
