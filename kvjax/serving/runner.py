@@ -67,18 +67,19 @@ class Runner:
 
   # Calls.
 
-  def prefill(self, context: np.ndarray, table) -> jax.Array:
-    """One request's first tokens `context` int[L] into its empty pages -> logits [1, V]."""
+  def prefill(self, context: np.ndarray, table, columns: int = 0) -> jax.Array:
+    """One request's first tokens `context` int[L] into its empty pages -> logits [1, V]; the
+    call is padded to the prompt bucket of L (of `columns`, when more)."""
     cache = self.cache.with_rows(table, np.zeros(1, np.int32), np.zeros(1, np.int32))
-    tokens = steps.padded(context, self.max_len)
+    tokens = steps.padded(context, self.max_len, columns)
     logits, self.cache = steps.prefill(self.model, self.params, cache, jnp.asarray(tokens), jnp.array([context.size]))
     return logits
 
-  def extend(self, context: np.ndarray, table, position: int, filled: int) -> jax.Array:
+  def extend(self, context: np.ndarray, table, position: int, filled: int, columns: int = 0) -> jax.Array:
     """`context` int[L], the tokens after a request's `position` positions held in `filled`
-    slots -> logits [1, V]."""
+    slots -> logits [1, V]; padded as `prefill`."""
     cache = self.cache.with_rows(table, np.array([position], np.int32), np.array([filled], np.int32))
-    tokens = steps.padded(context, self.max_len)
+    tokens = steps.padded(context, self.max_len, columns)
     logits, self.cache = steps.extend(self.model, self.params, cache, jnp.asarray(tokens), jnp.array([context.size]))
     return logits
 
@@ -137,9 +138,10 @@ class Runner:
     n = steps.MIN_PROMPT_BUCKET
     while True:
       bucket = size_bucket(n, self.max_len, steps.MIN_PROMPT_BUCKET)
-      self.pick(self.prefill(np.zeros(bucket, np.int32), idle_table), [None])
+      one = np.zeros(1, np.int32)  # one token padded to the bucket: the bucket's shape, little to compute
+      self.pick(self.prefill(one, idle_table, bucket), [None])
       if extends:
-        self.extend(np.zeros(bucket, np.int32), idle_table, 0, 0)
+        self.extend(one, idle_table, 1, 0, bucket)
       if bucket >= self.max_len:
         break
       n = bucket + 1

@@ -57,8 +57,8 @@ def stack_sampling(settings: list[tuple[float, int, float]]) -> Sampling:
   return Sampling(jnp.asarray(temperature, jnp.float32), jnp.asarray(top_k, jnp.int32), jnp.asarray(top_p, jnp.float32))
 
 
-def padded(tokens: np.ndarray, max_len: int) -> np.ndarray:
-  """tokens int[L] right-padded to their prompt bucket -> int32[1, bucket]."""
-  out = np.zeros((1, size_bucket(tokens.size, max_len, MIN_PROMPT_BUCKET)), np.int32)
+def padded(tokens: np.ndarray, max_len: int, columns: int = 0) -> np.ndarray:
+  """tokens int[L] right-padded to the prompt bucket of L (of `columns`, when more) -> int32[1, bucket]."""
+  out = np.zeros((1, size_bucket(max(tokens.size, columns), max_len, MIN_PROMPT_BUCKET)), np.int32)
   out[0, : tokens.size] = tokens
   return out
