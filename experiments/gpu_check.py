@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import sys
 import time
 import traceback
@@ -43,7 +42,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from kvjax.bench.base.harness import filled_cache, init_model, memory_bandwidth, time_decode_step
+from kvjax.bench.base.harness import filled_cache, init_model, memory_bandwidth, prefill_flops, time_decode_step
 from kvjax.bench.serving.paged import bench_paged
 from kvjax.cache import kinds
 from kvjax.cache.config import CacheConfig
@@ -51,10 +50,11 @@ from kvjax.cache.layouts.paged import pallas_available
 from kvjax.config import ModelConfig
 from kvjax.decoding.decode import prefill
 from kvjax.interop.importer import config_from_hf, read_config
-from kvjax.model.flops import matmul_params, peak_flops
+from kvjax.model.flops import peak_flops
 from kvjax.model.weights import store, weight_bytes
 from kvjax.serving.config import EngineConfig
 from kvjax.serving.engine import Engine
+from kvjax.timing import timed
 
 # HBM bandwidth by device kind (the vendors' figures), first match wins.
 DEVICE_BANDWIDTH = (("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100 NVL", 3.9e12), ("H100", 3.35e12))
@@ -84,16 +84,6 @@ def model_config(name: str, path: str | None, max_len: int, layers: int | None) 
   return dataclasses.replace(cfg, max_len=max_len, **({"num_layers": layers} if layers else {}))
 
 
-def median_seconds(fn, repeats: int) -> float:
-  jax.block_until_ready(fn())  # compiles
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
-
-
 def bandwidth() -> dict:
   kind = jax.devices()[0].device_kind
   spec = next((bw for name, bw in DEVICE_BANDWIDTH if name.lower() in kind.lower()), None)
@@ -103,10 +93,11 @@ def bandwidth() -> dict:
 def part_prefill(cfg, model, params, batch: int, prompt: int, repeats: int) -> dict:
   tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, prompt), dtype=np.int32)
   lengths = np.full(batch, prompt, np.int32)
-  seconds = median_seconds(lambda: prefill(model, params, tokens, lengths, prompt + 1, logits="last")[0], repeats)
-  head = cfg.d_model * cfg.vocab_size  # the logits of each row's last position only
-  attention = 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * prompt * prompt  # the causal half
-  flops = batch * (2 * (matmul_params(cfg) - head) * prompt + 2 * head + attention)
+  seconds = timed(
+    lambda: jax.block_until_ready(prefill(model, params, tokens, lengths, prompt + 1, logits="last")[0]), repeats
+  )
+  # prefill_flops counts the head at every position; this prefill computes the last one's logits only.
+  flops = prefill_flops(cfg, batch, prompt) - 2 * cfg.d_model * cfg.vocab_size * batch * (prompt - 1)
   peak, source = peak_flops()
   return {
     "batch": batch,
@@ -141,7 +132,7 @@ def part_decode(cfg, model, params, batches, context: int, bw: dict) -> list[dic
   return out
 
 
-def part_engine(cfg, model, params, requests: int, prompt: int, quick: bool) -> dict:
+def part_engine(cfg, model, params, requests: int, quick: bool) -> dict:
   page = 16
   longest = (256 if quick else 1024) + 128
   read = "pallas" if pallas_available() else "gather"
@@ -218,7 +209,7 @@ def main() -> None:
       "prefill": lambda: part_prefill(cfg, model, stored, args.prefill_batch, prompt, args.repeats),
       "decode": lambda: part_decode(cfg, model, stored, batches, prompt, results["bandwidth"]),
       "paged": lambda: bench_paged(cfg, batch=8, context=prompt, repeats=args.repeats),
-      "engine": lambda: part_engine(cfg, model, params, requests, prompt, args.quick),
+      "engine": lambda: part_engine(cfg, model, params, requests, args.quick),
     }
     for part, fn in parts.items():
       run_part(results, record, part, fn, args.out)

@@ -135,10 +135,10 @@ class Runner:
     cached pages, or a pressed recompute), page-table width, mixed call (chunk bucket by the widths
     its chunk can reach) and sampler on idle rows (writes land in the null page)."""
     idle_table = np.zeros((1, self.max_pages), np.int32)
+    one = np.zeros(1, np.int32)  # one token padded to each bucket: the bucket's shape, little to compute
     n = steps.MIN_PROMPT_BUCKET
     while True:
       bucket = size_bucket(n, self.max_len, steps.MIN_PROMPT_BUCKET)
-      one = np.zeros(1, np.int32)  # one token padded to the bucket: the bucket's shape, little to compute
       self.pick(self.prefill(one, idle_table, bucket), [None])
       if extends:
         self.extend(one, idle_table, 1, 0, bucket)
