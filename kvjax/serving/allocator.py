@@ -63,6 +63,7 @@ class PageAllocator:
     self._cached: dict[bytes, int] = {}  # prefix digest -> page
     self._digest: dict[int, bytes] = {}  # page -> its prefix digest
     self._idle: OrderedDict[int, None] = OrderedDict()  # cached pages no sequence holds, oldest first
+    self.fewest_free = self.num_free  # the low-water mark of num_free since the pool was made
 
   # Queries.
 
@@ -259,4 +260,5 @@ class PageAllocator:
     for page in taken:
       assert self._refcount[page] == 0, f"page {page} on the free list is still referenced"
       self._refcount[page] = 1
+    self.fewest_free = min(self.fewest_free, self.num_free)
     return taken

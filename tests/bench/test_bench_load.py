@@ -22,7 +22,10 @@ def served_load(smollm2, load: Load) -> dict:
 def check(out: dict, load: Load) -> None:
   assert all(v is True for v in out["checks"].values()), out["checks"]
   assert out["finished"] + out["cancelled"] + out["refused"] == load.requests
-  assert out["cancelled"] > 0 and out["refused"] > 0 and out["preemptions"] > 0
+  assert out["cancelled"] > 0 and out["refused"] > 0
+  # Preemptions depend on how the clients' requests happen to overlap in time (a busy machine's
+  # clients keep fewer rows running): reported, not required here; tests/serving/test_engine.py
+  # preempts deterministically and checks the recomputed answers.
   assert out["fewest_free_pages"] < 8  # the pool ran out: requests waited for pages
 
 
@@ -45,5 +48,6 @@ def test_a_small_load_loses_nothing(smollm2):
 
 @pytest.mark.tier2
 def test_a_thousand_requests_lose_nothing(smollm2):
-  load = Load()
+  # 64 pages for 8 rows of up to 19: the pool runs out even when the clients keep few rows running.
+  load = Load(pool_tokens=1024)
   check(served_load(smollm2, load), load)

@@ -1,5 +1,6 @@
 """The CPU small-matmul kernel against numpy in every stored weight format, and the routing to it."""
 
+import concurrent.futures
 import functools
 import shutil
 
@@ -50,6 +51,19 @@ def test_matches_reference_any_shape(m, k, n):
 def test_empty_contraction_gives_zeros():
   np.testing.assert_array_equal(matmul.small_matmul(jnp.ones((4, 0)), jnp.ones((0, 40))), np.zeros((4, 40)))
   np.testing.assert_array_equal(matmul.matmul(jnp.ones((4, 0)), jnp.ones((0, 40))), np.zeros((4, 40)))
+
+
+def test_the_same_bits_however_busy_the_threads_are():
+  # The bands' sums are added in a fixed order, so a product does not depend on which thread took
+  # which band: four threads calling it at once (the pool's threads wake late and the calling
+  # threads take more bands) get the bits it gives alone. Greedy decoding repeats itself.
+  rng = np.random.default_rng(0)
+  x, w = rng.standard_normal((8, 1536), np.float32), rng.standard_normal((1536, 576), np.float32)
+  product = jax.jit(matmul.small_matmul)
+  alone = np.asarray(product(x, w))
+  with concurrent.futures.ThreadPoolExecutor(4) as pool:
+    busy = list(pool.map(lambda _: np.asarray(product(x, w)), range(200)))
+  assert all(np.array_equal(y, alone) for y in busy)
 
 
 def stored(w, fmt):

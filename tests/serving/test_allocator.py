@@ -131,6 +131,8 @@ class AllocatorMachine(RuleBasedStateMachine):
     if not hasattr(self, "alloc"):
       return
     self.alloc.check()
+    self.fewest = min(getattr(self, "fewest", self.alloc.num_usable), self.alloc.num_free)
+    assert self.alloc.fewest_free == self.fewest  # the low-water mark, seen after every rule
     size = self.alloc.page_size
     for seq, tokens in self.tokens.items():
       pages = self.alloc.pages(seq)

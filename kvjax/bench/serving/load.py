@@ -5,7 +5,8 @@ A seeded mix of requests, sent by `clients` concurrent clients as fast as they a
 completions over a set of distinct prompts (half of them opening with one shared document),
 streamed or whole, of mixed prompt and answer lengths, all greedy; some cancelled by their client
 after a few events; a few that can never fit the page pool (refused with a 400, the server going
-on). The pool is small for the rows, so the engine preempts and runs out of free pages.
+on). The pool is small for the rows, so the engine runs out of free pages and, when the rows it
+runs happen to grow together, preempts.
 
 Checked at the end (the JSON's "checks", each true or the first failure): every finished answer is
 the text of `generate`'s greedy tokens for its prompt and length; every cancelled answer is a prefix
@@ -14,7 +15,7 @@ left (fewer: a client that left after its last token was made); every page is fr
 consistent; the worker and the engine hold no request; the server's resident memory at the end is
 within 10% of what it was after the first tenth of the requests. Reported: requests and tokens
 per second, time to first token and per-token latency (p50 / p99; streamed requests), the
-preemptions and the fewest free pages seen.
+preemptions and the fewest free pages the pool had (its low-water mark).
 """
 
 from __future__ import annotations
@@ -159,11 +160,10 @@ def _drive(load: Load, client, worker: EngineWorker, requests: list[dict], texts
   once they are all answered."""
   import openai
 
-  memory, free, done = [], [], threading.Event()
+  memory, done = [], threading.Event()
 
-  def watch():  # free pages and resident memory, twice a second
+  def watch():  # resident memory, twice a second
     while not done.wait(0.5):
-      free.append(worker.call(lambda e: e.allocator.num_free).result())
       memory.append((sum(1 for r in results if r is not None), _rss_mib()))
 
   results: list[dict | None] = [None] * len(requests)
@@ -212,7 +212,6 @@ def _drive(load: Load, client, worker: EngineWorker, requests: list[dict], texts
     "results": results,
     "seconds": seconds,
     "state": state,
-    "free": free,
     "memory": memory,
     "cancelled_by_worker": worker.cancelled,
     "live": worker.live,
@@ -228,13 +227,14 @@ def _state(engine: Engine) -> dict:
     "held": len(engine.running) + len(engine.waiting),
     "kept": len(engine.finished),
     "preemptions": stats.preemptions,
+    "fewest_free": alloc.fewest_free,
     "prompt_tokens": stats.prompt_tokens,
     "cached_tokens": stats.cached_tokens,
   }
 
 
 def report(
-  load, requests, texts, oracle, tokenizer, *, results, seconds, state, free, memory, cancelled_by_worker, live
+  load, requests, texts, oracle, tokenizer, *, results, seconds, state, memory, cancelled_by_worker, live
 ) -> dict:
   """The checks and figures (module docstring) from what _drive saw."""
   stops = set(tokenizer.stop_ids)
@@ -295,7 +295,7 @@ def report(
     "preemptions": state["preemptions"],
     "prompt_tokens": state["prompt_tokens"],
     "prefix_cached_tokens": state["cached_tokens"],
-    "fewest_free_pages": min(free) if free else None,
+    "fewest_free_pages": state["fewest_free"],
     "pool_pages": usable,
     "resident_mib_first_tenth": settled[0] if settled else None,
     "resident_mib_end": settled[-1] if settled else None,

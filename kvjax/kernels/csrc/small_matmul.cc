@@ -8,14 +8,19 @@
 // the product is bound by how fast they stream from memory; XLA's CPU dot runs these shapes
 // far below the machine's bandwidth (figures in docs/results.md). This kernel reads w in
 // its row-major [K, N] layout and in order: each thread takes a band of consecutive rows of w
-// (the bands' partial products are summed at the end) and walks it kPanel rows at a time across
-// a chunk of columns, adding each row of x times the panel into y's chunk, which stays in L1.
+// (the bands' partial products are summed at the end, in band order) and walks it kPanel rows
+// at a time across a chunk of columns, adding each row of x times the panel into y's chunk,
+// which stays in L1. Which rows each sum holds and the order of the sums are fixed by the
+// shapes, never by which thread ran first: a product gives the same bits however busy the
+// machine is (greedy decoding repeats itself).
 // Whole rows read in order let the hardware prefetchers stream w; column tiles, a few hundred
 // bytes of each row at a time, give them only short runs.
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -35,6 +40,7 @@ constexpr int64_t kPanel = 8;               // rows of w per pass over a column 
 constexpr int64_t kChunkBytes = 32 << 10;   // of y per column chunk, to stay in L1
 constexpr int64_t kMinBytesPerThread = 64 << 10;
 constexpr int64_t kBandsPerThread = 4;
+constexpr int64_t kPartialBytes = 1 << 20;  // at most, for the bands' own sums (unless one per thread)
 
 // y[:, c:c+width] = (or += when add) x[:, k:k+P] @ w[k:k+P, c:c+width] for width = kLanes, or
 // the first `width` < kLanes columns when Partial. x has row stride k_dim; w and y have n. With
@@ -156,7 +162,7 @@ struct Problem {
   float* y;
   int64_t m, k, n;
   int64_t band_rows;  // rows of w per band, one task each
-  float* partial;     // [workers - 1, m, n]: the sums of the bands of workers 1, 2, ...
+  float* partial;     // [bands - 1, m, n]: the sums of bands 1, 2, ... (band 0's is y)
   const uint16_t* xb;  // x as bfloat16 bits [m, xk], xk = k rounded up to even; null for float32 w
   int64_t xk;
 
@@ -168,13 +174,12 @@ struct Problem {
     false;
 #endif
 
-  // Adds x[:, band] @ w[band, :] for band `t` into worker `i`'s sum (or writes it, when first),
-  // a column chunk at a time.
-  void RunBand(int64_t t, int64_t i, bool first) const {
-    float* out = i == 0 ? y : partial + (i - 1) * m * n;
+  // Writes x[:, band] @ w[band, :] for band `t` into its own sum, a column chunk at a time.
+  void RunBand(int64_t t) const {
+    float* out = t == 0 ? y : partial + (t - 1) * m * n;
     const int64_t k0 = std::min(k, t * band_rows), k1 = std::min(k, k0 + band_rows);
     if (k0 == k1) {
-      if (first) std::memset(out, 0, m * n * sizeof(float));
+      std::memset(out, 0, m * n * sizeof(float));
       return;
     }
     const int64_t chunk = std::max(kLanes, kChunkBytes / int64_t{sizeof(float)} / m / kLanes * kLanes);
@@ -188,16 +193,16 @@ struct Problem {
           const __m512i interleave = kvjax::InterleaveWords();
           const uint32_t* xp = reinterpret_cast<const uint32_t*>(xb);
           for (; r + kPanel <= k1; r += kPanel)
-            PairPanel<kPanel / 2>(xp, w, out, m, xk / 2, n, r, c0, c1, !first || r != k0, r + 2 * kPanel <= k1,
+            PairPanel<kPanel / 2>(xp, w, out, m, xk / 2, n, r, c0, c1, r != k0, r + 2 * kPanel <= k1,
                                   interleave);
           for (; r + 2 <= k1; r += 2)
-            PairPanel<1>(xp, w, out, m, xk / 2, n, r, c0, c1, !first || r != k0, false, interleave);
+            PairPanel<1>(xp, w, out, m, xk / 2, n, r, c0, c1, r != k0, false, interleave);
         }
       }
 #endif
       for (; r + kPanel <= k1; r += kPanel)
-        Panel<kPanel>(x, w, out, m, k, n, r, c0, c1, !first || r != k0, r + 2 * kPanel <= k1);
-      for (; r < k1; ++r) Panel<1>(x, w, out, m, k, n, r, c0, c1, !first || r != k0, false);
+        Panel<kPanel>(x, w, out, m, k, n, r, c0, c1, r != k0, r + 2 * kPanel <= k1);
+      for (; r < k1; ++r) Panel<1>(x, w, out, m, k, n, r, c0, c1, r != k0, false);
     }
   }
 
@@ -229,14 +234,16 @@ struct Split {
 };
 
 // Rows of w (of `row_bytes` each) per band, and the bands and workers to share `rows` among.
-// `alone`: the product stays on the calling thread.
-Split Share(const ffi::ThreadPool& pool, bool alone, int64_t rows, int64_t row_bytes, int64_t align) {
+// `alone`: the product stays on the calling thread. Several bands per thread let a thread that
+// wakes late take fewer; at most `most_bands` (but one per thread).
+Split Share(const ffi::ThreadPool& pool, bool alone, int64_t rows, int64_t row_bytes, int64_t align,
+            int64_t most_bands) {
   // Waking a pool thread costs more than streaming a small slice of w: only weights of
   // kMinBytesPerThread or more per thread are worth sharing.
   const int64_t most = alone ? 1 : std::max<int64_t>(1, pool.num_threads());
   const int64_t threads = std::clamp<int64_t>(rows * row_bytes / kMinBytesPerThread, 1, most);
   const int64_t units = std::max<int64_t>(1, (rows + align - 1) / align);
-  const int64_t bands = std::min(threads * kBandsPerThread, units);
+  const int64_t bands = std::min({threads * kBandsPerThread, units, std::max(threads, most_bands)});
   const int64_t band_rows = (units + bands - 1) / bands * align;
   return {band_rows, bands, std::min(threads, bands)};
 }
@@ -252,25 +259,38 @@ void Multiply(ffi::ThreadPool& pool, const float* x, const uint16_t* xb, const W
   const bool alone = m == 1 && std::is_same_v<W, float>;
   if (transposed) {
     // Each band writes its own columns of y: no partial sums to add.
-    const Split split = Share(pool, alone, n, k * int64_t{sizeof(W)}, kDotRows);
+    const Split split = Share(pool, alone, n, k * int64_t{sizeof(W)}, kDotRows, n);
     const Problem<W> problem{x, w, y, m, k, n, split.band_rows, nullptr, xb, xk};
     kvjax::ParallelFor(pool, split.bands, split.workers,
                        [&](int64_t band, int64_t) { problem.RunTransposedBand(band); });
     return;
   }
-  const Split split = Share(pool, alone, k, n * int64_t{sizeof(W)}, kPanel);
-  std::vector<float> partial((split.workers - 1) * m * n);
-  const Problem<W> problem{x, w, y, m, k, n, split.band_rows, partial.data(), xb, xk};
-  // Each worker sums its bands in its own buffer (worker 0's is y); the buffers are added at the end.
-  std::vector<char> used(split.workers, 0);  // per worker: whether its buffer holds a sum
-  kvjax::ParallelFor(pool, split.bands, split.workers, [&](int64_t band, int64_t worker) {
-    problem.RunBand(band, worker, !used[worker]);
-    used[worker] = 1;
+  const Split split = Share(pool, alone, k, n * int64_t{sizeof(W)}, kPanel, 1 + kPartialBytes / std::max<int64_t>(1, m * n * int64_t{sizeof(float)}));
+  // Kept by the calling thread between calls: a fresh buffer each call would be paged in anew.
+  // (Pool threads reach it through this pointer: a thread_local named there would be their own.)
+  thread_local std::vector<float> kept;
+  if (kept.size() < static_cast<size_t>((split.bands - 1) * m * n)) kept.resize((split.bands - 1) * m * n);
+  float* const partial = kept.data();
+  const Problem<W> problem{x, w, y, m, k, n, split.band_rows, partial, xb, xk};
+  // Each band sums into its own buffer (band 0's is y); then the buffers are added in band order,
+  // a slice of y per worker. The slices are the last tasks claimed: a thread that claims one
+  // waits for the bands still running (each on a thread that has started).
+  if (split.bands == 1) return kvjax::ParallelFor(pool, 1, 1, [&](int64_t, int64_t) { problem.RunBand(0); });
+  const int64_t size = m * n, slices = split.workers, slice = (size + slices - 1) / slices;
+  std::atomic<int64_t> done{0};
+  kvjax::ParallelFor(pool, split.bands + slices, split.workers, [&](int64_t task, int64_t) {
+    if (task < split.bands) {
+      problem.RunBand(task);
+      done.fetch_add(1, std::memory_order_release);
+      return;
+    }
+    while (done.load(std::memory_order_acquire) < split.bands) std::this_thread::yield();
+    const int64_t j0 = std::min(size, (task - split.bands) * slice), j1 = std::min(size, j0 + slice);
+    for (int64_t i = 1; i < split.bands; ++i) {
+      const float* p = partial + (i - 1) * size;
+      for (int64_t j = j0; j < j1; ++j) y[j] += p[j];
+    }
   });
-  if (!used[0]) std::memset(y, 0, m * n * sizeof(float));
-  for (int64_t i = 1; i < split.workers; ++i)
-    if (used[i])
-      for (int64_t j = 0; j < m * n; ++j) y[j] += partial[(i - 1) * m * n + j];
 }
 
 // x rounded to the nearest bfloat16 (ties to even), as a float.
