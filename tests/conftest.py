@@ -56,6 +56,18 @@ BENCHMARK_NAMES = (
 )
 
 
+def tiered(cases, first, ids=None) -> list:
+  """`cases` as pytest parameters, those in `first` in the first tier and the others marked
+  tier2: one oracle over many equal-cost cases keeps a few in the quick tier and runs them all
+  in the second. A tuple case is several arguments."""
+  first = list(first)
+  assert all(c in cases for c in first), f"not all among the cases: {first}"
+  return [
+    pytest.param(*(c if isinstance(c, tuple) else (c,)), marks=() if c in first else pytest.mark.tier2, id=i)
+    for c, i in zip(cases, ids or [None] * len(cases))
+  ]
+
+
 def tiny_config(num_kv_heads: int = 2, **changes) -> kvjax.ModelConfig:
   base = dict(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=num_kv_heads, mlp_dim=64, max_len=64)
   return kvjax.ModelConfig(**{**base, **changes})

@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import init_params, tiny_config
+from conftest import init_params, tiered, tiny_config
 from oracles import KeptForward, forward, held, masks_of
 
 from kvjax.cache import kinds
@@ -59,7 +59,7 @@ def read_by(before: list, start: np.ndarray, end: np.ndarray) -> list:
 
 @pytest.mark.parametrize(
   "press, interval",
-  [("tova", 1), ("observed", 3), ("knorm", 3)],
+  tiered([("tova", 1), ("observed", 3), ("knorm", 3)], [("tova", 1), ("knorm", 3)]),
 )
 def test_chunks_and_decoding_under_a_budget_are_the_forward_masked_to_what_each_call_read(gqa, press, interval):
   """A ragged prompt (20 and 15 tokens) prefilled in chunks of 6 into a budget of 8, then 12

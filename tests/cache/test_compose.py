@@ -18,7 +18,7 @@ from kvjax.cache.layouts import paged
 from kvjax.cache.codec import NAMES, codec
 from kvjax.cache.config import CacheConfig
 from kvjax.model.transformer import cache_layers, cache_payload
-from conftest import init_params, tiny_config
+from conftest import init_params, tiered, tiny_config
 from oracles import StoredForward, forward
 
 BATCH, MAX_LEN, PAGE_SIZE = 2, 12, 4
@@ -135,12 +135,15 @@ def model_params(payload: str, windowed: bool):
 
 @pytest.mark.parametrize(
   "layout, dtype, payload, windowed",
-  [
-    ("contiguous", "int4", "latent", True),  # a ring of int4 latents and rotary keys
-    ("paged", "float8_e4m3fn", "latent", True),
-    ("paged", "bfloat16", "latent-no-rope", False),
-    ("contiguous", "float16", "kv", True),
-  ],
+  tiered(
+    [
+      ("contiguous", "int4", "latent", True),  # a ring of int4 latents and rotary keys
+      ("paged", "float8_e4m3fn", "latent", True),
+      ("paged", "bfloat16", "latent-no-rope", False),
+      ("contiguous", "float16", "kv", True),
+    ],
+    [("contiguous", "int4", "latent", True), ("paged", "bfloat16", "latent-no-rope", False)],
+  ),
 )
 def test_decode_of_a_composed_cache_is_the_forward_over_what_it_stores(layout, dtype, payload, windowed):
   """Corners the concept tests do not reach (test_codec: K/V through every codec; test_latent:

@@ -9,7 +9,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import init_params, tiny_config
+from conftest import init_params, tiered, tiny_config
 from oracles import KeptForward, forward, held, masks_of
 
 from kvjax.cache import kinds
@@ -37,7 +37,7 @@ def gqa():
   return init_params(tiny_config(2))
 
 
-@pytest.mark.parametrize("press", list(PRESSES))
+@pytest.mark.parametrize("press", tiered(list(PRESSES), ("snapkv", "kvzip", "streaming_llm")))
 def test_ratio_zero_is_the_contiguous_cache(gqa, press):
   model, params = gqa
   want, full = decode.prefill(model, params, TOKENS, LENGTHS, 32)
@@ -131,8 +131,13 @@ def test_random_press_keeps_a_seeded_sample():
   assert not np.array_equal(np.asarray(other.compress(new, jnp.ones((2, 24, 4, 8)), span)["positions"]), first)
 
 
-@pytest.mark.parametrize("press", ["snapkv", "streaming_llm", "knorm"])
-@pytest.mark.parametrize("dtype", [None, "int8"])
+@pytest.mark.parametrize(
+  "press, dtype",
+  tiered(
+    [(p, d) for d in (None, "int8") for p in ("snapkv", "streaming_llm", "knorm")],
+    [("snapkv", None), ("streaming_llm", "int8")],
+  ),
+)
 def test_decoding_after_eviction_is_the_forward_masked_to_the_kept_tokens(gqa, press, dtype):
   """Prefill (pressed), extend a chunk (a second turn), then decode past the budget (each step
   evicts): every call's logits equal the full forward whose queries read what the cache held."""

@@ -17,7 +17,7 @@ from kvjax.cache import kinds
 from kvjax.cache.codec import QUANTIZED, codec
 from kvjax.cache.config import CacheConfig
 from kvjax.model.mla import latent_payload
-from conftest import init_params, tiny_config
+from conftest import init_params, tiered, tiny_config
 from oracles import StoredForward, forward
 
 LENGTHS = np.array([10, 4, 7])
@@ -139,7 +139,7 @@ def forward_logits(fmt: str | None) -> np.ndarray:
   return forward(model, params, random_tokens((3, 20), seed=1), kind)
 
 
-@pytest.mark.parametrize("fmt", QUANTIZED)
+@pytest.mark.parametrize("fmt", tiered(list(QUANTIZED), ("int4",)))
 def test_quantized_latent_cache_is_the_forward_over_its_stored_latents(fmt):
   """A ragged prefill and STEPS decode steps over an int8 / int4 / fp8 latent cache, contiguous
   and in scattered pages: the logits of the full forward whose latents pass through the codec

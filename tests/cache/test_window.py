@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import kvjax
-from conftest import init_params, tiny_config
+from conftest import init_params, tiered, tiny_config
 from kvjax.cache import kinds
 from kvjax.cache.codec import codec
 from kvjax.cache.config import CacheConfig
@@ -131,7 +131,7 @@ def test_cached_decode_matches_windowed_forward_and_paged_matches_contiguous(pay
 INT8_TOLERANCE = 1e-4
 
 
-@pytest.mark.parametrize("payload", list(PAYLOADS))
+@pytest.mark.parametrize("payload", tiered(list(PAYLOADS), ("kv",)))
 def test_int8_ring_decode_matches_the_dequantized_windowed_forward(payload):
   """An int8 cache with a windowed layer (the contiguous ring, scales in the same slots; the
   paged pools), of K/V or of MLA's latents, decodes past the ring's wrap to the full forward's

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import kvjax
-from conftest import init_params, tiny_config
+from conftest import init_params, tiered, tiny_config
 from kvjax.cache import kinds
 from kvjax.cache.presses import KNorm, SnapKV
 from kvjax.decoding.decode import forward
@@ -124,7 +124,7 @@ CHUNK, CHUNK_LENGTHS = 9, np.array([3, 9])
 STEPS = 16  # both rows then hold exactly MAX_LEN positions; the shorter one has evicted past its budget
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", tiered(list(CASES), ("windowed", "evict-adaptive", "mla-paged-int8")))
 def test_bucketed_calls_give_the_unbucketed_logits_and_hold_what_was_asked(case):
   """prefill, extend and decode_step through a bucketed cache == the same forward through a cache
   of exactly max_len (or the evicting budget) at the caller's widths; logits="all" have the

@@ -17,7 +17,7 @@ from kvjax.cli import main as cli
 from kvjax.interop.importer import flatten, from_hf
 from kvjax.interop.hf_export import export_hf
 from kvjax.training import checkpoint
-from conftest import init_params
+from conftest import init_params, tiered
 
 transformers = pytest.importorskip(
   "transformers", reason="parity needs transformers + torch (pip install kvjax[bench])"
@@ -67,7 +67,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("changes, family, _", CASES)
+@pytest.mark.parametrize("changes, family, _", tiered(CASES, (CASES[1], CASES[3], CASES[6])))
 def test_transformers_runs_the_export_with_kvjax_logits_and_tokens(tmp_path, changes, family, _):
   cfg = config(**changes)
   params = random_params(cfg)

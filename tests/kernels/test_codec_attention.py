@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import init_params, tiny_config
+from conftest import init_params, tiered, tiny_config
 from kvjax.cache.codec import codec as codec_named
 from kvjax.cache.config import CacheConfig
 from kvjax.cache.layouts.contiguous import attend_one
@@ -121,8 +121,11 @@ def test_fp8_reads_every_code():
 
 @pytest.mark.parametrize(
   "name,layout,num_kv_heads",
-  [("bfloat16", "contiguous", 2), ("float16", "paged", 1), ("float8_e4m3fn", "paged", 2), ("int4", "contiguous", 1)],
-  ids=["bfloat16-contiguous-gqa", "float16-paged-mqa", "fp8-paged-gqa", "int4-contiguous-mqa"],
+  tiered(
+    [("bfloat16", "contiguous", 2), ("float16", "paged", 1), ("float8_e4m3fn", "paged", 2), ("int4", "contiguous", 1)],
+    [("bfloat16", "contiguous", 2), ("float8_e4m3fn", "paged", 2)],
+    ids=["bfloat16-contiguous-gqa", "float16-paged-mqa", "fp8-paged-gqa", "int4-contiguous-mqa"],
+  ),
 )
 def test_decode_through_each_codec_matches_kernels_off(name, layout, num_kv_heads):
   """Prefill ragged prompts into a cache of the codec, then decode greedily: the decode steps with

@@ -14,7 +14,7 @@ from kvjax.cache.config import CacheConfig
 from kvjax.cache.presses import KNorm
 from kvjax.decoding.decode import for_decoding
 from kvjax.serving import mixed, steps
-from conftest import init_params, tiny_config
+from conftest import init_params, tiered, tiny_config
 
 PAGE = 4
 MAX_PAGES = 8
@@ -51,7 +51,7 @@ def filled(model, params, cache, rng):
   return cache, rng.integers(0, 64, len(HELD)).astype(np.int32)
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", tiered(list(CASES), ("windowed", "int8")))
 def test_a_mixed_call_equals_its_rows_own_calls(case):
   config, dtype = CASES[case]
   model, params = init_params(config)
