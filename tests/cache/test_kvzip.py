@@ -11,7 +11,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import init_params, tiny_config
+from conftest import init_params, tiered, tiny_config
 from oracles import KeptForward, forward, held, masks_of
 
 from kvjax.cache.config import CacheConfig
@@ -72,7 +72,9 @@ def np_kept(model, params, context: np.ndarray, press: KVzip) -> np.ndarray:
   return keep
 
 
-@pytest.mark.parametrize(("kv_heads", "layerwise", "ratio"), [(2, False, 0.5), (1, True, 0.75)])
+@pytest.mark.parametrize(
+  ("kv_heads", "layerwise", "ratio"), tiered([(2, False, 0.5), (1, True, 0.75)], [(1, True, 0.75)])
+)
 def test_kvzip_keeps_what_its_definition_keeps(kv_heads, layerwise, ratio):
   """Two ragged rows, three chunks (the later ones quoting the previous chunk's end), GQA and MQA:
   every layer and kv head holds the positions the NumPy reading keeps (no head short of slots)."""

@@ -27,6 +27,7 @@ def source(tmp_path_factory) -> Path:
   return root / "gqa"
 
 
+@pytest.mark.tier2  # a whole uptraining and generate; the conversion's exactness is test_convert_mla's
 def test_uptrain_to_mla_gives_a_checkpoint_that_generates(source, tmp_path, capsys):
   dest = tmp_path / "mla"
   assert (

@@ -70,6 +70,7 @@ def one_round(model, params, cache_config, width, max_len, chunk, rng):
   return logits
 
 
+@pytest.mark.tier2  # 300 calls; each bucketed call's oracle is the first tier's test below
 def test_a_loop_over_distinct_lengths_compiles_a_bounded_number_of_functions():
   """300 calls (prefill, extend, decode_step over three cache kinds), no two rounds of the same
   (prompt width, cache length): the second half, of sizes never seen, compiles nothing new

@@ -11,7 +11,7 @@ import pytest
 import kvjax
 from kvjax.model import weights
 from kvjax.model.backend import Backend
-from conftest import init_params, tiny_config
+from conftest import init_params, tiered, tiny_config
 
 CONFIGS = {
   "gqa-tied": tiny_config(2, tie_embeddings=True),
@@ -21,8 +21,13 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("fmt", ["bfloat16", "int8"])
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize(
+  "name, fmt",
+  tiered(
+    [(n, f) for f in ("bfloat16", "int8") for n in CONFIGS],
+    [("gqa-tied", "bfloat16"), ("mla", "bfloat16"), ("mqa-bias-untied", "int8"), ("gpt2-learned", "int8")],
+  ),
+)
 def test_stored_tree_computes_its_widened_tree(name, fmt):
   model, params = init_params(CONFIGS[name])
   stored = weights.store(params, fmt)

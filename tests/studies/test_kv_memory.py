@@ -87,6 +87,7 @@ def test_bad_study_configs_name_the_field():
     dataclasses.replace(KVMemoryStudy(model=ModelConfig(max_len=64)), page_sizes=())
 
 
+@pytest.mark.tier2  # the study run end to end
 def test_quantized_formats_hold_more_requests_within_the_same_bytes(tmp_path):
   """int8 pages within the float32 budget's bytes: more token slots, at least as many requests at
   once, and the rows name their format."""
