@@ -20,11 +20,15 @@ pass key when asked (per-sample records under "samples", and as WORKDIR/samples.
 answers.jsonl);
 and the gap each row closes in loss per token at the longest context, ln perplexity: 0% at
 mean-pooling at alpha = 0, 100% at the model as shipped.
+
+Every model made and every row measured is a stage (kvjax.studies.base.stages): the same command
+over the same workdir resumes after the last one finished. The timing runs whole at the end.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -33,6 +37,7 @@ from typing import Callable
 from kvjax.cache.config import CacheConfig
 from kvjax.conversion.conversions import KVHeads, ToMLA
 from kvjax.conversion.curve import gap_closed
+from kvjax.fields import to_dict
 from kvjax.model.weights import store
 from kvjax.studies.base import measure, report
 from kvjax.studies.suite.passkey_run import write_records
@@ -47,10 +52,12 @@ from kvjax.studies.real_kv import (
   peer_name,
   prepare,
   prose_windows,
+  read_back,
   recall_inputs,
   recall_row,
+  stage_settings,
 )
-from kvjax.studies.base.stages import TimingConfig, time_per_sample
+from kvjax.studies.base.stages import Stages, TimingConfig, time_per_sample
 from kvjax.studies.base.variants import Variant
 
 PROTOCOL = """Protocol: {source} imported from its file (float32). MQA rows convert its {kv} kv heads to
@@ -135,6 +142,10 @@ def run(study: RealGqaStudy, workdir: Path, progress: Callable[[str], None]) -> 
   rows, timed, windows, inputs = [], {}, None, []
   m = study.measure
   longest = max(m.contexts)
+  # Each row's measurements are a stage, named by what they depend on: a rerun resumes after the
+  # last row measured, and other measure settings measure again.
+  done = Stages(workdir, stage_settings(study.source, study.source_layers, study.recovery), read_back, progress)
+  digest = hashlib.sha256(json.dumps(to_dict(m), sort_keys=True).encode()).hexdigest()[:12]
   for i, variant in enumerate(wanted):
     model, params, tokenizer = load(paths[folder(variant, study.recovery)])
     if i == 0:
@@ -143,7 +154,8 @@ def run(study: RealGqaStudy, workdir: Path, progress: Callable[[str], None]) -> 
       inputs = recall_inputs(tokenizer, m, model.config.max_len)
     variant = wanted[i]
     progress(f"real_gqa: measuring {variant.name}")
-    rows.append(measured(model, params, tokenizer, variant.cache, m, windows, inputs, variant.name))
+    measure_row = lambda: measured(model, params, tokenizer, variant.cache, m, windows, inputs, variant.name)
+    rows.append(dict(done.run(f"measured {variant.name}, {variant.cache}, {digest}", measure_row)))
     rows[-1]["params"] = folder(variant, study.recovery)
     timed[variant.name] = (model, store(params, m.weights))
   for peer in study.peers:
@@ -152,7 +164,8 @@ def run(study: RealGqaStudy, workdir: Path, progress: Callable[[str], None]) -> 
     progress(f"real_gqa: measuring {name}")
     own = recall_inputs(tokenizer, m, model.config.max_len, model=peer_name(peer))
     own_windows = {c: prose_windows(tokenizer, c, m.windows) for c in m.contexts}
-    rows.append(measured(model, params, tokenizer, CacheConfig(), m, own_windows, own, name))
+    measure_row = lambda: measured(model, params, tokenizer, CacheConfig(), m, own_windows, own, name)
+    rows.append(dict(done.run(f"measured {name}, {digest}", measure_row)))
     rows[-1]["params"] = peer_folder(peer)
     inputs += own
     timed[name] = (model, store(params, m.weights))

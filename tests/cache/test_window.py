@@ -108,7 +108,7 @@ def decode_against_forward(model, params, kind, seqs, full=None, atol=1e-5, cach
   return np.stack(steps)
 
 
-@pytest.mark.parametrize("payload", list(PAYLOADS))
+@pytest.mark.parametrize("payload", tiered(list(PAYLOADS), ("kv", "gemma")))
 def test_cached_decode_matches_windowed_forward_and_paged_matches_contiguous(payload):
   """K/V and MLA's latents alike: the contiguous cache keeps the windowed layer in a ring of
   window + sinks slots (a chunk of 11 tokens crosses it), and both layouts decode past its wrap

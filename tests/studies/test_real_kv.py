@@ -87,6 +87,12 @@ def test_the_gqa_table_rows_and_files(runs):
     # The suite's columns from its per-sample scores, the pass key's from its hits.
     assert row["suite_160"] == row["suite_mean"] == pytest.approx(100 * (suite[0]["score"] + suite[1]["score"]) / 2)
     assert row["passkey_128"] == row["passkey_mean"] == 100 * (keys[0]["hit"] + keys[1]["hit"]) / 2
+  # Each row's measurements are a stage of their own: a rerun resumes after the last row measured.
+  done = json.loads((root / "gqa" / "stages.json").read_text())
+  added = ("params", "time_per_sample_s", "times_s", "gap_closed")
+  assert [v for k, v in done.items() if k.startswith("measured ")] == [
+    {k: v for k, v in row.items() if k not in added} for row in table
+  ]
   # Per-sample records as JSON lines: the inputs once, every row's answers.
   inputs = read_jsonl(root / "gqa" / "samples.jsonl")
   assert [s["id"] for s in inputs] == [
