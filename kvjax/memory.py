@@ -92,13 +92,16 @@ def train_bytes(config: ModelConfig, batch_size: int, seq_len: int) -> int:
   return sum(train_parts(config, batch_size, seq_len).values())
 
 
-def forward_bytes(config: ModelConfig, batch: int, seq_len: int) -> int:
+def forward_bytes(config: ModelConfig, batch: int, seq_len: int, logits: int | None = None) -> int:
   """Working memory of one forward pass without gradients (prefill, extend, evaluation) over
   batch x seq_len tokens, beyond the parameters and the cache: one layer's intermediates
-  (4D + 3NH + 4KH + 6F + 4NT per token) and the float32 logits of every position."""
+  (4D + 3NH + 4KH + 6F + 4NT per token) and the float32 logits of every position, or of `logits`
+  positions per row (1 for a prefill that keeps only the last position's, as generate's does: a
+  262,144-token vocabulary's logits are 2 MB a position)."""
   d, n, k, h, f = config.d_model, config.num_heads, _kv_heads(config), config.head_dim, config.mlp_dim
   layer = 4 * d + 3 * n * h + 4 * k * h + 6 * f + 4 * n * seq_len
-  return FLOAT32 * batch * seq_len * (layer + 2 * config.vocab_size)
+  positions = seq_len if logits is None else min(logits, seq_len)
+  return FLOAT32 * batch * (seq_len * layer + positions * 2 * config.vocab_size)
 
 
 @dataclasses.dataclass(frozen=True)

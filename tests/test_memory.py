@@ -305,6 +305,12 @@ def test_forward_estimate_bounds_what_xla_plans():
   if plan is None:
     pytest.skip("this backend gives no memory analysis")
   assert plan.temp_size_in_bytes + plan.output_size_in_bytes <= memory.forward_bytes(config, 8, 256)
+  # A prefill that keeps the last position's logits (generate's) is bounded by the estimate for one.
+  at = jnp.full((8, 1), 255, jnp.int32)
+  last = jax.jit(lambda p, x: Transformer(config).apply({"params": p}, x, logits_at=at))
+  plan = last.lower(abstract_params(config), jax.ShapeDtypeStruct((8, 256), jnp.int32)).compile().memory_analysis()
+  estimate = memory.forward_bytes(config, 8, 256, logits=1)
+  assert plan.temp_size_in_bytes + plan.output_size_in_bytes <= estimate < memory.forward_bytes(config, 8, 256)
 
 
 def resident_bytes() -> int:

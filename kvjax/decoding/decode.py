@@ -354,7 +354,9 @@ def generate(
     "generation",
     {
       "KV cache": kinds.cache_bytes(model.config, cache_config, prompts.shape[0], max_len, prompt=bucket),
-      "prefill": memory.forward_bytes(cfg, prompts.shape[0], min(bucket, cache_config.prefill_chunk or bucket)),
+      "prefill": memory.forward_bytes(
+        cfg, prompts.shape[0], min(bucket, cache_config.prefill_chunk or bucket), logits=1
+      ),
     },
     devices=None if mesh is None else list(mesh.devices.flat),
   )
