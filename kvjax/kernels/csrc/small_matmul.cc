@@ -265,7 +265,8 @@ void Multiply(ffi::ThreadPool& pool, const float* x, const uint16_t* xb, const W
                        [&](int64_t band, int64_t) { problem.RunTransposedBand(band); });
     return;
   }
-  const Split split = Share(pool, alone, k, n * int64_t{sizeof(W)}, kPanel, 1 + kPartialBytes / std::max<int64_t>(1, m * n * int64_t{sizeof(float)}));
+  const int64_t sum_bytes = std::max<int64_t>(1, m * n * int64_t{sizeof(float)});
+  const Split split = Share(pool, alone, k, n * int64_t{sizeof(W)}, kPanel, 1 + kPartialBytes / sum_bytes);
   // Kept by the calling thread between calls: a fresh buffer each call would be paged in anew.
   // (Pool threads reach it through this pointer: a thread_local named there would be their own.)
   thread_local std::vector<float> kept;
