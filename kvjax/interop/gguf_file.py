@@ -149,6 +149,14 @@ def read_header(path: str | pathlib.Path) -> tuple[dict[str, Any], list[Tensor]]
     pos += size
     return str(buf[pos - size : pos], "utf-8")
 
+  def numbers(dtype, count: int) -> np.ndarray:
+    nonlocal pos
+    dtype = np.dtype(dtype)
+    if pos + dtype.itemsize * count > len(buf):
+      raise ValueError(f"{count} values of {dtype} run past the end of the file")
+    pos += dtype.itemsize * count
+    return np.frombuffer(buf, dtype, count, pos - dtype.itemsize * count)
+
   types = gguf.GGUFValueType
   scalars = {
     types.UINT8: "<u1",
@@ -165,13 +173,10 @@ def read_header(path: str | pathlib.Path) -> tuple[dict[str, Any], list[Tensor]]
   }
 
   def value(kind: int):
-    nonlocal pos
     if kind == types.STRING:
       return string()
     if kind in scalars:
-      dtype = np.dtype(scalars[kind])
-      pos += dtype.itemsize
-      return np.frombuffer(buf, dtype, 1, pos - dtype.itemsize)[0].item()
+      return numbers(scalars[kind], 1)[0].item()
     if kind != types.ARRAY:
       raise ValueError(f"unknown metadata value type {kind}")
     item, count = take("<I"), take("<Q")
@@ -179,11 +184,7 @@ def read_header(path: str | pathlib.Path) -> tuple[dict[str, Any], list[Tensor]]
       return [string() for _ in range(count)]
     if item not in scalars:
       raise _Unsupported(f"arrays of type {item}")
-    dtype = np.dtype(scalars[item])
-    pos += dtype.itemsize * count
-    if pos > len(buf):
-      raise ValueError(f"an array of {count} values runs past the end of the file")
-    return np.frombuffer(buf, dtype, count, pos - dtype.itemsize * count).tolist()
+    return numbers(scalars[item], count).tolist()
 
   if take("<I") != gguf.GGUF_MAGIC:
     raise ValueError("GGUF magic invalid")
@@ -198,8 +199,7 @@ def read_header(path: str | pathlib.Path) -> tuple[dict[str, Any], list[Tensor]]
   index = []
   for _ in range(tensor_count):
     name = string()
-    dims = np.frombuffer(buf, np.uint64, take("<I"), pos).copy()
-    pos += dims.size * 8
+    dims = numbers("<u8", take("<I")).copy()
     kind, offset = take("<IQ")
     index.append((name, dims, gguf.GGMLQuantizationType(kind), offset))
   alignment = metadata.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT)
