@@ -235,35 +235,40 @@ class KVzip(Press):
 
 class ReplayCache(ContiguousCache):
   """A contiguous cache holding a prompt, through which a replay runs: each layer attends as the
-  contiguous cache does and stores beside its arrays `kvzip` float32 [B, K, S], the KVzip score
+  contiguous cache does and stores beside its arrays `kvzip` float32 [B, K, width], the KVzip score
   of the chunk's columns [chunk_start, chunk_end[b]) (zero elsewhere).
 
-  chunk_end: int32[B]; chunk_start, sinks (static): the chunk and the press's sinks."""
+  chunk_end: int32[B]; chunk_start, sinks, width (static): the chunk, the press's sinks and the
+  prompt's width (the columns a score can fall on; the slots after it hold the replay)."""
 
   chunk_end: jax.Array | None = None
   chunk_start: int = flax.struct.field(pytree_node=False, default=0)
   sinks: int = flax.struct.field(pytree_node=False, default=0)
+  width: int = flax.struct.field(pytree_node=False, default=0)
 
   def attend(self, stored, query, q_positions, new, span: Span, backend):
-    context = self.readable(stored)["k"]  # [B, K, H, S]
+    context = self.readable(stored)["k"][..., : self.width]  # [B, K, H, T]: the prompt's keys
     stored, out = super().attend(stored, query, q_positions, new, span, backend)
     every_q = query.every_q  # [B, W, N, H]: every replay column's queries
     h = every_q.shape[-1]
     q = group_queries(every_q, context.shape[1]) * h**-0.5  # [B, W, K, G, H]
-    column = jnp.arange(context.shape[-1])
-    chunk = (column[None, :] >= self.chunk_start) & (column[None, :] < self.chunk_end[:, None])  # [B, S]
+    column = jnp.arange(self.width)
+    chunk = (column[None, :] >= self.chunk_start) & (column[None, :] < self.chunk_end[:, None])  # [B, T]
     seen = chunk | (column < min(self.sinks, self.chunk_start))[None, :]
     on_context = jnp.einsum("bwkgh,bkhs->bkgws", q, context.astype(q.dtype), preferred_element_type=jnp.float32)
     on_replay = jnp.einsum("bwkgh,bkjh->bkgwj", q, new["k"].astype(q.dtype), preferred_element_type=jnp.float32)
     w = q.shape[1]
     causal = (jnp.arange(w)[None, :] <= jnp.arange(w)[:, None])[None] & span.valid[:, None, :]  # [B, W, W]
-    logits = jnp.concatenate(
-      [jnp.where(seen[:, None, None, None], on_context, NEG_INF), jnp.where(causal[:, None, None], on_replay, NEG_INF)],
-      axis=-1,
-    )
-    weights = jax.nn.softmax(logits, axis=-1)[..., : context.shape[-1]]  # [B, K, G, W, S]
-    weights = jnp.where(span.valid[:, None, None, :, None], weights, 0.0)
-    score = jnp.where(chunk[:, None], weights.max(axis=(2, 3)), 0.0)  # [B, K, S]
+    on_context = jnp.where(seen[:, None, None, None], on_context, NEG_INF)
+    on_replay = jnp.where(causal[:, None, None], on_replay, NEG_INF)
+    # The softmax over the seen context and the replay, without joining them: each query's log
+    # normalizer from both parts, then a context column's score is its largest weight over the
+    # replay's queries and the kv head's query heads, exp(max(logit - log normalizer)).
+    top = jnp.maximum(on_context.max(axis=-1), on_replay.max(axis=-1))  # [B, K, G, W]
+    total = jnp.exp(on_context - top[..., None]).sum(axis=-1) + jnp.exp(on_replay - top[..., None]).sum(axis=-1)
+    log_weights = on_context - (top + jnp.log(total))[..., None]
+    log_weights = jnp.where(span.valid[:, None, None, :, None], log_weights, -jnp.inf)
+    score = jnp.where(chunk[:, None], jnp.exp(log_weights.max(axis=(2, 3))), 0.0)  # [B, K, T]
     return stored | {"kvzip": score}, out
 
 
@@ -292,9 +297,9 @@ def reconstruct(model: Transformer, params, press: KVzip, tokens: jax.Array, len
     for start in press.chunks(t):
       replay, replay_lengths, end = press.replay(tokens, lengths, start)
       held = {f.name: getattr(full, f.name) for f in dataclasses.fields(ContiguousCache)}
-      scorer = ReplayCache(**held, chunk_end=end, chunk_start=start, sinks=press.sinks)
+      scorer = ReplayCache(**held, chunk_end=end, chunk_start=start, sinks=press.sinks, width=t)
       _, replayed = apply_cached(model, params, scorer, replay, replay_lengths)
-      scores = scores + jnp.stack([layer["kvzip"][..., :t] for layer in cache_layers(replayed)])
+      scores = scores + jnp.stack([layer["kvzip"] for layer in cache_layers(replayed)])
   return logits, full, press.final_scores(scores, lengths)
 
 
