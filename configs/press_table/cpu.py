@@ -1,10 +1,12 @@
 """The presses table kvpress's users know, sized for 2 CPU cores: SmolLM2-135M-Instruct and
 Gemma 3 270M on the RULER-style suite at 1,024 and 2,048 tokens (4 samples per task and length,
-88 per model and length), every press (SnapKV also under AdaKV's head-adaptive budgets) at
+44 per model and length), every press (SnapKV also under AdaKV's head-adaptive budgets) at
 compression ratios 0.25 / 0.5 / 0.75 / 0.875, query-agnostic and query-aware, beside the full
-cache, with a few codec x press cells, and Gemma 3 at 4,096 tokens for the full cache and every press
-at 0.75 (kvjax.studies.press_table). Each sample is prefilled once per protocol for all its cells,
-and its records are kept as it finishes, so an interrupted table resumes; a smaller one: --set "ratios=(0.5, 0.75)" "protocols=('query_agnostic',)".
+cache, with a few codec x press cells; Gemma 3 at 4,096 tokens for the full cache and every press
+at 0.75; and SmolLM2 converted to fewer kv heads, through their full caches
+(kvjax.studies.press_table). Each sample is prefilled once per protocol for all its cells, and its
+records are kept as it finishes, so an interrupted table resumes; a smaller one:
+--set "ratios=(0.5, 0.75)" "protocols=('query_agnostic',)".
 
   kvjax run configs/press_table/cpu.py --workdir runs/press_table
 
@@ -28,5 +30,12 @@ def get_config() -> PressTableStudy:
     codec_cells=(("full+int8", 0.0), ("full+bfloat16", 0.0), ("snapkv+int8", 0.5), ("snapkv+int8", 0.75)),
     long=(("gemma3-270m", 4096),),
     long_ratios=(0.75,),
+    # Head counts beside the presses: SmolLM2 converted to one kv head (and to MLA at MQA's bytes)
+    # by configs/real_gqa/smollm2.py, each through its full cache; refused rows until that has run.
+    conversions=(
+      ("smollm2-135m", "runs/real_gqa/kv1_pca_local_distill"),
+      ("smollm2-135m", "runs/real_gqa/kv1_pca_local"),
+      ("smollm2-135m", "runs/real_gqa/mla_r104_rope24_local"),
+    ),
     batch_size=8,
   )

@@ -1,6 +1,6 @@
 """The presses table's leaderboard (kvjax.studies.press_table): the markdown board, a row per press
 and a column per compression ratio, and its two figures, kvpress's (score against ratio) and score
-against KV bytes per token across presses and codecs."""
+against KV bytes per token across presses, codecs and head counts."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from kvjax.studies.base import report
 from kvjax.studies.base.measure import PROTOCOLS
 
 FULL = "full"  # the full cache's method name
+HEADS = "heads:"  # the method name's prefix of a model converted to other heads, through its full cache
 
 
 def board(rows: list[dict]) -> str:
@@ -48,8 +49,8 @@ def _cell(row: dict | None) -> str:
 def figures(rows: list[dict], workdir: Path, protocol: str = "query_agnostic") -> None:
   """press_table.png: kvpress's leaderboard figure (the suite score against the compression ratio,
   a line per press, the full cache dashed, a panel per model and length); press_table_bytes.png:
-  the score against the KV bytes per token of every cell, presses and codecs together, a panel per
-  model and length. Both for `protocol`'s cells (the full cache's answers are either's)."""
+  the score against the KV bytes per token of every cell, presses, codecs and converted head
+  counts (squares) together, a panel per model and length. Both for `protocol`'s cells (the full cache's answers are either's)."""
   scored = [r for r in rows if r["score"] is not None and r["protocol"] in (protocol, "either")]
   panels = sorted({(r["model"], r["length"]) for r in scored})
   if not panels:
@@ -72,7 +73,9 @@ def figures(rows: list[dict], workdir: Path, protocol: str = "query_agnostic") -
   with report.figure(workdir / "press_table.png", len(panels), size) as axes:
     for ax, (model, length) in zip(axes, panels):
       mine = [r for r in scored if (r["model"], r["length"]) == (model, length)]
-      presses = sorted({r["press"] for r in mine if r["press"] != FULL and "+" not in r["press"]})
+      presses = sorted(
+        {r["press"] for r in mine if r["press"] != FULL and "+" not in r["press"] and not r["press"].startswith(HEADS)}
+      )
       series = [
         (p, [r["ratio"] for r in line], [r["score"] for r in line])
         for p in presses
@@ -89,7 +92,7 @@ def figures(rows: list[dict], workdir: Path, protocol: str = "query_agnostic") -
       for family in sorted({r["press"].split("+")[0] for r in mine}):
         points = [r for r in mine if r["press"].split("+")[0] == family]
         xs, ys = [r["kv_bytes_per_token"] for r in points], [r["score"] for r in points]
-        ax.plot(xs, ys, "o", label=family, color=colours[family])
+        ax.plot(xs, ys, "s" if family.startswith(HEADS) else "o", label=family, color=colours[family])
         for r in points:
           if "+" in r["press"]:  # a codec cell, named
             ax.annotate(r["press"].split("+")[1], (r["kv_bytes_per_token"], r["score"]), fontsize=7)

@@ -18,6 +18,12 @@ a cell added later is answered alone; each finished cell's answers are also a fi
 WORKDIR/<model>/cells/. A press a model refuses (KVzip on Gemma 3's windowed layers) is a row
 marked refused, with the reason.
 
+Head counts beside the presses: `conversions` names models converted from a source (kvjax
+workdirs with a checkpoint and the source's tokenizer: MQA from SmolLM2's 3 kv heads, say, made by
+configs/real_gqa/smollm2.py), each answered through its full cache on the source's samples and
+shown in the source's panels as the row "heads:<workdir name>" at its own KV bytes per token. A
+workdir without a checkpoint is a row marked refused, naming it.
+
 Agreement with kvpress: `experiments/kvpress_reference.py --samples WORKDIR/<model>/samples.jsonl
 --out WORKDIR/<model>/kvpress.jsonl` answers the same token ids through transformers and kvpress;
 when that file exists, each row gains the share of its samples that kvpress scores the same
@@ -43,10 +49,11 @@ from kvjax.decoding import many
 from kvjax.fields import check_nonnegative, check_positive
 from kvjax.studies.base import measure, report
 from kvjax.studies.base.measure import PROTOCOLS
-from kvjax.studies.press_board import FULL, board, figures
+from kvjax.studies.press_board import FULL, HEADS, board, figures
 from kvjax.studies.suite.ruler_answers import answer, answer_cells, answer_text, build, check_lengths, load
 from kvjax.studies.suite.ruler_tasks import TASKS, check_tasks
 from kvjax.studies.base.scoring import check_answer_end, read_jsonl, score, write_jsonl
+from kvjax.training.checkpoint import latest_step
 
 
 def press_cache(spec: str, ratio: float) -> CacheConfig:
@@ -74,6 +81,8 @@ class PressTableStudy:
   `samples` per task and length; `presses` x `ratios` x `protocols` beside the full cache, and the
   `codec_cells` (press spec with its codec, e.g. "snapkv+int8", at a ratio). `long`: (source,
   length) pairs run beside, with the full cache and every press at `long_ratios` only.
+  conversions: (source, workdir) pairs, a model converted from that source answered through its
+  full cache at `lengths` (module docstring).
   answer_end: where an answer ends besides a stop id (kvjax.studies.base.scoring): "budget" at its
   task's budget, "line" also at its first line break.
   shared_prefill: one prefill and one batch of answers per sample for all its cells
@@ -107,6 +116,7 @@ class PressTableStudy:
   codec_cells: tuple[tuple[str, float], ...] = ()
   long: tuple[tuple[str, int], ...] = ()
   long_ratios: tuple[float, ...] = (0.75,)
+  conversions: tuple[tuple[str, str], ...] = ()
   answer_end: str = "budget"
   shared_prefill: bool = True
   report_only: bool = False
@@ -140,6 +150,11 @@ class PressTableStudy:
       if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)):
         raise ValueError(f"PressTableStudy.long[{i}] must be (source, length), got {pair!r}")
       check_lengths((pair[1],))
+    for i, pair in enumerate(self.conversions):
+      if not (isinstance(pair, tuple) and len(pair) == 2 and all(isinstance(x, str) for x in pair)):
+        raise ValueError(f"PressTableStudy.conversions[{i}] must be (source, workdir), got {pair!r}")
+      if pair[0] not in self.sources:
+        raise ValueError(f"PressTableStudy.conversions[{i}]: {pair[0]!r} is not one of the sources {self.sources}")
     check_answer_end(self.answer_end)
     for name in ("shared_prefill", "report_only"):
       if not isinstance(getattr(self, name), bool):
@@ -243,6 +258,12 @@ def run_model(study: PressTableStudy, source: str, workdir: Path, progress: Call
       if not path.exists() and len(found) == len(mine):
         write_jsonl(path, found)
       results += found
+  converted = []
+  for of, path in study.conversions:
+    if of == source:
+      found, made = _converted(study, path, samples, done, folder, end, progress)
+      results += found
+      converted.append(made)
   write_jsonl(folder / "answers.jsonl", results)
   if not study.report_only:
     (folder / "compilations.json").write_text(json.dumps(many.compilations(), indent=2) + "\n")
@@ -251,11 +272,40 @@ def run_model(study: PressTableStudy, source: str, workdir: Path, progress: Call
   for length, long in plan:
     for name_, protocol, cache_config in cells(study, long):
       rows.append(_row(model, folder.name, name_, protocol, cache_config, length, results, agree, refused))
+  for method, converted_model, why in converted:
+    for length in study.lengths:
+      if why is not None:
+        refused[(method, PROTOCOLS[0], length)] = why
+      rows.append(
+        _row(converted_model, folder.name, method, PROTOCOLS[0], CacheConfig(), length, results, agree, refused)
+      )
   return rows
 
 
+def _converted(study: PressTableStudy, workdir: str, samples, done, folder, end, progress) -> tuple[list[dict], tuple]:
+  """A converted model's full-cache answers on its source's samples at `lengths` (the records
+  under method "heads:<workdir name>", in the source's folder) -> (its records, (method, its
+  model or None, why it is refused or None))."""
+  path = Path(workdir)
+  method = f"{HEADS}{path.name}"
+  if latest_step(path) is None:
+    why = (
+      f"PressTableStudy.conversions: no checkpoint in {workdir} (made by e.g. kvjax run configs/real_gqa/smollm2.py)"
+    )
+    return [], (method, None, why)
+  model, params, tokenizer, _ = load(str(path))
+  mine = [s for s in samples if s["length"] in study.lengths]
+  if not study.report_only:
+    _answer_by_sample(
+      model, params, tokenizer, mine, [(method, PROTOCOLS[0], CacheConfig())], done, folder, end, progress
+    )
+  found = [done[(s["id"], method, PROTOCOLS[0])] for s in mine if (s["id"], method, PROTOCOLS[0]) in done]
+  return found, (method, model, None)
+
+
 def _row(model, name, method, protocol, cache_config, length, results, agree, refused) -> dict:
-  """One cell's row: its score (the mean over tasks), per task, bytes, kvpress's agreement."""
+  """One cell's row: its score (the mean over tasks), per task, bytes (None without a model),
+  kvpress's agreement."""
   mine = [r for r in results if r["method"] == method and r["protocol"] == protocol and r["length"] == length]
   by_task: dict[str, list[float]] = {}
   for r in mine:
@@ -269,7 +319,7 @@ def _row(model, name, method, protocol, cache_config, length, results, agree, re
     "protocol": protocol if cache_config.press is not None else "either",
     "length": length,
     "score": 100.0 * float(np.mean([np.mean(v) for v in by_task.values()])) if by_task else None,
-    "kv_bytes_per_token": measure.kv_bytes_per_token(model.config, cache_config, length),
+    "kv_bytes_per_token": None if model is None else measure.kv_bytes_per_token(model.config, cache_config, length),
     "kvpress_same_score": peer.get("same_score"),
     "kvpress_same_answer": peer.get("same_answer"),
     "kvpress_samples": peer.get("samples"),

@@ -4,6 +4,7 @@ that reads finished cells back, and the per-sample agreement with a peer's answe
 from __future__ import annotations
 
 import dataclasses
+import shutil
 
 import pytest
 from conftest import init_params, tiny_config
@@ -13,11 +14,12 @@ from kvjax.cache.config import CacheConfig, cache_name
 from kvjax.interop.tokenizer import TextTokenizer
 from kvjax.studies.base import measure
 from kvjax.cache.kvzip import KVzip
+from kvjax.conversion.conversions import KVHeads
 from kvjax.studies.suite import ruler_answers
 from kvjax.studies.suite.ruler_tasks import make_sample
 from kvjax.studies.press_table import PressTableStudy, cells, press_cache, refusal, run
 from kvjax.studies.base.scoring import read_jsonl, write_jsonl
-from kvjax.training.checkpoint import load_model
+from kvjax.training.checkpoint import load_model, save_params
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +101,38 @@ def test_one_prefill_per_sample_answers_as_cell_by_cell(table, tmp_path):
   assert {t["id"] for t in timing} == {a[0] for a in shared} and all(t["cells"] == 2 for t in timing)
   compiled = [t["compiled"] for t in timing]  # the process's compiled functions as each sample ends
   assert compiled == sorted(compiled) and compiled[0] > 0
+
+
+@pytest.mark.tier2
+def test_a_converted_model_answers_through_its_full_cache_beside_its_source(table, smollm2, tmp_path):
+  """conversions: SmolLM2 mean-pooled to one kv head, answered on its source's samples through its
+  full cache as the cell-by-cell reference answers it, at its own bytes, in the source's rows; a
+  workdir without a checkpoint is a refused row naming it."""
+  study, finished, _ = table
+  workdir = tmp_path / "table"
+  shutil.copytree(finished, workdir)  # the table's cells read back, the conversion answered
+  model, params, _ = load_model(smollm2)
+  mqa_params, mqa_config = KVHeads(1, "mean").convert(params, model.config)
+  mqa = tmp_path / "mqa"
+  save_params(mqa, mqa_params, mqa_config)
+  for f in smollm2.glob("tokenizer*.json"):
+    shutil.copy(f, mqa / f.name)
+  missing = str(tmp_path / "not_made")
+  converted = dataclasses.replace(study, conversions=((str(smollm2), str(mqa)), (str(smollm2), missing)))
+  rows = run(converted, workdir, lambda line: None)
+  heads = [r for r in rows if r["press"] == "heads:mqa"]
+  assert len(heads) == 1 and heads[0]["protocol"] == "either" and heads[0]["refused"] is None
+  full = next(r for r in rows if r["press"] == "full")
+  assert heads[0]["kv_bytes_per_token"] == measure.kv_bytes_per_token(mqa_config, CacheConfig(), 256)
+  assert heads[0]["kv_bytes_per_token"] * 3 == pytest.approx(full["kv_bytes_per_token"], rel=1e-5)
+  m, p, tokenizer, _ = ruler_answers.load(str(mqa))
+  samples = read_jsonl(workdir / smollm2.name / "samples.jsonl")
+  want = ruler_answers.answer(m, p, tokenizer, samples, CacheConfig(), batch_size=1)
+  got = {a["id"]: a for a in read_jsonl(workdir / smollm2.name / "answers.jsonl") if a["method"] == "heads:mqa"}
+  assert [got[w["id"]]["answer"] for w in want] == [w["answer"] for w in want]
+  assert heads[0]["score"] == pytest.approx(100 * sum(w["score"] for w in want) / len(want))
+  (refused,) = [r for r in rows if r["press"] == "heads:not_made"]
+  assert refused["score"] is None and missing in refused["refused"]
 
 
 @pytest.mark.tier2
@@ -188,6 +222,8 @@ def test_a_press_the_model_cannot_take_is_named_refused():
     ({"long": ((4096, "gemma3-270m"),)}, "long"),
     ({"long_ratios": (0.0,)}, "long_ratios"),
     ({"answer_end": "eos"}, "answer_end"),
+    ({"conversions": (("gemma3-270m", "runs/mqa"),), "sources": ("smollm2-135m",)}, "conversions"),
+    ({"conversions": ("runs/mqa",)}, "conversions"),
   ],
 )
 def test_bad_settings_are_refused_by_name(changes, field):
