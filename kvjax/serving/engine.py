@@ -60,7 +60,6 @@ class Engine:
       raise ValueError(f"EngineConfig.max_len={self.max_len} exceeds ModelConfig.max_len={cfg.max_len}")
     self.allocator = PageAllocator(config.num_pages, config.cache.page_size)
     self.runner = Runner(model, params, config, self.allocator, self.max_len)
-    self.max_pages, self.press = self.runner.max_pages, config.cache.press
     # A pressed prompt's pages hold what the press kept of the whole prompt: no prefix of them is shareable.
     self.prefix_caching = config.prefix_caching and self.press is None
     self.waiting: list[Request] = []  # by id: preempted requests go back in arrival order
@@ -103,6 +102,16 @@ class Engine:
     self._next_id += 1
     self.waiting.append(request)
     return request.id
+
+  @property
+  def press(self):
+    """The requests' press (EngineConfig.cache.press), or None."""
+    return self.runner.press
+
+  @property
+  def max_pages(self) -> int:
+    """Pages a request of max_len positions holds."""
+    return self.runner.max_pages
 
   @property
   def cache(self):
