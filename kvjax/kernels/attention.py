@@ -229,43 +229,59 @@ PROMPT_HEAD_MULTIPLE = 4  # the kernel takes head_dim in steps of 4 channels
 
 
 def prompt_kernel_fits(q, k, v, keys, k_transposed: bool) -> bool:
-  """Whether the prompt kernel takes these operands (csrc/prompt_attention.cc): float32 q [B, T, N, H]
-  and keys and values [B, K, S, H] (not transposed), K dividing N, H a multiple of 4, key positions
-  per row or shared [1, S]."""
-  if k_transposed or q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
+  """Whether the prompt kernel takes these operands (csrc/prompt_attention.cc): float32 q [B, T, N, H],
+  values [B, K, S, H] and keys alike (k_transposed: [B, K, H, S]), K dividing N, H a multiple of 4,
+  key positions per row [B, S], shared [1, S] or per kv head [B, K, S] (an evicting cache's)."""
+  if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
     return False
   b, t, n, h = q.shape
-  kv, s = k.shape[1], k.shape[2]
+  kv, s = v.shape[1], v.shape[2]
+  positions = keys.key_positions.shape
   return (
     all(x.dtype == jnp.float32 for x in (q, k, v))
-    and k.shape == (b, kv, s, h)
+    and v.shape == (b, kv, s, h)
+    and k.shape == ((b, kv, h, s) if k_transposed else (b, kv, s, h))
     and kv > 0
     and n % kv == 0
     and h % PROMPT_HEAD_MULTIPLE == 0
     and keys.q_positions.ndim == 2
-    and keys.key_positions.ndim == 2
-    and keys.key_positions.shape[1] == s
-    and keys.key_positions.shape[0] in (1, b)
+    and (
+      (len(positions) == 2 and positions[0] in (1, b) and positions[1] == s)
+      or (len(positions) == 3 and positions[0] in (1, b) and positions[1:] == (kv, s))
+    )
   )
 
 
 def prompt_attention(q, k, v, keys, xla: Callable, *, k_transposed: bool = False) -> jax.Array:
-  """A call's queries q [B, T, N, H] over its own keys and values [B, K, S, H] as `keys` (a
-  kvjax.model.keys.Visibility) says (kvjax.model.backend.Backend.prompt_attention), in the CPU
+  """A call's queries q [B, T, N, H] over keys and values [B, K, S, H] (k [B, K, H, S] with
+  k_transposed) as `keys` (a kvjax.model.keys.Visibility) says: a prefill's own keys, or a cache's
+  slots read by a call of several tokens (kvjax.model.backend.Backend.prompt_attention), in the CPU
   kernel where it takes them (`prompt_kernel_fits`, a single CPU device), else `xla(q, k, v, keys,
   k_transposed=...)`, the same computation in XLA; gradients are XLA's."""
   if not (prompt_kernel_fits(q, k, v, keys, k_transposed) and build.single_cpu() and build.available("attention")):
     return xla(q, k, v, keys, k_transposed=k_transposed)
   b, t = q.shape[:2]
+  kv, s = v.shape[1], v.shape[2]
+  per_head = keys.key_positions.ndim == 3
   q_pos = jnp.broadcast_to(keys.q_positions, (b, t)).astype(jnp.int32)
-  k_pos = jnp.broadcast_to(keys.key_positions, (b, k.shape[2])).astype(jnp.int32)
+  k_pos = jnp.broadcast_to(keys.key_positions, (b, kv, s) if per_head else (b, s)).astype(jnp.int32)
   window = keys.window
 
   def reference(q, k, v, q_pos, k_pos):
-    return xla(q, k, v, type(keys)(q_pos, k_pos, window))
+    return xla(q, k, v, type(keys)(q_pos, k_pos, window), k_transposed=k_transposed)
 
   def kernel(q, k, v, q_pos, k_pos):
+    heads = k_pos if per_head else jnp.broadcast_to(k_pos[:, None], (b, kv, s))
     call = jax.ffi.ffi_call(PROMPT_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential")
-    return call(q, k, v, q_pos, k_pos, window=np.int64(window.size), sinks=np.int64(window.sinks))
+    return call(
+      q,
+      k,
+      v,
+      q_pos,
+      heads,
+      window=np.int64(window.size),
+      sinks=np.int64(window.sinks),
+      k_transposed=np.int64(k_transposed),
+    )
 
   return on_cpu(kernel, reference, q, k, v, q_pos, k_pos)

@@ -1,5 +1,5 @@
-"""A call's queries over its own keys (a prefill) in the CPU kernel: against float64 numpy, the
-queries that read no key, its routing, its gradients, and a prefill through it."""
+"""A call's queries over its own keys (a prefill) or over a cache's slots in the CPU kernel: against
+float64 numpy, the queries that read no key, its routing, its gradients, and a prefill through it."""
 
 import shutil
 
@@ -75,6 +75,55 @@ def test_kernel_matches_float64_and_reads_nothing_where_no_key_is_visible(
     assert (~reads).any()
 
 
+def head_reference(q, k, v, q_pos, k_pos, window):
+  """float64 numpy for keys of per-kv-head positions k_pos [B, K, S]: query head n reads kv head
+  n // G where `visible` says; zeros where it reads none."""
+  mask = np.asarray(visible(jnp.asarray(q_pos), jnp.asarray(k_pos), window))  # [B, K, T, S]
+  groups = q.shape[2] // k.shape[1]
+  mask = np.repeat(mask, groups, axis=1)  # [B, N, T, S]
+  kk, vv = (np.repeat(np.asarray(a, np.float64), groups, axis=1) for a in (k, v))  # [B, N, S, H]
+  scores = np.einsum("btnh,bnsh->bnts", np.asarray(q, np.float64), kk) / np.sqrt(q.shape[3])
+  scores = np.where(mask, scores, -np.inf)
+  top = np.max(scores, -1, keepdims=True)
+  weights = np.where(mask, np.exp(scores - np.where(np.isfinite(top), top, 0)), 0.0)
+  total = weights.sum(-1, keepdims=True)
+  return np.einsum("bnts,bnsh->btnh", weights / np.where(total > 0, total, 1), vv)
+
+
+@pytest.mark.parametrize(
+  "kv_heads,window,transposed,per_head",
+  [
+    (2, Window(), True, False),  # a contiguous cache's slots: keys stored transposed
+    (1, Window(24, 2), True, False),  # a ring's slots in a window with sinks
+    (2, Window(), True, True),  # an evicting cache: each kv head's own positions, slots out of order
+    (3, Window(), False, True),  # per-head positions, keys as [B, K, S, H]
+  ],
+)
+def test_a_call_over_a_cache_s_slots_matches_float64(kv_heads, window, transposed, per_head):
+  """Queries of a later call (positions after some the cache holds) over slots holding positions
+  in any order, empty slots among them, as a cache read of several tokens gives them."""
+  rng = np.random.default_rng(5)
+  batch, t, slots, heads, head_dim = 2, 21, 150, 6, 8
+  q = rng.standard_normal((batch, t, heads, head_dim)).astype(np.float32)
+  k, v = (rng.standard_normal((batch, kv_heads, slots, head_dim)).astype(np.float32) for _ in range(2))
+  held = np.array([110, 70])
+  q_pos = (held[:, None] + np.arange(t)).astype(np.int32)  # the call's positions after each row's
+  shape = (batch, kv_heads, slots) if per_head else (batch, slots)
+  k_pos = np.full(shape, -1, np.int32)
+  for index in np.ndindex(*shape[:-1]):
+    b = index[0]
+    kept = np.sort(rng.choice(held[b] + t, size=min(slots - 5, held[b] + t), replace=False))
+    k_pos[index][rng.permutation(slots)[: len(kept)]] = kept
+  keys = Visibility(jnp.asarray(q_pos), jnp.asarray(k_pos), window)
+  operand = k.swapaxes(2, 3) if transposed else k
+  fn = jax.jit(lambda q, k, v: attention_kernel.prompt_attention(q, k, v, keys, attend_keys, k_transposed=transposed))
+  assert f"@{attention_kernel.PROMPT_TARGET}(" in fn.lower(q, operand, v).as_text()
+  want = head_reference(q, k, v, q_pos, k_pos if per_head else np.repeat(k_pos[:, None], kv_heads, 1), window)
+  np.testing.assert_allclose(np.asarray(fn(q, operand, v)), want, rtol=1e-5, atol=2e-6)
+  xla = attend_keys(q, operand, v, keys, k_transposed=transposed)
+  np.testing.assert_allclose(np.asarray(fn(q, operand, v)), np.asarray(xla), rtol=1e-5, atol=2e-6)
+
+
 def test_operands_the_kernel_does_not_take_stay_with_xla():
   q, k, v, q_pos, k_pos = operands(2, 40, 4, 2, 8)
   keys = Visibility(jnp.asarray(q_pos), jnp.asarray(k_pos), Window())
@@ -84,7 +133,6 @@ def test_operands_the_kernel_does_not_take_stay_with_xla():
   for args, transposed in [
     ((q[..., :6], k[..., :6], v[..., :6]), False),  # head_dim 6: not a multiple of 4
     ((q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)), False),
-    ((q, k.swapaxes(2, 3), v), True),  # transposed keys
   ]:
     lowered = jax.jit(lambda *a: route(*a, transposed=transposed)).lower(*args).as_text()
     assert attention_kernel.PROMPT_TARGET not in lowered

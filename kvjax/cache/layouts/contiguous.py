@@ -226,7 +226,7 @@ class ContiguousCache(KVCache):
       )
     held = span.positions[:, 0] + span.lengths
     keys = Visibility(q_positions, slot_positions(held, slots, span.window), span.window)
-    return query.attend(self.readable(stored), keys, transposed=True, absorb=self.absorb)
+    return query.attend(self.readable(stored), keys, transposed=True, absorb=self.absorb, backend=backend)
 
   def attend(self, stored, query, q_positions, new, span: Span, backend: Backend):
     if not span.window.size or span.from_empty or q_positions.shape[1] == 1:
@@ -243,7 +243,8 @@ class ContiguousCache(KVCache):
       x = fresh[name].astype(old[name].dtype)  # [B, heads, T, W]
       x = x.swapaxes(2, 3) if field.transposed else x
       arrays[name] = jnp.concatenate([old[name], x], axis=seq_axis(field.transposed, 4))
-    out = query.attend(arrays, Visibility(q_positions, key_positions, span.window), transposed=True, absorb=self.absorb)
+    keys = Visibility(q_positions, key_positions, span.window)
+    out = query.attend(arrays, keys, transposed=True, absorb=self.absorb, backend=backend)
     return self.write(stored, new, span), out
 
   def resized(self, capacity: int) -> "ContiguousCache":

@@ -340,7 +340,7 @@ class EvictedCache(ContiguousCache):
         **self.scales(stored),
       )
     keys = Visibility(q_positions, stored["positions"], span.window)  # per kv head
-    return query.attend(self.readable(stored), keys, transposed=True)
+    return query.attend(self.readable(stored), keys, transposed=True, backend=backend)
 
   def attend(self, stored, query, q_positions, new, span: Span, backend: Backend):
     if span.window.size:  # a windowed layer: its ring, never pressed

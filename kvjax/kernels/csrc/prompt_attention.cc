@@ -1,8 +1,10 @@
-// kvjax's prompt attention: every query of a call against that call's own keys (a prefill from an
-// empty cache), on the CPU, in float32, as kvjax.model.keys.blocked_attend computes it in XLA.
+// kvjax's prompt attention: every query of a call against keys given by their positions (a
+// prefill's own keys, or a cache's slots and the call's new keys), on the CPU, in float32, as
+// kvjax.model.keys.attend_keys computes it in XLA.
 //
-//   kvjax_prompt_attention   q [B, T, N, H], k [B, K, S, H], v [B, K, S, H], q_pos int32 [B, T],
-//                            k_pos int32 [B, S] (negative: no key there); attributes window, sinks
+//   kvjax_prompt_attention   q [B, T, N, H], k [B, K, S, H] (k_transposed: [B, K, H, S]),
+//                            v [B, K, S, H], q_pos int32 [B, T], k_pos int32 [B, K, S] (per kv head;
+//                            negative: no key there); attributes window, sinks, k_transposed
 //                            -> out [B, T, N, H] float32
 //
 // Query head n reads kv head n / (N / K). A query at position p reads the key at position s when
@@ -52,6 +54,7 @@ constexpr float kNone = -1e30f;               // a masked score: below every rea
 
 struct Shape {
   int64_t batch, queries, heads, head_dim, kv_heads, keys, window, sinks;
+  bool k_transposed;
   int64_t blocks() const { return (queries + kRows - 1) / kRows; }
 };
 
@@ -91,7 +94,9 @@ void Task(const Shape& s, const float* q, const float* k, const float* v, const 
   }
   const float* keys = k + (b * s.kv_heads + kv) * s.keys * h_dim;
   const float* values = v + (b * s.kv_heads + kv) * s.keys * h_dim;
-  const int32_t* kp = k_pos + b * s.keys;
+  const int32_t* kp = k_pos + (b * s.kv_heads + kv) * s.keys;
+  // Key j's channel h: keys[j * key_step + h * channel_step].
+  const int64_t key_step = s.k_transposed ? 1 : h_dim, channel_step = s.k_transposed ? s.keys : 1;
   for (int64_t j0 = 0; last >= 0 && j0 < s.keys; j0 += kTile) {
     const int64_t count = std::min(kTile, s.keys - j0);
     int32_t low = std::numeric_limits<int32_t>::max(), high = -1;
@@ -115,12 +120,12 @@ void Task(const Shape& s, const float* q, const float* k, const float* v, const 
     for (int64_t j = 0; j < padded; j += kKeys) {
       Vec acc[kKeys][kVectors] = {};
       const float* rows_k[kKeys];
-      for (int64_t jj = 0; jj < kKeys; ++jj) rows_k[jj] = keys + (j0 + (j + jj < count ? j + jj : 0)) * h_dim;
+      for (int64_t jj = 0; jj < kKeys; ++jj) rows_k[jj] = keys + (j0 + (j + jj < count ? j + jj : 0)) * key_step;
       for (int64_t h = 0; h < h_dim; ++h) {
         Vec qv[kVectors];
         for (int64_t r = 0; r < kVectors; ++r) qv[r] = Load(qt + h * kRows + r * kLanes);
         for (int64_t jj = 0; jj < kKeys; ++jj) {
-          const float key = rows_k[jj][h];
+          const float key = rows_k[jj][h * channel_step];
           for (int64_t r = 0; r < kVectors; ++r) acc[jj][r] += qv[r] * key;
         }
       }
@@ -186,19 +191,22 @@ void Task(const Shape& s, const float* q, const float* k, const float* v, const 
 // Named types: the registration macro below splits its arguments at commas.
 using Array4 = ffi::Buffer<ffi::F32, 4>;
 using Positions = ffi::Buffer<ffi::S32, 2>;
+using HeadPositions = ffi::Buffer<ffi::S32, 3>;
 using Result4 = ffi::ResultBuffer<ffi::F32, 4>;
 
-ffi::Error PromptAttention(ffi::ThreadPool pool, Array4 q, Array4 k, Array4 v, Positions q_pos, Positions k_pos,
-                           int64_t window, int64_t sinks, Result4 out) {
-  const auto qd = q.dimensions(), kd = k.dimensions();
-  const Shape s{qd[0], qd[1], qd[2], qd[3], kd[1], kd[2], window, sinks};
-  if (!Is(kd, {s.batch, s.kv_heads, s.keys, s.head_dim}) || !Is(v.dimensions(), {s.batch, s.kv_heads, s.keys, s.head_dim}) ||
-      !Is(q_pos.dimensions(), {s.batch, s.queries}) || !Is(k_pos.dimensions(), {s.batch, s.keys}) ||
+ffi::Error PromptAttention(ffi::ThreadPool pool, Array4 q, Array4 k, Array4 v, Positions q_pos, HeadPositions k_pos,
+                           int64_t window, int64_t sinks, int64_t k_transposed, Result4 out) {
+  const auto qd = q.dimensions(), vd = v.dimensions();
+  const Shape s{qd[0], qd[1], qd[2], qd[3], vd[1], vd[2], window, sinks, k_transposed != 0};
+  const bool keys_fit = s.k_transposed ? Is(k.dimensions(), {s.batch, s.kv_heads, s.head_dim, s.keys})
+                                       : Is(k.dimensions(), {s.batch, s.kv_heads, s.keys, s.head_dim});
+  if (!keys_fit || !Is(vd, {s.batch, s.kv_heads, s.keys, s.head_dim}) ||
+      !Is(q_pos.dimensions(), {s.batch, s.queries}) || !Is(k_pos.dimensions(), {s.batch, s.kv_heads, s.keys}) ||
       !Is(out->dimensions(), {s.batch, s.queries, s.heads, s.head_dim}) || s.kv_heads == 0 || s.heads % s.kv_heads ||
       s.head_dim % kHeadBlock || window < 0 || sinks < 0)
     return ffi::Error::InvalidArgument(
-        "kvjax_prompt_attention expects q [B, T, N, H], k and v [B, K, S, H] with K dividing N and H a multiple of 4, "
-        "q_pos [B, T], k_pos [B, S] (kvjax/kernels/csrc/prompt_attention.cc)");
+        "kvjax_prompt_attention expects q [B, T, N, H], k [B, K, S, H] (transposed: [B, K, H, S]) and v [B, K, S, H] "
+        "with K dividing N and H a multiple of 4, q_pos [B, T], k_pos [B, K, S] (kvjax/kernels/csrc/prompt_attention.cc)");
   const int64_t per_block = s.batch * s.heads, tasks = per_block * s.blocks();
   if (tasks == 0) return ffi::Error::Success();
   const int64_t workers = std::min<int64_t>(std::max<int64_t>(1, pool.num_threads()), tasks);
@@ -221,7 +229,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxPromptAttention, PromptAttention,
                                   .Arg<Array4>()
                                   .Arg<Array4>()
                                   .Arg<Positions>()
-                                  .Arg<Positions>()
+                                  .Arg<HeadPositions>()
                                   .Attr<int64_t>("window")
                                   .Attr<int64_t>("sinks")
+                                  .Attr<int64_t>("k_transposed")
                                   .Ret<Array4>());
