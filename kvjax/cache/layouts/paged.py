@@ -292,7 +292,7 @@ class PagedCache(KVCache):
     gathered = {name: gather(x, self.page_table) for name, x in stored.items()}  # [B, heads, M*Z, ...]
     arrays = self.decoded(gathered, dict.fromkeys(self.fields, -1))
     positions = jnp.arange(next(iter(gathered.values())).shape[2])[None, :]
-    return query.attend(arrays, Visibility(q_positions, positions, span.window), absorb=self.absorb)
+    return query.attend(arrays, Visibility(q_positions, positions, span.window), absorb=self.absorb, backend=backend)
 
   def copy_pages(self, src, dst) -> "PagedCache":
     """Copies pages src[i] -> dst[i] in every pool (copy-on-write after a fork). src, dst int[C]."""

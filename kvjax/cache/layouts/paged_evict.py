@@ -270,7 +270,7 @@ class PagedEvictCache(PagedCache):
     if held is None:
       slots = jnp.arange(self.page_table.shape[1] * stored["k"].shape[2])[None, None, :]
       held = jnp.where(slots <= last[:, None, None], gather(stored[POSITIONS], self.page_table), -1)
-    return query.attend(arrays, Visibility(q_positions, held, span.window))  # per kv head
+    return query.attend(arrays, Visibility(q_positions, held, span.window), backend=backend)  # per kv head
 
   def fields_of(self, stored: dict) -> list[str]:
     """The K/V pools of a layer's arrays (and their scales): what a read gathers."""
