@@ -226,12 +226,17 @@ def cache_attention(
 
 PROMPT_TARGET = "kvjax_prompt_attention"
 PROMPT_HEAD_MULTIPLE = 4  # the kernel takes head_dim in steps of 4 channels
+# A kernel task holds 64 queries in vector lanes: a call of fewer than this many queries over more
+# keys than it has (a decode step reading a cache by positions) would compute mostly empty lanes,
+# so it stays with XLA. A call over its own keys (a prefill) takes the kernel at any length.
+PROMPT_MIN_QUERIES = 16
 
 
 def prompt_kernel_fits(q, k, v, keys, k_transposed: bool) -> bool:
   """Whether the prompt kernel takes these operands (csrc/prompt_attention.cc): float32 q [B, T, N, H],
   values [B, K, S, H] and keys alike (k_transposed: [B, K, H, S]), K dividing N, H a multiple of 4,
-  key positions per row [B, S], shared [1, S] or per kv head [B, K, S] (an evicting cache's)."""
+  key positions per row [B, S], shared [1, S] or per kv head [B, K, S] (an evicting cache's), and
+  at least PROMPT_MIN_QUERIES queries unless the keys are no more than the queries."""
   if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
     return False
   b, t, n, h = q.shape
@@ -245,6 +250,7 @@ def prompt_kernel_fits(q, k, v, keys, k_transposed: bool) -> bool:
     and n % kv == 0
     and h % PROMPT_HEAD_MULTIPLE == 0
     and keys.q_positions.ndim == 2
+    and (t >= PROMPT_MIN_QUERIES or s <= t)
     and (
       (len(positions) == 2 and positions[0] in (1, b) and positions[1] == s)
       or (len(positions) == 3 and positions[0] in (1, b) and positions[1:] == (kv, s))

@@ -122,6 +122,10 @@ def test_a_call_over_a_cache_s_slots_matches_float64(kv_heads, window, transpose
   np.testing.assert_allclose(np.asarray(fn(q, operand, v)), want, rtol=1e-5, atol=2e-6)
   xla = attend_keys(q, operand, v, keys, k_transposed=transposed)
   np.testing.assert_allclose(np.asarray(fn(q, operand, v)), np.asarray(xla), rtol=1e-5, atol=2e-6)
+  # One query over many slots (a decode step read by positions) would fill one lane of 64: XLA's.
+  one = Visibility(jnp.asarray(q_pos[:, :1]), jnp.asarray(k_pos), window)
+  step = jax.jit(lambda q, k, v: attention_kernel.prompt_attention(q, k, v, one, attend_keys, k_transposed=transposed))
+  assert attention_kernel.PROMPT_TARGET not in step.lower(q[:, :1], operand, v).as_text()
 
 
 def test_operands_the_kernel_does_not_take_stay_with_xla():
