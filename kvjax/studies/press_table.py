@@ -26,7 +26,7 @@ workdir without a checkpoint is a row marked refused, naming it.
 
 Agreement with kvpress: `experiments/kvpress_reference.py --samples WORKDIR/<model>/samples.jsonl
 --out WORKDIR/<model>/kvpress.jsonl` answers the same token ids through transformers and kvpress;
-when that file exists, each row gains the share of its samples that kvpress scores the same
+when that file exists (kvjax.studies.press_peer), each row gains the share of its samples that kvpress scores the same
 (its answer ids decoded by kvjax's tokenizer and scored by kvjax's scorer), sample by sample.
 
 Run: kvjax run configs/press_table/cpu.py --workdir runs/press_table
@@ -50,9 +50,10 @@ from kvjax.fields import check_nonnegative, check_positive
 from kvjax.studies.base import measure, report
 from kvjax.studies.base.measure import PROTOCOLS
 from kvjax.studies.press_board import FULL, HEADS, board, figures
-from kvjax.studies.suite.ruler_answers import answer, answer_cells, answer_text, build, check_lengths, load
+from kvjax.studies.press_peer import agreement
+from kvjax.studies.suite.ruler_answers import answer, answer_cells, build, check_lengths, load
 from kvjax.studies.suite.ruler_tasks import TASKS, check_tasks
-from kvjax.studies.base.scoring import check_answer_end, read_jsonl, score, write_jsonl
+from kvjax.studies.base.scoring import check_answer_end, read_jsonl, write_jsonl
 from kvjax.training.checkpoint import latest_step
 
 
@@ -183,37 +184,6 @@ def refusal(model, cache_config: CacheConfig, length: int) -> str | None:
   except ValueError as e:
     return str(e)
   return None
-
-
-def agreement(tokenizer, samples: list[dict], ours: list[dict], theirs: Path, end: str = "budget") -> dict[tuple, dict]:
-  """{(method, protocol, length): {"same_score": the share of samples where kvpress's answer (file
-  `theirs`) scores as kvjax's does, "same_answer": the share where the two answers are the same
-  text}}, over the samples both answered; kvpress's ids are decoded and scored by kvjax's
-  tokenizer and scorer."""
-  if not theirs.exists():
-    return {}
-  by_id = {s["id"]: s for s in samples}
-  peer = {}
-  for row in read_jsonl(theirs):
-    s = by_id.get(row["id"])
-    if s is None:
-      continue
-    text = answer_text(tokenizer, row["answer_ids"], s["answer_tokens"], end)
-    peer[(row["id"], row["method"], row["protocol"])] = (text, score(text, s["references"]))
-  pairs: dict[tuple, list[tuple[bool, bool]]] = {}
-  for r in ours:
-    key = (r["id"], r["method"], r["protocol"])
-    if key in peer:
-      text, value = peer[key]
-      pairs.setdefault((r["method"], r["protocol"], r["length"]), []).append((value == r["score"], text == r["answer"]))
-  return {
-    k: {
-      "same_score": float(np.mean([a for a, _ in v])),
-      "same_answer": float(np.mean([b for _, b in v])),
-      "samples": len(v),
-    }
-    for k, v in pairs.items()
-  }
 
 
 def run_model(study: PressTableStudy, source: str, workdir: Path, progress: Callable[[str], None]) -> list[dict]:
