@@ -247,6 +247,8 @@ class ReplayCache(ContiguousCache):
   width: int = flax.struct.field(pytree_node=False, default=0)
 
   def attend(self, stored, query, q_positions, new, span: Span, backend):
+    if not 0 < self.width <= self.capacity:
+      raise ValueError(f"ReplayCache.width must be the prompt's width, 1..{self.capacity} slots, got {self.width}")
     context = self.readable(stored)["k"][..., : self.width]  # [B, K, H, T]: the prompt's keys
     stored, out = super().attend(stored, query, q_positions, new, span, backend)
     every_q = query.every_q  # [B, W, N, H]: every replay column's queries

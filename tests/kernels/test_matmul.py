@@ -117,6 +117,17 @@ def test_vmap():
   np.testing.assert_allclose(jax.vmap(matmul.small_matmul)(x, w), np.einsum("bmk,bkn->bmn", x, w), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+def test_one_row_over_a_large_matrix(transposed):
+  # A float32 matrix of 16 MiB or more times one row is shared among the pool's threads (smaller
+  # ones stay on the calling thread): both give the product.
+  rng = np.random.default_rng(3)
+  w = rng.standard_normal((4100, 1030), np.float32)  # 16.1 MiB
+  x = rng.standard_normal((1, w.shape[1] if transposed else w.shape[0]), np.float32)
+  want = x.astype(np.float64) @ (w.T if transposed else w).astype(np.float64)
+  np.testing.assert_allclose(matmul.small_matmul(x, w, transposed=transposed), want, rtol=1e-4, atol=1e-3)
+
+
 def routed(x, w, transposed=False) -> bool:
   text = jax.jit(lambda a, b: matmul.matmul(a, b, None, transposed)).lower(x, w).as_text()
   return matmul.TARGET in text
@@ -127,6 +138,9 @@ def test_routing():
   assert routed(jnp.ones((4, 32), jnp.float32), w)
   assert routed(jnp.ones((4, 32), jnp.float32), w.T, transposed=True)
   assert not routed(jnp.ones((matmul.MAX_ROWS + 1, 32), jnp.float32), w)  # prefill, training
+  # The transposed form (a tied table as the logits projection) leaves more than 8 rows to XLA.
+  assert routed(jnp.ones((matmul.MAX_TRANSPOSED_ROWS, 32), jnp.float32), w.T, transposed=True)
+  assert not routed(jnp.ones((matmul.MAX_TRANSPOSED_ROWS + 1, 32), jnp.float32), w.T, transposed=True)
   for dtype in (jnp.float32, jnp.bfloat16, jnp.int8):  # one row: a decode step at batch 1
     assert routed(jnp.ones((1, 32), jnp.float32), w.astype(dtype))
   assert not routed(jnp.ones((4, 32), jnp.bfloat16), w.astype(jnp.bfloat16))  # bfloat16 compute

@@ -41,6 +41,7 @@ constexpr int64_t kChunkBytes = 32 << 10;   // of y per column chunk, to stay in
 constexpr int64_t kMinBytesPerThread = 64 << 10;
 constexpr int64_t kBandsPerThread = 4;
 constexpr int64_t kPartialBytes = 1 << 20;  // at most, for the bands' own sums (unless one per thread)
+constexpr int64_t kAloneBytes = 16 << 20;   // one row times a float32 matrix smaller than this: one thread
 
 // y[:, c:c+width] = (or += when add) x[:, k:k+P] @ w[k:k+P, c:c+width] for width = kLanes, or
 // the first `width` < kLanes columns when Partial. x has row stride k_dim; w and y have n. With
@@ -252,11 +253,13 @@ template <typename W>
 void Multiply(ffi::ThreadPool& pool, const float* x, const uint16_t* xb, const W* w, float* y, int64_t m, int64_t k,
               int64_t n, bool transposed) {
   const int64_t xk = (k + 1) / 2 * 2;
-  // A float32 matrix times one row is a multiply per weight read: one core reads memory at the
-  // machine's full rate doing that (a second adds nothing on the development machine), so a pool
-  // thread would only add its wake-up to each of a decode step's 200-odd products. The stored
-  // formats' widening needs both cores' arithmetic.
-  const bool alone = m == 1 && std::is_same_v<W, float>;
+  // A float32 matrix times one row is a multiply per weight read: on some machines one core reads
+  // memory at the machine's full rate doing that, so a pool thread would only add its wake-up to
+  // each of a decode step's 200-odd products. Other machines' cores each read at about half that
+  // rate (Zen 3: a 671 MB embedding table in 41 ms on one core, 21 ms on two), and one wake-up is
+  // nothing beside reading a large matrix, so matrices of kAloneBytes or more are shared. The
+  // stored formats' widening needs both cores' arithmetic.
+  const bool alone = m == 1 && std::is_same_v<W, float> && k * n * int64_t{sizeof(W)} < kAloneBytes;
   if (transposed) {
     // Each band writes its own columns of y: no partial sums to add.
     const Split split = Share(pool, alone, n, k * int64_t{sizeof(W)}, kDotRows, n);
