@@ -18,6 +18,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <mutex>
 #include <cstdint>
 #include <cstring>
 #include <thread>
@@ -41,7 +43,6 @@ constexpr int64_t kChunkBytes = 32 << 10;   // of y per column chunk, to stay in
 constexpr int64_t kMinBytesPerThread = 64 << 10;
 constexpr int64_t kBandsPerThread = 4;
 constexpr int64_t kPartialBytes = 1 << 20;  // at most, for the bands' own sums (unless one per thread)
-constexpr int64_t kAloneBytes = 16 << 20;   // one row times a float32 matrix smaller than this: one thread
 
 // y[:, c:c+width] = (or += when add) x[:, k:k+P] @ w[k:k+P, c:c+width] for width = kLanes, or
 // the first `width` < kLanes columns when Partial. x has row stride k_dim; w and y have n. With
@@ -236,30 +237,72 @@ struct Split {
 
 // Rows of w (of `row_bytes` each) per band, and the bands and workers to share `rows` among.
 // `alone`: the product stays on the calling thread. Several bands per thread let a thread that
-// wakes late take fewer; at most `most_bands` (but one per thread).
+// wakes late take fewer; at most `most_bands` (but one per thread). The bands depend on the shapes
+// and the pool's size only, never on `alone`: a product gives the same bits on one thread or many.
 Split Share(const ffi::ThreadPool& pool, bool alone, int64_t rows, int64_t row_bytes, int64_t align,
             int64_t most_bands) {
   // Waking a pool thread costs more than streaming a small slice of w: only weights of
   // kMinBytesPerThread or more per thread are worth sharing.
-  const int64_t most = alone ? 1 : std::max<int64_t>(1, pool.num_threads());
+  const int64_t most = std::max<int64_t>(1, pool.num_threads());
   const int64_t threads = std::clamp<int64_t>(rows * row_bytes / kMinBytesPerThread, 1, most);
   const int64_t units = std::max<int64_t>(1, (rows + align - 1) / align);
   const int64_t bands = std::min({threads * kBandsPerThread, units, std::max(threads, most_bands)});
   const int64_t band_rows = (units + bands - 1) / bands * align;
-  return {band_rows, bands, std::min(threads, bands)};
+  return {band_rows, bands, alone ? 1 : std::min(threads, bands)};
+}
+
+// Whether the pool's threads together read memory faster than one thread alone: on some machines
+// one core streams at the machine's full rate (Zen 4 here), on others each core reads about half
+// of it (Zen 3 here: a 671 MB matrix in 41 ms on one core, 21 ms on two). Measured once per
+// process, the first time it is asked: a buffer larger than the caches summed on the calling
+// thread, then split among the pool's threads, best of three each. Which way it goes changes only
+// the threads a product runs on, never its bits (Share).
+bool SharedReadsFaster(ffi::ThreadPool& pool) {
+  static std::once_flag once;
+  static bool faster = false;
+  std::call_once(once, [&] {
+    const int64_t workers = std::max<int64_t>(1, pool.num_threads());
+    if (workers == 1) return;
+    constexpr int64_t kFloats = int64_t{32} << 20;  // 128 MiB
+    std::vector<float> buffer(kFloats, 1.0f);
+    std::vector<float> sums(workers * 16);
+    const auto read = [&](int64_t begin, int64_t end, int64_t worker) {
+      Vec acc[4] = {};
+      for (int64_t i = begin; i + 4 * kLanes <= end; i += 4 * kLanes)
+        for (int j = 0; j < 4; ++j) acc[j] += kvjax::Load(buffer.data() + i + j * kLanes);
+      sums[worker * 16] += LaneSum(acc[0] + acc[1] + acc[2] + acc[3]);
+    };
+    const auto seconds = [](auto fn) {
+      double best = 1e30;
+      for (int i = 0; i < 3; ++i) {
+        const auto start = std::chrono::steady_clock::now();
+        fn();
+        best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+      }
+      return best;
+    };
+    const double one = seconds([&] { read(0, kFloats, 0); });
+    const int64_t slice = kFloats / workers;
+    const double all = seconds([&] {
+      kvjax::ParallelFor(pool, workers, workers, [&](int64_t t, int64_t worker) { read(t * slice, (t + 1) * slice, worker); });
+    });
+    faster = all < 0.8 * one;
+    volatile float sink = sums[0];  // the sums are read: the loops are not dropped
+    (void)sink;
+  });
+  return faster;
 }
 
 template <typename W>
 void Multiply(ffi::ThreadPool& pool, const float* x, const uint16_t* xb, const W* w, float* y, int64_t m, int64_t k,
               int64_t n, bool transposed) {
   const int64_t xk = (k + 1) / 2 * 2;
-  // A float32 matrix times one row is a multiply per weight read: on some machines one core reads
-  // memory at the machine's full rate doing that, so a pool thread would only add its wake-up to
-  // each of a decode step's 200-odd products. Other machines' cores each read at about half that
-  // rate (Zen 3: a 671 MB embedding table in 41 ms on one core, 21 ms on two), and one wake-up is
-  // nothing beside reading a large matrix, so matrices of kAloneBytes or more are shared. The
-  // stored formats' widening needs both cores' arithmetic.
-  const bool alone = m == 1 && std::is_same_v<W, float> && k * n * int64_t{sizeof(W)} < kAloneBytes;
+  // A float32 matrix times one row is a multiply per weight read, bound by how fast w streams: where
+  // one core reads at the machine's full rate, a pool thread would only add its wake-up to each of
+  // a decode step's 200-odd products, so the product stays on the calling thread; where the cores
+  // read faster together, it is shared (SharedReadsFaster). The stored formats' widening needs
+  // every core's arithmetic.
+  const bool alone = m == 1 && std::is_same_v<W, float> && !SharedReadsFaster(pool);
   if (transposed) {
     // Each band writes its own columns of y: no partial sums to add.
     const Split split = Share(pool, alone, n, k * int64_t{sizeof(W)}, kDotRows, n);
