@@ -46,7 +46,8 @@ from kvjax.cache import kinds
 from kvjax.cache.config import CacheConfig, cache_name
 from kvjax.cache.presses import make_press
 from kvjax.decoding import many
-from kvjax.fields import check_nonnegative, check_positive
+from kvjax.config import ModelConfig
+from kvjax.fields import check_nonnegative, check_positive, from_dict, to_dict
 from kvjax.studies.base import measure, report
 from kvjax.studies.base.measure import PROTOCOLS
 from kvjax.studies.press_board import FULL, HEADS, board, figures
@@ -241,41 +242,54 @@ def run_model(study: PressTableStudy, source: str, workdir: Path, progress: Call
   rows = []
   for length, long in plan:
     for name_, protocol, cache_config in cells(study, long):
-      rows.append(_row(model, folder.name, name_, protocol, cache_config, length, results, agree, refused))
-  for method, converted_model, why in converted:
+      rows.append(_row(model.config, folder.name, name_, protocol, cache_config, length, results, agree, refused))
+  for method, converted_config, why in converted:
     for length in study.lengths:
       if why is not None:
         refused[(method, PROTOCOLS[0], length)] = why
       rows.append(
-        _row(converted_model, folder.name, method, PROTOCOLS[0], CacheConfig(), length, results, agree, refused)
+        _row(converted_config, folder.name, method, PROTOCOLS[0], CacheConfig(), length, results, agree, refused)
       )
   return rows
+
+
+CONVERTED = "conversions.json"  # in a source's folder: each converted model's config, by method
 
 
 def _converted(study: PressTableStudy, workdir: str, samples, done, folder, end, progress) -> tuple[list[dict], tuple]:
   """A converted model's full-cache answers on its source's samples at `lengths` (the records
   under method "heads:<workdir name>", in the source's folder) -> (its records, (method, its
-  model or None, why it is refused or None))."""
+  ModelConfig or None, why it is refused or None)). Its config is kept beside the records
+  (CONVERTED), so that once every sample is answered the row stands without the checkpoint."""
   path = Path(workdir)
   method = f"{HEADS}{path.name}"
+  mine = [s for s in samples if s["length"] in study.lengths]
+  key = lambda s: (s["id"], method, PROTOCOLS[0])
+  kept_path = folder / CONVERTED
+  kept = json.loads(kept_path.read_text()) if kept_path.exists() else {}
   if latest_step(path) is None:
+    found = [done[key(s)] for s in mine if key(s) in done]
+    if method in kept and len(found) == len(mine):
+      return found, (method, from_dict(ModelConfig, kept[method]), None)
     why = (
       f"PressTableStudy.conversions: no checkpoint in {workdir} (made by e.g. kvjax run configs/real_gqa/smollm2.py)"
     )
     return [], (method, None, why)
   model, params, tokenizer, _ = load(str(path))
-  mine = [s for s in samples if s["length"] in study.lengths]
+  config = json.loads(json.dumps(to_dict(model.config)))
+  if kept.get(method) != config:
+    kept_path.write_text(json.dumps(kept | {method: config}, indent=2) + "\n")
   if not study.report_only:
     _answer_by_sample(
       model, params, tokenizer, mine, [(method, PROTOCOLS[0], CacheConfig())], done, folder, end, progress
     )
-  found = [done[(s["id"], method, PROTOCOLS[0])] for s in mine if (s["id"], method, PROTOCOLS[0]) in done]
-  return found, (method, model, None)
+  found = [done[key(s)] for s in mine if key(s) in done]
+  return found, (method, model.config, None)
 
 
-def _row(model, name, method, protocol, cache_config, length, results, agree, refused) -> dict:
-  """One cell's row: its score (the mean over tasks), per task, bytes (None without a model),
-  kvpress's agreement."""
+def _row(config, name, method, protocol, cache_config, length, results, agree, refused) -> dict:
+  """One cell's row: its score (the mean over tasks), per task, bytes (None without the model's
+  config), kvpress's agreement."""
   mine = [r for r in results if r["method"] == method and r["protocol"] == protocol and r["length"] == length]
   by_task: dict[str, list[float]] = {}
   for r in mine:
@@ -289,7 +303,7 @@ def _row(model, name, method, protocol, cache_config, length, results, agree, re
     "protocol": protocol if cache_config.press is not None else "either",
     "length": length,
     "score": 100.0 * float(np.mean([np.mean(v) for v in by_task.values()])) if by_task else None,
-    "kv_bytes_per_token": None if model is None else measure.kv_bytes_per_token(model.config, cache_config, length),
+    "kv_bytes_per_token": None if config is None else measure.kv_bytes_per_token(config, cache_config, length),
     "kvpress_same_score": peer.get("same_score"),
     "kvpress_same_answer": peer.get("same_answer"),
     "kvpress_samples": peer.get("samples"),

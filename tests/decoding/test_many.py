@@ -176,3 +176,17 @@ def test_what_cannot_share_is_refused_by_name(model):
     stack(model.config, [full], 16)
   with pytest.raises(ValueError, match="one of them"):
     answer_many(model, params, [full], 4)
+
+
+def test_mla_caches_answer_in_one_batch_as_each_their_own():
+  """MLA's latent caches (which no evicting cache holds) are joined as one contiguous cache: two
+  full caches of an MLA model, answered together, answer as each alone."""
+  model, params = init_params(tiny_config(2, max_len=256, kv_latent_rank=16, rope_dims=4))
+  prefilled = prefill_many(model, params, TOKENS, LENGTHS, 56, [CacheConfig(), CacheConfig()])
+  got = answer_many(
+    model, params, [c for _, c in prefilled], 10, stop_ids=(3,), question=QUESTION, question_lengths=ASKED
+  )
+  kw = {"question": QUESTION, "question_lengths": ASKED}
+  ref = measure.answers(model, params, TOKENS, LENGTHS, 10, CacheConfig(), stop_ids=(3,), **kw_of(kw))
+  for answers in got:
+    assert [a.tolist() for a in answers] == [np.asarray(r).tolist() for r in ref]

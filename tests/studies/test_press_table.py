@@ -133,6 +133,24 @@ def test_a_converted_model_answers_through_its_full_cache_beside_its_source(tabl
   assert heads[0]["score"] == pytest.approx(100 * sum(w["score"] for w in want) / len(want))
   (refused,) = [r for r in rows if r["press"] == "heads:not_made"]
   assert refused["score"] is None and missing in refused["refused"]
+  # Answered whole, the row stands on its records once the checkpoint is gone (the config kept
+  # beside them); a conversion answered in part cannot finish without it and is refused.
+  shutil.rmtree(mqa)
+  again = run(dataclasses.replace(converted, report_only=True), workdir, lambda line: None)
+  (kept,) = [r for r in again if r["press"] == "heads:mqa"]
+  assert kept["refused"] is None and (kept["score"], kept["kv_bytes_per_token"]) == (
+    heads[0]["score"],
+    heads[0]["kv_bytes_per_token"],
+  )
+  records = read_jsonl(workdir / smollm2.name / "records.jsonl")
+  first = next(r for r in records if r["method"] == "heads:mqa")
+  write_jsonl(workdir / smollm2.name / "records.jsonl", [r for r in records if r["method"] != "heads:mqa"] + [first])
+  (partial,) = [
+    r
+    for r in run(dataclasses.replace(converted, report_only=True), workdir, lambda line: None)
+    if r["press"] == "heads:mqa"
+  ]
+  assert partial["score"] is None and str(mqa) in partial["refused"]
 
 
 @pytest.mark.tier2

@@ -14,6 +14,10 @@ tokens (AdaKV, KVzip): then every read goes by positions (XLA); otherwise a deco
 slots [0, filled) of each row through the contiguous decode route (kvjax's CPU kernel), as the
 evicting cache does.
 
+Contiguous caches whose payload no evicting cache holds (MLA's latents: one vector shared by every
+head, kvjax.cache.layouts.evict) are joined as one contiguous cache instead, row after row: they
+are read as each of them would be.
+
 `take` keeps some rows of a cache (a batch whose rows stopped, shrunk).
 """
 
@@ -30,6 +34,7 @@ from kvjax.cache.layouts.contiguous import ContiguousCache, seq_axis
 from kvjax.cache.layouts.evict import BOOKKEEPING, EvictedCache
 from kvjax.cache.layouts.fanout import READ_ALIKE, shares_prefill
 from kvjax.cache.presses import StreamingLLM
+from kvjax.model.attention import kv_payload
 from kvjax.model.transformer import cache_collection, cache_layers
 
 # The stacked cache's press: it never evicts (its slots hold every row's future tokens); should a
@@ -90,10 +95,16 @@ def _as_slots(cache: KVCache, layer: dict, slots: int) -> dict:
   return out
 
 
-def stack(config, caches: list[KVCache], slots: int) -> EvictedCache:
+def evicting_rows(config, cache: KVCache) -> bool:
+  """Whether a cache's rows can be held by an evicting cache: its payload is the model's K/V."""
+  return dict(cache.payload) == kv_payload(config)
+
+
+def stack(config, caches: list[KVCache], slots: int) -> KVCache:
   """One evicting cache of `slots` slots per row holding the rows of `caches` (of a model of
-  `config`) in order (module docstring); ValueError naming a cache that cannot join the first, or
-  `slots` fewer than a row holds."""
+  `config`) in order (module docstring), or for contiguous caches of a payload no evicting cache
+  holds, one contiguous cache of their rows; ValueError naming a cache that cannot join the first,
+  or `slots` fewer than a row holds."""
   first = caches[0]
   for i, cache in enumerate(caches):
     if type(cache) not in (ContiguousCache, EvictedCache):
@@ -111,8 +122,22 @@ def stack(config, caches: list[KVCache], slots: int) -> EvictedCache:
   limits = {None if c.limit is None else int(c.limit) for c in caches}
   if len(limits) > 1:
     raise ValueError(f"stack: the caches hold different numbers of positions per row ({sorted(map(str, limits))})")
+  if not evicting_rows(config, first):
+    if any(type(c) is not ContiguousCache for c in caches):
+      raise ValueError("stack: caches of a payload no evicting cache holds must all be contiguous")
+    return _joined(tuple(caches))
   press = UNEVEN if any(uneven(c) for c in caches) else EVEN
   return _stacked(config, tuple(caches), slots, press)
+
+
+@jax.jit
+def _joined(caches: tuple) -> ContiguousCache:
+  """Contiguous caches of one shape but their rows as one: their rows one after another."""
+  rows = [int(c.lengths.shape[0]) for c in caches]
+  per_row = lambda *xs: jnp.concatenate(xs) if xs[0].ndim and xs[0].shape[0] == rows[0] else xs[0]
+  return caches[0].replace(
+    layers=jax.tree.map(per_row, *[c.layers for c in caches]), lengths=jnp.concatenate([c.lengths for c in caches])
+  )
 
 
 @functools.partial(jax.jit, static_argnames=("config", "slots", "press"))
@@ -153,4 +178,4 @@ def _taken(cache: KVCache, index: jax.Array) -> KVCache:
 
 def compilations() -> dict[str, int]:
   """The compiled functions of stack and take this process holds."""
-  return {"stack": _stacked._cache_size(), "take": _taken._cache_size()}
+  return {"stack": _stacked._cache_size() + _joined._cache_size(), "take": _taken._cache_size()}
