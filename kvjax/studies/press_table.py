@@ -277,7 +277,7 @@ def _converted(study: PressTableStudy, workdir: str, samples, done, folder, end,
     return [], (method, None, why)
   model, params, tokenizer, _ = load(str(path))
   config = json.loads(json.dumps(to_dict(model.config)))
-  if kept.get(method) != config:
+  if not study.report_only and kept.get(method) != config:  # a report writes nothing
     kept_path.write_text(json.dumps(kept | {method: config}, indent=2) + "\n")
   if not study.report_only:
     _answer_by_sample(
