@@ -276,10 +276,10 @@ def _converted(study: PressTableStudy, workdir: str, samples, done, folder, end,
     )
     return [], (method, None, why)
   model, params, tokenizer, _ = load(str(path))
-  config = json.loads(json.dumps(to_dict(model.config)))
-  if not study.report_only and kept.get(method) != config:  # a report writes nothing
-    kept_path.write_text(json.dumps(kept | {method: config}, indent=2) + "\n")
-  if not study.report_only:
+  if not study.report_only:  # a report writes nothing
+    config = json.loads(json.dumps(to_dict(model.config)))
+    if kept.get(method) != config:
+      kept_path.write_text(json.dumps(kept | {method: config}, indent=2) + "\n")
     _answer_by_sample(
       model, params, tokenizer, mine, [(method, PROTOCOLS[0], CacheConfig())], done, folder, end, progress
     )

@@ -119,8 +119,8 @@ def test_vmap():
 
 @pytest.mark.parametrize("transposed", [False, True])
 def test_one_row_over_a_large_matrix(transposed):
-  # A float32 matrix of 16 MiB or more times one row is shared among the pool's threads (smaller
-  # ones stay on the calling thread): both give the product.
+  # One row times a float32 matrix larger than the caches: shared among the pool's threads or kept
+  # on the calling thread (whichever reads faster on this machine), it gives the product.
   rng = np.random.default_rng(3)
   w = rng.standard_normal((4100, 1030), np.float32)  # 16.1 MiB
   x = rng.standard_normal((1, w.shape[1] if transposed else w.shape[0]), np.float32)
