@@ -1,5 +1,5 @@
 """transformers' perplexity on the KV frontier's windows of a pretrained model, the reference for
-its full-cache row: the same held-out prose windows (kvjax.studies.real_kv.prose_windows), the
+its full-cache row: the same held-out prose windows (kvjax.studies.parts.real_kv.prose_windows), the
 second half of each scored after the first (as kvjax.studies.base.measure.perplexity reads them
 through a cache), float32 from the same file. Prints JSON.
 
@@ -19,7 +19,7 @@ import transformers
 from kvjax.bench.peers.hf_model import hf_reference
 from kvjax.cli.run import load_config
 from kvjax.interop.importer import read_model
-from kvjax.studies.real_kv import prose_windows
+from kvjax.studies.parts.real_kv import prose_windows
 
 
 def main(config_path: str) -> dict:

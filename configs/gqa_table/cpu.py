@@ -9,7 +9,7 @@ runtime and results are in docs/results.md.
 
 from kvjax.config import ModelConfig
 from kvjax.conversion.conversions import KVHeads, ToMLA
-from kvjax.studies.gqa import GqaStudy
+from kvjax.studies.parts.gqa import GqaStudy
 from kvjax.studies.base.stages import TimingConfig
 from kvjax.studies.base.tasks import TaskConfig
 from kvjax.training.config import DataConfig, TrainConfig

@@ -5,7 +5,7 @@ byte-level models; MHA-big has 32 heads, so GQA-4 keeps the paper's 8 query head
 """
 
 from kvjax.config import ModelConfig
-from kvjax.studies.gqa import GqaStudy
+from kvjax.studies.parts.gqa import GqaStudy
 from kvjax.studies.base.stages import TimingConfig
 from kvjax.studies.base.tasks import TaskConfig
 from kvjax.training.config import DataConfig, TrainConfig

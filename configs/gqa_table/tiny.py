@@ -9,7 +9,7 @@ layer and token, so the MLA row is at the bytes of 8 kv heads: latent 32 + 32 ro
 
 from kvjax.config import ModelConfig
 from kvjax.conversion.conversions import KVHeads, ToMLA
-from kvjax.studies.gqa import GqaStudy
+from kvjax.studies.parts.gqa import GqaStudy
 from kvjax.studies.base.stages import TimingConfig
 from kvjax.studies.base.tasks import TaskConfig
 from kvjax.training.config import DataConfig, TrainConfig

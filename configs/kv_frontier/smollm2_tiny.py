@@ -12,7 +12,7 @@ import pathlib
 from kvjax.cli.run import load_config
 from kvjax.studies.kv_frontier import KVFrontierStudy
 from kvjax.studies.base.variants import pretrained_variants
-from kvjax.studies.real_kv import Measure
+from kvjax.studies.parts.real_kv import Measure
 from kvjax.studies.suite.axis import SuiteConfig
 
 

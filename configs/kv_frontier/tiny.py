@@ -14,7 +14,7 @@ from kvjax.cli.run import load_config
 from kvjax.studies.kv_frontier import KVFrontierStudy
 from kvjax.studies.suite.recall import RecallConfig
 from kvjax.studies.base.stages import TimingConfig
-from kvjax.studies.toy_kv import ToyMeasure
+from kvjax.studies.parts.toy_kv import ToyMeasure
 from kvjax.studies.base.variants import toy_variants
 
 GQA_TABLE = Path(__file__).parents[1] / "gqa_table" / "tiny.py"

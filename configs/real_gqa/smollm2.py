@@ -28,7 +28,7 @@ The MQA row alone distilled (the table's other rows still made and measured):
 
 from kvjax.conversion.conversions import KVHeads, ToMLA
 from kvjax.studies.real_gqa import RealGqaStudy
-from kvjax.studies.real_kv import Measure, Recovery
+from kvjax.studies.parts.real_kv import Measure, Recovery
 from kvjax.studies.suite.axis import SuiteConfig
 from kvjax.studies.base.stages import TimingConfig
 

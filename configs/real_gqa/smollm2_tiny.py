@@ -9,7 +9,7 @@ windows, needles and timing. The numbers only show the pipeline works.
 from kvjax.conversion.conversions import KVHeads, ToMLA
 from kvjax.studies.suite.passkey import PasskeyConfig
 from kvjax.studies.real_gqa import RealGqaStudy
-from kvjax.studies.real_kv import Measure, Recovery
+from kvjax.studies.parts.real_kv import Measure, Recovery
 from kvjax.studies.suite.axis import SuiteConfig
 from kvjax.studies.base.stages import TimingConfig
 

@@ -2,7 +2,8 @@
 `run(study, workdir, progress) -> rows`) over a shared layer that no job is, in layers that
 pyproject.toml's import contracts keep (every import points down; no job imports another):
   the jobs           JOBS below, the modules of this folder;
-  their helpers      kv_frontier_report, press_board, real_kv, toy_kv, then gqa;
+  parts/             what the jobs share that no job is: kv_frontier_report, press_board,
+                     press_peer, real_kv, toy_kv, then gqa (kvjax/studies/parts/__init__.py);
   suite/             the long-context suite: the recall axis, answers and per-sample records,
                      RULER's tasks and prompts, the pass key (kvjax/studies/suite/__init__.py);
   base/              the measurement layer: measure (protocols, answers, decode steps), models,

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from kvjax.conversion.conversions import KVHeads
-from kvjax.studies import gqa as gs
+from kvjax.studies.parts import gqa as gs
 from kvjax.studies.base import report
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from kvjax.studies import gqa as gs
+from kvjax.studies.parts import gqa as gs
 from kvjax.studies.base import report
 
 

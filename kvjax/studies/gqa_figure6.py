@@ -15,7 +15,7 @@ from typing import Callable
 from kvjax.cache import kinds
 from kvjax.conversion.conversions import KVHeads
 from kvjax.model.transformer import Transformer
-from kvjax.studies import gqa as gs
+from kvjax.studies.parts import gqa as gs
 from kvjax.studies.base import report
 from kvjax.studies.base.stages import time_per_sample
 from kvjax.training import checkpoint

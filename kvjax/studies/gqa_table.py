@@ -5,7 +5,7 @@ alpha = study.fraction), and MHA-big uptrained by each of kvjax's conversions
 (study.conversions: data-aware regrouping, multi-head latent attention, ...) with distillation
 (study.distill), all timed together. Quality is measured both ways: held-out bits per byte right
 after (up)training, and the paper's protocol, every model fine-tuned on each downstream task and
-scored there (kvjax.studies.base.tasks). The study is a GqaStudy (kvjax.studies.gqa) with job
+scored there (kvjax.studies.base.tasks). The study is a GqaStudy (kvjax.studies.parts.gqa) with job
 "gqa_table".
 
 Writes gqa_table.{md,csv,json,png} into the workdir. Run: kvjax run configs/gqa_table/tiny.py
@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from kvjax.studies import gqa as gs
+from kvjax.studies.parts import gqa as gs
 from kvjax.studies.base import report
 
 COLUMNS = [

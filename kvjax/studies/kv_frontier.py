@@ -1,7 +1,7 @@
 """The KV frontier: every family of KV compression on one model, quality and recall against KV bytes.
 
 The model is a toy one trained here on bytes (`gqa`: a GQA study's MHA-big and its uptrainings,
-kvjax.studies.toy_kv) or a pretrained one (`source`: kvjax.studies.real_kv's import and
+kvjax.studies.parts.toy_kv) or a pretrained one (`source`: kvjax.studies.parts.real_kv's import and
 conversions). A variant (kvjax.studies.base.variants.Variant) names the params it runs and the cache
 it decodes them through; the families are kvjax.studies.base.variants.FAMILIES. Every variant's cache
 is checked against the model it runs before anything trains: one error names it.
@@ -13,7 +13,7 @@ kvjax.studies.suite.axis, and the pass key when asked; per-sample records kept u
 "samples", a pretrained model's also as WORKDIR/samples.jsonl and answers.jsonl) and the decode
 step. A pretrained frontier may add peers: other models measured as trained, through the full
 cache (Gemma 3 270M is MQA as trained). `pareto` marks the front of quality (and of a pretrained
-model's suite score) against KV bytes per token. The report (kvjax.studies.kv_frontier_report): kv_frontier.{md,csv,json} and its
+model's suite score) against KV bytes per token. The report (kvjax.studies.parts.kv_frontier_report): kv_frontier.{md,csv,json} and its
 figures in the workdir.
 """
 
@@ -25,12 +25,12 @@ from pathlib import Path
 from typing import Callable
 
 from kvjax.cache.config import CacheConfig
-from kvjax.studies import gqa as gs
-from kvjax.studies import kv_frontier_report, real_kv, toy_kv
+from kvjax.studies.parts import gqa as gs
+from kvjax.studies.parts import kv_frontier_report, real_kv, toy_kv
 from kvjax.studies.suite.passkey_run import write_records
-from kvjax.studies.real_kv import Measure, Recovery
+from kvjax.studies.parts.real_kv import Measure, Recovery
 from kvjax.studies.base.stages import time_per_sample
-from kvjax.studies.toy_kv import ToyMeasure
+from kvjax.studies.parts.toy_kv import ToyMeasure
 from kvjax.studies.base.variants import Variant, check_distinct, pareto
 from kvjax.training import checkpoint
 from kvjax.training.data import load_dataset
@@ -124,7 +124,7 @@ def run(study: KVFrontierStudy, workdir: Path, progress: Callable[[str], None]) 
 
 
 def toy_rows(study: KVFrontierStudy, workdir: Path, progress: Callable[[str], None]) -> list[dict]:
-  """The toy rows (kvjax.studies.toy_kv.measure_row), each with plain_bits_per_byte (the params'
+  """The toy rows (kvjax.studies.parts.toy_kv.measure_row), each with plain_bits_per_byte (the params'
   own model without a cache, `kvjax eval`'s number) and decode_step_ms (the median of
   measure.timing.repeats jitted generate calls over measure.timing.new_tokens, every variant
   timed round-robin in one run); pareto: the front of bits_per_byte."""
@@ -172,7 +172,7 @@ def toy_rows(study: KVFrontierStudy, workdir: Path, progress: Callable[[str], No
 
 
 def pretrained_rows(study: KVFrontierStudy, workdir: Path, progress: Callable[[str], None]) -> list[dict]:
-  """The pretrained rows (kvjax.studies.real_kv.measure_row), one model in memory at a time: the
+  """The pretrained rows (kvjax.studies.parts.real_kv.measure_row), one model in memory at a time: the
   variants', then one per peer (its own import through the full cache, family "<MQA|GQA-K|MHA>
   as trained", its recall samples made by its own tokenizer); pareto_perplexity and pareto_recall:
   the fronts of perplexity at the longest context and of the suite's mean score."""

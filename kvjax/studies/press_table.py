@@ -26,7 +26,7 @@ workdir without a checkpoint is a row marked refused, naming it.
 
 Agreement with kvpress: `experiments/kvpress_reference.py --samples WORKDIR/<model>/samples.jsonl
 --out WORKDIR/<model>/kvpress.jsonl` answers the same token ids through transformers and kvpress;
-when that file exists (kvjax.studies.press_peer), each row gains the share of its samples that kvpress scores the same
+when that file exists (kvjax.studies.parts.press_peer), each row gains the share of its samples that kvpress scores the same
 (its answer ids decoded by kvjax's tokenizer and scored by kvjax's scorer), sample by sample.
 
 Run: kvjax run configs/press_table/cpu.py --workdir runs/press_table
@@ -50,8 +50,8 @@ from kvjax.config import ModelConfig
 from kvjax.fields import check_nonnegative, check_positive, from_dict, to_dict
 from kvjax.studies.base import measure, report
 from kvjax.studies.base.measure import PROTOCOLS
-from kvjax.studies.press_board import FULL, HEADS, board, figures
-from kvjax.studies.press_peer import agreement
+from kvjax.studies.parts.press_board import FULL, HEADS, board, figures
+from kvjax.studies.parts.press_peer import agreement
 from kvjax.studies.suite.ruler_answers import answer, answer_cells, build, check_lengths, load
 from kvjax.studies.suite.ruler_tasks import TASKS, check_tasks
 from kvjax.studies.base.scoring import check_answer_end, read_jsonl, write_jsonl

@@ -41,7 +41,7 @@ from kvjax.fields import to_dict
 from kvjax.model.weights import store
 from kvjax.studies.base import measure, report
 from kvjax.studies.suite.passkey_run import write_records
-from kvjax.studies.real_kv import (
+from kvjax.studies.parts.real_kv import (
   Measure,
   Recovery,
   attention_kind,

@@ -74,7 +74,7 @@ def test_stages_recorded_before_new_fields_still_read(tmp_path):
   best_method is retired, conversions selects stages."""
   from kvjax.cli.run import load_config
   from kvjax.fields import to_dict
-  from kvjax.studies import gqa as gs
+  from kvjax.studies.parts import gqa as gs
   from kvjax.training.workdir import claim_study
 
   study = load_config(ROOT / "configs/gqa_table/cpu.py")

@@ -18,8 +18,8 @@ from kvjax.cli.run import load_config
 from kvjax.conversion.conversions import KVHeads, ToMLA
 from kvjax.fields import apply_overrides
 from kvjax.studies import kv_frontier as kvf
-from kvjax.studies import kv_frontier_report as kvf_report
-from kvjax.studies import toy_kv
+from kvjax.studies.parts import kv_frontier_report as kvf_report
+from kvjax.studies.parts import toy_kv
 from kvjax.studies.base.variants import FAMILIES, Variant
 from kvjax.training.evaluate import evaluate_checkpoint
 from kvjax.training.workdir import claim_study

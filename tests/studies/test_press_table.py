@@ -252,7 +252,7 @@ def test_bad_settings_are_refused_by_name(changes, field):
 def test_the_board_reads_the_rows_it_is_given():
   """The leaderboard from hand-made rows: a column per ratio, the protocols the rows hold, a
   refused cell named, one not answered "-"."""
-  from kvjax.studies.press_board import board
+  from kvjax.studies.parts.press_board import board
 
   def row(press, ratio, protocol, score, refused=None):
     return dict(model="m", length=1024, press=press, ratio=ratio, protocol=protocol, score=score, refused=refused)

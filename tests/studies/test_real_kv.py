@@ -16,10 +16,11 @@ import pytest
 from kvjax.cache.config import CacheConfig
 from kvjax.cli.run import load_config
 from kvjax.config import ModelConfig
-from kvjax.studies import kv_frontier, real_gqa, real_kv
+from kvjax.studies import kv_frontier, real_gqa
+from kvjax.studies.parts import real_kv
 from kvjax.studies.base import scoring
 from kvjax.studies.kv_frontier import KVFrontierStudy
-from kvjax.studies.real_kv import Recovery
+from kvjax.studies.parts.real_kv import Recovery
 from kvjax.studies.base.scoring import read_jsonl
 from kvjax.studies.suite.axis import SuiteConfig
 from kvjax.studies.base.variants import Variant

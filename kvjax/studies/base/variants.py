@@ -131,7 +131,7 @@ def pareto(rows: list[dict], x: str, y: str, lower: bool = True) -> list[bool]:
 def toy_variants(
   gqa, windows: tuple[int, ...] = (), sinks: int = 4, dtypes=("float32", "bfloat16", "int8", "int4", "float8_e4m3fn")
 ) -> tuple[Variant, ...]:
-  """The toy frontier's variants on a GQA study's MHA-big (a kvjax.studies.gqa.GqaStudy): a cache
+  """The toy frontier's variants on a GQA study's MHA-big (a kvjax.studies.parts.gqa.GqaStudy): a cache
   of each of `dtypes`; every uptraining of the GQA study (gqa.uptrainings(): GQA and MQA
   mean-pooled, each of gqa.conversions with gqa.distill); each window in `windows` on every
   layer, without sinks and, when sinks > 0, with them."""

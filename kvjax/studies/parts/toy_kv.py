@@ -29,7 +29,7 @@ from typing import Callable
 
 from kvjax.config import ModelConfig
 from kvjax.fields import check_positive
-from kvjax.studies import gqa as gs
+from kvjax.studies.parts import gqa as gs
 from kvjax.studies.base import measure, stages
 from kvjax.studies.suite import recall as byte_recall
 from kvjax.studies.suite.recall import RecallConfig
