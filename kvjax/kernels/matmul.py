@@ -5,7 +5,9 @@ bound by how fast the weights stream from memory. XLA's CPU dot runs these shape
 the machine's bandwidth. The kernel in csrc/small_matmul.cc reads the row-major weights in
 order: each thread takes bands of consecutive rows, walks them 8 rows at a time across column
 chunks whose slice of y stays in L1, and prefetches the next 8 rows into L2; the threads' sums
-are added at the end. It beats XLA's dot on 1 to 16 rows (`kvjax bench matmul`; the figures are
+are added at the end. Several rows take spans of columns instead, their sums held in registers
+over all of w's rows (at 8 rows the stored formats are bound by arithmetic, not by reading w). It
+beats XLA's dot on 1 to 16 rows (`kvjax bench matmul`; the figures are
 in docs/results.md): from 17 rows on, products stay with XLA's blocked GEMM. Weights stored in
 bfloat16 or int8 are multiplied by activations rounded to bfloat16 in pairs (vdpbf16ps, where the
 CPU has AVX512_BF16): half the multiplies of widening them to float32, which at batch 8 had made

@@ -15,6 +15,9 @@
 // machine is (greedy decoding repeats itself).
 // Whole rows read in order let the hardware prefetchers stream w; column tiles, a few hundred
 // bytes of each row at a time, give them only short runs.
+// Several rows of x (2 to 16, without bfloat16 pairs) are arithmetic as much as reading: there the
+// threads take spans of columns instead, over all of w's rows, each span's sums held in registers
+// (Tile), so each y value is one sum in the order of k and needs no partial sums.
 
 #include <algorithm>
 #include <atomic>
@@ -43,6 +46,12 @@ constexpr int64_t kChunkBytes = 32 << 10;   // of y per column chunk, to stay in
 constexpr int64_t kMinBytesPerThread = 64 << 10;
 constexpr int64_t kBandsPerThread = 4;
 constexpr int64_t kPartialBytes = 1 << 20;  // at most, for the bands' own sums (unless one per thread)
+// Several rows of x go by register tiles (Tile): kTileRows rows of x by kTileVectors vectors of
+// columns, within the 16 vector registers of AVX2 or the 32 of AVX-512; kTileDepth rows of w per
+// pass, whose tile columns stay in L1 while each group of rows of x passes over them.
+constexpr int kTileRows = 4;
+constexpr int kTileVectors = kLanes == 16 ? 4 : 2;
+constexpr int64_t kTileDepth = 64;
 
 // y[:, c:c+width] = (or += when add) x[:, k:k+P] @ w[k:k+P, c:c+width] for width = kLanes, or
 // the first `width` < kLanes columns when Partial. x has row stride k_dim; w and y have n. With
@@ -71,6 +80,58 @@ void Panel(const float* x, const W* w, float* y, int64_t m, int64_t k_dim, int64
   int64_t c = c0;
   for (; c + kLanes <= c1; c += kLanes) Column<P, false>(x, w, y, m, k_dim, n, k, c, kLanes, add, prefetch);
   if (c < c1) Column<P, true>(x, w, y, m, k_dim, n, k, c, c1 - c, add, prefetch);
+}
+
+// Several rows of x: y's tile of R rows by V vectors of columns stays in registers while the
+// rows k0:k1 of w pass, each vector of w widened once for the R rows and each value of x
+// broadcast once for the V vectors (R * V sums, V loads and R broadcasts per R * V FMAs; Panel
+// instead loads and stores y's vector for every row of x at every 8 rows of w, which at 8 rows of x
+// made it bound by those loads, not by w). Each sum still adds x[r, k] * w[k, c] in the order of
+// k, as Panel's does: the bits do not depend on the tiling. With Partial, one vector of the
+// first `width` < kLanes columns.
+template <int R, int V, bool Partial, typename W>
+inline void Tile(const float* x, const W* w, float* y, int64_t k_dim, int64_t n, int64_t r0, int64_t k0, int64_t k1,
+                 int64_t c, int64_t width, bool add, bool prefetch) {
+  Vec acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) {
+      float* out = y + (r0 + r) * n + c + v * kLanes;
+      acc[r][v] = !add ? Vec{} : Partial ? kvjax::LoadPart(out, width) : kvjax::Load(out);
+    }
+  const float* xr = x + r0 * k_dim;
+  for (int64_t k = k0; k < k1; ++k) {
+    const W* row = w + k * n + c;
+    Vec wv[V];
+    for (int v = 0; v < V; ++v) wv[v] = Partial ? kvjax::LoadPartAs(row, width) : kvjax::LoadAs(row + v * kLanes);
+    // The same columns 4 tiles on: the rows of a block are many short runs, which the hardware
+    // prefetchers do not follow at the memory's rate on their own.
+    if (prefetch) __builtin_prefetch(row + 4 * V * kLanes, 0, 2);
+    for (int r = 0; r < R; ++r) {
+      const float xv = xr[r * k_dim + k];
+      for (int v = 0; v < V; ++v) acc[r][v] += xv * wv[v];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) {
+      float* out = y + (r0 + r) * n + c + v * kLanes;
+      if (Partial) kvjax::StorePart(out, acc[r][v], width);
+      else kvjax::Store(out, acc[r][v]);
+    }
+}
+
+// Every row of x over the tiles of one column span (V vectors wide, or one partial vector).
+template <int V, bool Partial, typename W>
+inline void TileRows(const float* x, const W* w, float* y, int64_t m, int64_t k_dim, int64_t n, int64_t k0,
+                     int64_t k1, int64_t c, int64_t width, bool add) {
+  constexpr int R = kTileRows;
+  int64_t r = 0;
+  for (; r + R <= m; r += R) Tile<R, V, Partial>(x, w, y, k_dim, n, r, k0, k1, c, width, add, r == 0);
+  switch (m - r) {
+    case 3: Tile<3, V, Partial>(x, w, y, k_dim, n, r, k0, k1, c, width, add, r == 0); break;
+    case 2: Tile<2, V, Partial>(x, w, y, k_dim, n, r, k0, k1, c, width, add, r == 0); break;
+    case 1: Tile<1, V, Partial>(x, w, y, k_dim, n, r, k0, k1, c, width, add, r == 0); break;
+    default: break;
+  }
 }
 
 #ifdef KVJAX_BF16_PAIRS
@@ -155,7 +216,12 @@ void DotRows(const float* x, const W* w, float* y, int64_t r0, int64_t k_dim, in
     for (int r = 0; r < R; ++r) y[(r0 + r) * n + j0 + j] = LaneSum(acc[j][r]);
 }
 
-constexpr int64_t kDotRows = 4;  // rows of w [N, K] per block of the transposed form
+// The transposed form's register blocks (DotRows): kDotRows rows of w by 4 rows of x, or, from
+// kDotTall rows of x on, one row of w by kDotTall rows of x, whose sums fill AVX2's 16 registers
+// without spilling (Zen 3, Gemma 3's and SmolLM2's heads at 8 rows: 4 x 4 spilled and ran at a
+// third of the FMAs' rate). AVX-512's 32 registers hold 4 x 4.
+constexpr int64_t kDotRows = kLanes == 16 ? 4 : 2;
+constexpr int kDotTall = kLanes == 16 ? 0 : 8;
 
 template <typename W>
 struct Problem {
@@ -208,6 +274,22 @@ struct Problem {
     }
   }
 
+  // Several rows of x (without bfloat16 pairs): columns [t * band_rows, ...) of y, whole, by
+  // register tiles (Tile) over kTileDepth rows of w at a time; band_rows is a multiple of the
+  // tiles' span.
+  void RunTileBand(int64_t t) const {
+    constexpr int64_t span = kTileVectors * kLanes;
+    const int64_t c0 = std::min(n, t * band_rows), c1 = std::min(n, c0 + band_rows);
+    for (int64_t d0 = 0; d0 < k; d0 += kTileDepth) {
+      const int64_t d1 = std::min(k, d0 + kTileDepth);
+      const bool add = d0 != 0;
+      int64_t c = c0;
+      for (; c + span <= c1; c += span) TileRows<kTileVectors, false>(x, w, y, m, k, n, d0, d1, c, span, add);
+      for (; c + kLanes <= c1; c += kLanes) TileRows<1, false>(x, w, y, m, k, n, d0, d1, c, kLanes, add);
+      if (c < c1) TileRows<1, true>(x, w, y, m, k, n, d0, d1, c, c1 - c, add);
+    }
+  }
+
   // The transposed form: rows [t * band_rows, ...) of w [N, K] give those columns of y, whole.
   void RunTransposedBand(int64_t t) const {
     const int64_t j0 = std::min(n, t * band_rows), j1 = std::min(n, j0 + band_rows);
@@ -226,6 +308,9 @@ struct Problem {
       return;
     }
 #endif
+    if constexpr (kDotTall > 0)
+      for (; r + kDotTall <= m; r += kDotTall)
+        for (int i = 0; i < J; ++i) DotRows<1, kDotTall>(x, w, y, r, k, n, j + i);
     for (; r + 4 <= m; r += 4) DotRows<J, 4>(x, w, y, r, k, n, j);
     for (; r < m; ++r) DotRows<J, 1>(x, w, y, r, k, n, j);
   }
@@ -309,6 +394,15 @@ void Multiply(ffi::ThreadPool& pool, const float* x, const uint16_t* xb, const W
     const Problem<W> problem{x, w, y, m, k, n, split.band_rows, nullptr, xb, xk};
     kvjax::ParallelFor(pool, split.bands, split.workers,
                        [&](int64_t band, int64_t) { problem.RunTransposedBand(band); });
+    return;
+  }
+  if (m > 1 && !Problem<W>::kPairs) {
+    // Several rows: each band is a span of columns of y over all of w's rows, whole (no partial
+    // sums to add; a sum's order is k's, whichever thread runs it).
+    constexpr int64_t span = kTileVectors * kLanes;
+    const Split split = Share(pool, false, n, k * int64_t{sizeof(W)}, span, n);
+    const Problem<W> problem{x, w, y, m, k, n, split.band_rows, nullptr, xb, xk};
+    kvjax::ParallelFor(pool, split.bands, split.workers, [&](int64_t band, int64_t) { problem.RunTileBand(band); });
     return;
   }
   const int64_t sum_bytes = std::max<int64_t>(1, m * n * int64_t{sizeof(float)});
