@@ -168,6 +168,15 @@ def available(name: str) -> bool:
   return name in _registered()
 
 
+@functools.cache
+def bfloat16_arithmetic() -> bool:
+  """Whether this CPU multiplies bfloat16 natively (x86 AVX512_BF16 or AMX-BF16, Arm BF16). Where
+  it does not, XLA's bfloat16 products run slower than its float32 ones (Zen 3 cores, 1,024 x 576
+  by 576 x 1,536: 93-104 GFLOP/s against 149-167)."""
+  flags = _cpu_features().split()
+  return any(flag in flags for flag in ("avx512_bf16", "amx_bf16", "bf16"))
+
+
 def single_cpu() -> bool:
   """Whether jax runs on one CPU device: the kernels' domain (a mesh or an accelerator uses XLA)."""
   return jax.default_backend() == "cpu" and jax.device_count() == 1

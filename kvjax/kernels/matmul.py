@@ -18,7 +18,9 @@ float32 activations times weights stored in float32, bfloat16 or int8 (a scale p
 also in the transposed form of a tied embedding table read as the logits projection. It sends
 the products `uses_kernel` admits to the kernel when running on a single CPU device, which widens
 the stored weights in registers, and everything else to XLA: larger products (prefill and
-training, except at toy sizes), accelerators, sharded meshes. Gradients of float32 products
+training, except at toy sizes), accelerators, sharded meshes. Where the CPU has no bfloat16 arithmetic, XLA's
+products of the stored formats are computed in float32 instead (`widens`): the same products,
+faster there. Gradients of float32 products
 (forward and reverse mode) are XLA's.
 The kernel is built on first use (kvjax/kernels/build.py); without a compiler kvjax warns once
 and uses XLA. KVJAX_CPU_KERNELS=attention leaves it off (e.g. to compare against XLA's dot).
@@ -113,12 +115,32 @@ def uses_kernel(rows: int, x_dtype, w_dtype=jnp.float32, transposed: bool = Fals
   )
 
 
+def widens(x_dtype, w_dtype) -> bool:
+  """Whether a product the kernel does not take (prefill, more rows than MAX_ROWS) of float32
+  activations by weights stored in bfloat16 or int8 is computed by XLA in float32, the weights
+  widened whole: on a single CPU device without bfloat16 arithmetic, where XLA's bfloat16 product
+  is the slower (1,024 rows by SmolLM2's 576 x 1,536 on Zen 3 cores: 11-12 ms against 17-19; 32
+  rows 0.8-1.2 ms against 0.9-1.9)."""
+  return (
+    x_dtype == jnp.float32
+    and w_dtype in numerics.STORED_DTYPES
+    and cpu_kernels.single_cpu()
+    and not cpu_kernels.bfloat16_arithmetic()
+  )
+
+
 def matmul(x: jax.Array, w: jax.Array, scale: jax.Array | None = None, transposed: bool = False) -> jax.Array:
   """kvjax.numerics.matmul's signature, with the products uses_kernel admits computed by
   the CPU kernel (chosen when lowering: a function traced here may still be compiled for an
   accelerator)."""
   xla = functools.partial(numerics.matmul, transposed=transposed)
-  if 0 in x.shape or 0 in w.shape or not uses_kernel(x.shape[0], x.dtype, w.dtype, transposed):
+  if 0 in x.shape or 0 in w.shape:
     return xla(x, w, scale)
+  if not uses_kernel(x.shape[0], x.dtype, w.dtype, transposed):
+    if not widens(x.dtype, w.dtype):
+      return xla(x, w, scale)
+    # The same products (two bfloat16 values multiply exactly in float32), summed in float32.
+    widened = lambda x, w, scale: xla(numerics.round_to_bfloat16(x), w.astype(jnp.float32), scale)
+    return lax.platform_dependent(x, w, scale, cpu=widened, default=xla)
   kernel = lambda x, w, scale: small_matmul(x, w, scale, transposed=transposed)
   return lax.platform_dependent(x, w, scale, cpu=kernel, default=xla)

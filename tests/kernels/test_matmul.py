@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kvjax.kernels import matmul
+from kvjax.kernels import build as cpu_kernels, matmul
 from kvjax.model import weights
 from kvjax.model.backend import xla_matmul
 
@@ -144,3 +144,23 @@ def test_routing():
   for dtype in (jnp.float32, jnp.bfloat16, jnp.int8):  # one row: a decode step at batch 1
     assert routed(jnp.ones((1, 32), jnp.float32), w.astype(dtype))
   assert not routed(jnp.ones((4, 32), jnp.bfloat16), w.astype(jnp.bfloat16))  # bfloat16 compute
+
+
+@pytest.mark.parametrize("fmt", ["bfloat16", "int8"])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_products_past_the_kernel_match_xla_in_each_stored_format(fmt, transposed):
+  # Past the kernel's rows (a prefill), a stored format's product is XLA's; on a CPU without
+  # bfloat16 arithmetic it is computed in float32 (`widens`), which must give XLA's bfloat16
+  # product up to the order of its float32 sums.
+  rng = np.random.default_rng(7)
+  m, k, n = matmul.MAX_ROWS + 24, 200, 96
+  x, w = rng.standard_normal((m, k), np.float32), rng.standard_normal((k, n), np.float32)
+  w_stored, scale, _ = stored(w, fmt)
+  w_stored = jnp.asarray(w_stored)
+  if transposed:
+    w_stored = w_stored.T
+  ours = jax.jit(functools.partial(matmul.matmul, transposed=transposed))(jnp.asarray(x), w_stored, scale)
+  np.testing.assert_allclose(
+    ours, xla_matmul(jnp.asarray(x), w_stored, scale, transposed), rtol=1e-5, atol=1e-5 * k**0.5
+  )
+  assert matmul.widens(jnp.float32, w_stored.dtype) == (not cpu_kernels.bfloat16_arithmetic())
