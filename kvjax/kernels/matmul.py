@@ -7,8 +7,8 @@ order: each thread takes bands of consecutive rows, walks them 8 rows at a time 
 chunks whose slice of y stays in L1, and prefetches the next 8 rows into L2; the threads' sums
 are added at the end. Several rows take spans of columns instead, their sums held in registers
 over all of w's rows (at 8 rows the stored formats are bound by arithmetic, not by reading w). It
-beats XLA's dot on 1 to 16 rows (`kvjax bench matmul`; the figures are
-in docs/results.md): from 17 rows on, products stay with XLA's blocked GEMM. Weights stored in
+beats XLA's dot on 1 to 16 rows (`kvjax bench matmul`; the figures are in docs/results.md): from
+17 rows on, products stay with XLA's blocked GEMM. Weights stored in
 bfloat16 or int8 are multiplied by activations rounded to bfloat16 in pairs (vdpbf16ps, where the
 CPU has AVX512_BF16): half the multiplies of widening them to float32, which at batch 8 had made
 the stored formats as slow as float32.
@@ -18,10 +18,9 @@ float32 activations times weights stored in float32, bfloat16 or int8 (a scale p
 also in the transposed form of a tied embedding table read as the logits projection. It sends
 the products `uses_kernel` admits to the kernel when running on a single CPU device, which widens
 the stored weights in registers, and everything else to XLA: larger products (prefill and
-training, except at toy sizes), accelerators, sharded meshes. Where the CPU has no bfloat16 arithmetic, XLA's
-products of the stored formats are computed in float32 instead (`widens`): the same products,
-faster there. Gradients of float32 products
-(forward and reverse mode) are XLA's.
+training, except at toy sizes), accelerators, sharded meshes. Where the CPU has no bfloat16
+arithmetic, XLA's products of the stored formats are computed in float32 instead (`widens`): the
+same products, faster there. Gradients of float32 products (forward and reverse mode) are XLA's.
 The kernel is built on first use (kvjax/kernels/build.py); without a compiler kvjax warns once
 and uses XLA. KVJAX_CPU_KERNELS=attention leaves it off (e.g. to compare against XLA's dot).
 """
